@@ -1,0 +1,61 @@
+"""~1.1B-parameter V4.1 ablation model (12 layers, 64 experts top-6) for one H200.
+
+    python -m deepseek41.train --config=configs/ablation_1b.py --workdir=/tmp/ds41-1b
+
+Same block structure as the released model at small scale: head_dim 512 with 64 RoPE dims and
+one shared K=V latent, window 128, encoder layers 0-5 with a ratio-2 KV source (layer 2), decoder
+layers 6-11 reading layer 6's ratio-1 KV (the candidate source) with Reindex layer 9, Engram ids
+1 and 4. bf16 compute with fp32 master weights; sequences of 4096 tokens, 8 per step (32K tokens).
+The default corpus is prepared with a 16K BPE vocabulary; pass --config.data.synthetic=True to
+measure the model without I/O.
+"""
+
+from deepseek41.config import base_config
+
+
+def get_config():
+  c = base_config()
+  m = c.model
+  m.vocab_size = 16384
+  m.d_model = 1024
+  m.num_layers = 12
+  m.num_encoder_layers = 6
+  m.num_heads = 16
+  m.head_dim = 512
+  m.rope_head_dim = 64
+  m.q_lora_rank = 512
+  m.o_groups = 4
+  m.o_lora_rank = 512
+  m.sliding_window = 128
+  m.compress_ratios = (0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1)
+  m.kv_source_layer_ids = (2, 6)
+  m.index_source_layer_ids = (2, 6, 9)
+  m.candidate_source_layer_id = 6
+  m.engram_layer_ids = (1, 4)
+  m.index_topk = 512
+  m.candidate_topk_blocks = 256
+  m.candidate_block_size = 8
+  m.yarn_factor = 16.0
+  m.yarn_original_max_position = 4096
+  m.n_routed_experts = 64
+  m.num_experts_per_tok = 6
+  m.n_shared_experts = 1
+  m.moe_intermediate_size = 384
+  m.init_std = 0.006
+
+  c.data.seq_len = 4096
+  c.data.default_corpus_vocab_size = 16384
+  c.data.num_workers = 2
+
+  c.train.steps = 2000
+  c.train.batch_size = 8
+  c.train.lr = 6e-4
+  c.train.warmup_steps = 200
+  c.train.schedule = 'wsd'
+  c.train.eval_every_steps = 200
+  c.train.eval_batches = 4
+  c.train.remat = 'none'
+
+  c.checkpoint.every_steps = 500
+  c.log.every_steps = 20
+  return c

@@ -1,0 +1,1 @@
+"""Flax NNX modules of the V4.1 backbone (one concern per file)."""

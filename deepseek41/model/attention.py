@@ -1,0 +1,72 @@
+"""The V4.1 attention core: shared-KV latent MQA with a sink (ARCHITECTURE.md sections 3.3-3.5, 3.8).
+
+    q_r = q_norm(x W_qa);  q = q_r W_qb  -> [B,T,H,d];  q_h <- q_h / rms(q_h)   (q_head_norm)
+    c   = kv_norm(x W_kv)                  -> [B,T,d]    one latent = key = value for all heads
+    RoPE on the last rope_head_dim channels of q and c ("main" for ratio-0 layers, else "compress")
+    o   = softmax over {window keys} (+ global branch, issue 3) with sink exp(z_h) in the denominator
+    o[..., -rope:] <- inverse RoPE at the query position
+    y   = concat_g(o_g W_oa[g]) W_ob        grouped low-rank output, G groups of H/G heads
+
+The CSA2 global branch (compressed KV + indexer + top-k) plugs in as a second softmax partial
+merged by log-sum-exp in `global_partials`; today every layer returns none, so all layers attend
+only over their sliding window.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from deepseek41.config import LayerRole, ModelConfig
+from deepseek41.model.norms import RMSNorm, rms_normalize
+from deepseek41.model.params import const_param, normal_param
+from deepseek41.model.rope import apply_rope, rope_for_role
+from deepseek41.ops.swa_attention import combine_with_sink, swa_partial
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, role: LayerRole, rngs: nnx.Rngs):
+    d_model, h, d, g = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.o_groups
+    std = cfg.init_std
+    self.cfg = cfg
+    self.role = role
+    self.wq_a = normal_param(rngs, (d_model, cfg.q_lora_rank), ('embed', 'q_lora'), std)
+    self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+    self.wq_b = normal_param(rngs, (cfg.q_lora_rank, h, d), ('q_lora', 'heads', 'head_dim'), std)
+    self.wkv = normal_param(rngs, (d_model, d), ('embed', 'kv_latent'), std)
+    self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+    self.sink = const_param(0.0, (h,), ('heads',))
+    self.wo_a = normal_param(rngs, (g, (h // g) * d, cfg.o_lora_rank),
+                             ('o_groups', 'head_dim', 'o_lora'), std)
+    self.wo_b = normal_param(rngs, (g * cfg.o_lora_rank, d_model), ('o_lora', 'embed'), std)
+
+  def global_partials(self, q_bthd, x_btd, batch) -> list:
+    """Seam for the CSA2 compressed sparse branch (issue 3): softmax partials (o, lse)."""
+    del q_bthd, x_btd, batch
+    return []
+
+  def __call__(self, x_btd, batch):
+    cfg = self.cfg
+    dt = x_btd.dtype
+    b, t, _ = x_btd.shape
+    inv_freq = rope_for_role(cfg, self.role.rope)
+    positions_bt = batch['positions']
+
+    q_r_btr = self.q_norm(x_btd @ self.wq_a[...].astype(dt))
+    q_bthd = jnp.einsum('btr,rhd->bthd', q_r_btr, self.wq_b[...].astype(dt))
+    if cfg.q_head_norm:
+      q_bthd = rms_normalize(q_bthd, cfg.rms_norm_eps).astype(dt)
+    kv_btd = self.kv_norm(x_btd @ self.wkv[...].astype(dt))
+    q_bthd = apply_rope(q_bthd, positions_bt, inv_freq)
+    kv_btd = apply_rope(kv_btd, positions_bt, inv_freq)
+
+    partials = [swa_partial(q_bthd, kv_btd, batch['segment_ids'], window=cfg.sliding_window,
+                            impl=cfg.attention_impl)]
+    partials += self.global_partials(q_bthd, x_btd, batch)
+    o_bthd = combine_with_sink(partials, self.sink[...], dtype=dt)
+    o_bthd = apply_rope(o_bthd, positions_bt, inv_freq, inverse=True)
+
+    o_btgf = o_bthd.reshape(b, t, cfg.o_groups, -1)
+    low_btgr = jnp.einsum('btgf,gfr->btgr', o_btgf, self.wo_a[...].astype(dt))
+    return low_btgr.reshape(b, t, -1) @ self.wo_b[...].astype(dt)

@@ -1,0 +1,112 @@
+"""DeepSeekMoE with modality-separated aux-loss-free balancing (ARCHITECTURE.md section 3.11).
+
+Router math is fp32: `s = sqrt(softplus(x W_g))`; the correction bias of the token's modality
+steers *selection* only (`idx = top_k(s + b[modality])`), the combine weights use the unbiased
+scores (`g = s[idx] / sum s[idx] * route_scale`). The two biases (text, image) are `RouterBias`
+state, updated after each step by the sign rule from the loads of the global batch
+(`update_router_bias`), never by the optimizer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from deepseek41.config import ModelConfig
+from deepseek41.model.params import RouterBias, normal_param
+from deepseek41.ops.expert_gemm import expert_ffn_batched
+
+NUM_MODALITIES = 2  # 0 = text, 1 = image (batch field `modality`)
+
+
+def clipped_swiglu(x, w_gate, w_up, w_down, limit: float):
+  """`W2(silu(min(W1 x, l)) * clip(W3 x, -l, l))`: the expert and shared-expert MLP."""
+  gate = jnp.minimum(x @ w_gate, limit)
+  up = jnp.clip(x @ w_up, -limit, limit)
+  return (jax.nn.silu(gate) * up) @ w_down
+
+
+def router_scores(x_btd, w_router_de):
+  """sqrt(softplus(.)) affinities in fp32: [B, T, E]."""
+  logits_bte = jnp.einsum('btd,de->bte', x_btd.astype(jnp.float32), w_router_de.astype(jnp.float32))
+  return jnp.sqrt(jax.nn.softplus(logits_bte))
+
+
+def route(scores_bte, bias_me, modality_bt, k: int, route_scale: float):
+  """Top-k by biased score; weights from unbiased scores, normalised, times route_scale."""
+  biased_bte = scores_bte + bias_me[modality_bt]
+  _, idx_btk = jax.lax.top_k(jax.lax.stop_gradient(biased_bte), k)
+  s_btk = jnp.take_along_axis(scores_bte, idx_btk, axis=-1)
+  weights_btk = s_btk / (jnp.sum(s_btk, axis=-1, keepdims=True) + 1e-20) * route_scale
+  return idx_btk, weights_btk
+
+
+def expert_load(idx_btk, modality_bt, valid_bt, num_experts: int):
+  """Assignments per (modality, expert) over real tokens: [M, E] float32."""
+  hits_bte = jnp.sum(jax.nn.one_hot(idx_btk, num_experts, dtype=jnp.float32), axis=-2)
+  mod_btm = jax.nn.one_hot(modality_bt, NUM_MODALITIES, dtype=jnp.float32) * valid_bt[..., None]
+  return jnp.einsum('btm,bte->me', mod_btm, hits_bte)
+
+
+def sequence_balance_loss(scores_bte, idx_btk, valid_bt, k: int):
+  """V3-style sequence-wise balance term sum_e f_e P_e, averaged over rows (weight applied outside)."""
+  e = scores_bte.shape[-1]
+  valid = valid_bt.astype(jnp.float32)
+  n_b = jnp.maximum(jnp.sum(valid, axis=-1), 1.0)
+  hits_bte = jnp.sum(jax.nn.one_hot(idx_btk, e, dtype=jnp.float32), axis=-2) * valid[..., None]
+  f_be = e / (k * n_b[:, None]) * jnp.sum(hits_bte, axis=1)
+  p_bte = scores_bte / (jnp.sum(scores_bte, axis=-1, keepdims=True) + 1e-20) * valid[..., None]
+  p_be = jnp.sum(p_bte, axis=1) / n_b[:, None]
+  return jnp.mean(jnp.sum(jax.lax.stop_gradient(f_be) * p_be, axis=-1))
+
+
+def update_router_bias(bias_me, load_me, rate: float):
+  """Sign rule per modality: b_e += rate * sign(mean load - load_e).
+
+  A modality with no tokens in the batch has load 0 everywhere, so its bias does not move.
+  """
+  mean_m1 = jnp.mean(load_me, axis=-1, keepdims=True)
+  return bias_me + rate * jnp.sign(mean_m1 - load_me)
+
+
+class MoE(nnx.Module):
+  """Routed experts (top-k of E) plus shared experts."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, e, f = cfg.d_model, cfg.n_routed_experts, cfg.moe_intermediate_size
+    std = cfg.init_std
+    self.cfg = cfg
+    self.w_router = normal_param(rngs, (d, e), ('embed', None), std)
+    self.router_bias = RouterBias(jnp.zeros((NUM_MODALITIES, e), jnp.float32),
+                                  logical_axes=(None, None))
+    self.w_gate = normal_param(rngs, (e, d, f), ('experts', 'embed', 'expert_mlp'), std)
+    self.w_up = normal_param(rngs, (e, d, f), ('experts', 'embed', 'expert_mlp'), std)
+    self.w_down = normal_param(rngs, (e, f, d), ('experts', 'expert_mlp', 'embed'), std)
+    fs = f * cfg.n_shared_experts
+    if fs:
+      self.shared_gate = normal_param(rngs, (d, fs), ('embed', 'mlp'), std)
+      self.shared_up = normal_param(rngs, (d, fs), ('embed', 'mlp'), std)
+      self.shared_down = normal_param(rngs, (fs, d), ('mlp', 'embed'), std)
+
+  def __call__(self, x_btd, modality_bt, valid_bt):
+    cfg = self.cfg
+    dt = x_btd.dtype
+    scores_bte = router_scores(x_btd, self.w_router[...])
+    idx_btk, weights_btk = route(scores_bte, self.router_bias[...], modality_bt,
+                                 cfg.num_experts_per_tok, cfg.route_scale)
+    y_btd, dropped = expert_ffn_batched(
+        x_btd, idx_btk, weights_btk, valid_bt.astype(bool),
+        self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt),
+        swiglu_limit=cfg.swiglu_limit, backend=cfg.moe_backend,
+        capacity_factor=cfg.capacity_factor)
+    if cfg.n_shared_experts:
+      y_btd = y_btd + clipped_swiglu(x_btd, self.shared_gate[...].astype(dt),
+                                     self.shared_up[...].astype(dt),
+                                     self.shared_down[...].astype(dt), cfg.swiglu_limit)
+    aux = {
+        'load_me': expert_load(idx_btk, modality_bt, valid_bt, cfg.n_routed_experts),
+        'balance': sequence_balance_loss(scores_bte, idx_btk, valid_bt, cfg.num_experts_per_tok),
+        'dropped': dropped,
+    }
+    return y_btd.astype(dt), aux

@@ -1,0 +1,1 @@
+"""Hot ops: each scalable implementation sits beside its plain jnp reference."""

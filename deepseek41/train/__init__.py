@@ -1,0 +1,1 @@
+"""Training: loop, steps, losses, optimizer, checkpoints, metrics, MFU accounting."""

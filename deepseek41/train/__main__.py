@@ -1,0 +1,53 @@
+"""`python -m deepseek41.train --config=configs/tiny.py --workdir=/tmp/run [--config.train.steps=200]`.
+
+Starts or resumes the run in --workdir (it resumes from the newest complete checkpoint there).
+Multi-host: pass --coordinator_address, --num_processes and --process_id on every host (or rely
+on jax.distributed's auto-detection on TPU / SLURM with --distributed).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a get_config() file.',
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory: config, metrics, checkpoints.')
+_DISTRIBUTED = flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize().')
+_COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of process 0.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Number of processes.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process index.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  logging.basicConfig(level=logging.INFO, format='%(asctime)s %(levelname)s %(message)s',
+                      datefmt='%H:%M:%S', force=True)
+  import jax
+  if _DISTRIBUTED.value or _COORDINATOR.value:
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
+  from deepseek41.config import ConfigError
+  from deepseek41.train.checkpoint import CheckpointError
+  from deepseek41.train.trainer import TrainingDiverged, train
+  try:
+    result = train(_CONFIG.value, _WORKDIR.value)
+  except (ConfigError, CheckpointError, TrainingDiverged, FileNotFoundError) as e:
+    logging.error('%s', e)
+    sys.exit(2)
+  logging.info('finished at step %d (loss %s, eval loss %s)%s', result.step, result.last_loss,
+               result.last_eval_loss, ' after a stop signal' if result.stopped_by_signal else '')
+
+
+def run():
+  """Console-script entry point (`ds41-train`)."""
+  app.run(main)
+
+
+if __name__ == '__main__':
+  run()

@@ -1,0 +1,64 @@
+"""Metric writers: console progress, WORKDIR/metrics.jsonl and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+
+class MetricsWriter:
+  """Writes one JSON object per logged step; only the primary process writes."""
+
+  def __init__(self, workdir: str, *, tensorboard: bool, progress_bar: bool, total_steps: int,
+               start_step: int, enabled: bool = True):
+    self.enabled = enabled
+    self.jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a') if enabled else None
+    self.tb = None
+    if enabled and tensorboard:
+      from tensorboardX import SummaryWriter
+      self.tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+    self.bar = None
+    if enabled and progress_bar:
+      from tqdm import tqdm
+      self.bar = tqdm(total=total_steps, initial=start_step, desc='train', unit='step',
+                      dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
+
+  def write(self, step: int, scalars: dict[str, float]):
+    if not self.enabled:
+      return
+    clean = {k: (float(v) if v is not None and math.isfinite(float(v)) else None)
+             for k, v in scalars.items()}
+    self.jsonl.write(json.dumps({'step': int(step), **clean}) + '\n')
+    self.jsonl.flush()
+    if self.tb is not None:
+      for k, v in clean.items():
+        if v is not None:
+          self.tb.add_scalar(k, v, step)
+      self.tb.flush()
+    summary = ' '.join(f'{k}={scalars[k]:.4g}' for k in
+                       ('loss', 'eval_loss', 'grad_norm', 'lr', 'tokens_per_s', 'mfu')
+                       if k in scalars and scalars[k] is not None)
+    if self.bar is not None:
+      self.bar.write(f'step {step}: {summary}')
+    else:
+      log.info('step %d: %s', step, summary)
+
+  def advance(self, step: int, loss: float | None = None):
+    if self.bar is not None:
+      self.bar.n = step
+      if loss is not None:
+        self.bar.set_postfix(loss=f'{loss:.4f}', refresh=False)
+      self.bar.refresh()
+
+  def close(self):
+    if self.bar is not None:
+      self.bar.close()
+    if self.tb is not None:
+      self.tb.close()
+    if self.jsonl is not None:
+      self.jsonl.close()

@@ -1,0 +1,103 @@
+"""The train state pytree, its shardings, and sharded initialisation.
+
+    state = {'params': nnx.State[Param], 'router_bias': nnx.State[RouterBias],
+             'opt': optax state, 'step': int32[], 'rng': uint32[2]}
+
+Parameters are fp32 master weights; modules cast them to the compute dtype at use. The router
+biases sit beside the parameters, so the optimizer (and weight decay) never sees them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from deepseek41.config import RunConfig
+from deepseek41.model.params import RouterBias
+from deepseek41.model.transformer import Transformer
+from deepseek41.sharding import variable_sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+  """Static pieces needed to rebuild the model from state: the graph and the optimizer."""
+  graphdef: Any
+  tx: Any
+
+
+def build_model(cfg: RunConfig, seed: int | None = None) -> Transformer:
+  seed = cfg.train.seed if seed is None else seed
+  return Transformer(cfg.model, nnx.Rngs(params=seed), remat=cfg.train.remat)
+
+
+def split_model(model: Transformer):
+  graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+  return graphdef, params, biases
+
+
+def merge_model(graphdef, params, biases) -> Transformer:
+  return nnx.merge(graphdef, params, biases)
+
+
+def _init_fn(cfg: RunConfig, tx):
+  def init():
+    _, params, biases = split_model(build_model(cfg))
+    return {
+        'params': params,
+        'router_bias': biases,
+        'opt': tx.init(params),
+        'step': jnp.zeros((), jnp.int32),
+        'rng': jax.random.key_data(jax.random.key(cfg.train.seed + 1)),
+    }
+  return init
+
+
+def abstract_state(cfg: RunConfig, tx):
+  return jax.eval_shape(_init_fn(cfg, tx))
+
+
+def state_shardings(abstract, mesh: Mesh, rules):
+  """Variables follow their logical axes; everything else (step, rng, optimizer counts) is replicated."""
+  replicated = NamedSharding(mesh, P())
+
+  def leaf_sharding(x):
+    if isinstance(x, nnx.Variable):
+      return x.replace(variable_sharding(x, rules, mesh))
+    return replicated
+  return jax.tree.map(leaf_sharding, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def with_shardings(abstract, shardings):
+  """ShapeDtypeStructs carrying concrete shardings: the restore target for Orbax."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract, shardings)
+
+
+def model_def(cfg: RunConfig, tx) -> ModelDef:
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg)))
+  return ModelDef(graphdef=graphdef, tx=tx)
+
+
+def init_state(cfg: RunConfig, tx, mesh: Mesh, rules):
+  """Initialise directly into the target shardings: no full copy ever lives on one device."""
+  abstract = abstract_state(cfg, tx)
+  shardings = state_shardings(abstract, mesh, rules)
+  with jax.set_mesh(mesh):
+    state = jax.jit(_init_fn(cfg, tx), out_shardings=shardings)()
+  return state, shardings
+
+
+def count_params(tree) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def state_layout(abstract) -> dict[str, list]:
+  """{path: [shape, dtype]} of every leaf: written into checkpoints and compared on restore."""
+  flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+  return {jax.tree_util.keystr(path): [list(x.shape), str(x.dtype)] for path, x in flat}

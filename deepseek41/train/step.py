@@ -1,0 +1,101 @@
+"""Train and eval steps: pure functions of (state, batch), jitted with shardings by the trainer.
+
+The loss is the token-weighted mean next-token cross-entropy over the whole global batch plus the
+balance term. With gradient accumulation the batch is split into `A` microbatches; each one's
+objective is `ce_sum_m / N_global + w * balance_m / A`, so the summed gradients equal those of one
+big step exactly (up to summation order). Router loads are summed over all microbatches, then the
+sign rule updates the biases once per step from the global-batch loads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from deepseek41.config import RunConfig
+from deepseek41.model.moe import update_router_bias
+from deepseek41.train.optimizer import learning_rate_schedule
+from deepseek41.train.state import ModelDef, merge_model, split_model
+
+
+def cross_entropy_sum(logits_btv, targets_bt, mask_bt):
+  """Sum of masked token CE in fp32, and the count of real targets."""
+  logits_btv = logits_btv.astype(jnp.float32)
+  lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+  tgt_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+  mask = mask_bt.astype(jnp.float32)
+  return jnp.sum((lse_bt - tgt_bt) * mask), jnp.sum(mask)
+
+
+def forward_loss(md: ModelDef, params, biases, batch):
+  model = merge_model(md.graphdef, params, biases)
+  logits_btv, aux = model(batch)
+  ce_sum, n = cross_entropy_sum(logits_btv, batch['targets'], batch['loss_mask'])
+  return ce_sum, n, aux
+
+
+def _microbatches(batch, a: int):
+  return jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), batch)
+
+
+def make_train_step(cfg: RunConfig, md: ModelDef):
+  a = cfg.train.grad_accum_steps
+  w_bal = cfg.model.balance_loss_weight
+  schedule = learning_rate_schedule(cfg.train)
+
+  def train_step(state, batch):
+    params, biases = state['params'], state['router_bias']
+    n_global = jnp.maximum(jnp.sum(batch['loss_mask'].astype(jnp.float32)), 1.0)
+
+    def objective(p, mb):
+      ce_sum, n, aux = forward_loss(md, p, biases, mb)
+      return ce_sum / n_global + w_bal * aux['balance'] / a, (ce_sum, n, aux)
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+    def accumulate(carry, mb):
+      (_, (ce_sum, n, aux)), grads = grad_fn(params, mb)
+      g_acc, ce_acc, n_acc, load_acc, bal_acc, drop_acc = carry
+      return (jax.tree.map(jnp.add, g_acc, grads), ce_acc + ce_sum, n_acc + n,
+              load_acc + aux['load_lme'], bal_acc + aux['balance'] / a,
+              drop_acc + aux['dropped']), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    num_layers, num_experts = cfg.model.num_layers, cfg.model.n_routed_experts
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+            jnp.zeros((num_layers, 2, num_experts), jnp.float32), jnp.zeros((), jnp.float32),
+            jnp.zeros((), jnp.int32))
+    (grads, ce_sum, n, load_lme, balance, dropped), _ = jax.lax.scan(
+        accumulate, init, _microbatches(batch, a))
+
+    updates, opt = md.tx.update(grads, state['opt'], params)
+    new_params = optax.apply_updates(params, updates)
+
+    model = merge_model(md.graphdef, new_params, biases)
+    for block, load_me in zip(model.blocks, load_lme):
+      block.moe.router_bias[...] = update_router_bias(
+          block.moe.router_bias[...], load_me, cfg.model.router_bias_rate)
+    _, _, new_biases = split_model(model)
+
+    new_state = {'params': new_params, 'router_bias': new_biases, 'opt': opt,
+                 'step': state['step'] + 1, 'rng': state['rng']}
+    metrics = {
+        'loss': ce_sum / jnp.maximum(n, 1.0),
+        'balance_loss': balance,
+        'grad_norm': optax.global_norm(grads),
+        'lr': schedule(state['step']),
+        'tokens': n,
+        'dropped': dropped,
+        'load_lme': load_lme,
+    }
+    return new_state, metrics
+
+  return train_step
+
+
+def make_eval_step(md: ModelDef):
+  def eval_step(state, batch):
+    ce_sum, n, _ = forward_loss(md, state['params'], state['router_bias'], batch)
+    return {'ce_sum': ce_sum, 'tokens': n}
+  return eval_step

@@ -1,0 +1,270 @@
+"""The training loop: config -> mesh -> data -> state (init or resume) -> steps -> checkpoints.
+
+Reads top to bottom in sections. Metrics are fetched one step late: step n+1 is dispatched before
+step n's scalars are pulled to the host, so the device never waits for logging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from deepseek41.config import RunConfig, format_role_table, resolve
+from deepseek41.data.pipeline import make_dataset, vocab_size_of
+from deepseek41.sharding import batch_sharding, make_mesh
+from deepseek41.train import state as state_lib
+from deepseek41.train.checkpoint import Checkpointer
+from deepseek41.train.flops import device_peak_tflops, flops_per_token
+from deepseek41.train.metrics import MetricsWriter
+from deepseek41.train.optimizer import make_optimizer
+from deepseek41.train.step import make_eval_step, make_train_step
+
+log = logging.getLogger('deepseek41')
+
+BATCH_KEYS = ('tokens', 'targets', 'segment_ids', 'positions', 'loss_mask', 'modality')
+
+
+class TrainingDiverged(RuntimeError):
+  """A non-finite loss; the message names the step. Checkpoints before it are kept intact."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+  step: int
+  last_loss: float | None
+  last_eval_loss: float | None
+  stopped_by_signal: bool
+
+
+class _StopFlag:
+  """SIGTERM / SIGINT request a save-and-exit at the next step boundary."""
+
+  def __init__(self):
+    self.signal: int | None = None
+    self._old = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._old[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.signal is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C aborts without waiting for the save
+    self.signal = signum
+    log.warning('received %s: saving a checkpoint at the next step boundary, then exiting',
+                signal.Signals(signum).name)
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
+def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k], np.int32))
+          for k in BATCH_KEYS}
+
+
+def _load_scalars(load_lme: np.ndarray) -> dict[str, float]:
+  """Per-layer, per-modality max/mean expert load (1.0 = perfectly balanced)."""
+  out = {}
+  for l, load_me in enumerate(load_lme):
+    for m, name in enumerate(('text', 'image')):
+      total = load_me[m].sum()
+      if total > 0:
+        out[f'expert_load_max_over_mean/layer{l}/{name}'] = float(load_me[m].max() / load_me[m].mean())
+  return out
+
+
+def train(config, workdir: str) -> TrainResult:
+  """Run (or resume) training as configured; `config` is an ml_collections.ConfigDict."""
+  # ---- config and work directory -----------------------------------------------------------
+  cfg: RunConfig = resolve(config)
+  primary = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+  if primary:
+    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+      f.write(cfg.to_json())
+
+  # ---- mesh --------------------------------------------------------------------------------
+  mesh = make_mesh(cfg.mesh)
+  rules = cfg.mesh.rules
+  log.info('mesh %s over %d %s device(s)', dict(mesh.shape), jax.device_count(),
+           jax.devices()[0].device_kind)
+  log.info('layer roles (the CSA2 global branch is not wired yet: every layer attends over '
+           'its sliding window):\n%s', format_role_table(cfg.model))
+
+  # ---- data --------------------------------------------------------------------------------
+  if not cfg.data.synthetic:
+    vocab = vocab_size_of(cfg.data)
+    if vocab > cfg.model.vocab_size:
+      from deepseek41.config import ConfigError
+      raise ConfigError(f'model.vocab_size: {cfg.model.vocab_size} is smaller than the '
+                        f'tokenizer vocabulary of the data ({vocab})')
+  n_proc = jax.process_count()
+  local_batch = cfg.train.batch_size // n_proc
+  train_ds = make_dataset(cfg.data, split='train', batch_size=local_batch, seed=cfg.train.seed,
+                          process_index=jax.process_index(), process_count=n_proc,
+                          synthetic_vocab_size=cfg.model.vocab_size)
+  train_iter = iter(train_ds)
+  bsharding = batch_sharding(mesh, rules)
+
+  # ---- model, optimizer, state -------------------------------------------------------------
+  tx = make_optimizer(cfg.train)
+  md = state_lib.model_def(cfg, tx)
+  abstract = state_lib.abstract_state(cfg, tx)
+  shardings = state_lib.state_shardings(abstract, mesh, rules)
+  layout = state_lib.state_layout(abstract)
+  n_params = state_lib.count_params(abstract['params'])
+  fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+  peak = device_peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
+  log.info('parameters: %s total, %s active matmul per token', f'{n_params:,}',
+           f'{fpt.matmul_params:,}')
+  log.info('%s', fpt.formula)
+  log.info('peak: %s', f'{peak:g} TFLOP/s per device (bf16 dense)' if peak else
+           'unknown for this device: MFU not reported (set train.peak_tflops)')
+
+  ckpt = Checkpointer(workdir, cfg.checkpoint)
+  start = ckpt.latest_step()
+  if start is not None:
+    for w in ckpt.validate(start, layout, cfg.to_dict()):
+      log.warning('config differs from checkpoint %d: %s', start, w)
+    state = ckpt.restore(start, state_lib.with_shardings(abstract, shardings), train_iter)
+    log.info('resumed from %s', ckpt.step_dir(start))
+  else:
+    state, _ = state_lib.init_state(cfg, tx, mesh, rules)
+    start = 0
+  if int(jax.device_get(state['step'])) != start:
+    raise RuntimeError(f'checkpoint {start} holds state step {int(state["step"])}')
+
+  replicated = NamedSharding(mesh, P())
+  with jax.set_mesh(mesh):
+    train_step = jax.jit(make_train_step(cfg, md), in_shardings=(shardings, bsharding),
+                         out_shardings=(shardings, replicated), donate_argnums=(0,))
+    eval_step = jax.jit(make_eval_step(md), in_shardings=(shardings, bsharding),
+                        out_shardings=replicated)
+
+  writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard,
+                         progress_bar=cfg.log.progress_bar, total_steps=cfg.train.steps,
+                         start_step=start, enabled=primary)
+  tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+  config_dict = cfg.to_dict()
+
+  # ---- evaluation --------------------------------------------------------------------------
+  def evaluate(state) -> float | None:
+    if cfg.data.synthetic:
+      return None
+    ds = make_dataset(cfg.data, split='heldout', batch_size=local_batch, seed=cfg.train.seed,
+                      process_index=jax.process_index(), process_count=n_proc, repeat=False)
+    ce_sum, n = 0.0, 0.0
+    it = iter(ds)
+    try:
+      for _, batch in zip(range(cfg.train.eval_batches), it):
+        if batch['tokens'].shape != (local_batch, cfg.data.seq_len):
+          break
+        with jax.set_mesh(mesh):
+          out = jax.device_get(eval_step(state, _global_batch(batch, bsharding)))
+        ce_sum += float(out['ce_sum'])
+        n += float(out['tokens'])
+    finally:
+      if hasattr(it, 'close'):
+        it.close()
+    return ce_sum / n if n else None
+
+  # ---- the loop ----------------------------------------------------------------------------
+  pending: list[tuple[int, Any, float]] = []   # (step, device metrics, data wait seconds)
+  window = {'t0': time.perf_counter(), 'steps': 0, 'wait': 0.0}
+  last = {'loss': None, 'eval_loss': None}
+
+  def drain(keep_last: bool):
+    """Fetch metrics of dispatched steps (all but the newest when keep_last)."""
+    while len(pending) > (1 if keep_last else 0):
+      step, metrics, wait = pending.pop(0)
+      loss = float(metrics['loss'])
+      if not math.isfinite(loss):
+        raise TrainingDiverged(
+            f'non-finite loss ({loss}) at step {step}; stopping. The newest checkpoint before it '
+            f'({ckpt.latest_step()}) is intact in {ckpt.directory}.')
+      last['loss'] = loss
+      window['steps'] += 1
+      window['wait'] += wait
+      writer.advance(step, loss)
+      if step % cfg.log.every_steps == 0 or step == cfg.train.steps:
+        host = jax.device_get(metrics)
+        dt = time.perf_counter() - window['t0']
+        step_time = dt / max(window['steps'], 1)
+        tps = tokens_per_step / step_time
+        scalars = {
+            'loss': loss, 'balance_loss': float(host['balance_loss']),
+            'grad_norm': float(host['grad_norm']), 'lr': float(host['lr']),
+            'step_time_s': step_time, 'tokens_per_s': tps,
+            'model_tflops_per_s': tps * fpt.total / 1e12,
+            'data_wait_s': window['wait'] / max(window['steps'], 1),
+            'dropped_frac': float(host['dropped']) / max(
+                float(host['tokens']) * cfg.model.num_experts_per_tok * cfg.model.num_layers, 1.0),
+        }
+        if peak:
+          scalars['mfu'] = scalars['model_tflops_per_s'] / (peak * jax.device_count())
+        scalars.update(_load_scalars(np.asarray(host['load_lme'])))
+        writer.write(step, scalars)
+        window.update(t0=time.perf_counter(), steps=0, wait=0.0)
+
+  def save(step: int, force: bool = False):
+    drain(keep_last=False)  # never checkpoint a state whose loss was not seen to be finite
+    ckpt.save(step, state, train_iter, config_dict, layout, force=force)
+
+  step = start
+  stopped = False
+  try:
+    with _StopFlag() as stop:
+      while step < cfg.train.steps:
+        t_wait = time.perf_counter()
+        batch = _global_batch(next(train_iter), bsharding)
+        wait = time.perf_counter() - t_wait
+        with jax.set_mesh(mesh):
+          state, metrics = train_step(state, batch)
+        step += 1
+        pending.append((step, metrics, wait))
+        drain(keep_last=True)
+
+        if cfg.train.eval_every_steps and (step % cfg.train.eval_every_steps == 0
+                                           or step == cfg.train.steps):
+          drain(keep_last=False)
+          eval_loss = evaluate(state)
+          if eval_loss is not None:
+            last['eval_loss'] = eval_loss
+            writer.write(step, {'eval_loss': eval_loss})
+          window.update(t0=time.perf_counter(), steps=0, wait=0.0)
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+          save(step)
+        if stop.signal is not None:
+          save(step, force=True)
+          stopped = True
+          log.warning('saved checkpoint %d after %s; exiting', step,
+                      signal.Signals(stop.signal).name)
+          break
+      else:
+        if step not in ckpt.all_steps():
+          save(step, force=True)
+      drain(keep_last=False)
+  finally:
+    writer.close()
+    ckpt.close()
+    if hasattr(train_iter, 'close'):
+      train_iter.close()
+  return TrainResult(step=step, last_loss=last['loss'], last_eval_loss=last['eval_loss'],
+                     stopped_by_signal=stopped)

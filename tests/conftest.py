@@ -1,0 +1,19 @@
+"""Test setup: 8 fake CPU devices, f32, a persistent compile cache, parsed absl flags."""
+
+import os
+
+# Must happen before jax is imported anywhere.
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=8').strip()
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+import jax  # noqa: E402
+from absl import flags  # noqa: E402
+
+jax.config.update('jax_compilation_cache_dir',
+                  os.path.join(os.path.expanduser('~'), '.cache', 'deepseek41', 'jax-test-cache'))
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
+
+if not flags.FLAGS.is_parsed():
+  flags.FLAGS.mark_as_parsed()

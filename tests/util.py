@@ -1,0 +1,78 @@
+"""Shared small configs and batches for the CPU tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deepseek41.config import base_config, resolve
+
+B, T, VOCAB = 8, 48, 96
+
+
+def small_config(**overrides):
+  """The V4.1 block structure at toy size (~0.15M params): quick to compile on 2 cores."""
+  c = base_config()
+  m = c.model
+  m.vocab_size = VOCAB
+  m.d_model = 32
+  m.num_layers = 4
+  m.num_encoder_layers = 2
+  m.num_heads = 4
+  m.head_dim = 16
+  m.rope_head_dim = 8
+  m.q_lora_rank = 16
+  m.o_groups = 2
+  m.o_lora_rank = 16
+  m.sliding_window = 8
+  m.compress_ratios = (0, 2, 1, 1)
+  m.kv_source_layer_ids = (1, 2)
+  m.index_source_layer_ids = (1, 2, 3)
+  m.candidate_source_layer_id = 2
+  m.engram_layer_ids = (1,)
+  m.n_routed_experts = 8
+  m.num_experts_per_tok = 2
+  m.moe_intermediate_size = 16
+  m.compute_dtype = 'float32'
+  m.capacity_factor = 4.0  # = E / K: nothing can drop
+  c.data.seq_len = T
+  c.data.synthetic = True
+  c.train.batch_size = B
+  c.train.steps = 4
+  c.train.warmup_steps = 1
+  c.train.eval_every_steps = 0
+  c.log.progress_bar = False
+  c.log.tensorboard = False
+  c.log.every_steps = 1
+  c.checkpoint.every_steps = 0
+  c.checkpoint.async_save = False
+  for key, value in overrides.items():
+    node = c
+    *parents, leaf = key.split('.')
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def resolved(num_devices=1, **overrides):
+  return resolve(small_config(**overrides), num_devices=num_devices, backend='cpu')
+
+
+def packed_batch(seed=0, b=B, t=T, vocab=VOCAB, docs_per_row=3, pad=5, image_rows=()):
+  """Rows of several documents plus trailing padding, with per-document positions."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(3, vocab, (b, t)).astype(np.int32)
+  targets = rng.integers(3, vocab, (b, t)).astype(np.int32)
+  seg = np.zeros((b, t), np.int32)
+  pos = np.zeros((b, t), np.int32)
+  for r in range(b):
+    cuts = np.sort(rng.choice(np.arange(4, t - pad - 4), docs_per_row - 1, replace=False))
+    bounds = [0, *cuts, t - pad]
+    for i in range(docs_per_row):
+      seg[r, bounds[i]:bounds[i + 1]] = i + 1
+      pos[r, bounds[i]:bounds[i + 1]] = np.arange(bounds[i + 1] - bounds[i])
+  modality = np.zeros((b, t), np.int32)
+  for r in image_rows:
+    modality[r] = 1
+  return {'tokens': tokens, 'targets': targets, 'segment_ids': seg, 'positions': pos,
+          'loss_mask': (seg > 0).astype(np.int32), 'modality': modality}
