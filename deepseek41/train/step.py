@@ -83,7 +83,7 @@ def make_train_step(cfg: RunConfig, md: ModelDef):
     metrics = {
         'loss': ce_sum / jnp.maximum(n, 1.0),
         'balance_loss': balance,
-        'grad_norm': optax.global_norm(grads),
+        'grad_norm': optax.tree.norm(grads),
         'lr': schedule(state['step']),
         'tokens': n,
         'dropped': dropped,

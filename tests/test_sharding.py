@@ -1,0 +1,90 @@
+"""8 fake CPU devices, mesh data=2 x fsdp=2 x expert=2, against the degenerate 1-device mesh."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from deepseek41.sharding import batch_sharding, logical_to_spec, make_mesh
+from deepseek41.train import state as state_lib
+from deepseek41.train.optimizer import make_optimizer
+from deepseek41.train.step import forward_loss, make_train_step
+from tests.util import packed_batch, resolved
+
+MESH8 = {'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.expert': 2}
+
+
+def test_logical_rules_map_to_mesh_axes():
+  cfg = resolved(num_devices=8, **MESH8)
+  mesh = make_mesh(cfg.mesh)
+  spec = logical_to_spec(('experts', 'embed', 'expert_mlp'), cfg.mesh.rules, mesh)
+  assert tuple(spec) == ('expert', 'fsdp', None)
+  assert tuple(logical_to_spec(('batch', 'length'), cfg.mesh.rules, mesh)) == (
+      ('data', 'fsdp', 'expert'), None)
+
+
+def _setup(num_devices, overrides):
+  cfg = resolved(num_devices=num_devices, **overrides)
+  tx = make_optimizer(cfg.train)
+  mesh = make_mesh(cfg.mesh, jax.devices()[:num_devices])
+  state, shardings = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
+  return cfg, tx, mesh, state, shardings
+
+
+@pytest.fixture(scope='module')
+def runs():
+  out = {}
+  batch = packed_batch(seed=0, image_rows=(1,))
+  for name, n, overrides in (('one', 1, {'mesh.data': 1}), ('eight', 8, MESH8)):
+    cfg, tx, mesh, state, shardings = _setup(n, overrides)
+    md = state_lib.model_def(cfg, tx)
+    bsh = batch_sharding(mesh, cfg.mesh.rules)
+    gbatch = {k: jax.device_put(v, bsh) for k, v in batch.items()}
+
+    def loss_fn(params, biases, b):
+      ce, cnt, _ = forward_loss(md, params, biases, b)
+      return ce / cnt
+    with jax.set_mesh(mesh):
+      loss, grads = jax.jit(jax.value_and_grad(loss_fn))(state['params'], state['router_bias'],
+                                                        gbatch)
+      step = jax.jit(make_train_step(cfg, md), in_shardings=(shardings, bsh),
+                     out_shardings=(shardings, None))
+      new_state, metrics = step(state, gbatch)
+    out[name] = dict(state=state, loss=loss, grads=grads, new_state=new_state, metrics=metrics)
+  return out
+
+
+def test_initialisation_is_identical(runs):
+  for a, b in zip(jax.tree.leaves(runs['one']['state']), jax.tree.leaves(runs['eight']['state'])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_loss_and_gradients_match_single_device(runs):
+  # Tolerance: f32 reductions are split across devices, so sums are reordered (~1e-7 relative).
+  np.testing.assert_allclose(runs['eight']['loss'], runs['one']['loss'], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(runs['eight']['grads']), jax.tree.leaves(runs['one']['grads'])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
+
+
+def test_train_step_matches_single_device(runs):
+  m8, m1 = runs['eight']['metrics'], runs['one']['metrics']
+  np.testing.assert_allclose(m8['loss'], m1['loss'], rtol=1e-6)
+  np.testing.assert_allclose(m8['grad_norm'], m1['grad_norm'], rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(m8['load_lme']), np.asarray(m1['load_lme']))
+  for a, b in zip(jax.tree.leaves(runs['eight']['new_state']),
+                  jax.tree.leaves(runs['one']['new_state'])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
+def test_parameters_are_really_sharded(runs):
+  params = runs['eight']['new_state']['params']
+  w_gate = params['blocks'][0]['moe']['w_gate'].get_value()
+  assert tuple(w_gate.sharding.spec) == ('expert', 'fsdp', None)
+  shard_shape = w_gate.addressable_shards[0].data.shape
+  assert shard_shape == (w_gate.shape[0] // 2, w_gate.shape[1] // 2, w_gate.shape[2])
+  embed = params['embed'].get_value()
+  assert embed.addressable_shards[0].data.shape == (embed.shape[0], embed.shape[1] // 2)
+  # optimizer moments follow their parameters
+  mu = runs['eight']['new_state']['opt'][1][0].mu
+  assert tuple(mu['blocks'][0]['moe']['w_gate'].get_value().sharding.spec) == (
+      'expert', 'fsdp', None)
