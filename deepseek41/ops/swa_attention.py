@@ -1,0 +1,216 @@
+"""Sliding-window branch of the V4.1 attention core (ARCHITECTURE.md sections 3.3, 3.5, 3.8).
+
+Shared-KV latent MQA: one latent vector per token is both the key and the value of all heads.
+Query t sees key u iff `t - window < u <= t` and both lie in the same (non-padding) document.
+
+An attention layer's softmax runs over several key sets (the window here, the selected compressed
+entries of section 3.8) plus a per-head sink that only adds `exp(sink_h)` to the denominator. Each
+key set is a *branch* that returns a partial `(o_bthd, lse_bth)`: its output normalised over its
+own keys only, and the log-sum-exp of its visible scores (-inf where it sees nothing).
+`combine_with_sink` merges any number of partials by log-sum-exp and adds the sink, which is
+exactly one softmax over the union of the branches' keys plus the sink. Keys that appear in two
+branches count twice, as the architecture intends (section 3.6: no de-duplication).
+
+Two implementations of the window branch, same signature, same results:
+- `reference`: dense [B, T, H, T] scores, the ground truth for tests and tiny shapes;
+- `chunked`: queries in blocks of `chunk`, each block against its own block and just enough
+  previous blocks to cover the window; memory and FLOPs linear in T, no loop over blocks.
+
+Not handled here (callers widen the mask themselves): bidirectional image spans in prefill and
+DSpark's in-block bidirectional attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ('reference', 'chunked')
+
+
+# ---------------------------------------------------------------------------------------------
+# Partials and their merge
+
+
+def _masked_softmax_partial(scores, mask):
+  """Softmax over the last axis restricted to `mask`: (probs, lse), safe when nothing is visible.
+
+  Masked scores become -inf *before* the exp (not zeroed after it): `where` after an overflowing
+  exp would send inf * 0 = NaN into the gradient. The row max is only a shift, so it is a
+  constant for autodiff; rows with no visible key get probs 0 and lse -inf.
+  """
+  scores = jnp.where(mask, scores, -jnp.inf)
+  row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  unnorm = jnp.exp(scores - row_max)
+  denom = jnp.sum(unnorm, axis=-1, keepdims=True)
+  seen = denom > 0
+  safe_denom = jnp.where(seen, denom, 1.0)
+  probs = unnorm / safe_denom
+  lse = jnp.where(seen, row_max + jnp.log(safe_denom), -jnp.inf)[..., 0]
+  return probs, lse
+
+
+def combine_with_sink(partials, sink_h, dtype=None):
+  """One softmax over the union of the branches' keys plus the sink, from per-branch partials.
+
+  partials: sequence of (o_bthd normalised over the branch's own keys, lse_bth of its visible
+  scores, -inf if none). Denominator Z = sum_b exp(lse_b) + exp(sink_h); the result is
+  sum_b exp(lse_b - log Z) * o_b. The sink is finite, so the shift is finite and a query that no
+  branch sees gets exactly 0 (and finite gradients). Returns `dtype` (default: the first o's).
+  """
+  if not partials:
+    raise ValueError('combine_with_sink needs at least one (o, lse) partial')
+  sink_h = jnp.asarray(sink_h, jnp.float32)
+  lses_bth = [lse.astype(jnp.float32) for _, lse in partials]
+  shift_bth = sink_h
+  for lse in lses_bth:
+    shift_bth = jnp.maximum(shift_bth, lse)
+  # Only a -inf sink with nothing visible leaves the shift non-finite; any constant works there.
+  shift_bth = jax.lax.stop_gradient(jnp.where(jnp.isfinite(shift_bth), shift_bth, 0.0))
+  weights = [jnp.exp(lse - shift_bth) for lse in lses_bth]
+  denom_bth = jnp.exp(sink_h - shift_bth)
+  for w in weights:
+    denom_bth = denom_bth + w
+  denom_bth = jnp.where(denom_bth > 0, denom_bth, 1.0)
+  o_bthd = sum(o.astype(jnp.float32) * (w / denom_bth)[..., None]
+               for (o, _), w in zip(partials, weights))
+  return o_bthd.astype(dtype or partials[0][0].dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Window branch: reference
+
+
+def window_mask_btu(segment_ids_bt, window: int):
+  """[B, T, T] bool: query t sees key u (causal, within the window, same non-padding document)."""
+  t_idx = jnp.arange(segment_ids_bt.shape[1])
+  q_pos, k_pos = t_idx[:, None], t_idx[None, :]
+  in_window_tu = (k_pos <= q_pos) & (k_pos > q_pos - window)
+  same_doc_btu = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+  real_query_bt = segment_ids_bt != 0
+  return in_window_tu[None] & same_doc_btu & real_query_bt[:, :, None]
+
+
+def _swa_partial_reference(q_bthd, kv_btd, segment_ids_bt, window, scale):
+  scores_bthu = jnp.einsum('bthd,bud->bthu', q_bthd, kv_btd,
+                           preferred_element_type=jnp.float32) * scale
+  mask_bthu = window_mask_btu(segment_ids_bt, window)[:, :, None, :]
+  probs_bthu, lse_bth = _masked_softmax_partial(scores_bthu, mask_bthu)
+  # p in the input dtype for the second matmul (fp32 accumulation), as flash kernels do.
+  o_bthd = jnp.einsum('bthu,bud->bthd', probs_bthu.astype(kv_btd.dtype), kv_btd,
+                      preferred_element_type=jnp.float32)
+  return o_bthd, lse_bth
+
+
+# ---------------------------------------------------------------------------------------------
+# Window branch: chunked
+
+
+def chunk_geometry(seq_len: int, window: int, chunk: int | None = None):
+  """(window, chunk, lookback, padded_len), clamped; a query block sees (lookback+1)*chunk keys.
+
+  A window longer than the sequence is the same as a window of the sequence length. The earliest
+  key of block n's first query is `n*chunk - window + 1`, so ceil((window-1)/chunk) earlier blocks
+  cover every query of the block (1 when chunk >= window > 1, 0 when window == 1).
+  """
+  if window < 1:
+    raise ValueError(f'window must be >= 1, got {window}')
+  window = min(window, seq_len)
+  chunk = window if chunk is None else chunk
+  if chunk < 1:
+    raise ValueError(f'chunk must be >= 1, got {chunk}')
+  lookback = -(-(window - 1) // chunk)
+  padded_len = -(-seq_len // chunk) * chunk
+  return window, chunk, lookback, padded_len
+
+
+def _with_lookback(x_bnc, lookback: int):
+  """[B, N, C, ...] -> [B, N, (lookback+1)*C, ...]: row n holds blocks n-lookback..n in order.
+
+  Blocks before the first are zeros (their segment id 0 masks them).
+  """
+  if lookback == 0:
+    return x_bnc
+  n = x_bnc.shape[1]
+  pad = [(0, 0)] * x_bnc.ndim
+  pad[1] = (lookback, 0)
+  x_padded = jnp.pad(x_bnc, pad)
+  shifted = [x_padded[:, j:j + n] for j in range(lookback + 1)]  # j = 0 is block n - lookback
+  return jnp.concatenate(shifted, axis=2)
+
+
+def _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk):
+  b, t, h, d = q_bthd.shape
+  window, c, lookback, t_pad = chunk_geometry(t, window, chunk)
+  n = t_pad // c
+  if t_pad != t:  # padded tail: segment id 0, so it is neither a query nor a key
+    q_bthd = jnp.pad(q_bthd, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
+    kv_btd = jnp.pad(kv_btd, ((0, 0), (0, t_pad - t), (0, 0)))
+    segment_ids_bt = jnp.pad(segment_ids_bt, ((0, 0), (0, t_pad - t)))
+
+  q_bnchd = q_bthd.reshape(b, n, c, h, d)
+  kv_bnkd = _with_lookback(kv_btd.reshape(b, n, c, d), lookback)
+  seg_q_bnc = segment_ids_bt.reshape(b, n, c)
+  seg_k_bnk = _with_lookback(seg_q_bnc, lookback)
+
+  # Positions relative to the start of block n: queries 0..c-1, keys -lookback*c..c-1.
+  q_pos_c = jnp.arange(c)
+  k_pos_k = jnp.arange((lookback + 1) * c) - lookback * c
+  in_window_ck = ((k_pos_k[None, :] <= q_pos_c[:, None]) &
+                  (k_pos_k[None, :] > q_pos_c[:, None] - window))
+  mask_bnck = (in_window_ck[None, None] &
+               (seg_q_bnc[..., None] == seg_k_bnk[:, :, None, :]) &
+               (seg_q_bnc != 0)[..., None])
+
+  # (c, h) are adjacent in q, so each block is one [c*h, d] x [d, k] matmul with no transpose.
+  scores_bnchk = jnp.einsum('bnchd,bnkd->bnchk', q_bnchd, kv_bnkd,
+                            preferred_element_type=jnp.float32) * scale
+  probs_bnchk, lse_bnch = _masked_softmax_partial(scores_bnchk, mask_bnck[:, :, :, None, :])
+  o_bnchd = jnp.einsum('bnchk,bnkd->bnchd', probs_bnchk.astype(kv_bnkd.dtype), kv_bnkd,
+                       preferred_element_type=jnp.float32)
+  o_bthd = o_bnchd.reshape(b, t_pad, h, d)[:, :t]
+  lse_bth = lse_bnch.reshape(b, t_pad, h)[:, :t]
+  return o_bthd, lse_bth
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chunked',
+                chunk: int | None = None, scale: float | None = None):
+  """The window branch as a partial: (o_bthd fp32 normalised over the window, lse_bth fp32).
+
+  q_bthd [B, T, H, d]; kv_btd [B, T, d], the shared K=V latent; segment_ids_bt [B, T] int, 0 =
+  padding, documents contiguous within a row. scale defaults to 1/sqrt(d). The output stays fp32
+  so that merging branches rounds once, in `combine_with_sink`.
+  """
+  if q_bthd.ndim != 4 or kv_btd.ndim != 3 or q_bthd.shape[-1] != kv_btd.shape[-1]:
+    raise ValueError(f'expected q [B,T,H,d] and kv [B,T,d], got {q_bthd.shape} and {kv_btd.shape}')
+  if q_bthd.shape[:2] != kv_btd.shape[:2] or segment_ids_bt.shape != q_bthd.shape[:2]:
+    raise ValueError(f'q {q_bthd.shape}, kv {kv_btd.shape} and segment_ids '
+                     f'{segment_ids_bt.shape} disagree on [B, T]')
+  if window < 1:
+    raise ValueError(f'window must be >= 1, got {window}')
+  scale = 1.0 / math.sqrt(q_bthd.shape[-1]) if scale is None else scale
+  if impl == 'reference':
+    return _swa_partial_reference(q_bthd, kv_btd, segment_ids_bt, window, scale)
+  if impl == 'chunked':
+    return _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk)
+  raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
+
+
+def swa_attention(q_bthd, kv_btd, segment_ids_bt, sink_h, *, window: int,
+                  impl: str = 'reference', chunk: int | None = None, scale: float | None = None):
+  """Sliding-window attention with the per-head sink: (o_bthd in q's dtype, lse_bth fp32).
+
+  lse_bth is the log-sum-exp of the visible window scores WITHOUT the sink (-inf where a query
+  sees nothing, e.g. padding): the handle for merging with another branch, see module docstring.
+  A layer with a compressed branch calls `swa_partial` and `combine_with_sink` directly.
+  """
+  o_bthd, lse_bth = swa_partial(q_bthd, kv_btd, segment_ids_bt, window=window, impl=impl,
+                                chunk=chunk, scale=scale)
+  return combine_with_sink([(o_bthd, lse_bth)], sink_h, dtype=q_bthd.dtype), lse_bth
