@@ -16,6 +16,8 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a get_config() file.',
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory: config, metrics, checkpoints.')
+_STOP_AT = flags.DEFINE_integer('stop_at_step', None, 'End this invocation (with a checkpoint) at '
+                                'this step; the schedule still spans train.steps.')
 _DISTRIBUTED = flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize().')
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of process 0.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Number of processes.')
@@ -36,7 +38,7 @@ def main(argv):
   from deepseek41.train.checkpoint import CheckpointError
   from deepseek41.train.trainer import TrainingDiverged, train
   try:
-    result = train(_CONFIG.value, _WORKDIR.value)
+    result = train(_CONFIG.value, _WORKDIR.value, stop_at_step=_STOP_AT.value)
   except (ConfigError, CheckpointError, TrainingDiverged, FileNotFoundError) as e:
     logging.error('%s', e)
     sys.exit(2)

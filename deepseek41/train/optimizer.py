@@ -3,26 +3,39 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from deepseek41.config import TrainConfig
 
 
 def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
-  warmup = optax.linear_schedule(0.0, t.lr, max(t.warmup_steps, 1))
-  rest = max(t.steps - t.warmup_steps, 1)
+  """lr of the update with optimizer count c (0-based): warm-up reaches t.lr at update `warmup_steps`.
+
+  Warm-up is linear from lr/warmup (the first update already moves), then `cosine` decays to
+  lr * min_lr_ratio at the last step, `wsd` holds lr and decays linearly over the last
+  `wsd_decay_fraction` of the post-warm-up steps, `constant` holds lr.
+  """
+  warmup = max(t.warmup_steps, 0)
+  total = max(t.steps, 1)
   final = t.lr * t.min_lr_ratio
-  if t.schedule == 'cosine':
-    main = optax.cosine_decay_schedule(t.lr, rest, alpha=t.min_lr_ratio)
-  elif t.schedule == 'wsd':
-    decay = max(int(round(rest * t.wsd_decay_fraction)), 1)
-    main = optax.join_schedules(
-        [optax.constant_schedule(t.lr), optax.linear_schedule(t.lr, final, decay)], [rest - decay])
-  else:
-    main = optax.constant_schedule(t.lr)
-  if t.warmup_steps == 0:
-    return main
-  return optax.join_schedules([warmup, main], [t.warmup_steps])
+
+  def schedule(count):
+    step = jnp.asarray(count, jnp.float32) + 1.0
+    warm = t.lr * jnp.minimum(step / max(warmup, 1), 1.0)
+    rest = max(total - warmup, 1)
+    progress = jnp.clip((step - warmup) / rest, 0.0, 1.0)
+    if t.schedule == 'cosine':
+      main = final + (t.lr - final) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+    elif t.schedule == 'wsd':
+      decay = max(rest * t.wsd_decay_fraction, 1.0)
+      frac = jnp.clip((step - (total - decay)) / decay, 0.0, 1.0)
+      main = t.lr + (final - t.lr) * frac
+    else:
+      main = jnp.full_like(step, t.lr)
+    return jnp.where(step <= warmup, warm, main) if warmup else main
+
+  return schedule
 
 
 def decay_mask(params):

@@ -90,8 +90,12 @@ def _load_scalars(load_lme: np.ndarray) -> dict[str, float]:
   return out
 
 
-def train(config, workdir: str) -> TrainResult:
-  """Run (or resume) training as configured; `config` is an ml_collections.ConfigDict."""
+def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResult:
+  """Run (or resume) training as configured; `config` is an ml_collections.ConfigDict.
+
+  `stop_at_step` ends this invocation early (with a checkpoint) at that step, without changing
+  the schedule: the run continues from there when started again.
+  """
   # ---- config and work directory -----------------------------------------------------------
   cfg: RunConfig = resolve(config)
   primary = jax.process_index() == 0
@@ -168,14 +172,15 @@ def train(config, workdir: str) -> TrainResult:
   def evaluate(state) -> float | None:
     if cfg.data.synthetic:
       return None
+    # An endless unshuffled stream: every process gets the same number of batches, and each
+    # evaluation sees the same eval_batches batches.
     ds = make_dataset(cfg.data, split='heldout', batch_size=local_batch, seed=cfg.train.seed,
-                      process_index=jax.process_index(), process_count=n_proc, repeat=False)
+                      process_index=jax.process_index(), process_count=n_proc, repeat=True,
+                      shuffle=False)
     ce_sum, n = 0.0, 0.0
     it = iter(ds)
     try:
       for _, batch in zip(range(cfg.train.eval_batches), it):
-        if batch['tokens'].shape != (local_batch, cfg.data.seq_len):
-          break
         with jax.set_mesh(mesh):
           out = jax.device_get(eval_step(state, _global_batch(batch, bsharding)))
         ce_sum += float(out['ce_sum'])
@@ -200,20 +205,21 @@ def train(config, workdir: str) -> TrainResult:
             f'non-finite loss ({loss}) at step {step}; stopping. The newest checkpoint before it '
             f'({ckpt.latest_step()}) is intact in {ckpt.directory}.')
       last['loss'] = loss
-      window['steps'] += 1
-      window['wait'] += wait
+      if window['t0'] is not None:
+        window['steps'] += 1
+        window['wait'] += wait
       writer.advance(step, loss)
       if step % cfg.log.every_steps == 0 or step == cfg.train.steps:
         host = jax.device_get(metrics)
-        dt = time.perf_counter() - window['t0']
-        step_time = dt / max(window['steps'], 1)
+        timed = window['t0'] is not None and window['steps'] > 0
+        step_time = ((time.perf_counter() - window['t0']) / window['steps']) if timed else math.nan
         tps = tokens_per_step / step_time
         scalars = {
             'loss': loss, 'balance_loss': float(host['balance_loss']),
             'grad_norm': float(host['grad_norm']), 'lr': float(host['lr']),
             'step_time_s': step_time, 'tokens_per_s': tps,
             'model_tflops_per_s': tps * fpt.total / 1e12,
-            'data_wait_s': window['wait'] / max(window['steps'], 1),
+            'data_wait_s': window['wait'] / window['steps'] if timed else math.nan,
             'dropped_frac': float(host['dropped']) / max(
                 float(host['tokens']) * cfg.model.num_experts_per_tok * cfg.model.num_layers, 1.0),
         }
@@ -229,9 +235,10 @@ def train(config, workdir: str) -> TrainResult:
 
   step = start
   stopped = False
+  end = cfg.train.steps if stop_at_step is None else min(stop_at_step, cfg.train.steps)
   try:
     with _StopFlag() as stop:
-      while step < cfg.train.steps:
+      while step < end:
         t_wait = time.perf_counter()
         batch = _global_batch(next(train_iter), bsharding)
         wait = time.perf_counter() - t_wait
@@ -239,6 +246,12 @@ def train(config, workdir: str) -> TrainResult:
           state, metrics = train_step(state, batch)
         step += 1
         pending.append((step, metrics, wait))
+        if step == start + 1:  # keep compilation out of the throughput numbers
+          jax.block_until_ready(metrics)
+          log.info('first step (compilation included) took %.1f s', time.perf_counter() - t_wait)
+          window['t0'] = None
+          drain(keep_last=False)
+          window.update(t0=time.perf_counter(), steps=0, wait=0.0)
         drain(keep_last=True)
 
         if cfg.train.eval_every_steps and (step % cfg.train.eval_every_steps == 0
