@@ -39,6 +39,10 @@ def get_config():
   m.n_routed_experts = 8
   m.num_experts_per_tok = 2
   m.moe_intermediate_size = 128
+  # A 300-step run needs the correction bias to act within tens of steps (released: 0.001), and
+  # a toy router starts far from balance: without the headroom half the assignments drop early.
+  m.router_bias_rate = 0.01
+  m.capacity_factor = 2.0
 
   c.data.seq_len = 128
   c.data.default_corpus_vocab_size = 512

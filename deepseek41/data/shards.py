@@ -191,6 +191,19 @@ class TokenShardSource:
     local = index - self._doc_starts[shard]
     return np.array(tokens_t[offsets_d[local]:offsets_d[local + 1]], dtype=np.int32)
 
+  def doc_lengths(self) -> np.ndarray:
+    """Token count of every document, in index order (from the offsets alone)."""
+    return np.concatenate([np.diff(offsets_d) for _, offsets_d in self._open_shards()] or
+                          [np.zeros(0, np.int64)])
+
+  def read(self, index: int, start: int, stop: int) -> np.ndarray:
+    """Tokens [start, stop) of document `index`, without reading the rest of it."""
+    shard = bisect.bisect_right(self._doc_starts, int(index)) - 1
+    tokens_t, offsets_d = self._open_shards()[shard]
+    base = int(offsets_d[int(index) - self._doc_starts[shard]])
+    end = int(offsets_d[int(index) - self._doc_starts[shard] + 1])
+    return np.array(tokens_t[base + start:min(base + stop, end)], dtype=np.int32)
+
   def has_targets(self) -> bool:
     """Whether any document has two or more tokens, i.e. at least one next-token target."""
     return any((np.diff(offsets_d) > 1).any() for _, offsets_d in self._open_shards())

@@ -199,11 +199,12 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
     """Fetch metrics of dispatched steps (all but the newest when keep_last)."""
     while len(pending) > (1 if keep_last else 0):
       step, metrics, wait = pending.pop(0)
-      loss = float(metrics['loss'])
-      if not math.isfinite(loss):
+      loss, grad_norm = float(metrics['loss']), float(metrics['grad_norm'])
+      if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise TrainingDiverged(
-            f'non-finite loss ({loss}) at step {step}; stopping. The newest checkpoint before it '
-            f'({ckpt.latest_step()}) is intact in {ckpt.directory}.')
+            f'non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step}; stopping. '
+            f'The newest checkpoint before it ({ckpt.latest_step()}) is intact in '
+            f'{ckpt.directory}.')
       last['loss'] = loss
       if window['t0'] is not None:
         window['steps'] += 1
@@ -235,6 +236,11 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
 
   step = start
   stopped = False
+  if start == 0 and cfg.train.eval_every_steps:
+    eval_loss = evaluate(state)  # the starting point of the held-out curve
+    if eval_loss is not None:
+      last['eval_loss'] = eval_loss
+      writer.write(0, {'eval_loss': eval_loss})
   end = cfg.train.steps if stop_at_step is None else min(stop_at_step, cfg.train.steps)
   try:
     with _StopFlag() as stop:

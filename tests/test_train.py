@@ -1,0 +1,207 @@
+"""End-to-end trainer behaviour on 8 fake CPU devices: resume exactness, signals, failures."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from deepseek41.config import ConfigError
+from deepseek41.train import state as state_lib
+from deepseek41.train.checkpoint import CheckpointError, Checkpointer
+from deepseek41.train.optimizer import make_optimizer
+from deepseek41.train.trainer import TrainingDiverged, train
+from deepseek41.config import resolve
+from deepseek41.sharding import make_mesh
+from tests.util import small_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 8
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  """Overrides that train on a 20-file slice of the default corpus (prepared once)."""
+  return {
+      'data.synthetic': False,
+      'data.cache_dir': str(tmp_path_factory.mktemp('cache')),
+      'data.default_corpus_vocab_size': 300,
+      'data.default_corpus_max_files': 20,
+      'model.vocab_size': 320,
+      'mesh.data': -1,
+      'train.steps': STEPS,
+  }
+
+
+def _config(corpus, **overrides):
+  return small_config(**{**corpus, **overrides})
+
+
+def _final_state(workdir, config):
+  cfg = resolve(config)
+  tx = make_optimizer(cfg.train)
+  abstract = state_lib.abstract_state(cfg, tx)
+  mesh = make_mesh(cfg.mesh)
+  shardings = state_lib.state_shardings(abstract, mesh, cfg.mesh.rules)
+  ck = Checkpointer(workdir, cfg.checkpoint)
+  step = ck.latest_step()
+  state = ck.restore(step, state_lib.with_shardings(abstract, shardings), None)
+  ck.close()
+  return step, state
+
+
+def _losses(workdir):
+  out = {}
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    for line in f:
+      d = json.loads(line)
+      if 'loss' in d:
+        out[d['step']] = d['loss']
+  return out
+
+
+def _data_state(workdir, step):
+  with open(os.path.join(workdir, 'checkpoints', str(step), 'data', 'process_0-of-1.json')) as f:
+    return json.load(f)
+
+
+def _assert_states_equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope='module')
+def straight(corpus, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('straight'))
+  result = train(_config(corpus), workdir)
+  assert result.step == STEPS
+  return workdir
+
+
+def test_resume_is_bit_exact(corpus, straight, tmp_path):
+  workdir = str(tmp_path)
+  first = train(_config(corpus), workdir, stop_at_step=STEPS // 2)
+  assert first.step == STEPS // 2
+  assert os.path.isdir(os.path.join(workdir, 'checkpoints', str(STEPS // 2)))
+  second = train(_config(corpus), workdir)
+  assert second.step == STEPS
+  step_a, state_a = _final_state(straight, _config(corpus))
+  step_b, state_b = _final_state(workdir, _config(corpus))
+  assert step_a == step_b == STEPS
+  _assert_states_equal(state_a, state_b)   # params, optimizer, step, router biases, rng
+  assert _losses(straight) == _losses(workdir)  # same data order -> same per-step losses
+  assert _data_state(straight, STEPS) == _data_state(workdir, STEPS)
+
+
+def test_sigterm_saves_and_resumes_exactly(corpus, tmp_path):
+  steps = 60
+  overrides = {**corpus, 'train.steps': steps}
+  cfg_file = tmp_path / 'cfg.py'
+  cfg_file.write_text('from tests.util import small_config\n'
+                      f'def get_config():\n  return small_config(**{overrides!r})\n')
+  workdir = tmp_path / 'killed'
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
+             XLA_FLAGS='--xla_force_host_platform_device_count=8')
+  proc = subprocess.Popen([sys.executable, '-m', 'deepseek41.train', f'--config={cfg_file}',
+                           f'--workdir={workdir}'], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  metrics = workdir / 'metrics.jsonl'
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None:
+    if metrics.exists() and len(_losses(str(workdir))) >= 2:
+      break
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=240)
+  assert proc.returncode == 0, out
+  saved = Checkpointer(str(workdir), resolve(small_config(**overrides)).checkpoint)
+  stop = saved.latest_step()
+  saved.close()
+  assert stop is not None and 2 <= stop < steps - 3, out
+  assert 'SIGTERM' in out
+
+  target = stop + 3
+  train(small_config(**overrides), str(workdir), stop_at_step=target)
+  fresh = str(tmp_path / 'fresh')
+  train(small_config(**overrides), fresh, stop_at_step=target)
+  _assert_states_equal(_final_state(str(workdir), small_config(**overrides))[1],
+                       _final_state(fresh, small_config(**overrides))[1])
+
+
+def test_loss_falls(corpus, tmp_path):
+  config = _config(corpus, **{'train.steps': 40, 'train.lr': 1e-2, 'train.warmup_steps': 5,
+                              'train.eval_every_steps': 40, 'train.eval_batches': 2})
+  result = train(config, str(tmp_path))
+  losses = _losses(str(tmp_path))
+  evals = {}
+  for line in open(tmp_path / 'metrics.jsonl'):
+    d = json.loads(line)
+    if 'eval_loss' in d:
+      evals[d['step']] = d['eval_loss']
+  assert np.mean([losses[s] for s in range(36, 41)]) < losses[1] - 1.0
+  assert evals[40] < evals[0] - 1.0
+  assert result.last_eval_loss == evals[40]
+  logged = json.loads(open(tmp_path / 'metrics.jsonl').readline())
+  assert {'step', 'loss', 'tokens_per_s'} <= set(logged)
+  assert json.load(open(tmp_path / 'config.json'))['train']['steps'] == 40
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path):
+  config = _config(corpus, **{'train.lr': 1e30, 'train.grad_clip_norm': 0.0,
+                              'train.warmup_steps': 0, 'checkpoint.every_steps': 1,
+                              'train.steps': 6})
+  with pytest.raises(TrainingDiverged, match=r'at step (\d+)') as err:
+    train(config, str(tmp_path))
+  bad_step = int(err.value.args[0].split('at step ')[1].split(';')[0])
+  step, state = _final_state(str(tmp_path), config)
+  assert step < bad_step
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state['params']))
+
+
+def test_corrupt_and_mismatched_checkpoints_are_named(corpus, straight, tmp_path, caplog):
+  import shutil
+  workdir = tmp_path / 'w'
+  shutil.copytree(straight, workdir)
+  ck_dir = workdir / 'checkpoints' / str(STEPS)
+
+  # a model that does not fit: every differing tensor and key is listed
+  with pytest.raises(CheckpointError) as err:
+    train(_config(corpus, **{'model.d_model': 48}), str(workdir))
+  msg = str(err.value)
+  assert str(ck_dir) in msg and 'model.d_model' in msg and "['embed']" in msg
+
+  # an unfinished save is skipped with a warning, the complete one is used
+  (workdir / 'checkpoints' / f'{STEPS + 4}.orbax-checkpoint-tmp-1234').mkdir()
+  with caplog.at_level(logging.WARNING):
+    result = train(_config(corpus), str(workdir))
+  assert result.step == STEPS
+  assert any('unfinished checkpoint' in r.getMessage() for r in caplog.records)
+
+  # a corrupt checkpoint names its directory; nothing is deleted
+  for name in os.listdir(ck_dir / 'meta'):
+    (ck_dir / 'meta' / name).write_text('{not json')
+  before = sorted(os.listdir(workdir / 'checkpoints'))
+  with pytest.raises(CheckpointError, match=str(ck_dir)):
+    train(_config(corpus), str(workdir))
+  assert sorted(os.listdir(workdir / 'checkpoints')) == before
+
+
+def test_missing_data_path_is_named(tmp_path):
+  config = small_config(**{'data.synthetic': False, 'data.sources': str(tmp_path / 'nope'),
+                           'mesh.data': -1})
+  with pytest.raises(Exception, match='nope'):
+    train(config, str(tmp_path / 'w'))
+
+
+def test_vocab_too_small_for_data_is_a_config_error(corpus, tmp_path):
+  with pytest.raises(ConfigError, match='model.vocab_size'):
+    train(_config(corpus, **{'model.vocab_size': 64, 'data.default_corpus_vocab_size': 300}),
+          str(tmp_path))
