@@ -149,8 +149,10 @@ def test_loss_falls(corpus, tmp_path):
   assert np.mean([losses[s] for s in range(36, 41)]) < losses[1] - 1.0
   assert evals[40] < evals[0] - 1.0
   assert result.last_eval_loss == evals[40]
-  logged = json.loads(open(tmp_path / 'metrics.jsonl').readline())
-  assert {'step', 'loss', 'tokens_per_s'} <= set(logged)
+  records = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
+  assert all({'step', 'loss', 'tokens_per_s'} <= set(r) for r in records)
+  assert [r['step'] for r in records] == list(range(0, 41))  # eval steps share their step's line
+  assert records[40]['eval_loss'] == evals[40] and records[40]['loss'] is not None
   assert json.load(open(tmp_path / 'config.json'))['train']['steps'] == 40
 
 

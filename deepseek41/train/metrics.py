@@ -40,9 +40,9 @@ class MetricsWriter:
         if v is not None:
           self.tb.add_scalar(k, v, step)
       self.tb.flush()
-    summary = ' '.join(f'{k}={scalars[k]:.4g}' for k in
+    summary = ' '.join(f'{k}={clean[k]:.4g}' for k in
                        ('loss', 'eval_loss', 'grad_norm', 'lr', 'tokens_per_s', 'mfu')
-                       if k in scalars and scalars[k] is not None)
+                       if clean.get(k) is not None)
     if self.bar is not None:
       self.bar.write(f'step {step}: {summary}')
     else:

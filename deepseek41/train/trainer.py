@@ -192,6 +192,8 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
 
   # ---- the loop ----------------------------------------------------------------------------
   pending: list[tuple[int, Any, float]] = []   # (step, device metrics, data wait seconds)
+  eval_losses: dict[int, float] = {}            # written with that step's training metrics
+  carry: dict[str, float] = {}                  # written with the next logged step
   window = {'t0': time.perf_counter(), 'steps': 0, 'wait': 0.0}
   last = {'loss': None, 'eval_loss': None}
 
@@ -210,7 +212,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
         window['steps'] += 1
         window['wait'] += wait
       writer.advance(step, loss)
-      if step % cfg.log.every_steps == 0 or step == cfg.train.steps:
+      if step % cfg.log.every_steps == 0 or step == cfg.train.steps or step in eval_losses:
         host = jax.device_get(metrics)
         timed = window['t0'] is not None and window['steps'] > 0
         step_time = ((time.perf_counter() - window['t0']) / window['steps']) if timed else math.nan
@@ -227,20 +229,30 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
         if peak:
           scalars['mfu'] = scalars['model_tflops_per_s'] / (peak * jax.device_count())
         scalars.update(_load_scalars(np.asarray(host['load_lme'])))
+        if step in eval_losses:
+          scalars['eval_loss'] = eval_losses.pop(step)
+        scalars.update(carry)
+        carry.clear()
         writer.write(step, scalars)
         window.update(t0=time.perf_counter(), steps=0, wait=0.0)
 
   def save(step: int, force: bool = False):
     drain(keep_last=False)  # never checkpoint a state whose loss was not seen to be finite
+    t0 = time.perf_counter()
     ckpt.save(step, state, train_iter, config_dict, layout, force=force)
+    saved_steps.add(step)
+    blocked = time.perf_counter() - t0  # async: only the device-to-host copy blocks the loop
+    carry['checkpoint_block_s'] = blocked  # reported with the next logged step
+    window['t0'] = window['t0'] and window['t0'] + blocked
 
   step = start
   stopped = False
+  saved_steps = {start}  # the checkpoint resumed from (or nothing to save at step 0)
   if start == 0 and cfg.train.eval_every_steps:
     eval_loss = evaluate(state)  # the starting point of the held-out curve
     if eval_loss is not None:
       last['eval_loss'] = eval_loss
-      writer.write(0, {'eval_loss': eval_loss})
+      writer.write(0, {'loss': None, 'tokens_per_s': None, 'eval_loss': eval_loss})
   end = cfg.train.steps if stop_at_step is None else min(stop_at_step, cfg.train.steps)
   try:
     with _StopFlag() as stop:
@@ -262,11 +274,14 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
 
         if cfg.train.eval_every_steps and (step % cfg.train.eval_every_steps == 0
                                            or step == cfg.train.steps):
-          drain(keep_last=False)
           eval_loss = evaluate(state)
           if eval_loss is not None:
             last['eval_loss'] = eval_loss
-            writer.write(step, {'eval_loss': eval_loss})
+            eval_losses[step] = eval_loss
+          drain(keep_last=False)
+          if step in eval_losses:  # the step was already written (the first step of a run)
+            writer.write(step, {'loss': last['loss'], 'tokens_per_s': None,
+                                'eval_loss': eval_losses.pop(step)})
           window.update(t0=time.perf_counter(), steps=0, wait=0.0)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
           save(step)
@@ -277,7 +292,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
                       signal.Signals(stop.signal).name)
           break
       else:
-        if step not in ckpt.all_steps():
+        if step not in saved_steps:
           save(step, force=True)
       drain(keep_last=False)
   finally:
