@@ -207,3 +207,14 @@ def test_vocab_too_small_for_data_is_a_config_error(corpus, tmp_path):
   with pytest.raises(ConfigError, match='model.vocab_size'):
     train(_config(corpus, **{'model.vocab_size': 64, 'data.default_corpus_vocab_size': 300}),
           str(tmp_path))
+
+
+def test_retention_and_writers(corpus, tmp_path):
+  config = _config(corpus, **{'train.steps': 10, 'checkpoint.every_steps': 1,
+                              'checkpoint.max_to_keep': 2, 'checkpoint.keep_period': 4,
+                              'log.tensorboard': True, 'log.progress_bar': True})
+  train(config, str(tmp_path))
+  kept = sorted(int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit())
+  assert kept == [4, 8, 9, 10]  # the newest two plus every 4th
+  events = [f for f in os.listdir(tmp_path / 'tensorboard') if 'tfevents' in f]
+  assert events and os.path.getsize(tmp_path / 'tensorboard' / events[0]) > 0

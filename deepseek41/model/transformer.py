@@ -32,6 +32,19 @@ class Block(nnx.Module):
     return (h_btd + y_btd).astype(x_btd.dtype), aux
 
 
+def _rematerialized(block: Block, x_btd, batch):
+  """Run a block whose activations are recomputed in the backward pass.
+
+  A pure `jax.checkpoint` over (graph, state): the forward never mutates state, so nothing has
+  to flow back out, and NNX's lifted remat (which does propagate state) is not needed.
+  """
+  graphdef, state = nnx.split(block)
+
+  def run(state, x_btd, batch):
+    return nnx.merge(graphdef, state)(x_btd, batch)
+  return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(state, x_btd, batch)
+
+
 class Transformer(nnx.Module):
   """The V4.1 backbone. `__call__(batch) -> (logits [B,T,V] fp32, aux)`."""
 
@@ -49,8 +62,7 @@ class Transformer(nnx.Module):
     auxes = []
     for block in self.blocks:
       if self.remat == 'block':
-        x_btd, aux = nnx.remat(lambda blk, x, b: blk(x, b),
-                               policy=jax.checkpoint_policies.nothing_saveable)(block, x_btd, batch)
+        x_btd, aux = _rematerialized(block, x_btd, batch)
       else:
         x_btd, aux = block(x_btd, batch)
       auxes.append(aux)

@@ -16,7 +16,7 @@ import optax
 from deepseek41.config import RunConfig
 from deepseek41.model.moe import update_router_bias
 from deepseek41.train.optimizer import learning_rate_schedule
-from deepseek41.train.state import ModelDef, merge_model, split_model
+from deepseek41.train.state import ModelDef, merge_model
 
 
 def cross_entropy_sum(logits_btv, targets_bt, mask_bt):
@@ -39,45 +39,58 @@ def _microbatches(batch, a: int):
   return jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), batch)
 
 
-def make_train_step(cfg: RunConfig, md: ModelDef):
+def accumulate_gradients(cfg: RunConfig, md: ModelDef, params, biases, batch):
+  """Gradients of the global-batch objective, summed over `grad_accum_steps` microbatches.
+
+  Returns (grads, ce_sum, n_tokens, load_lme, balance, dropped).
+  """
   a = cfg.train.grad_accum_steps
   w_bal = cfg.model.balance_loss_weight
+  n_global = jnp.maximum(jnp.sum(batch['loss_mask'].astype(jnp.float32)), 1.0)
+
+  def objective(p, mb):
+    ce_sum, n, aux = forward_loss(md, p, biases, mb)
+    return ce_sum / n_global + w_bal * aux['balance'] / a, (ce_sum, n, aux)
+
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+  def accumulate(carry, mb):
+    (_, (ce_sum, n, aux)), grads = grad_fn(params, mb)
+    g_acc, ce_acc, n_acc, load_acc, bal_acc, drop_acc = carry
+    return (jax.tree.map(jnp.add, g_acc, grads), ce_acc + ce_sum, n_acc + n,
+            load_acc + aux['load_lme'], bal_acc + aux['balance'] / a,
+            drop_acc + aux['dropped']), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  num_layers, num_experts = cfg.model.num_layers, cfg.model.n_routed_experts
+  init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+          jnp.zeros((num_layers, 2, num_experts), jnp.float32), jnp.zeros((), jnp.float32),
+          jnp.zeros((), jnp.int32))
+  out, _ = jax.lax.scan(accumulate, init, _microbatches(batch, a))
+  return out
+
+
+def _updated_router_biases(biases, load_lme, rate: float):
+  """Apply the sign rule to each layer's bias from that layer's loads ([L, M, E])."""
+  def update(path, bias_me):
+    keys = [getattr(k, 'key', getattr(k, 'idx', None)) for k in path]
+    layer = keys[keys.index('blocks') + 1]
+    return update_router_bias(bias_me, load_lme[layer], rate)
+  return jax.tree_util.tree_map_with_path(update, biases)
+
+
+def make_train_step(cfg: RunConfig, md: ModelDef):
   schedule = learning_rate_schedule(cfg.train)
 
   def train_step(state, batch):
     params, biases = state['params'], state['router_bias']
-    n_global = jnp.maximum(jnp.sum(batch['loss_mask'].astype(jnp.float32)), 1.0)
-
-    def objective(p, mb):
-      ce_sum, n, aux = forward_loss(md, p, biases, mb)
-      return ce_sum / n_global + w_bal * aux['balance'] / a, (ce_sum, n, aux)
-
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
-
-    def accumulate(carry, mb):
-      (_, (ce_sum, n, aux)), grads = grad_fn(params, mb)
-      g_acc, ce_acc, n_acc, load_acc, bal_acc, drop_acc = carry
-      return (jax.tree.map(jnp.add, g_acc, grads), ce_acc + ce_sum, n_acc + n,
-              load_acc + aux['load_lme'], bal_acc + aux['balance'] / a,
-              drop_acc + aux['dropped']), None
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    num_layers, num_experts = cfg.model.num_layers, cfg.model.n_routed_experts
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-            jnp.zeros((num_layers, 2, num_experts), jnp.float32), jnp.zeros((), jnp.float32),
-            jnp.zeros((), jnp.int32))
-    (grads, ce_sum, n, load_lme, balance, dropped), _ = jax.lax.scan(
-        accumulate, init, _microbatches(batch, a))
+    grads, ce_sum, n, load_lme, balance, dropped = accumulate_gradients(
+        cfg, md, params, biases, batch)
 
     updates, opt = md.tx.update(grads, state['opt'], params)
     new_params = optax.apply_updates(params, updates)
 
-    model = merge_model(md.graphdef, new_params, biases)
-    for block, load_me in zip(model.blocks, load_lme):
-      block.moe.router_bias[...] = update_router_bias(
-          block.moe.router_bias[...], load_me, cfg.model.router_bias_rate)
-    _, _, new_biases = split_model(model)
-
+    new_biases = _updated_router_biases(biases, load_lme, cfg.model.router_bias_rate)
     new_state = {'params': new_params, 'router_bias': new_biases, 'opt': opt,
                  'step': state['step'] + 1, 'rng': state['rng']}
     metrics = {
