@@ -57,5 +57,6 @@ def get_config():
   c.train.remat = 'none'
 
   c.checkpoint.every_steps = 500
+  c.checkpoint.max_to_keep = 2      # 13 GB each (params + Adam moments in fp32)
   c.log.every_steps = 20
   return c

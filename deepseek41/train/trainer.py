@@ -274,7 +274,10 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
 
         if cfg.train.eval_every_steps and (step % cfg.train.eval_every_steps == 0
                                            or step == cfg.train.steps):
+          t_eval = time.perf_counter()
           eval_loss = evaluate(state)
+          if window['t0'] is not None:  # keep evaluation out of the training throughput
+            window['t0'] += time.perf_counter() - t_eval
           if eval_loss is not None:
             last['eval_loss'] = eval_loss
             eval_losses[step] = eval_loss
