@@ -46,8 +46,31 @@ def main(argv):
                result.last_eval_loss, ' after a stop signal' if result.stopped_by_signal else '')
 
 
+def check_overrides(argv: list[str]) -> str | None:
+  """Name an unknown `--config.a.b=c` key before absl turns it into a bare AttributeError."""
+  from deepseek41.config import base_config
+  schema = base_config()
+  for arg in argv[1:]:
+    if not arg.startswith('--config.'):
+      continue
+    key = arg[len('--config.'):].split('=', 1)[0]
+    node = schema
+    for i, part in enumerate(key.split('.')):
+      if not hasattr(node, 'keys') or part not in node:
+        known = ', '.join(sorted(node.keys())) if hasattr(node, 'keys') else ''
+        where = '.'.join(key.split('.')[:i]) or 'the config'
+        return (f'unknown config key {key!r} in {arg!r}' +
+                (f'; {where} has: {known}' if known else ''))
+      node = node[part]
+  return None
+
+
 def run():
   """Console-script entry point (`ds41-train`)."""
+  problem = check_overrides(sys.argv)
+  if problem:
+    print(f'error: {problem}', file=sys.stderr)
+    sys.exit(2)
   app.run(main)
 
 
