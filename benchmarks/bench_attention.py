@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -34,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+from timing import time_fn  # noqa: E402  (benchmarks/timing.py)
 from deepseek41.ops.swa_attention import chunk_geometry, swa_attention  # noqa: E402
 
 FULL = dict(batch=1, seq_lens='4096,16384', heads=16, head_dim=512, window=128, chunks='',
@@ -92,20 +92,6 @@ def build(impl, window, chunk):
     return jax.grad(loss, argnums=(0, 1, 2))(q, kv, sink)
 
   return fwd, fwd_bwd
-
-
-def time_fn(fn, make_args, reps):
-  """Median wall time (ms) over reps fresh argument sets, after one warm-up (compile) call."""
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*make_args(0)))
-  compile_s = time.perf_counter() - t0
-  times = []
-  for rep in range(reps):
-    args = jax.block_until_ready(make_args(rep + 1))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times), compile_s
 
 
 def key_counts(seq_len, window, impl, chunk):

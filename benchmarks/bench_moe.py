@@ -20,7 +20,6 @@ import datetime
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -28,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+from timing import time_fn  # noqa: E402  (benchmarks/timing.py)
 from deepseek41.ops.expert_gemm import (clipped_swiglu, expert_capacity, expert_ffn,  # noqa: E402
                                         expert_ffn_batched)
 
@@ -119,20 +119,6 @@ def build_einsum_only(args, dtype):
 
   shape = (args.groups, args.experts, cap, args.d)
   return jax.jit(ffn), fwd_bwd, shape
-
-
-def time_fn(fn, make_args, reps):
-  """Median wall time (ms) of fn over reps fresh argument sets, after one warm-up (compile) call."""
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*make_args(0)))
-  compile_s = time.perf_counter() - t0
-  times = []
-  for rep in range(reps):
-    args = jax.block_until_ready(make_args(rep + 1))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times), compile_s
 
 
 def check_accuracy(backend, args, dtype):

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# One device call: the 1B ablation on synthetic data (capacity_einsum vs ragged_dot experts) and
-# on the default corpus (real data pipeline, evaluation, async checkpoints). Writes to $OUT.
-#   usage (on the GPU machine, repo root): bash benchmarks/gpu_ablation.sh
+# The 1B ablation on one GPU, in one device call. Writes logs and metrics to $OUT.
+#   bash benchmarks/gpu_ablation.sh throughput   # synthetic data: capacity_einsum vs ragged_dot
+#                                                # experts, then 60 steps on the default corpus
+#   bash benchmarks/gpu_ablation.sh long         # 120 corpus steps (bias rate 0.001 vs 0.01,
+#                                                # checkpoints every 40) and the cost of remat
 set -uo pipefail
+mode=${1:-throughput}
 OUT=${OUT:-/tmp/ds41-bench}; mkdir -p "$OUT"
-if [ -d .whl ]; then
+if [ -d .whl ]; then  # grain, array-record, ml_collections, portpicker, tensorboardX
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 else
@@ -12,17 +15,27 @@ else
 fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-COMMON="--config=configs/ablation_1b.py --config.log.progress_bar=False --config.log.every_steps=5"
+COMMON="--config=configs/ablation_1b.py --config.log.progress_bar=False"
 run() {  # name, extra flags...
   local name=$1; shift
   python3 -m deepseek41.train $COMMON --workdir=/tmp/$name "$@" > "$OUT/$name.log" 2>&1
   echo "$name exit $?" | tee -a "$OUT/summary.txt"
   cp /tmp/$name/metrics.jsonl "$OUT/$name.jsonl" 2>/dev/null
-  grep -E "took|tokens_per_s|eval_loss|rror|checkpoint_block" "$OUT/$name.log" | tail -6
+  rm -rf /tmp/$name/checkpoints  # 13 GB each: the machine's disk holds few
+  grep -E "took|step (10|40|60|120):|rror" "$OUT/$name.log" | tail -5
 }
 SYN="--config.data.synthetic=True --config.checkpoint.every_steps=0 --config.train.eval_every_steps=0"
-run syn_capacity $SYN --config.train.steps=40 --config.model.moe_backend=capacity_einsum
-run syn_ragged $SYN --config.train.steps=15 --config.model.moe_backend=ragged_dot
-run real_corpus --config.train.steps=60 --config.checkpoint.every_steps=30 \
-  --config.train.eval_every_steps=30 --config.data.cache_dir=/tmp/ds41-cache
+CORPUS="--config.data.cache_dir=/tmp/ds41-cache"
+case "$mode" in
+  throughput)
+    run syn_capacity $SYN --config.log.every_steps=5 --config.train.steps=40 --config.model.moe_backend=capacity_einsum
+    run syn_ragged $SYN --config.log.every_steps=5 --config.train.steps=15 --config.model.moe_backend=ragged_dot
+    run real_corpus $CORPUS --config.log.every_steps=5 --config.train.steps=60 \
+      --config.checkpoint.every_steps=30 --config.train.eval_every_steps=30 ;;
+  long)
+    LONG="$CORPUS --config.log.every_steps=10 --config.train.steps=120 --config.checkpoint.every_steps=40 --config.train.eval_every_steps=60"
+    run real_rate001 $LONG
+    run real_rate01 $LONG --config.model.router_bias_rate=0.01
+    run syn_remat $SYN --config.log.every_steps=10 --config.train.steps=30 --config.train.remat=block ;;
+  *) echo "unknown mode $mode (throughput | long)" >&2; exit 2 ;;
+esac

@@ -1,0 +1,20 @@
+"""Shared timing for the benchmarks: warm-up, fresh inputs per repetition, median."""
+
+import statistics
+import time
+
+import jax
+
+
+def time_fn(fn, make_args, reps):
+  """Median wall time (ms) of fn over reps fresh argument sets, after one warm-up (compile) call."""
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*make_args(0)))
+  compile_s = time.perf_counter() - t0
+  times = []
+  for rep in range(reps):
+    args = jax.block_until_ready(make_args(rep + 1))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times), compile_s
