@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp

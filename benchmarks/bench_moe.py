@@ -21,7 +21,6 @@ import functools
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp

@@ -3,7 +3,6 @@
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from deepseek41.sharding import batch_sharding, logical_to_spec, make_mesh
 from deepseek41.train import state as state_lib

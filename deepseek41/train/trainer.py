@@ -7,7 +7,6 @@ step n's scalars are pulled to the host, so the device never waits for logging.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -17,7 +16,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -174,7 +172,8 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
       return None
     # An endless unshuffled stream: every process gets the same number of batches, and each
     # evaluation sees the same eval_batches batches.
-    ds = make_dataset(cfg.data, split='heldout', batch_size=local_batch, seed=cfg.train.seed,
+    # In-process: worker start-up would cost more than the few evaluation batches.
+    ds = make_dataset(dataclasses.replace(cfg.data, num_workers=0), split='heldout', batch_size=local_batch, seed=cfg.train.seed,
                       process_index=jax.process_index(), process_count=n_proc, repeat=True,
                       shuffle=False)
     ce_sum, n = 0.0, 0.0
