@@ -28,8 +28,11 @@ flags.mark_flags_as_required(['config', 'workdir'])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  logging.basicConfig(level=logging.INFO, format='%(asctime)s %(levelname)s %(message)s',
+  # Our own progress at INFO; libraries (Orbax, JAX, Grain) only when they warn.
+  logging.basicConfig(level=logging.WARNING, format='%(asctime)s %(levelname)s %(message)s',
                       datefmt='%H:%M:%S', force=True)
+  logging.getLogger('deepseek41').setLevel(logging.INFO)
+  logging.getLogger('absl').setLevel(logging.WARNING)
   import jax
   if _DISTRIBUTED.value or _COORDINATOR.value:
     jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
@@ -42,7 +45,7 @@ def main(argv):
   except (ConfigError, CheckpointError, TrainingDiverged, FileNotFoundError) as e:
     logging.error('%s', e)
     sys.exit(2)
-  logging.info('finished at step %d (loss %s, eval loss %s)%s', result.step, result.last_loss,
+  logging.getLogger('deepseek41').info('finished at step %d (loss %s, eval loss %s)%s', result.step, result.last_loss,
                result.last_eval_loss, ' after a stop signal' if result.stopped_by_signal else '')
 
 

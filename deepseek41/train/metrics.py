@@ -50,10 +50,9 @@ class MetricsWriter:
 
   def advance(self, step: int, loss: float | None = None):
     if self.bar is not None:
-      self.bar.n = step
       if loss is not None:
         self.bar.set_postfix(loss=f'{loss:.4f}', refresh=False)
-      self.bar.refresh()
+      self.bar.update(step - self.bar.n)  # redraws at most every mininterval
 
   def close(self):
     if self.bar is not None:
