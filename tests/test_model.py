@@ -105,3 +105,19 @@ def test_logical_axes_on_every_parameter():
   for v in leaves:
     axes = v.get_metadata().get('logical_axes')
     assert axes is not None and len(axes) == v.get_value().ndim
+
+
+def test_output_depends_on_relative_positions_only(model, monkeypatch):
+  # Scores see RoPE(q_t).RoPE(k_u) (relative), and the values carried RoPE too; rotating the
+  # output back by the query's angle makes every layer invariant to a shift of all positions.
+  batch = packed_batch(seed=8)
+  shifted = dict(batch, positions=batch['positions'] + 977)
+  base = np.asarray(_token_ce(model, batch))
+  np.testing.assert_allclose(np.asarray(_token_ce(model, shifted)), base, rtol=2e-4, atol=2e-4)
+  # Without the inverse rotation the shift changes the losses by O(1e-2): the test can fail.
+  from deepseek41.model import attention
+  rope = attention.apply_rope
+  monkeypatch.setattr(attention, 'apply_rope',
+                      lambda x, p, f, inverse=False: x if inverse else rope(x, p, f))
+  ce = nnx.jit(lambda m, b: _token_ce.__wrapped__(m, b))
+  assert np.abs(np.asarray(ce(model, shifted)) - np.asarray(ce(model, batch))).max() > 1e-3

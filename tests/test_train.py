@@ -218,3 +218,15 @@ def test_retention_and_writers(corpus, tmp_path):
   assert kept == [4, 8, 9, 10]  # the newest two plus every 4th
   events = [f for f in os.listdir(tmp_path / 'tensorboard') if 'tfevents' in f]
   assert events and os.path.getsize(tmp_path / 'tensorboard' / events[0]) > 0
+
+
+@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM])
+def test_stop_flag_catches_signals(sig):
+  from deepseek41.train.trainer import _StopFlag
+  with _StopFlag() as stop:
+    os.kill(os.getpid(), sig)
+    deadline = time.time() + 5
+    while stop.signal is None and time.time() < deadline:
+      time.sleep(0.01)
+    assert stop.signal == sig
+  assert signal.getsignal(sig) is not stop._handle  # handlers restored
