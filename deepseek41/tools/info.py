@@ -52,5 +52,10 @@ def main(argv):
   print(describe(_CONFIG.value))
 
 
-if __name__ == '__main__':
+def run():
+  """Console-script entry point (`ds41-info`)."""
   app.run(main)
+
+
+if __name__ == '__main__':
+  run()

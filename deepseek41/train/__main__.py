@@ -38,11 +38,12 @@ def main(argv):
     jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
                                num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
   from deepseek41.config import ConfigError
+  from deepseek41.data.shards import DataError
   from deepseek41.train.checkpoint import CheckpointError
   from deepseek41.train.trainer import TrainingDiverged, train
   try:
     result = train(_CONFIG.value, _WORKDIR.value, stop_at_step=_STOP_AT.value)
-  except (ConfigError, CheckpointError, TrainingDiverged, FileNotFoundError) as e:
+  except (ConfigError, DataError, CheckpointError, TrainingDiverged, FileNotFoundError) as e:
     logging.error('%s', e)
     sys.exit(2)
   logging.getLogger('deepseek41').info('finished at step %d (loss %s, eval loss %s)%s', result.step, result.last_loss,
