@@ -95,3 +95,23 @@ def test_cli_rejects_unknown_override_and_missing_config(tmp_path):
                         f'--workdir={tmp_path}'], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
   assert out.returncode != 0 and 'nope.py' in out.stderr
+
+
+def test_released_config_parameter_accounting():
+  """Our count plus what later issues add equals the released backbone (ARCHITECTURE.md s.6)."""
+  cfg = resolve(load_config_file(os.path.join(ROOT, 'configs', 'v41_flash.py')), backend='cpu',
+                num_devices=None)
+  abstract = abstract_state(cfg, make_optimizer(cfg.train))
+  ours = count_params(abstract['params'])
+  layers, d = 40, 5120
+  attention = 5120 * 1280 + 1280 + 1280 * 32768 + 5120 * 512 + 512 + 64 + 8 * 4096 * 1024 + 8192 * 5120
+  assert attention == 126_617_408
+  moe = 384 * 3 * 5120 * 2304 + 3 * 5120 * 2304 + 5120 * 384
+  expected_now = layers * (attention + moe + 2 * d) + 2 * 129280 * 5120 + d
+  assert ours == expected_now
+  not_yet = (layers * 2 * 384              # correction biases: state here, tensors in the release
+             + layers * 983_094            # mHC (issue 4)
+             + 3 * 5_243_392 + 2_621_952   # ratio-2 / ratio-1 compressors (issue 3)
+             + 8 * 5_406_720 + 4 * 65_664  # indexers and index keys (issue 3)
+             + 2 * 157_327_360)            # Engram projections (issue 4)
+  assert ours + not_yet == 551_880_835_184

@@ -1,0 +1,60 @@
+"""DeepSeek-V4.1-Flash as released (ARCHITECTURE.md section 2.1): the reference configuration.
+
+    python -m deepseek41.tools.info --config=configs/v41_flash.py
+
+Training it needs a multi-host slice (552B parameters; fsdp and expert sharding below). Today
+the backbone has the released attention core and MoE; mHC, the CSA2 branch, Engram and DSpark
+arrive with the next issues, and tests/test_config.py accounts for the difference to the
+released 551,880,835,184 backbone parameters term by term.
+"""
+
+from deepseek41.config import base_config
+
+
+def get_config():
+  c = base_config()
+  m = c.model
+  m.vocab_size = 129280
+  m.d_model = 5120
+  m.num_layers = 40
+  m.num_encoder_layers = 20
+  m.num_heads = 64
+  m.head_dim = 512
+  m.rope_head_dim = 64
+  m.q_lora_rank = 1280
+  m.o_groups = 8
+  m.o_lora_rank = 1024
+  m.sliding_window = 128
+  m.compress_ratios = (0, 0) + (2,) * 18 + (1,) * 20
+  m.kv_source_layer_ids = (2, 8, 14, 20)
+  m.index_source_layer_ids = (2, 8, 14, 20, 24, 28, 32, 36)
+  m.candidate_source_layer_id = 20
+  m.engram_layer_ids = (1, 14)
+  m.index_topk = 512
+  m.candidate_topk_blocks = 2048
+  m.candidate_block_size = 8
+  m.rope_theta = 10000.0
+  m.compress_rope_theta = 160000.0
+  m.yarn_factor = 16.0
+  m.yarn_original_max_position = 65536
+  m.rms_norm_eps = 1e-20
+  m.n_routed_experts = 384
+  m.num_experts_per_tok = 6
+  m.n_shared_experts = 1
+  m.moe_intermediate_size = 2304
+  m.route_scale = 1.5
+  m.swiglu_limit = 10.0
+  m.router_bias_rate = 0.001
+  m.init_std = 0.006
+
+  c.data.seq_len = 65536
+  c.data.default_corpus_vocab_size = 16384
+  c.train.batch_size = 64
+  c.train.lr = 2.2e-4
+  c.train.schedule = 'wsd'
+  c.train.remat = 'block'
+  c.mesh.data = 1
+  c.mesh.fsdp = -1
+  c.mesh.expert = 8
+  c.checkpoint.max_to_keep = 2
+  return c
