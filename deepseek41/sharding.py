@@ -71,23 +71,5 @@ def variable_sharding(var: nnx.Variable, rules: Rules, mesh: Mesh) -> NamedShard
   return NamedSharding(mesh, _fit_spec(logical_to_spec(axes, rules, mesh), value.shape, mesh))
 
 
-def state_shardings(state, rules: Rules, mesh: Mesh):
-  """NamedShardings for an nnx.State (abstract or concrete), from each Variable's logical axes."""
-  return jax.tree.map(lambda v: v.replace(variable_sharding(v, rules, mesh)), state,
-                      is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def activation_spec(axes: tuple[str | None, ...], rules: Rules, mesh: Mesh) -> P:
-  return logical_to_spec(axes, rules, mesh)
-
-
-def constrain(x, axes: tuple[str | None, ...], rules: Rules | None, mesh: Mesh | None):
-  """with_sharding_constraint by logical names; a no-op when no mesh is given (plain eager use)."""
-  if mesh is None or rules is None:
-    return x
-  spec = _fit_spec(logical_to_spec(axes, rules, mesh), x.shape, mesh)
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(('batch',) + (None,) * (ndim - 1), rules, mesh))

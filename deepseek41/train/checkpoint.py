@@ -81,10 +81,6 @@ class Checkpointer:
     self.manager.reload()
     return self.manager.latest_step()
 
-  def all_steps(self) -> list[int]:
-    self.manager.reload()
-    return list(self.manager.all_steps())
-
   # -- save ------------------------------------------------------------------------------------
 
   def save(self, step: int, state, data_iter, config_dict: dict, layout: dict,
