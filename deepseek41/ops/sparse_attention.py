@@ -1,0 +1,89 @@
+"""The compressed branch of CSA2 attention (ARCHITECTURE.md section 3.8) as a softmax partial.
+
+Query t attends to the compressed entries its layer selected (top-k of the index source, at most
+`index_topk` per query), with the same shared-latent MQA as the window branch: every head of a
+query uses the same gathered latent as key and value. The partial `(o_bthd, lse_bth)` merges
+with the window partial and the sink through `swa_attention.combine_with_sink`.
+
+- `reference`: dense scores over all N entries, masked to the selection ([B, T, H, N]); ground
+  truth for tests and tiny shapes.
+- `gathered`: per query chunk, gather the k selected latents ([B, C, K, d]) and attend over them
+  only; memory is linear in T and no [T, N] array exists. The H heads of a query share each
+  gathered latent in one [H, d] x [d, K] matmul.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from deepseek41.ops.swa_attention import _masked_softmax_partial
+
+IMPLS = ('reference', 'gathered')
+
+
+def selection_mask(idx_btk, valid_btk, num_entries: int):
+  """[B, T, N] bool from top-k indices (for the reference path and tests)."""
+  hits_btkn = jax.nn.one_hot(idx_btk, num_entries, dtype=jnp.bool_) & valid_btk[..., None]
+  return jnp.any(hits_btkn, axis=2)
+
+
+def _partial_reference(q_bthd, kv_bnd, idx_btk, valid_btk, scale):
+  mask_btn = selection_mask(idx_btk, valid_btk, kv_bnd.shape[1])
+  scores_bthn = jnp.einsum('bthd,bnd->bthn', q_bthd, kv_bnd,
+                           preferred_element_type=jnp.float32) * scale
+  probs_bthn, lse_bth = _masked_softmax_partial(scores_bthn, mask_btn[:, :, None, :])
+  o_bthd = jnp.einsum('bthn,bnd->bthd', probs_bthn.astype(kv_bnd.dtype), kv_bnd,
+                      preferred_element_type=jnp.float32)
+  return o_bthd, lse_bth
+
+
+def _partial_gathered_chunk(q_bchd, kv_bnd, idx_bck, valid_bck, scale):
+  kv_bckd = jax.vmap(lambda kv_nd, idx_ck: kv_nd[idx_ck])(kv_bnd, idx_bck)
+  scores_bchk = jnp.einsum('bchd,bckd->bchk', q_bchd, kv_bckd,
+                           preferred_element_type=jnp.float32) * scale
+  probs_bchk, lse_bch = _masked_softmax_partial(scores_bchk, valid_bck[:, :, None, :])
+  o_bchd = jnp.einsum('bchk,bckd->bchd', probs_bchk.astype(kv_bnd.dtype), kv_bckd,
+                      preferred_element_type=jnp.float32)
+  return o_bchd, lse_bch
+
+
+def _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk):
+  b, t, h, d = q_bthd.shape
+  chunk = min(chunk or t, t)
+  t_pad = -(-t // chunk) * chunk
+  if t_pad != t:  # padded queries select nothing (valid False) and are cut off below
+    q_bthd = jnp.pad(q_bthd, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
+    idx_btk = jnp.pad(idx_btk, ((0, 0), (0, t_pad - t), (0, 0)))
+    valid_btk = jnp.pad(valid_btk, ((0, 0), (0, t_pad - t), (0, 0)))
+  n_chunks = t_pad // chunk
+
+  def per_chunk(args):
+    q_bchd, idx_bck, valid_bck = args
+    return _partial_gathered_chunk(q_bchd, kv_bnd, idx_bck, valid_bck, scale)
+
+  split = lambda x: jnp.moveaxis(x.reshape(b, n_chunks, chunk, *x.shape[2:]), 1, 0)  # noqa: E731
+  o_nbchd, lse_nbch = jax.lax.map(per_chunk, (split(q_bthd), split(idx_btk), split(valid_btk)))
+  o_bthd = jnp.moveaxis(o_nbchd, 0, 1).reshape(b, t_pad, h, d)[:, :t]
+  lse_bth = jnp.moveaxis(lse_nbch, 0, 1).reshape(b, t_pad, h)[:, :t]
+  return o_bthd, lse_bth
+
+
+def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathered',
+                       chunk: int | None = None, scale: float | None = None):
+  """Attention of each query over its selected compressed entries: (o_bthd fp32, lse_bth fp32).
+
+  q_bthd [B, T, H, d]; kv_bnd [B, N, d] (RoPE'd, possibly fake-quantized latents; key = value);
+  idx_btk int [B, T, K] selected entries; valid_btk bool [B, T, K] (false for unused slots and
+  for queries that see no entry). `chunk` bounds the queries processed at once (gathered).
+  """
+  if q_bthd.shape[-1] != kv_bnd.shape[-1]:
+    raise ValueError(f'q {q_bthd.shape} and kv {kv_bnd.shape} differ in the latent width')
+  scale = 1.0 / math.sqrt(q_bthd.shape[-1]) if scale is None else scale
+  if impl == 'reference':
+    return _partial_reference(q_bthd, kv_bnd, idx_btk, valid_btk, scale)
+  if impl == 'gathered':
+    return _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk)
+  raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
