@@ -32,6 +32,8 @@ def get_config():
   m.index_source_layer_ids = (2, 6, 9)
   m.candidate_source_layer_id = 6
   m.engram_layer_ids = (1, 4)
+  m.index_n_heads = 16
+  m.index_head_dim = 128
   m.index_topk = 512
   m.candidate_topk_blocks = 256
   m.candidate_block_size = 8

@@ -30,6 +30,12 @@ def get_config():
   m.index_source_layer_ids = (2, 8, 14, 20, 24, 28, 32, 36)
   m.candidate_source_layer_id = 20
   m.engram_layer_ids = (1, 14)
+  m.csa2 = True
+  m.kv_quant = 'fp4_e4m3_16'
+  m.index_quant = 'fp4_ue8m0_32'
+  m.swa_quant = 'fp8_ue8m0_32'
+  m.index_n_heads = 32
+  m.index_head_dim = 128
   m.index_topk = 512
   m.candidate_topk_blocks = 2048
   m.candidate_block_size = 8

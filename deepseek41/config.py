@@ -45,6 +45,10 @@ def base_config() -> ml_collections.ConfigDict:
   m.index_source_layer_ids = (1, 2, 3)
   m.candidate_source_layer_id = 2    # -1: no candidate pool
   m.engram_layer_ids = (1,)
+  # CSA2 global branch (sections 3.6-3.8; issue 3, in progress): off = window attention only.
+  m.csa2 = False
+  m.index_n_heads = 4                # [index_n_heads]
+  m.index_head_dim = 32              # [index_head_dim]
   m.index_topk = 8                   # [index_topk]
   m.candidate_topk_blocks = 4        # [candidate_topk_blocks]
   m.candidate_block_size = 4         # [candidate_block_size]
@@ -68,6 +72,13 @@ def base_config() -> ml_collections.ConfigDict:
   m.moe_backend = 'auto'             # auto | reference | capacity_einsum | ragged_dot
   m.capacity_factor = 1.25           # capacity_einsum: slots per expert = ceil(cf * N * K / E)
   m.attention_impl = 'auto'          # auto | reference | chunked
+  m.sparse_impl = 'auto'             # auto (= gathered) | reference | gathered
+  m.sparse_chunk = 1024              # queries per chunk in the gathered path and the indexer
+  # Fake quantization (section 3.16), each 'none' or a deepseek41.quant format name; the
+  # released formats are fp4_e4m3_16 / fp4_ue8m0_32 / fp8_ue8m0_32 (configs/v41_flash.py).
+  m.kv_quant = 'none'                # compressed main KV, after RoPE
+  m.index_quant = 'none'             # indexer q and k
+  m.swa_quant = 'none'               # sliding-window KV, after RoPE
   m.init_std = 0.02
   m.compute_dtype = 'auto'           # auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16
   m.param_dtype = 'float32'          # master weights
@@ -130,6 +141,8 @@ def base_config() -> ml_collections.ConfigDict:
       ('mlp', 'tensor'),
       ('experts', 'expert'),
       ('expert_mlp', 'tensor'),
+      ('index_heads', 'tensor'),
+      ('index_dim', ''),
       ('norm', ''),
   )
 
@@ -171,6 +184,9 @@ class ModelConfig:
   index_source_layer_ids: tuple[int, ...]
   candidate_source_layer_id: int
   engram_layer_ids: tuple[int, ...]
+  csa2: bool
+  index_n_heads: int
+  index_head_dim: int
   index_topk: int
   candidate_topk_blocks: int
   candidate_block_size: int
@@ -192,6 +208,11 @@ class ModelConfig:
   moe_backend: str            # resolved: reference | capacity_einsum | ragged_dot
   capacity_factor: float
   attention_impl: str         # resolved: reference | chunked
+  sparse_impl: str            # resolved: reference | gathered
+  sparse_chunk: int
+  kv_quant: str
+  index_quant: str
+  swa_quant: str
   init_std: float
   compute_dtype: str          # resolved: float32 | bfloat16
   param_dtype: str
@@ -454,6 +475,18 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
            for l in range(m.num_encoder_layers, L)), 'model.num_encoder_layers',
        'decoder layers must read KV produced inside the decoder (CED wiring)')
   _req(m.index_topk >= 1, 'model.index_topk', 'must be >= 1')
+  _req(m.index_n_heads >= 1, 'model.index_n_heads', 'must be >= 1')
+  _req(m.index_head_dim >= 2 and m.index_head_dim % 2 == 0 and
+       m.index_head_dim >= m.rope_head_dim, 'model.index_head_dim',
+       f'must be even and >= rope_head_dim ({m.rope_head_dim}), got {m.index_head_dim}')
+  _req(m.sparse_chunk >= 1, 'model.sparse_chunk', 'must be >= 1')
+  sparse_impls = ('auto', 'reference', 'gathered')
+  _req(m.sparse_impl in sparse_impls, 'model.sparse_impl',
+       f'must be one of {sparse_impls}, got {m.sparse_impl!r}')
+  quant_formats = ('none', 'fp4_e4m3_16', 'fp4_ue8m0_32', 'fp8_ue8m0_32')
+  for key in ('kv_quant', 'index_quant', 'swa_quant'):
+    _req(m[key] in quant_formats, f'model.{key}',
+         f'must be one of {quant_formats}, got {m[key]!r}')
   _req(m.yarn_factor >= 1.0, 'model.yarn_factor', f'must be >= 1, got {m.yarn_factor}')
   _req(m.rms_norm_eps > 0, 'model.rms_norm_eps', 'must be > 0')
   _req(m.capacity_factor > 0, 'model.capacity_factor', 'must be > 0')
@@ -485,7 +518,9 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
       q_lora_rank=int(m.q_lora_rank), o_groups=int(m.o_groups), o_lora_rank=int(m.o_lora_rank),
       sliding_window=int(m.sliding_window), q_head_norm=bool(m.q_head_norm),
       compress_ratios=ratios, kv_source_layer_ids=kv, index_source_layer_ids=idx,
-      candidate_source_layer_id=cand, engram_layer_ids=eng, index_topk=int(m.index_topk),
+      candidate_source_layer_id=cand, engram_layer_ids=eng, csa2=bool(m.csa2),
+      index_n_heads=int(m.index_n_heads), index_head_dim=int(m.index_head_dim),
+      index_topk=int(m.index_topk),
       candidate_topk_blocks=int(m.candidate_topk_blocks),
       candidate_block_size=int(m.candidate_block_size), rope_theta=float(m.rope_theta),
       compress_rope_theta=float(m.compress_rope_theta), yarn_factor=float(m.yarn_factor),
@@ -497,6 +532,9 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
       swiglu_limit=float(m.swiglu_limit), router_bias_rate=float(m.router_bias_rate),
       balance_loss_weight=float(m.balance_loss_weight), moe_backend=moe_backend,
       capacity_factor=float(m.capacity_factor), attention_impl=attention_impl,
+      sparse_impl='gathered' if m.sparse_impl == 'auto' else m.sparse_impl,
+      sparse_chunk=int(m.sparse_chunk), kv_quant=m.kv_quant, index_quant=m.index_quant,
+      swa_quant=m.swa_quant,
       init_std=float(m.init_std), compute_dtype=compute_dtype, param_dtype=m.param_dtype)
 
 

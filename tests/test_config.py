@@ -107,11 +107,11 @@ def test_released_config_parameter_accounting():
   attention = 5120 * 1280 + 1280 + 1280 * 32768 + 5120 * 512 + 512 + 64 + 8 * 4096 * 1024 + 8192 * 5120
   assert attention == 126_617_408
   moe = 384 * 3 * 5120 * 2304 + 3 * 5120 * 2304 + 5120 * 384
-  expected_now = layers * (attention + moe + 2 * d) + 2 * 129280 * 5120 + d
+  csa2 = (3 * 5_243_392 + 2_621_952     # ratio-2 / ratio-1 compressors (layers 2, 8, 14 / 20)
+          + 8 * 5_406_720 + 4 * 65_664)  # index queries (8 index sources), index keys (4 KV sources)
+  expected_now = layers * (attention + moe + 2 * d) + csa2 + 2 * 129280 * 5120 + d
   assert ours == expected_now
   not_yet = (layers * 2 * 384              # correction biases: state here, tensors in the release
              + layers * 983_094            # mHC (issue 4)
-             + 3 * 5_243_392 + 2_621_952   # ratio-2 / ratio-1 compressors (issue 3)
-             + 8 * 5_406_720 + 4 * 65_664  # indexers and index keys (issue 3)
              + 2 * 157_327_360)            # Engram projections (issue 4)
   assert ours + not_yet == 551_880_835_184

@@ -7,9 +7,9 @@
     o[..., -rope:] <- inverse RoPE at the query position
     y   = concat_g(o_g W_oa[g]) W_ob        grouped low-rank output, G groups of H/G heads
 
-The CSA2 global branch (compressed KV + indexer + top-k) plugs in as a second softmax partial
-merged by log-sum-exp in `global_partials`; today every layer returns none, so all layers attend
-only over their sliding window.
+With `model.csa2` on, layers of ratio > 0 add the compressed sparse branch (`csa2.CSA2`: their
+KV source's entries selected by their index source) as a second softmax partial, merged with the
+window by log-sum-exp; off, every layer attends only over its sliding window.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from deepseek41.config import LayerRole, ModelConfig
+from deepseek41.config import SWA, LayerRole, ModelConfig
+from deepseek41.model.csa2 import CSA2
 from deepseek41.model.norms import RMSNorm, rms_normalize
 from deepseek41.model.params import const_param, normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
 from deepseek41.ops.swa_attention import combine_with_sink, swa_partial
+from deepseek41.quant import get_fake_quant
 
 
 class Attention(nnx.Module):
@@ -40,13 +42,10 @@ class Attention(nnx.Module):
     self.wo_a = normal_param(rngs, (g, (h // g) * d, cfg.o_lora_rank),
                              ('o_groups', 'head_dim', 'o_lora'), std)
     self.wo_b = normal_param(rngs, (g * cfg.o_lora_rank, d_model), ('o_lora', 'embed'), std)
+    self.csa2 = CSA2(cfg, role, rngs) if cfg.csa2 and role.mode != SWA else None
 
-  def global_partials(self, q_bthd, x_btd, batch) -> list:
-    """Seam for the CSA2 compressed sparse branch (issue 3): softmax partials (o, lse)."""
-    del q_bthd, x_btd, batch
-    return []
-
-  def __call__(self, x_btd, batch):
+  def __call__(self, x_btd, batch, shared: dict):
+    """Returns (output [B,T,D], shared): `shared` carries compressed KV and selections onward."""
     cfg = self.cfg
     dt = x_btd.dtype
     b, t, _ = x_btd.shape
@@ -59,14 +58,16 @@ class Attention(nnx.Module):
       q_bthd = rms_normalize(q_bthd, cfg.rms_norm_eps).astype(dt)
     kv_btd = self.kv_norm(x_btd @ self.wkv[...].astype(dt))
     q_bthd = apply_rope(q_bthd, positions_bt, inv_freq)
-    kv_btd = apply_rope(kv_btd, positions_bt, inv_freq)
+    kv_btd = get_fake_quant(cfg.swa_quant)(apply_rope(kv_btd, positions_bt, inv_freq))
 
     partials = [swa_partial(q_bthd, kv_btd, batch['segment_ids'], window=cfg.sliding_window,
                             impl=cfg.attention_impl)]
-    partials += self.global_partials(q_bthd, x_btd, batch)
+    if self.csa2 is not None:
+      compressed, shared = self.csa2(x_btd, q_r_btr, q_bthd, batch, shared)
+      partials.append(compressed)
     o_bthd = combine_with_sink(partials, self.sink[...], dtype=dt)
     o_bthd = apply_rope(o_bthd, positions_bt, inv_freq, inverse=True)
 
     o_btgf = o_bthd.reshape(b, t, cfg.o_groups, -1)
     low_btgr = jnp.einsum('btgf,gfr->btgr', o_btgf, self.wo_a[...].astype(dt))
-    return low_btgr.reshape(b, t, -1) @ self.wo_b[...].astype(dt)
+    return low_btgr.reshape(b, t, -1) @ self.wo_b[...].astype(dt), shared

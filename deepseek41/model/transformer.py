@@ -25,14 +25,15 @@ class Block(nnx.Module):
     self.ffn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
     self.moe = MoE(cfg, rngs)
 
-  def __call__(self, x_btd, batch):
+  def __call__(self, x_btd, batch, shared):
     valid_bt = batch['segment_ids'] > 0
-    h_btd = x_btd + self.attn(self.attn_norm(x_btd), batch)
+    attn_btd, shared = self.attn(self.attn_norm(x_btd), batch, shared)
+    h_btd = x_btd + attn_btd
     y_btd, aux = self.moe(self.ffn_norm(h_btd), batch['modality'], valid_bt)
-    return (h_btd + y_btd).astype(x_btd.dtype), aux
+    return (h_btd + y_btd).astype(x_btd.dtype), aux, shared
 
 
-def _rematerialized(block: Block, x_btd, batch):
+def _rematerialized(block: Block, x_btd, batch, shared):
   """Run a block whose activations are recomputed in the backward pass.
 
   A pure `jax.checkpoint` over (graph, state): the forward never mutates state, so nothing has
@@ -40,9 +41,10 @@ def _rematerialized(block: Block, x_btd, batch):
   """
   graphdef, state = nnx.split(block)
 
-  def run(state, x_btd, batch):
-    return nnx.merge(graphdef, state)(x_btd, batch)
-  return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(state, x_btd, batch)
+  def run(state, x_btd, batch, shared):
+    return nnx.merge(graphdef, state)(x_btd, batch, shared)
+  return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(
+      state, x_btd, batch, shared)
 
 
 class Transformer(nnx.Module):
@@ -60,11 +62,12 @@ class Transformer(nnx.Module):
     dt = dtype_of(self.cfg.compute_dtype)
     x_btd = jnp.take(self.embed[...], batch['tokens'], axis=0).astype(dt)
     auxes = []
+    shared = {}  # compressed KV and selections published by source layers (CSA2)
     for block in self.blocks:
       if self.remat == 'block':
-        x_btd, aux = _rematerialized(block, x_btd, batch)
+        x_btd, aux, shared = _rematerialized(block, x_btd, batch, shared)
       else:
-        x_btd, aux = block(x_btd, batch)
+        x_btd, aux, shared = block(x_btd, batch, shared)
       auxes.append(aux)
     h_btd = self.final_norm(x_btd)
     logits_btv = jnp.einsum('btd,dv->btv', h_btd, self.head[...].astype(dt),

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # Model keys that change how the model is executed, not what it computes or stores.
 EXECUTION_ONLY_MODEL_KEYS = frozenset({'moe_backend', 'attention_impl', 'compute_dtype',
-                                       'capacity_factor'})
+                                       'capacity_factor', 'sparse_impl', 'sparse_chunk'})
 
 
 class CheckpointError(RuntimeError):

@@ -1,0 +1,185 @@
+"""The CSA2 KV compressor of a KV-source layer (ARCHITECTURE.md section 3.6).
+
+    r = 1:  latent_t = kv_norm(x_t W_kv)                                     one entry per token
+    r = 2:  kv_t = x_t W_kv,  g_t = x_t W_gate                (fp32)
+            w = softmax over the pair (g_2j, g_2j+1), per channel           (fp32)
+            latent_j = kv_norm(w_0 kv_2j + w_1 kv_2j+1)                     one entry per 2 tokens
+    kv_j = quantize(RoPE_compress(latent_j, pos = position of the group's first token))
+
+The pre-RoPE `latent` feeds the indexer keys (indexer.IndexKeys); `kv` is the compressed K=V that
+the sparse attention reads. Quantisation (FP4 fake-quant in QAT) is the caller's: pass it as the
+`quantize` hook; the default is the identity.
+
+Layout of the entries of one batch row. Entry j is made of the row's tokens {j*r, ..., j*r + r-1}
+(groups are aligned to the ROW, not to documents), so N = ceil(T / r). Every entry carries its
+own metadata, so any slice of entries can be used on its own:
+
+    pos_bn   int32  RoPE position = positions_bt of the group's first token (j*r in a document that
+                    starts at an even row offset, as section 3.4 says)
+    seg_bn   int32  segment id of the group; 0 when the group contains padding or STRADDLES two
+                    documents (e.g. a document of odd length followed by another): such an entry
+                    is never visible to anyone
+    last_bn  int32  row index of the group's last token: the entry exists once that token is seen
+
+Packing note: a document that starts at an odd row offset loses its first token to a straddling
+(invisible) group and its entries are {1,2}, {3,4}, ... instead of {0,1}, {2,3}, ... as at
+inference, with RoPE positions 1, 3, ...; the result is still causal and never leaks across
+documents, but only documents that start at an even row offset compress exactly like inference
+(ARCHITECTURE section 4, "Packing": align document starts to even offsets).
+
+If T is not a multiple of r the row is padded internally with padding tokens (segment 0), so the
+last entry of such a row is invisible.
+
+Visibility (`visible_btn`): entry j is visible to query row t iff
+`seg_bn[j] == segment_ids_bt[t] != 0` and `last_bn[j] <= t`; inside a document that starts at an
+even row offset this is exactly section 3.6's `j_local < floor((t_local + 1) / r)`. The scalable
+path must never build [T, N] for a whole sequence: `visible_btn` takes a slice of query rows
+(`row_offset`) and any slice of entries, so a caller builds it one query chunk at a time, and
+`newest_visible_entry_bt` finds the newest visible entry of every query in O(T) without any mask.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from deepseek41.config import ModelConfig
+from deepseek41.model.norms import RMSNorm
+from deepseek41.model.params import normal_param
+from deepseek41.model.rope import apply_rope, rope_for_role
+
+
+def identity(x):
+  return x
+
+
+@struct.dataclass
+class CompressedKV:
+  """The compressed entries of one KV-source layer for a batch of rows (N = ceil(T / ratio))."""
+  latent_bnd: jax.Array   # normed pre-RoPE latent (indexer keys are derived from it)
+  kv_bnd: jax.Array       # quantize(RoPE_compress(latent)): the compressed K=V of attention
+  pos_bn: jax.Array       # int32 RoPE position of the entry (its first token's position)
+  seg_bn: jax.Array       # int32 segment id, 0 = never visible (padding or straddling group)
+  last_bn: jax.Array      # int32 row index of the group's last token
+  ratio: int = struct.field(pytree_node=False, default=1)
+
+  @property
+  def num_entries(self) -> int:
+    return self.seg_bn.shape[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure functions
+
+
+def pad_rows_to_ratio(x_bt, ratio: int, value=0):
+  """Pad axis 1 (T) at the end to a multiple of `ratio` with `value`."""
+  t = x_bt.shape[1]
+  extra = -t % ratio
+  if extra == 0:
+    return x_bt
+  pad = [(0, 0)] * x_bt.ndim
+  pad[1] = (0, extra)
+  return jnp.pad(x_bt, pad, constant_values=value)
+
+
+def group_layout(segment_ids_bt, positions_bt, ratio: int):
+  """(pos_bn, seg_bn, last_bn) of the row-aligned groups of `ratio` tokens, all int32.
+
+  seg_bn is the group's segment id if all its tokens share it, else 0 (straddling group);
+  padding tokens have segment 0, so any group touching padding is 0 too.
+  """
+  seg = pad_rows_to_ratio(jnp.asarray(segment_ids_bt, jnp.int32), ratio)
+  pos = pad_rows_to_ratio(jnp.asarray(positions_bt, jnp.int32), ratio)
+  b, t = seg.shape
+  n = t // ratio
+  seg_bnr = seg.reshape(b, n, ratio)
+  same_bn = jnp.all(seg_bnr == seg_bnr[..., :1], axis=-1)
+  seg_bn = jnp.where(same_bn, seg_bnr[..., 0], 0)
+  pos_bn = pos.reshape(b, n, ratio)[..., 0]
+  last_bn = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) * ratio + (ratio - 1), (b, n))
+  return pos_bn, seg_bn, last_bn
+
+
+def gated_pool(kv_btd, gate_btd, ratio: int):
+  """Per-channel softmax-gated sum over each group of `ratio` rows, in fp32: [B, N, d].
+
+  T must be a multiple of `ratio` (see `pad_rows_to_ratio`).
+  """
+  b, t, d = kv_btd.shape
+  n = t // ratio
+  kv_bnrd = kv_btd.astype(jnp.float32).reshape(b, n, ratio, d)
+  w_bnrd = jax.nn.softmax(gate_btd.astype(jnp.float32).reshape(b, n, ratio, d), axis=2)
+  return jnp.sum(w_bnrd * kv_bnrd, axis=2)
+
+
+def visible_btn(segment_ids_bt, comp: CompressedKV, row_offset=0):
+  """bool [B, Tq, N]: entry j is visible to query row t (complete at or before t, same document).
+
+  `segment_ids_bt` holds the segment ids of query rows [row_offset, row_offset + Tq) (the whole
+  row by default); `comp` may be any slice of entries (their `last_bn` are absolute row indices).
+  Build it per query chunk in the scalable path, never for a whole long sequence.
+  """
+  seg_q_bt = jnp.asarray(segment_ids_bt, jnp.int32)
+  t_q = row_offset + jnp.arange(seg_q_bt.shape[1], dtype=jnp.int32)
+  same_doc_btn = (comp.seg_bn[:, None, :] == seg_q_bt[:, :, None]) & (seg_q_bt[:, :, None] != 0)
+  complete_btn = comp.last_bn[:, None, :] <= t_q[None, :, None]
+  return same_doc_btn & complete_btn
+
+
+def newest_visible_entry_bt(segment_ids_bt, comp: CompressedKV, row_offset=0):
+  """int32 [B, Tq]: index of the newest entry visible to each query row, -1 if none; O(T).
+
+  Needs the row-aligned layout of the whole row (entry j = rows [j*r, j*r + r), as `Compressor`
+  builds it; `comp` must hold all entries of the row). The newest complete group of row t is
+  j* = floor((t+1)/r) - 1; if it is not in t's document then nothing is: either t starts its
+  document (j* ends before it) or j* straddles into t's document, which has no complete group yet.
+  """
+  r = comp.ratio
+  seg_q_bt = jnp.asarray(segment_ids_bt, jnp.int32)
+  t_q = row_offset + jnp.arange(seg_q_bt.shape[1], dtype=jnp.int32)
+  j_bt = jnp.broadcast_to((t_q + 1) // r - 1, seg_q_bt.shape)
+  seg_j_bt = jnp.take_along_axis(comp.seg_bn, jnp.maximum(j_bt, 0), axis=1)
+  ok_bt = (j_bt >= 0) & (seg_j_bt == seg_q_bt) & (seg_q_bt != 0)
+  return jnp.where(ok_bt, j_bt, -1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Module
+
+
+class Compressor(nnx.Module):
+  """Compressor of a KV-source layer with ratio 1 or 2 (parameters: wkv, wgate if r=2, kv_norm)."""
+
+  def __init__(self, cfg: ModelConfig, ratio: int, rngs: nnx.Rngs):
+    if ratio not in (1, 2):
+      raise ValueError(f'compress ratio must be 1 or 2, got {ratio}')
+    d_model, d = cfg.d_model, cfg.head_dim
+    self.cfg = cfg
+    self.ratio = ratio
+    self.wkv = normal_param(rngs, (d_model, d), ('embed', 'kv_latent'), cfg.init_std)
+    if ratio > 1:
+      self.wgate = normal_param(rngs, (d_model, d), ('embed', 'kv_latent'), cfg.init_std)
+    self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+  def __call__(self, x_btd, segment_ids_bt, positions_bt,
+               quantize: Callable = identity) -> CompressedKV:
+    """x_btd: the layer's normed attention input. `quantize` is applied to kv_bnd after RoPE."""
+    dt = x_btd.dtype
+    r = self.ratio
+    if r == 1:
+      latent_bnd = self.kv_norm(x_btd @ self.wkv[...].astype(dt))
+    else:
+      # Projections, gate softmax and pooling in fp32; the pooled latent is cast to the compute
+      # dtype before the norm (which itself runs in fp32), as the HF reference does.
+      x32_btd = pad_rows_to_ratio(x_btd, r).astype(jnp.float32)
+      kv_btd = x32_btd @ self.wkv[...].astype(jnp.float32)
+      gate_btd = x32_btd @ self.wgate[...].astype(jnp.float32)
+      latent_bnd = self.kv_norm(gated_pool(kv_btd, gate_btd, r).astype(dt))
+    pos_bn, seg_bn, last_bn = group_layout(segment_ids_bt, positions_bt, r)
+    kv_bnd = quantize(apply_rope(latent_bnd, pos_bn, rope_for_role(self.cfg, 'compress')))
+    return CompressedKV(latent_bnd=latent_bnd, kv_bnd=kv_bnd, pos_bn=pos_bn, seg_bn=seg_bn,
+                        last_bn=last_bn, ratio=r)

@@ -1,0 +1,135 @@
+"""CSA2 of one layer across the role table (ARCHITECTURE.md sections 3.6-3.8).
+
+    KV source (Full):  compress this layer's attention input -> entries (kv, latent, layout);
+                       index keys from the pre-RoPE latent; publish both for the layers it serves
+    index source:      score the visible entries of its KV source with its own query -> top-k
+      Full + candidates: also publish the best `candidate_topk_blocks` blocks per query
+      Reindex:           score only inside the candidate source's pool
+    Reuse:             take the latest index source's selection; compute nothing
+
+Everything a later layer needs travels in `shared`, a dict of arrays threaded through the layers.
+Selection is query-chunked (`sparse_chunk` queries at a time): the [Tq, N] score slab of one chunk
+exists, never [T, N] for the whole sequence. Top-k has no gradient: the LM loss does not reach the
+indexer (it learns from its own loss, issue 3's remaining work).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from deepseek41.config import SWA, LayerRole, ModelConfig
+from deepseek41.model import indexer as idx_lib
+from deepseek41.model.compressor import Compressor, visible_btn
+from deepseek41.model.indexer import IndexKeys, IndexQuery
+from deepseek41.ops.sparse_attention import compressed_partial
+from deepseek41.quant import get_fake_quant
+
+
+def _kv_key(layer):
+  return f'kv{layer}'
+
+
+def _sel_key(layer):
+  return f'sel{layer}'
+
+
+def _pool_key(layer):
+  return f'pool{layer}'
+
+
+def pool_entry_mask(blk_idx_btm, blk_valid_btm, block_size: int, n: int):
+  """bool [B, Tq, N]: entries inside the kept candidate blocks (a scatter: no [.., M, blocks])."""
+  b, t, _ = blk_idx_btm.shape
+  blocks = -(-n // block_size)
+  kept_btm = jnp.zeros((b, t, blocks), jnp.bool_)
+  bi = jnp.arange(b)[:, None, None]
+  ti = jnp.arange(t)[None, :, None]
+  kept_btm = kept_btm.at[bi, ti, blk_idx_btm].max(blk_valid_btm)
+  return jnp.repeat(kept_btm, block_size, axis=-1)[..., :n]
+
+
+def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chunk: int,
+                   block_size: int, pool=None, publish_blocks: int = 0):
+  """Top-k entries per query, processed `chunk` queries at a time.
+
+  pool: (blk_idx_btm, blk_valid_btm) of the candidate source, restricting the choice (Reindex).
+  publish_blocks > 0: also return this layer's best `publish_blocks` candidate blocks.
+  Returns (idx_btk, valid_btk, (blk_idx_btm, blk_valid_btm) or None).
+  """
+  b, t = segment_ids_bt.shape
+  n = k_bnc.shape[1]
+  chunk = min(chunk, t)
+  t_pad = -(-t // chunk) * chunk
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+  split = lambda x: jnp.moveaxis(x.reshape(b, t_pad // chunk, chunk, *x.shape[2:]), 1, 0)  # noqa: E731
+  xs = {'q': split(pad(q_bthc)), 'w': split(pad(w_bth)), 'seg': split(pad(segment_ids_bt)),
+        'offset': jnp.arange(t_pad // chunk, dtype=jnp.int32) * chunk}
+  if pool is not None:
+    xs['pool_idx'], xs['pool_valid'] = split(pad(pool[0])), split(pad(pool[1]))
+
+  def per_chunk(c):
+    scores_bcn = idx_lib.index_scores(c['q'], c['w'], k_bnc)
+    vis_bcn = visible_btn(c['seg'], comp, c['offset'])
+    allowed = None
+    if pool is not None:
+      allowed = pool_entry_mask(c['pool_idx'], c['pool_valid'], block_size, n)
+    sel_idx, sel_valid = idx_lib.select_topk(scores_bcn, vis_bcn, topk, allowed)
+    out = {'idx': sel_idx, 'valid': sel_valid}
+    if publish_blocks:
+      blocks = idx_lib.block_scores(scores_bcn, vis_bcn, block_size)
+      newest = idx_lib.newest_visible_bt(vis_bcn)
+      out['blk_idx'], out['blk_valid'] = idx_lib.candidate_blocks(blocks, newest, block_size,
+                                                                  publish_blocks)
+    return out
+
+  outs = jax.lax.map(per_chunk, xs)
+  merge = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, t_pad, *x.shape[3:])[:, :t]  # noqa: E731
+  blocks = (merge(outs['blk_idx']), merge(outs['blk_valid'])) if publish_blocks else None
+  return merge(outs['idx']), merge(outs['valid']), blocks
+
+
+class CSA2(nnx.Module):
+  """The compressed sparse branch of one layer; `None` modules where the role needs none."""
+
+  def __init__(self, cfg: ModelConfig, role: LayerRole, rngs: nnx.Rngs):
+    if role.mode == SWA:
+      raise ValueError(f'layer {role.layer} is SWA-only and has no CSA2 branch')
+    self.cfg, self.role = cfg, role
+    self.owns_kv = role.kv_source == role.layer
+    self.owns_index = role.index_source == role.layer
+    if self.owns_kv:
+      self.compressor = Compressor(cfg, role.ratio, rngs)
+      self.index_keys = IndexKeys(cfg, cfg.index_head_dim, rngs)
+    if self.owns_index:
+      self.index_query = IndexQuery(cfg, cfg.index_n_heads, cfg.index_head_dim, rngs)
+
+  def __call__(self, x_btd, q_r_btr, q_bthd, batch, shared: dict):
+    """Returns (the compressed-branch partial (o, lse), the updated `shared`)."""
+    cfg, role = self.cfg, self.role
+    seg, pos = batch['segment_ids'], batch['positions']
+    shared = dict(shared)
+    if self.owns_kv:
+      comp = self.compressor(x_btd, seg, pos, quantize=get_fake_quant(cfg.kv_quant))
+      k_bnc = self.index_keys(comp.latent_bnd, comp.pos_bn,
+                              quantize=get_fake_quant(cfg.index_quant))
+      shared[_kv_key(role.layer)] = (comp, k_bnc)
+    comp, k_bnc = shared[_kv_key(role.kv_source)]
+    if self.owns_index:
+      q_idx, w_bth = self.index_query(q_r_btr, x_btd, pos,
+                                      quantize=get_fake_quant(cfg.index_quant))
+      pool = shared.get(_pool_key(cfg.candidate_source_layer_id)) if role.uses_candidates else None
+      sel_idx, sel_valid, blocks = select_chunked(
+          jax.lax.stop_gradient(q_idx), jax.lax.stop_gradient(w_bth),
+          jax.lax.stop_gradient(k_bnc), seg, comp, topk=cfg.index_topk,
+          chunk=cfg.sparse_chunk, block_size=cfg.candidate_block_size, pool=pool,
+          publish_blocks=cfg.candidate_topk_blocks if role.publishes_candidates else 0)
+      shared[_sel_key(role.layer)] = (sel_idx, sel_valid)
+      if blocks is not None:
+        shared[_pool_key(role.layer)] = blocks
+    sel_idx, sel_valid = shared[_sel_key(role.index_source)]
+    partial = compressed_partial(q_bthd, comp.kv_bnd.astype(q_bthd.dtype), sel_idx, sel_valid,
+                                 impl=cfg.sparse_impl, chunk=cfg.sparse_chunk)
+    return partial, shared
+

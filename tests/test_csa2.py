@@ -1,0 +1,149 @@
+"""CSA2 in the model: roles, selection invariants, causality, reference vs scalable paths."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from deepseek41.config import FULL, REINDEX, REUSE
+from deepseek41.model.compressor import visible_btn
+from deepseek41.model.csa2 import pool_entry_mask
+from deepseek41.model.indexer import topk_mask
+from deepseek41.model.transformer import Transformer
+from tests.util import packed_batch, resolved
+
+CSA2 = {'model.csa2': True, 'model.index_n_heads': 2, 'model.index_head_dim': 8,
+        'model.sparse_chunk': 16}
+
+
+def _model(**overrides):
+  cfg = resolved(**{**CSA2, **overrides})
+  return Transformer(cfg.model, nnx.Rngs(params=0)), cfg
+
+
+def _walk(model, batch):
+  """Run the blocks as Transformer does, recording `shared` after each layer."""
+  x = jnp.take(model.embed[...], batch['tokens'], axis=0)
+  shared, trail = {}, []
+  for block in model.blocks:
+    x, _, shared = block(x, batch, shared)
+    trail.append(dict(shared))
+  return trail
+
+
+@nnx.jit
+def _token_ce(model, batch):
+  logits, _ = model(batch)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  tgt = jnp.take_along_axis(logits, batch['targets'][..., None], axis=-1)[..., 0]
+  return (lse - tgt) * batch['loss_mask']
+
+
+def _aligned_batch(seed):
+  """Documents of even length, so ratio-2 groups never straddle (the packer's alignment)."""
+  batch = packed_batch(seed=seed, docs_per_row=2, pad=4)
+  seg = batch['segment_ids']
+  for r in range(seg.shape[0]):
+    first = np.argmax(seg[r] == 2)
+    if first % 2:  # move the boundary one token later
+      seg[r, first] = 1
+      batch['positions'][r, first] = batch['positions'][r, first - 1] + 1
+      batch['positions'][r, first + 1:][seg[r, first + 1:] == 2] -= 1
+  batch['loss_mask'] = (seg > 0).astype(np.int32)
+  return batch
+
+
+def test_roles_publish_and_reuse_exactly_what_they_should():
+  model, cfg = _model()
+  batch = {k: jnp.asarray(v) for k, v in _aligned_batch(0).items()}
+  trail = _walk(model, batch)
+  roles = cfg.model.roles
+  assert [r.mode for r in roles] == ['SWA', FULL, FULL, REINDEX]
+  for role, shared in zip(roles, trail):
+    new = set(shared) - set(trail[role.layer - 1] if role.layer else {})
+    expected = set()
+    if role.mode == FULL:
+      expected |= {f'kv{role.layer}', f'sel{role.layer}'}
+    if role.mode == REINDEX:
+      expected |= {f'sel{role.layer}'}
+    if role.publishes_candidates:
+      expected |= {f'pool{role.layer}'}
+    assert new == expected, (role, new)
+    assert not (role.mode == REUSE and new)
+
+  # selections are visible entries; top-k and the candidate restriction are active at T=48
+  final = trail[-1]
+  comp, _ = final['kv2']
+  vis = np.asarray(visible_btn(batch['segment_ids'], comp))
+  for layer in (2, 3):
+    idx, valid = final[f'sel{layer}']
+    sel = np.asarray(topk_mask(idx, valid, comp.num_entries))
+    assert not (sel & ~vis).any()
+    assert (sel.sum(-1) == np.minimum(vis.sum(-1), cfg.model.index_topk)).all()
+    assert (vis.sum(-1) > cfg.model.index_topk).any()
+  blk_idx, blk_valid = final['pool2']
+  pool = np.asarray(pool_entry_mask(blk_idx, blk_valid, cfg.model.candidate_block_size,
+                                    comp.num_entries))
+  idx3, valid3 = final['sel3']
+  sel3 = np.asarray(topk_mask(idx3, valid3, comp.num_entries))
+  assert not (sel3 & ~pool).any()                       # Reindex stays inside the pool
+  assert ((vis & ~pool).sum(-1) > 0).any()              # and the pool really restricts
+  newest = np.where(vis.any(-1), vis.shape[-1] - 1 - np.argmax(vis[..., ::-1], -1), -1)
+  b_idx, t_idx = np.nonzero(newest >= 0)
+  assert pool[b_idx, t_idx, newest[b_idx, t_idx]].all()  # the newest entry's block is kept
+
+
+def test_top_k_covering_everything_selects_exactly_the_visible_entries():
+  model, cfg = _model(**{'model.index_topk': 64, 'model.candidate_topk_blocks': 16})
+  batch = {k: jnp.asarray(v) for k, v in _aligned_batch(1).items()}
+  final = _walk(model, batch)[-1]
+  for layer, src in ((1, 1), (2, 2), (3, 2)):
+    comp, _ = final[f'kv{src}']
+    vis = np.asarray(visible_btn(batch['segment_ids'], comp))
+    idx, valid = final[f'sel{layer}']
+    np.testing.assert_array_equal(np.asarray(topk_mask(idx, valid, comp.num_entries)), vis)
+
+
+@pytest.fixture(scope='module')
+def csa2_model():
+  return _model()[0]
+
+
+def test_causality_and_document_isolation(csa2_model):
+  batch = _aligned_batch(2)
+  base = np.asarray(_token_ce(csa2_model, batch))
+  rng = np.random.default_rng(3)
+  for t_change in (9, 30):
+    pert = {k: v.copy() for k, v in batch.items()}
+    pert['tokens'][:, t_change:] = rng.integers(3, 96, pert['tokens'][:, t_change:].shape)
+    out = np.asarray(_token_ce(csa2_model, pert))
+    np.testing.assert_array_equal(out[:, :t_change], base[:, :t_change])
+  seg = batch['segment_ids']
+  pert = {k: v.copy() for k, v in batch.items()}
+  pert['tokens'][seg == 1] = rng.integers(3, 96, (seg == 1).sum())
+  out = np.asarray(_token_ce(csa2_model, pert))
+  np.testing.assert_array_equal(out[seg == 2], base[seg == 2])
+
+
+def test_the_compressed_branch_changes_the_model(csa2_model):
+  batch = _aligned_batch(4)
+  off, _ = _model(**{'model.csa2': False})
+  assert np.abs(np.asarray(_token_ce(csa2_model, batch)) -
+                np.asarray(_token_ce(off, batch))).max() > 1e-4
+
+
+@pytest.mark.parametrize('overrides', [{'model.sparse_impl': 'reference'},
+                                       {'model.sparse_chunk': 5}])
+def test_scalable_path_equals_reference(csa2_model, overrides):
+  batch = _aligned_batch(5)
+
+  def loss_and_grads(model):
+    def loss(m):
+      return jnp.sum(_token_ce.__wrapped__(m, batch)) / batch['loss_mask'].sum()
+    return nnx.jit(lambda m: nnx.value_and_grad(loss)(m))(model)
+  l_ref, g_ref = loss_and_grads(_model(**overrides)[0])
+  l, g = loss_and_grads(csa2_model)
+  np.testing.assert_allclose(l, l_ref, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
