@@ -50,6 +50,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.index_n_heads = 4                # [index_n_heads]
   m.index_head_dim = 32              # [index_head_dim]
   m.index_topk = 8                   # [index_topk]
+  m.indexer_loss_weight = 1.0        # weight of the indexer distillation loss [I] (model/csa2.py)
   m.candidate_topk_blocks = 4        # [candidate_topk_blocks]
   m.candidate_block_size = 4         # [candidate_block_size]
   # RoPE (section 3.4): "main" for ratio-0 layers, "compress" (YaRN) for ratio > 0 layers.
@@ -188,6 +189,7 @@ class ModelConfig:
   index_n_heads: int
   index_head_dim: int
   index_topk: int
+  indexer_loss_weight: float
   candidate_topk_blocks: int
   candidate_block_size: int
   rope_theta: float
@@ -476,6 +478,7 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
        'decoder layers must read KV produced inside the decoder (CED wiring)')
   _req(m.index_topk >= 1, 'model.index_topk', 'must be >= 1')
   _req(m.index_n_heads >= 1, 'model.index_n_heads', 'must be >= 1')
+  _req(m.indexer_loss_weight >= 0, 'model.indexer_loss_weight', 'must be >= 0')
   _req(m.index_head_dim >= 2 and m.index_head_dim % 2 == 0 and
        m.index_head_dim >= m.rope_head_dim, 'model.index_head_dim',
        f'must be even and >= rope_head_dim ({m.rope_head_dim}), got {m.index_head_dim}')
@@ -520,7 +523,7 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
       compress_ratios=ratios, kv_source_layer_ids=kv, index_source_layer_ids=idx,
       candidate_source_layer_id=cand, engram_layer_ids=eng, csa2=bool(m.csa2),
       index_n_heads=int(m.index_n_heads), index_head_dim=int(m.index_head_dim),
-      index_topk=int(m.index_topk),
+      index_topk=int(m.index_topk), indexer_loss_weight=float(m.indexer_loss_weight),
       candidate_topk_blocks=int(m.candidate_topk_blocks),
       candidate_block_size=int(m.candidate_block_size), rope_theta=float(m.rope_theta),
       compress_rope_theta=float(m.compress_rope_theta), yarn_factor=float(m.yarn_factor),

@@ -8,7 +8,7 @@ from flax import nnx
 
 from deepseek41.config import FULL, REINDEX, REUSE
 from deepseek41.model.compressor import visible_btn
-from deepseek41.model.csa2 import pool_entry_mask
+from deepseek41.model.csa2 import INDEXER_TOTALS, pool_entry_mask
 from deepseek41.model.indexer import topk_mask
 from deepseek41.model.transformer import Transformer
 from tests.util import packed_batch, resolved
@@ -61,7 +61,8 @@ def test_roles_publish_and_reuse_exactly_what_they_should():
   roles = cfg.model.roles
   assert [r.mode for r in roles] == ['SWA', FULL, FULL, REINDEX]
   for role, shared in zip(roles, trail):
-    new = set(shared) - set(trail[role.layer - 1] if role.layer else {})
+    new = set(shared) - set(trail[role.layer - 1] if role.layer else {}) - {INDEXER_TOTALS}
+    assert (INDEXER_TOTALS in shared) == (role.layer >= 1)  # accumulated from the first source
     expected = set()
     if role.mode == FULL:
       expected |= {f'kv{role.layer}', f'sel{role.layer}'}
@@ -147,3 +148,53 @@ def test_scalable_path_equals_reference(csa2_model, overrides):
   np.testing.assert_allclose(l, l_ref, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _split_grads(overrides, term):
+  """Gradients of one objective term, split into indexer weights and everything else."""
+  model, cfg = _model(**overrides)
+  batch = _aligned_batch(6)
+
+  def loss(m):
+    logits, aux = m(batch)
+    if term == 'indexer':
+      return aux['indexer_loss']
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch['targets'][..., None], -1)
+    return jnp.sum(ce[..., 0] * batch['loss_mask'])
+  grads = nnx.jit(lambda m: nnx.grad(loss)(m))(model)
+  flat = jax.tree_util.tree_flatten_with_path(nnx.state(grads, nnx.Param))[0]
+  indexer, rest = {}, {}
+  for path, g in flat:
+    name = jax.tree_util.keystr(path)
+    (indexer if ('index_query' in name or 'index_keys' in name) else rest)[name] = np.asarray(g)
+  return indexer, rest
+
+
+def test_indexer_and_backbone_gradients_are_isolated():
+  indexer, rest = _split_grads({}, 'indexer')
+  assert indexer and all(np.isfinite(g).all() for g in indexer.values())
+  assert any(np.abs(g).max() > 0 for g in indexer.values())
+  assert all(np.abs(g).max() == 0 for g in rest.values())      # nothing reaches the backbone
+  indexer, rest = _split_grads({}, 'lm')
+  assert all(np.abs(g).max() == 0 for g in indexer.values())   # top-k stops the LM loss
+  assert any(np.abs(g).max() > 0 for g in rest.values())
+
+
+def test_indexer_learns_its_target():
+  from deepseek41.sharding import make_mesh
+  from deepseek41.train import state as state_lib
+  from deepseek41.train.optimizer import make_optimizer
+  from deepseek41.train.step import make_train_step
+  cfg = resolved(**{**CSA2, 'train.lr': 1e-2, 'train.warmup_steps': 1, 'train.steps': 40})
+  tx = make_optimizer(cfg.train)
+  state, _ = state_lib.init_state(cfg, tx, make_mesh(cfg.mesh, jax.devices()[:1]),
+                                  cfg.mesh.rules)
+  step = jax.jit(make_train_step(cfg, state_lib.model_def(cfg, tx)))
+  batch = _aligned_batch(7)
+  history = []
+  for _ in range(40):
+    state, m = step(state, batch)
+    history.append((float(m['indexer_loss']), float(m['indexer_recall'])))
+  (loss0, recall0), (loss1, recall1) = np.mean(history[:3], 0), np.mean(history[-3:], 0)
+  assert loss1 < 0.85 * loss0
+  assert recall1 > recall0

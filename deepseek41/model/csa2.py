@@ -9,8 +9,17 @@
 
 Everything a later layer needs travels in `shared`, a dict of arrays threaded through the layers.
 Selection is query-chunked (`sparse_chunk` queries at a time): the [Tq, N] score slab of one chunk
-exists, never [T, N] for the whole sequence. Top-k has no gradient: the LM loss does not reach the
-indexer (it learns from its own loss, issue 3's remaining work).
+exists, never [T, N] for the whole sequence.
+
+Indexer training [I] (ARCHITECTURE.md section 4; our choice, V3.2's sparse-stage recipe adapted
+to CSA2, no dense warm-up): at each index source the teacher is this layer's own attention
+probability over the selected entries (averaged over heads, renormalised over the selection,
+stop-gradient); the student is the indexer score of the same entries; the loss is KL(teacher ||
+softmax(student)). The indexer's inputs (q_r, x, the compressor latent) are detached, so only
+W_qb^I, W_w, W_k and k_norm learn from it, and top-k has no gradient, so the LM loss never
+reaches the indexer. Early in training (or with <= top-k visible entries) the selection is every
+visible entry and the teacher is the full compressed distribution. Recall: the share of the
+teacher's top quarter of the selection that the student also ranks in its top quarter.
 """
 
 from __future__ import annotations
@@ -25,6 +34,9 @@ from deepseek41.model.compressor import Compressor, visible_btn
 from deepseek41.model.indexer import IndexKeys, IndexQuery
 from deepseek41.ops.sparse_attention import compressed_partial
 from deepseek41.quant import get_fake_quant
+
+
+INDEXER_TOTALS = 'indexer'  # shared[...]: [sum of per-query KL, queries counted, sum of recall]
 
 
 def _kv_key(layer):
@@ -90,6 +102,40 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
   return merge(outs['idx']), merge(outs['valid']), blocks
 
 
+def selected_scores(q_bthc, w_bth, k_bnc, idx_btk, chunk: int):
+  """Indexer scores of the selected entries only: [B, T, K] fp32, `chunk` queries at a time."""
+  b, t = idx_btk.shape[:2]
+  chunk = min(chunk, t)
+  t_pad = -(-t // chunk) * chunk
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+  split = lambda x: jnp.moveaxis(x.reshape(b, t_pad // chunk, chunk, *x.shape[2:]), 1, 0)  # noqa: E731
+
+  def per_chunk(c):  # q: chunk of queries, e: index head dim
+    q_bqhe, w_bqh, idx_bqk = c
+    k_bqke = jax.vmap(lambda k_ne, i_qk: k_ne[i_qk])(k_bnc, idx_bqk)
+    logits_bqhk = jnp.einsum('bqhe,bqke->bqhk', q_bqhe, k_bqke,
+                             preferred_element_type=jnp.float32)
+    h, dim = q_bqhe.shape[-2:]
+    return jnp.einsum('bqh,bqhk->bqk', w_bqh, jax.nn.relu(logits_bqhk)) * (h * dim) ** -0.5
+
+  out = jax.lax.map(per_chunk, (split(pad(q_bthc)), split(pad(w_bth)), split(pad(idx_btk))))
+  return jnp.moveaxis(out, 0, 1).reshape(b, t_pad, -1)[:, :t]
+
+
+def indexer_distillation(student_btk, mass_btk, valid_btk):
+  """(kl_sum, counted, recall_sum) for one index source (see the module docstring)."""
+  kl_bt, counted_bt = idx_lib.indexer_kl_per_query(student_btk, mass_btk, valid_btk)
+  k = student_btk.shape[-1]
+  top = max(1, k // 4)
+  s_idx, s_valid = idx_lib.select_topk(jax.lax.stop_gradient(student_btk), valid_btk, top)
+  student_top_btk = idx_lib.topk_mask(s_idx, s_valid, k)
+  t_idx, t_valid = idx_lib.select_topk(mass_btk, valid_btk & (mass_btk > 0), top)
+  hits_bt = jnp.sum(jnp.take_along_axis(student_top_btk, t_idx, axis=-1) & t_valid, axis=-1)
+  recall_bt = hits_bt / jnp.maximum(jnp.sum(t_valid, axis=-1), 1)
+  counted = counted_bt.astype(jnp.float32)
+  return jnp.sum(kl_bt), jnp.sum(counted), jnp.sum(recall_bt * counted)
+
+
 class CSA2(nnx.Module):
   """The compressed sparse branch of one layer; `None` modules where the role needs none."""
 
@@ -112,12 +158,13 @@ class CSA2(nnx.Module):
     shared = dict(shared)
     if self.owns_kv:
       comp = self.compressor(x_btd, seg, pos, quantize=get_fake_quant(cfg.kv_quant))
-      k_bnc = self.index_keys(comp.latent_bnd, comp.pos_bn,
+      k_bnc = self.index_keys(jax.lax.stop_gradient(comp.latent_bnd), comp.pos_bn,
                               quantize=get_fake_quant(cfg.index_quant))
       shared[_kv_key(role.layer)] = (comp, k_bnc)
     comp, k_bnc = shared[_kv_key(role.kv_source)]
     if self.owns_index:
-      q_idx, w_bth = self.index_query(q_r_btr, x_btd, pos,
+      q_idx, w_bth = self.index_query(jax.lax.stop_gradient(q_r_btr),
+                                      jax.lax.stop_gradient(x_btd), pos,
                                       quantize=get_fake_quant(cfg.index_quant))
       pool = shared.get(_pool_key(cfg.candidate_source_layer_id)) if role.uses_candidates else None
       sel_idx, sel_valid, blocks = select_chunked(
@@ -129,7 +176,13 @@ class CSA2(nnx.Module):
       if blocks is not None:
         shared[_pool_key(role.layer)] = blocks
     sel_idx, sel_valid = shared[_sel_key(role.index_source)]
-    partial = compressed_partial(q_bthd, comp.kv_bnd.astype(q_bthd.dtype), sel_idx, sel_valid,
-                                 impl=cfg.sparse_impl, chunk=cfg.sparse_chunk)
-    return partial, shared
+    o_bthd, lse_bth, mass_btk = compressed_partial(
+        q_bthd, comp.kv_bnd.astype(q_bthd.dtype), sel_idx, sel_valid, impl=cfg.sparse_impl,
+        chunk=cfg.sparse_chunk, with_mass=True)
+    if self.owns_index:
+      student_btk = selected_scores(q_idx, w_bth, k_bnc, sel_idx, cfg.sparse_chunk)
+      kl_sum, counted, recall_sum = indexer_distillation(student_btk, mass_btk, sel_valid)
+      totals = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))
+      shared[INDEXER_TOTALS] = totals + jnp.stack([kl_sum, counted, recall_sum])
+    return (o_bthd, lse_bth), shared
 

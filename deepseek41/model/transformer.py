@@ -12,6 +12,7 @@ from flax import nnx
 
 from deepseek41.config import LayerRole, ModelConfig, layer_roles
 from deepseek41.model.attention import Attention
+from deepseek41.model.csa2 import INDEXER_TOTALS
 from deepseek41.model.moe import MoE
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import dtype_of, normal_param
@@ -72,7 +73,10 @@ class Transformer(nnx.Module):
     h_btd = self.final_norm(x_btd)
     logits_btv = jnp.einsum('btd,dv->btv', h_btd, self.head[...].astype(dt),
                             preferred_element_type=jnp.float32)
+    kl_sum, counted, recall_sum = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))
     aux = {
+        'indexer_loss': kl_sum / jnp.maximum(counted, 1.0),
+        'indexer_recall': recall_sum / jnp.maximum(counted, 1.0),
         'load_lme': jnp.stack([a['load_me'] for a in auxes]),
         'balance': sum(a['balance'] for a in auxes),  # one V3 term per MoE layer
         'dropped': sum(a['dropped'] for a in auxes),

@@ -37,7 +37,8 @@ def _partial_reference(q_bthd, kv_bnd, idx_btk, valid_btk, scale):
   probs_bthn, lse_bth = _masked_softmax_partial(scores_bthn, mask_btn[:, :, None, :])
   o_bthd = jnp.einsum('bthn,bnd->bthd', probs_bthn.astype(kv_bnd.dtype), kv_bnd,
                       preferred_element_type=jnp.float32)
-  return o_bthd, lse_bth
+  mass_btk = jnp.take_along_axis(jnp.mean(probs_bthn, axis=2), idx_btk, axis=-1) * valid_btk
+  return o_bthd, lse_bth, mass_btk
 
 
 def _partial_gathered_chunk(q_bchd, kv_bnd, idx_bck, valid_bck, scale):
@@ -47,7 +48,7 @@ def _partial_gathered_chunk(q_bchd, kv_bnd, idx_bck, valid_bck, scale):
   probs_bchk, lse_bch = _masked_softmax_partial(scores_bchk, valid_bck[:, :, None, :])
   o_bchd = jnp.einsum('bchk,bckd->bchd', probs_bchk.astype(kv_bnd.dtype), kv_bckd,
                       preferred_element_type=jnp.float32)
-  return o_bchd, lse_bch
+  return o_bchd, lse_bch, jnp.mean(probs_bchk, axis=2)
 
 
 def _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk):
@@ -65,25 +66,32 @@ def _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk):
     return _partial_gathered_chunk(q_bchd, kv_bnd, idx_bck, valid_bck, scale)
 
   split = lambda x: jnp.moveaxis(x.reshape(b, n_chunks, chunk, *x.shape[2:]), 1, 0)  # noqa: E731
-  o_nbchd, lse_nbch = jax.lax.map(per_chunk, (split(q_bthd), split(idx_btk), split(valid_btk)))
+  o_nbchd, lse_nbch, mass_nbck = jax.lax.map(
+      per_chunk, (split(q_bthd), split(idx_btk), split(valid_btk)))
   o_bthd = jnp.moveaxis(o_nbchd, 0, 1).reshape(b, t_pad, h, d)[:, :t]
   lse_bth = jnp.moveaxis(lse_nbch, 0, 1).reshape(b, t_pad, h)[:, :t]
-  return o_bthd, lse_bth
+  mass_btk = jnp.moveaxis(mass_nbck, 0, 1).reshape(b, t_pad, -1)[:, :t]
+  return o_bthd, lse_bth, mass_btk
 
 
 def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathered',
-                       chunk: int | None = None, scale: float | None = None):
+                       chunk: int | None = None, scale: float | None = None,
+                       with_mass: bool = False):
   """Attention of each query over its selected compressed entries: (o_bthd fp32, lse_bth fp32).
 
   q_bthd [B, T, H, d]; kv_bnd [B, N, d] (RoPE'd, possibly fake-quantized latents; key = value);
   idx_btk int [B, T, K] selected entries; valid_btk bool [B, T, K] (false for unused slots and
   for queries that see no entry). `chunk` bounds the queries processed at once (gathered).
+  with_mass: also return mass_btk, the head-averaged attention probability of each selected slot
+  within this branch (sums to 1 over the valid slots): the indexer's distillation target.
   """
   if q_bthd.shape[-1] != kv_bnd.shape[-1]:
     raise ValueError(f'q {q_bthd.shape} and kv {kv_bnd.shape} differ in the latent width')
   scale = 1.0 / math.sqrt(q_bthd.shape[-1]) if scale is None else scale
   if impl == 'reference':
-    return _partial_reference(q_bthd, kv_bnd, idx_btk, valid_btk, scale)
-  if impl == 'gathered':
-    return _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk)
-  raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
+    out = _partial_reference(q_bthd, kv_bnd, idx_btk, valid_btk, scale)
+  elif impl == 'gathered':
+    out = _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk)
+  else:
+    raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
+  return out if with_mass else out[:2]

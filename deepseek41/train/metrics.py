@@ -41,7 +41,8 @@ class MetricsWriter:
           self.tb.add_scalar(k, v, step)
       self.tb.flush()
     summary = ' '.join(f'{k}={clean[k]:.4g}' for k in
-                       ('loss', 'eval_loss', 'grad_norm', 'lr', 'tokens_per_s', 'mfu')
+                       ('loss', 'eval_loss', 'indexer_loss', 'indexer_recall', 'grad_norm', 'lr',
+                        'tokens_per_s', 'mfu')
                        if clean.get(k) is not None)
     if self.bar is not None:
       self.bar.write(f'step {step}: {summary}')

@@ -42,30 +42,36 @@ def _microbatches(batch, a: int):
 def accumulate_gradients(cfg: RunConfig, md: ModelDef, params, biases, batch):
   """Gradients of the global-batch objective, summed over `grad_accum_steps` microbatches.
 
-  Returns (grads, ce_sum, n_tokens, load_lme, balance, dropped).
+  Returns (grads, ce_sum, n_tokens, load_lme, balance, dropped, indexer_lr) where indexer_lr is
+  [indexer loss, indexer recall] averaged over microbatches.
   """
   a = cfg.train.grad_accum_steps
   w_bal = cfg.model.balance_loss_weight
   n_global = jnp.maximum(jnp.sum(batch['loss_mask'].astype(jnp.float32)), 1.0)
 
+  w_idx = cfg.model.indexer_loss_weight
+
   def objective(p, mb):
     ce_sum, n, aux = forward_loss(md, p, biases, mb)
-    return ce_sum / n_global + w_bal * aux['balance'] / a, (ce_sum, n, aux)
+    # The indexer term only reaches indexer weights (its inputs are detached in model/csa2.py).
+    return (ce_sum / n_global + w_bal * aux['balance'] / a + w_idx * aux['indexer_loss'] / a,
+            (ce_sum, n, aux))
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 
   def accumulate(carry, mb):
     (_, (ce_sum, n, aux)), grads = grad_fn(params, mb)
-    g_acc, ce_acc, n_acc, load_acc, bal_acc, drop_acc = carry
+    g_acc, ce_acc, n_acc, load_acc, bal_acc, drop_acc, idx_acc = carry
+    idx = jnp.stack([aux['indexer_loss'], aux['indexer_recall']]) / a
     return (jax.tree.map(jnp.add, g_acc, grads), ce_acc + ce_sum, n_acc + n,
             load_acc + aux['load_lme'], bal_acc + aux['balance'] / a,
-            drop_acc + aux['dropped']), None
+            drop_acc + aux['dropped'], idx_acc + idx), None
 
   zeros = jax.tree.map(jnp.zeros_like, params)
   num_layers, num_experts = cfg.model.num_layers, cfg.model.n_routed_experts
   init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
           jnp.zeros((num_layers, 2, num_experts), jnp.float32), jnp.zeros((), jnp.float32),
-          jnp.zeros((), jnp.int32))
+          jnp.zeros((), jnp.int32), jnp.zeros(2, jnp.float32))
   out, _ = jax.lax.scan(accumulate, init, _microbatches(batch, a))
   return out
 
@@ -84,7 +90,7 @@ def make_train_step(cfg: RunConfig, md: ModelDef):
 
   def train_step(state, batch):
     params, biases = state['params'], state['router_bias']
-    grads, ce_sum, n, load_lme, balance, dropped = accumulate_gradients(
+    grads, ce_sum, n, load_lme, balance, dropped, indexer = accumulate_gradients(
         cfg, md, params, biases, batch)
 
     updates, opt = md.tx.update(grads, state['opt'], params)
@@ -101,6 +107,8 @@ def make_train_step(cfg: RunConfig, md: ModelDef):
         'tokens': n,
         'dropped': dropped,
         'load_lme': load_lme,
+        'indexer_loss': indexer[0],
+        'indexer_recall': indexer[1],
     }
     return new_state, metrics
 

@@ -225,6 +225,9 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
             'dropped_frac': float(host['dropped']) / max(
                 float(host['tokens']) * cfg.model.num_experts_per_tok * cfg.model.num_layers, 1.0),
         }
+        if cfg.model.csa2:
+          scalars['indexer_loss'] = float(host['indexer_loss'])
+          scalars['indexer_recall'] = float(host['indexer_recall'])
         if peak:
           scalars['mfu'] = scalars['model_tflops_per_s'] / (peak * jax.device_count())
         scalars.update(_load_scalars(np.asarray(host['load_lme'])))
