@@ -98,6 +98,7 @@ def base_config() -> ml_collections.ConfigDict:
   d.num_workers = 0                  # grain worker processes (0 = in the training process)
   d.prefetch = 2                     # batches prefetched per worker / by the prefetch thread
   d.packing_bins = 16                # first-fit packing bins
+  d.document_align = 2               # documents start at multiples of this (largest compress ratio)
 
   # ---- train ----------------------------------------------------------------------------
   t = c.train = ml_collections.ConfigDict()
@@ -236,6 +237,7 @@ class DataConfig:
   num_workers: int
   prefetch: int
   packing_bins: int
+  document_align: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -589,6 +591,11 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
   _req(d.num_workers >= 0, 'data.num_workers', 'must be >= 0')
   _req(d.prefetch >= 0, 'data.prefetch', 'must be >= 0')
   _req(d.packing_bins >= 1, 'data.packing_bins', 'must be >= 1')
+  _req(d.document_align >= 1 and d.seq_len % d.document_align == 0, 'data.document_align',
+       f'must be >= 1 and divide data.seq_len={d.seq_len}, got {d.document_align}')
+  if model.csa2 and 2 in model.compress_ratios:
+    _req(d.document_align % 2 == 0, 'data.document_align',
+         'must be even with ratio-2 layers, or compressed groups would straddle documents')
   _req(d.default_corpus_vocab_size >= 259, 'data.default_corpus_vocab_size',
        'must be >= 259 (256 bytes + special tokens)')
   if not d.sources and not d.synthetic:
@@ -599,7 +606,8 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
       seq_len=int(d.seq_len), sources=parse_sources(d.sources), synthetic=bool(d.synthetic),
       cache_dir=str(d.cache_dir), default_corpus_vocab_size=int(d.default_corpus_vocab_size),
       default_corpus_max_files=int(d.default_corpus_max_files), shuffle_seed=int(d.shuffle_seed),
-      num_workers=int(d.num_workers), prefetch=int(d.prefetch), packing_bins=int(d.packing_bins))
+      num_workers=int(d.num_workers), prefetch=int(d.prefetch), packing_bins=int(d.packing_bins),
+      document_align=int(d.document_align))
 
   t = cfg.train
   _req(t.steps >= 1, 'train.steps', f'must be >= 1, got {t.steps}')

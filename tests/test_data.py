@@ -37,7 +37,7 @@ TEXTS = [
 def _cfg(**overrides) -> DataConfig:
   base = dict(seq_len=16, sources=(), synthetic=False, cache_dir='', default_corpus_vocab_size=300,
               default_corpus_max_files=20, shuffle_seed=0, num_workers=0, prefetch=0,
-              packing_bins=4)
+              packing_bins=4, document_align=1)
   base.update(overrides)
   return DataConfig(**base)
 
@@ -446,3 +446,31 @@ def test_unshuffled_repeating_heldout_is_deterministic_and_endless(tmp_path):
                              shuffle=False), 3 * len(one_pass)) for s in (0, 1)]
   assert len(runs[0]) == 3 * len(one_pass)
   assert all((a[k] == b[k]).all() for a, b in zip(*runs) for k in BATCH_KEYS)
+
+
+def test_document_alignment_pads_pieces_to_even_offsets(tmp_path):
+  rng = np.random.default_rng(1)
+  seq_len = 16
+  docs = _write_unique_dataset(str(tmp_path), [2, 3, 5, 17, 18, 33] + rng.integers(1, 30, 30).tolist())
+  cfg = _cfg(seq_len=seq_len, sources=((str(tmp_path), 1.0),), document_align=2)
+  batches = _take(make_dataset(cfg, split='train', batch_size=3, seed=0, repeat=False))
+  seen = {}
+  for b in batches:
+    for r in range(b['tokens'].shape[0]):
+      seg, mask = b['segment_ids'][r], b['loss_mask'][r]
+      for s in np.unique(seg[seg > 0]):
+        where = np.nonzero(seg == s)[0]
+        assert where[0] % 2 == 0 and len(where) % 2 == 0  # starts and lengths aligned
+        real = where[mask[where] == 1]
+        pad = where[mask[where] == 0]
+        assert len(pad) <= 1 and (len(pad) == 0 or pad[0] == where[-1])  # one trailing pad
+        assert (b['tokens'][r][pad] == 0).all() and (b['targets'][r][pad] == 0).all()
+        for t, tgt in zip(b['tokens'][r][real], b['targets'][r][real]):
+          seen[int(t)] = seen.get(int(t), 0) + 1
+          assert int(tgt) in {int(x) for d in docs for x in d}
+  for d in docs:  # every input token of every document exactly once, padding excluded
+    assert all(seen.get(int(t), 0) == 1 for t in d[:-1])
+  with pytest.raises(Exception, match='document_align'):
+    from deepseek41.config import resolve
+    from tests.util import small_config
+    resolve(small_config(**{'data.seq_len': 47}), num_devices=1, backend='cpu')

@@ -99,7 +99,9 @@ class SyntheticSource:
   Each item is already a piece of 2 .. seq_len + 1 tokens, so packing has short and full rows.
   """
 
-  def __init__(self, num_docs: int, vocab_size: int, seq_len: int, seed: int, eos_id: int = 1):
+  def __init__(self, num_docs: int, vocab_size: int, seq_len: int, seed: int, eos_id: int = 1,
+               align: int = 1):
+    self.align = align
     if vocab_size < 3:
       raise DataError(f'synthetic_vocab_size must be >= 3 (pad, eos, one token), got {vocab_size}')
     self._num_docs, self.vocab_size, self._seq_len = num_docs, vocab_size, seq_len
@@ -113,10 +115,29 @@ class SyntheticSource:
     n = int(rng.integers(2, self._seq_len + 2))
     piece_t = rng.integers(2, self.vocab_size, size=n, dtype=np.int32)
     piece_t[-1] = self._eos_id
-    return {'tokens': piece_t[:-1], 'targets': piece_t[1:]}
+    return aligned_piece(piece_t, self.align)
 
   def __repr__(self) -> str:
     return f'SyntheticSource(num_docs={self._num_docs}, vocab_size={self.vocab_size})'
+
+
+def aligned_piece(piece_t: np.ndarray, align: int) -> dict[str, np.ndarray]:
+  """(inputs, targets, mask) of a piece, padded at its end to a multiple of `align` positions.
+
+  With every piece a multiple of `align` long, first-fit packing starts every document at a
+  multiple of `align` within its row, so ratio-2 compressed groups never straddle two documents
+  (ARCHITECTURE.md section 4, "Packing"). The padding positions belong to the document (they
+  come after all its real tokens, so no real query sees them) and carry mask 0: no loss.
+  """
+  tokens_t, targets_t = piece_t[:-1], piece_t[1:]
+  n = len(tokens_t)
+  extra = (-n) % align
+  mask_t = np.ones(n + extra, np.int32)
+  if extra:
+    tokens_t = np.concatenate([tokens_t, np.zeros(extra, tokens_t.dtype)])
+    targets_t = np.concatenate([targets_t, np.zeros(extra, targets_t.dtype)])
+    mask_t[n:] = 0
+  return {'tokens': tokens_t, 'targets': targets_t, 'mask': mask_t}
 
 
 class PieceSource:
@@ -126,8 +147,8 @@ class PieceSource:
   [j * seq_len, j * seq_len + seq_len + 1) of it (overlapping the next by one token).
   """
 
-  def __init__(self, docs: TokenShardSource, seq_len: int):
-    self.docs, self.seq_len = docs, seq_len
+  def __init__(self, docs: TokenShardSource, seq_len: int, align: int = 1):
+    self.docs, self.seq_len, self.align = docs, seq_len, align
     lengths_d = docs.doc_lengths()
     pieces_d = np.maximum(lengths_d - 1 + seq_len - 1, 0) // seq_len
     self._doc_p = np.repeat(np.arange(len(lengths_d), dtype=np.int64), pieces_d)
@@ -140,7 +161,7 @@ class PieceSource:
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     start = int(self._start_p[index])
     piece_t = self.docs.read(int(self._doc_p[index]), start, start + self.seq_len + 1)
-    return {'tokens': piece_t[:-1], 'targets': piece_t[1:]}
+    return aligned_piece(piece_t, self.align)
 
   def __repr__(self) -> str:
     return f'PieceSource({self.docs!r}, seq_len={self.seq_len}, pieces={len(self)})'
@@ -167,7 +188,7 @@ class Collate:
         'targets': stack('targets'),
         'segment_ids': segment_ids_bt,
         'positions': stack('tokens_positions'),
-        'loss_mask': (segment_ids_bt != 0).astype(np.int32),
+        'loss_mask': ((segment_ids_bt != 0) & (stack('mask') != 0)).astype(np.int32),
         'modality': np.full_like(segment_ids_bt, TEXT),
     }
 
@@ -186,7 +207,8 @@ def _open_sources(cfg: DataConfig, split: str, repeat: bool, seed: int,
   if cfg.synthetic:
     num_docs = _SYNTHETIC_TRAIN_DOCS if repeat else _SYNTHETIC_EVAL_DOCS
     split_seed = _derived_seed(seed, cfg.shuffle_seed, SPLITS.index(split), 7)
-    return [(SyntheticSource(num_docs, synthetic_vocab_size, cfg.seq_len, split_seed), 1.0)]
+    return [(SyntheticSource(num_docs, synthetic_vocab_size, cfg.seq_len, split_seed,
+                             align=cfg.document_align), 1.0)]
   out = []
   for path, weight in resolve_sources(cfg):
     src = TokenShardSource(os.path.join(path, split))
@@ -195,7 +217,7 @@ def _open_sources(cfg: DataConfig, split: str, repeat: bool, seed: int,
                       'larger corpus or --heldout_fraction > 0')
     if not src.has_targets():  # an endless stream of target-less documents would hang
       raise DataError(f'{os.path.join(path, split)} has no document with two or more tokens')
-    out.append((PieceSource(src, cfg.seq_len), weight))
+    out.append((PieceSource(src, cfg.seq_len, cfg.document_align), weight))
   return out
 
 
@@ -248,7 +270,7 @@ def make_dataset(cfg: DataConfig, *, split: str, batch_size: int, seed: int,
   # scheduling overhead.
   it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=16))
   it_ds = grain.experimental.FirstFitPackIterDataset(
-      it_ds, length_struct={'tokens': seq_len, 'targets': seq_len},
+      it_ds, length_struct={'tokens': seq_len, 'targets': seq_len, 'mask': seq_len},
       num_packing_bins=cfg.packing_bins, seed=_derived_seed(seed, cfg.shuffle_seed, 2),
       shuffle_bins=shuffle)
   it_ds = it_ds.batch(batch_size, drop_remainder=False, batch_fn=Collate(batch_size, seq_len))
