@@ -115,3 +115,16 @@ def test_released_config_parameter_accounting():
              + layers * 983_094            # mHC (issue 4)
              + 2 * 157_327_360)            # Engram projections (issue 4)
   assert ours + not_yet == 551_880_835_184
+
+
+def test_flop_accounting_counts_the_csa2_work():
+  from deepseek41.train.flops import active_matmul_params, flops_per_token
+  tiny = os.path.join(ROOT, 'configs', 'tiny.py')
+  off = resolve(load_config_file(tiny), num_devices=1, backend='cpu').model
+  on = resolve(load_config_file(tiny, {'model.csa2': True}), num_devices=1, backend='cpu').model
+  # tiny: r=2 compressor at 2 (wkv + wgate 128x64 each; W_k 64x32 per 2 tokens), r=1 at 4
+  # (wkv 128x64; W_k 64x32), index queries at 2, 4, 6 (W_qb 64x4x32, W_w 128x4)
+  extra = 2 * 128 * 64 + 64 * 32 // 2 + 128 * 64 + 64 * 32 + 3 * (64 * 4 * 32 + 128 * 4)
+  assert active_matmul_params(on) - active_matmul_params(off) == extra
+  assert flops_per_token(on, 128).total > flops_per_token(off, 128).total + 6 * extra
+  assert 'selected' in flops_per_token(on, 128).formula

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from deepseek41.config import ModelConfig
+from deepseek41.config import ModelConfig, layer_roles
 
 # Dense bf16 peak per device, TFLOP/s (datasheets).
 PEAK_TFLOPS = (
@@ -31,21 +31,46 @@ def active_matmul_params(m: ModelConfig) -> int:
   attn = (d * m.q_lora_rank + m.q_lora_rank * h * hd + d * hd + h * hd * m.o_lora_rank
           + m.o_groups * m.o_lora_rank * d)
   moe = d * m.n_routed_experts + (m.num_experts_per_tok + m.n_shared_experts) * 3 * d * m.moe_intermediate_size
-  return m.num_layers * (attn + moe) + d * m.vocab_size  # + LM head
+  total = m.num_layers * (attn + moe) + d * m.vocab_size  # + LM head
+  if m.csa2:
+    for role in layer_roles(m):
+      if role.mode != 'SWA' and role.kv_source == role.layer:  # compressor + index keys per entry
+        total += (2 if role.ratio == 2 else 1) * d * hd + hd * m.index_head_dim // role.ratio
+      if role.mode != 'SWA' and role.index_source == role.layer:  # index query and head weights
+        total += m.q_lora_rank * m.index_n_heads * m.index_head_dim + d * m.index_n_heads
+  return total
 
 
 def mean_window_keys(window: int, seq_len: int) -> float:
   return sum(min(t + 1, window) for t in range(seq_len)) / seq_len
 
 
+def mean_visible_entries(ratio: int, seq_len: int) -> float:
+  return sum((t + 1) // ratio for t in range(seq_len)) / seq_len
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> FlopsPerToken:
+  """Matmul FLOPs per token; with CSA2, the selected keys and the indexer's scoring too."""
   p = active_matmul_params(m)
   keys = mean_window_keys(m.sliding_window, seq_len)
   attn = 4.0 * m.num_heads * m.head_dim * keys * m.num_layers
-  total = 3.0 * (2.0 * p + attn)
   formula = (f'train FLOPs/token = 3 x (2 x N_active_matmul + 4 x layers x heads x head_dim x '
              f'mean_keys) = 3 x (2 x {p:,} + 4 x {m.num_layers} x {m.num_heads} x {m.head_dim} x '
-             f'{keys:.1f}) = {total:.4g}')
+             f'{keys:.1f}')
+  if m.csa2:
+    selected = scored = 0.0
+    for role in layer_roles(m):
+      if role.mode == 'SWA':
+        continue
+      visible = mean_visible_entries(role.ratio, seq_len)
+      selected += min(m.index_topk, visible)
+      if role.index_source == role.layer:
+        scored += visible  # Reindex scores its whole chunk too; the pool only masks
+    attn += 4.0 * m.num_heads * m.head_dim * selected + 2.0 * m.index_n_heads * m.index_head_dim * scored
+    formula += (f' + 4 x {m.num_heads} x {m.head_dim} x {selected:.1f} selected'
+                f' + 2 x {m.index_n_heads} x {m.index_head_dim} x {scored:.1f} scored')
+  total = 3.0 * (2.0 * p + attn)
+  formula += f') = {total:.4g}'
   return FlopsPerToken(p, attn, total, formula)
 
 
