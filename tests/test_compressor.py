@@ -11,7 +11,7 @@ from flax import nnx
 from deepseek41.model.compressor import (CompressedKV, Compressor, group_layout,
                                          newest_visible_entry_bt, visible_btn)
 from deepseek41.model.rope import rope_for_role
-from util import resolved
+from tests.util import packed_layout, resolved
 
 B, T, D, DH = 2, 40, 32, 16
 EPS = 1e-6
@@ -23,17 +23,7 @@ def model_cfg():
 
 
 def packed(doc_lengths, t=T):
-  """segment ids and per-document positions for rows of consecutive documents + padding."""
-  seg = np.zeros((len(doc_lengths), t), np.int32)
-  pos = np.zeros((len(doc_lengths), t), np.int32)
-  for r, lengths in enumerate(doc_lengths):
-    start = 0
-    for k, n in enumerate(lengths):
-      seg[r, start:start + n] = k + 1
-      pos[r, start:start + n] = np.arange(n)
-      start += n
-    assert start <= t
-  return seg, pos
+  return packed_layout(doc_lengths, t)
 
 
 # Aligned: every document starts at an even row offset and has even length.

@@ -11,7 +11,7 @@ from deepseek41.model.compressor import visible_btn
 from deepseek41.model.csa2 import INDEXER_TOTALS, pool_entry_mask
 from deepseek41.model.indexer import topk_mask
 from deepseek41.model.transformer import Transformer
-from tests.util import packed_batch, resolved
+from tests.util import packed_batch, resolved, token_ce
 
 CSA2 = {'model.csa2': True, 'model.index_n_heads': 2, 'model.index_head_dim': 8,
         'model.sparse_chunk': 16}
@@ -32,12 +32,7 @@ def _walk(model, batch):
   return trail
 
 
-@nnx.jit
-def _token_ce(model, batch):
-  logits, _ = model(batch)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  tgt = jnp.take_along_axis(logits, batch['targets'][..., None], axis=-1)[..., 0]
-  return (lse - tgt) * batch['loss_mask']
+_token_ce = nnx.jit(token_ce)
 
 
 def _aligned_batch(seed):
@@ -141,7 +136,7 @@ def test_scalable_path_equals_reference(csa2_model, overrides):
 
   def loss_and_grads(model):
     def loss(m):
-      return jnp.sum(_token_ce.__wrapped__(m, batch)) / batch['loss_mask'].sum()
+      return jnp.sum(token_ce(m, batch)) / batch['loss_mask'].sum()
     return nnx.jit(lambda m: nnx.value_and_grad(loss)(m))(model)
   l_ref, g_ref = loss_and_grads(_model(**overrides)[0])
   l, g = loss_and_grads(csa2_model)

@@ -16,7 +16,7 @@ from deepseek41.model.indexer import (IndexKeys, IndexQuery, block_scores, block
                                       indexer_kl_loss, newest_visible_bt, recall_at_k,
                                       select_topk, topk_mask)
 from deepseek41.model.rope import rope_for_role
-from util import resolved
+from tests.util import packed_layout, resolved
 
 B, T, D, DH, DI, HI, QL = 2, 48, 32, 16, 8, 2, 16
 EPS = 1e-6
@@ -27,15 +27,7 @@ def model_cfg():
 
 
 def packed(doc_lengths, t=T):
-  seg = np.zeros((len(doc_lengths), t), np.int32)
-  pos = np.zeros((len(doc_lengths), t), np.int32)
-  for r, lengths in enumerate(doc_lengths):
-    start = 0
-    for k, n in enumerate(lengths):
-      seg[r, start:start + n] = k + 1
-      pos[r, start:start + n] = np.arange(n)
-      start += n
-  return seg, pos
+  return packed_layout(doc_lengths, t)
 
 
 DOCS = ((20, 7, 16), (30, 13))   # misaligned documents and padding in both rows

@@ -1,14 +1,13 @@
 """Model behaviour: causality and document isolation by perturbation, backend equivalence."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from deepseek41.model.transformer import Transformer
 from deepseek41.train.step import cross_entropy_sum
-from tests.util import packed_batch, resolved
+from tests.util import packed_batch, resolved, token_ce
 
 
 def _model(**overrides):
@@ -16,12 +15,7 @@ def _model(**overrides):
   return Transformer(cfg.model, nnx.Rngs(params=0)), cfg
 
 
-@nnx.jit
-def _token_ce(model, batch):
-  logits, _ = model(batch)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  tgt = jnp.take_along_axis(logits, batch['targets'][..., None], axis=-1)[..., 0]
-  return (lse - tgt) * batch['loss_mask']
+_token_ce = nnx.jit(token_ce)
 
 
 @pytest.fixture(scope='module', params=['capacity_einsum', 'reference'])
@@ -119,5 +113,5 @@ def test_output_depends_on_relative_positions_only(model, monkeypatch):
   rope = attention.apply_rope
   monkeypatch.setattr(attention, 'apply_rope',
                       lambda x, p, f, inverse=False: x if inverse else rope(x, p, f))
-  ce = nnx.jit(lambda m, b: _token_ce.__wrapped__(m, b))
+  ce = nnx.jit(lambda m, b: token_ce(m, b))
   assert np.abs(np.asarray(ce(model, shifted)) - np.asarray(ce(model, batch))).max() > 1e-3

@@ -76,3 +76,27 @@ def packed_batch(seed=0, b=B, t=T, vocab=VOCAB, docs_per_row=3, pad=5, image_row
     modality[r] = 1
   return {'tokens': tokens, 'targets': targets, 'segment_ids': seg, 'positions': pos,
           'loss_mask': (seg > 0).astype(np.int32), 'modality': modality}
+
+
+def packed_layout(doc_lengths, t):
+  """(segment_ids, positions) [rows, t] for rows of consecutive documents, then padding."""
+  seg = np.zeros((len(doc_lengths), t), np.int32)
+  pos = np.zeros((len(doc_lengths), t), np.int32)
+  for r, lengths in enumerate(doc_lengths):
+    start = 0
+    for k, n in enumerate(lengths):
+      seg[r, start:start + n] = k + 1
+      pos[r, start:start + n] = np.arange(n)
+      start += n
+    assert start <= t
+  return seg, pos
+
+
+def token_ce(model, batch):
+  """Per-token cross-entropy [B, T] (0 on padding): the quantity perturbation tests compare."""
+  import jax
+  import jax.numpy as jnp
+  logits, _ = model(batch)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  tgt = jnp.take_along_axis(logits, batch['targets'][..., None], axis=-1)[..., 0]
+  return (lse - tgt) * batch['loss_mask']
