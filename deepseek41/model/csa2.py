@@ -32,6 +32,7 @@ from deepseek41.config import SWA, LayerRole, ModelConfig
 from deepseek41.model import indexer as idx_lib
 from deepseek41.model.compressor import Compressor, visible_btn
 from deepseek41.model.indexer import IndexKeys, IndexQuery
+from deepseek41.ops.chunking import map_query_chunks
 from deepseek41.ops.sparse_attention import compressed_partial
 from deepseek41.quant import get_fake_quant
 
@@ -70,20 +71,14 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
   publish_blocks > 0: also return this layer's best `publish_blocks` candidate blocks.
   Returns (idx_btk, valid_btk, (blk_idx_btm, blk_valid_btm) or None).
   """
-  b, t = segment_ids_bt.shape
   n = k_bnc.shape[1]
-  chunk = min(chunk, t)
-  t_pad = -(-t // chunk) * chunk
-  pad = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-  split = lambda x: jnp.moveaxis(x.reshape(b, t_pad // chunk, chunk, *x.shape[2:]), 1, 0)  # noqa: E731
-  xs = {'q': split(pad(q_bthc)), 'w': split(pad(w_bth)), 'seg': split(pad(segment_ids_bt)),
-        'offset': jnp.arange(t_pad // chunk, dtype=jnp.int32) * chunk}
+  xs = {'q': q_bthc, 'w': w_bth, 'seg': segment_ids_bt}
   if pool is not None:
-    xs['pool_idx'], xs['pool_valid'] = split(pad(pool[0])), split(pad(pool[1]))
+    xs['pool_idx'], xs['pool_valid'] = pool
 
-  def per_chunk(c):
+  def per_chunk(c, offset):
     scores_bcn = idx_lib.index_scores(c['q'], c['w'], k_bnc)
-    vis_bcn = visible_btn(c['seg'], comp, c['offset'])
+    vis_bcn = visible_btn(c['seg'], comp, offset)
     allowed = None
     if pool is not None:
       allowed = pool_entry_mask(c['pool_idx'], c['pool_valid'], block_size, n)
@@ -96,30 +91,21 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
                                                                   publish_blocks)
     return out
 
-  outs = jax.lax.map(per_chunk, xs)
-  merge = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, t_pad, *x.shape[3:])[:, :t]  # noqa: E731
-  blocks = (merge(outs['blk_idx']), merge(outs['blk_valid'])) if publish_blocks else None
-  return merge(outs['idx']), merge(outs['valid']), blocks
+  out = map_query_chunks(per_chunk, xs, chunk)
+  blocks = (out['blk_idx'], out['blk_valid']) if publish_blocks else None
+  return out['idx'], out['valid'], blocks
 
 
 def selected_scores(q_bthc, w_bth, k_bnc, idx_btk, chunk: int):
   """Indexer scores of the selected entries only: [B, T, K] fp32, `chunk` queries at a time."""
-  b, t = idx_btk.shape[:2]
-  chunk = min(chunk, t)
-  t_pad = -(-t // chunk) * chunk
-  pad = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-  split = lambda x: jnp.moveaxis(x.reshape(b, t_pad // chunk, chunk, *x.shape[2:]), 1, 0)  # noqa: E731
-
-  def per_chunk(c):  # q: chunk of queries, e: index head dim
-    q_bqhe, w_bqh, idx_bqk = c
-    k_bqke = jax.vmap(lambda k_ne, i_qk: k_ne[i_qk])(k_bnc, idx_bqk)
-    logits_bqhk = jnp.einsum('bqhe,bqke->bqhk', q_bqhe, k_bqke,
+  def per_chunk(c, offset):  # q: chunk of queries, e: index head dim
+    del offset
+    k_bqke = jax.vmap(lambda k_ne, i_qk: k_ne[i_qk])(k_bnc, c['idx'])
+    logits_bqhk = jnp.einsum('bqhe,bqke->bqhk', c['q'], k_bqke,
                              preferred_element_type=jnp.float32)
-    h, dim = q_bqhe.shape[-2:]
-    return jnp.einsum('bqh,bqhk->bqk', w_bqh, jax.nn.relu(logits_bqhk)) * (h * dim) ** -0.5
-
-  out = jax.lax.map(per_chunk, (split(pad(q_bthc)), split(pad(w_bth)), split(pad(idx_btk))))
-  return jnp.moveaxis(out, 0, 1).reshape(b, t_pad, -1)[:, :t]
+    h, dim = c['q'].shape[-2:]
+    return jnp.einsum('bqh,bqhk->bqk', c['w'], jax.nn.relu(logits_bqhk)) * (h * dim) ** -0.5
+  return map_query_chunks(per_chunk, {'q': q_bthc, 'w': w_bth, 'idx': idx_btk}, chunk)
 
 
 def indexer_distillation(student_btk, mass_btk, valid_btk):

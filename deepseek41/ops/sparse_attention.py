@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from deepseek41.ops.chunking import map_query_chunks
 from deepseek41.ops.swa_attention import _masked_softmax_partial
 
 IMPLS = ('reference', 'gathered')
@@ -52,26 +53,10 @@ def _partial_gathered_chunk(q_bchd, kv_bnd, idx_bck, valid_bck, scale):
 
 
 def _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk):
-  b, t, h, d = q_bthd.shape
-  chunk = min(chunk or t, t)
-  t_pad = -(-t // chunk) * chunk
-  if t_pad != t:  # padded queries select nothing (valid False) and are cut off below
-    q_bthd = jnp.pad(q_bthd, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
-    idx_btk = jnp.pad(idx_btk, ((0, 0), (0, t_pad - t), (0, 0)))
-    valid_btk = jnp.pad(valid_btk, ((0, 0), (0, t_pad - t), (0, 0)))
-  n_chunks = t_pad // chunk
-
-  def per_chunk(args):
-    q_bchd, idx_bck, valid_bck = args
-    return _partial_gathered_chunk(q_bchd, kv_bnd, idx_bck, valid_bck, scale)
-
-  split = lambda x: jnp.moveaxis(x.reshape(b, n_chunks, chunk, *x.shape[2:]), 1, 0)  # noqa: E731
-  o_nbchd, lse_nbch, mass_nbck = jax.lax.map(
-      per_chunk, (split(q_bthd), split(idx_btk), split(valid_btk)))
-  o_bthd = jnp.moveaxis(o_nbchd, 0, 1).reshape(b, t_pad, h, d)[:, :t]
-  lse_bth = jnp.moveaxis(lse_nbch, 0, 1).reshape(b, t_pad, h)[:, :t]
-  mass_btk = jnp.moveaxis(mass_nbck, 0, 1).reshape(b, t_pad, -1)[:, :t]
-  return o_bthd, lse_bth, mass_btk
+  def per_chunk(c, offset):
+    del offset
+    return _partial_gathered_chunk(c['q'], kv_bnd, c['idx'], c['valid'], scale)
+  return map_query_chunks(per_chunk, {'q': q_bthd, 'idx': idx_btk, 'valid': valid_btk}, chunk)
 
 
 def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathered',
