@@ -178,22 +178,24 @@ def qdq_fp4_e4m3_scale(x, block: int = 16):
   return (q * scale).reshape(x.shape).astype(x.dtype)
 
 
+def _qdq_pow2_scale(x, block: int, amax_floor: float, qmax: float, round_fn):
+  """Block quantize-dequantize with a power-of-two scale rounded up (ue8m0): exact reciprocal."""
+  xb = _blocks(x, block)
+  k = _ceil_pow2_quotient(_amax(xb, amax_floor), qmax)
+  q = round_fn(jnp.clip(xb * _pow2(-k), -qmax, qmax))
+  return (q * _pow2(k)).reshape(x.shape).astype(x.dtype)
+
+
 @functools.partial(jax.jit, static_argnames='block')
 def qdq_fp4_ue8m0_scale(x, block: int = 32):
   """Indexer q/k format (3.7): e2m1 values, a power-of-two scale (rounded up) per block. No STE."""
-  xb = _blocks(x, block)
-  k = _ceil_pow2_quotient(_amax(xb, FP4_UE8M0_AMAX_FLOOR), E2M1_MAX)
-  q = round_e2m1(jnp.clip(xb * _pow2(-k), -E2M1_MAX, E2M1_MAX))
-  return (q * _pow2(k)).reshape(x.shape).astype(x.dtype)
+  return _qdq_pow2_scale(x, block, FP4_UE8M0_AMAX_FLOOR, E2M1_MAX, round_e2m1)
 
 
 @functools.partial(jax.jit, static_argnames='block')
 def qdq_fp8_ue8m0_scale(x, block: int = 32):
   """SWA KV format (3.5): e4m3fn values, a power-of-two scale (rounded up) per block. No STE."""
-  xb = _blocks(x, block)
-  k = _ceil_pow2_quotient(_amax(xb, FP8_UE8M0_AMAX_FLOOR), E4M3_MAX)
-  q = round_e4m3(jnp.clip(xb * _pow2(-k), -E4M3_MAX, E4M3_MAX))
-  return (q * _pow2(k)).reshape(x.shape).astype(x.dtype)
+  return _qdq_pow2_scale(x, block, FP8_UE8M0_AMAX_FLOOR, E4M3_MAX, round_e4m3)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from flax import nnx
 from deepseek41.model.compressor import (CompressedKV, Compressor, group_layout,
                                          newest_visible_entry_bt, visible_btn)
 from deepseek41.model.rope import rope_for_role
-from tests.util import packed_layout, resolved
+from tests.util import np_rope, packed_layout, resolved
 
 B, T, D, DH = 2, 40, 32, 16
 EPS = 1e-6
@@ -46,18 +46,6 @@ def make(ratio, seed=0):
 def np_rms(x, scale):
   x = x.astype(np.float64)
   return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + EPS) * scale
-
-
-def np_rope(x, pos, inv_freq):
-  x = np.array(x, np.float64)
-  half = len(inv_freq)
-  ang = pos[..., None].astype(np.float64) * inv_freq.astype(np.float64)
-  r = x[..., -2 * half:]
-  e, o = r[..., 0::2].copy(), r[..., 1::2].copy()
-  r[..., 0::2] = e * np.cos(ang) - o * np.sin(ang)
-  r[..., 1::2] = e * np.sin(ang) + o * np.cos(ang)
-  x[..., -2 * half:] = r
-  return x
 
 
 def np_compress(x, seg, pos, comp, ratio):

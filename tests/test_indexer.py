@@ -16,7 +16,7 @@ from deepseek41.model.indexer import (IndexKeys, IndexQuery, block_scores, block
                                       indexer_kl_loss, newest_visible_bt, recall_at_k,
                                       select_topk, topk_mask)
 from deepseek41.model.rope import rope_for_role
-from tests.util import packed_layout, resolved
+from tests.util import np_rope, packed_layout, resolved
 
 B, T, D, DH, DI, HI, QL = 2, 48, 32, 16, 8, 2, 16
 EPS = 1e-6
@@ -39,20 +39,6 @@ def layout(ratio, docs=DOCS, t=T):
   comp = CompressedKV(latent_bnd=None, kv_bnd=None, pos_bn=pos_bn, seg_bn=seg_bn,
                       last_bn=last_bn, ratio=ratio)
   return seg, pos, comp, np.asarray(visible_btn(seg, comp))
-
-
-def np_rope(x, pos, inv_freq):
-  x = np.array(x, np.float64)
-  half = len(inv_freq)
-  ang = pos[..., None].astype(np.float64) * inv_freq.astype(np.float64)
-  while ang.ndim < x.ndim:          # broadcast over heads
-    ang = ang[..., None, :]
-  r = x[..., -2 * half:]
-  e, o = r[..., 0::2].copy(), r[..., 1::2].copy()
-  r[..., 0::2] = e * np.cos(ang) - o * np.sin(ang)
-  r[..., 1::2] = e * np.sin(ang) + o * np.cos(ang)
-  x[..., -2 * half:] = r
-  return x
 
 
 def np_topk(key, eligible, k):

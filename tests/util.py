@@ -100,3 +100,18 @@ def token_ce(model, batch):
   lse = jax.nn.logsumexp(logits, axis=-1)
   tgt = jnp.take_along_axis(logits, batch['targets'][..., None], axis=-1)[..., 0]
   return (lse - tgt) * batch['loss_mask']
+
+
+def np_rope(x, pos, inv_freq):
+  """float64 RoPE on the last 2*len(inv_freq) channels, adjacent pairs (tests' reference)."""
+  x = np.array(x, np.float64)
+  half = len(inv_freq)
+  ang = pos[..., None].astype(np.float64) * inv_freq.astype(np.float64)
+  while ang.ndim < x.ndim:          # broadcast over heads
+    ang = ang[..., None, :]
+  r = x[..., -2 * half:]
+  e, o = r[..., 0::2].copy(), r[..., 1::2].copy()
+  r[..., 0::2] = e * np.cos(ang) - o * np.sin(ang)
+  r[..., 1::2] = e * np.sin(ang) + o * np.cos(ang)
+  x[..., -2 * half:] = r
+  return x
