@@ -1,13 +1,15 @@
-"""~1.1B-parameter V4.1 ablation model (12 layers, 64 experts top-6) for one H200.
+"""~1.1B-parameter V4.1 ablation model (12 layers, 64 experts top-6) for one H200, at 64K tokens.
 
     python -m deepseek41.train --config=configs/ablation_1b.py --workdir=/tmp/ds41-1b
 
 Same block structure as the released model at small scale: head_dim 512 with 64 RoPE dims and
 one shared K=V latent, window 128, encoder layers 0-5 with a ratio-2 KV source (layer 2), decoder
 layers 6-11 reading layer 6's ratio-1 KV (the candidate source) with Reindex layer 9, Engram ids
-1 and 4. bf16 compute with fp32 master weights; sequences of 4096 tokens, 8 per step (32K tokens).
-The default corpus is prepared with a 16K BPE vocabulary; pass --config.data.synthetic=True to
-measure the model without I/O.
+1 and 4. CSA2 is on with the released FP4/FP8 fake quantization: every ratio>0 layer attends to
+its window plus the top-512 compressed entries its index source picks. One sequence of 65,536
+tokens per step, bf16 compute with fp32 master weights. The default corpus is prepared with a
+16K BPE vocabulary; pass --config.data.synthetic=True to measure the model without I/O, or
+--config.data.seq_len=4096 --config.train.batch_size=16 for short-context ablations.
 """
 
 from deepseek41.config import base_config
@@ -32,6 +34,10 @@ def get_config():
   m.index_source_layer_ids = (2, 6, 9)
   m.candidate_source_layer_id = 6
   m.engram_layer_ids = (1, 4)
+  m.csa2 = True
+  m.kv_quant = 'fp4_e4m3_16'
+  m.index_quant = 'fp4_ue8m0_32'
+  m.swa_quant = 'fp8_ue8m0_32'
   m.index_n_heads = 16
   m.index_head_dim = 128
   m.index_topk = 512
@@ -45,12 +51,12 @@ def get_config():
   m.moe_intermediate_size = 384
   m.init_std = 0.006
 
-  c.data.seq_len = 4096
+  c.data.seq_len = 65536
   c.data.default_corpus_vocab_size = 16384
   c.data.num_workers = 2
 
   c.train.steps = 2000
-  c.train.batch_size = 8
+  c.train.batch_size = 1
   c.train.lr = 6e-4
   c.train.warmup_steps = 200
   c.train.schedule = 'wsd'

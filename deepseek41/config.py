@@ -53,6 +53,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.indexer_loss_weight = 1.0        # weight of the indexer distillation loss [I] (model/csa2.py)
   m.candidate_topk_blocks = 4        # [candidate_topk_blocks]
   m.candidate_block_size = 4         # [candidate_block_size]
+  m.index_topk_block = 8             # exact two-stage top-k over blocks of this size; 0 = one pass
   # RoPE (section 3.4): "main" for ratio-0 layers, "compress" (YaRN) for ratio > 0 layers.
   m.rope_theta = 10000.0
   m.compress_rope_theta = 160000.0
@@ -75,6 +76,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.attention_impl = 'auto'          # auto | reference | chunked
   m.sparse_impl = 'auto'             # auto (= gathered) | reference | gathered
   m.sparse_chunk = 1024              # queries per chunk in the gathered path and the indexer
+  m.index_impl = 'auto'              # auto (= fused on GPU where shapes allow) | reference | fused
   # Fake quantization (section 3.16), each 'none' or a deepseek41.quant format name; the
   # released formats are fp4_e4m3_16 / fp4_ue8m0_32 / fp8_ue8m0_32 (configs/v41_flash.py).
   m.kv_quant = 'none'                # compressed main KV, after RoPE
@@ -193,6 +195,7 @@ class ModelConfig:
   indexer_loss_weight: float
   candidate_topk_blocks: int
   candidate_block_size: int
+  index_topk_block: int
   rope_theta: float
   compress_rope_theta: float
   yarn_factor: float
@@ -213,6 +216,7 @@ class ModelConfig:
   attention_impl: str         # resolved: reference | chunked
   sparse_impl: str            # resolved: reference | gathered
   sparse_chunk: int
+  index_impl: str             # resolved: reference | fused
   kv_quant: str
   index_quant: str
   swa_quant: str
@@ -418,6 +422,12 @@ def parse_sources(spec: str) -> tuple[tuple[str, float], ...]:
   return tuple(out)
 
 
+def index_scores_supported(heads: int, dim: int) -> bool:
+  """Shapes the fused indexer kernel takes (ops/index_scores.py): powers of two, width >= 16."""
+  pow2 = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
+  return pow2(heads) and pow2(dim) and dim >= 16
+
+
 def _default_backend() -> str:
   import jax  # imported lazily: validating a config must not need a device
   return jax.default_backend()
@@ -485,6 +495,7 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
        m.index_head_dim >= m.rope_head_dim, 'model.index_head_dim',
        f'must be even and >= rope_head_dim ({m.rope_head_dim}), got {m.index_head_dim}')
   _req(m.sparse_chunk >= 1, 'model.sparse_chunk', 'must be >= 1')
+  _req(m.index_topk_block >= 0, 'model.index_topk_block', 'must be >= 0 (0 = one top-k pass)')
   sparse_impls = ('auto', 'reference', 'gathered')
   _req(m.sparse_impl in sparse_impls, 'model.sparse_impl',
        f'must be one of {sparse_impls}, got {m.sparse_impl!r}')
@@ -508,6 +519,16 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
   _req(m.attention_impl in impls, 'model.attention_impl',
        f'must be one of {impls}, got {m.attention_impl!r}')
   attention_impl = 'chunked' if m.attention_impl == 'auto' else m.attention_impl
+  index_impls = ('auto', 'reference', 'fused')
+  _req(m.index_impl in index_impls, 'model.index_impl',
+       f'must be one of {index_impls}, got {m.index_impl!r}')
+  fused_ok = index_scores_supported(m.index_n_heads, m.index_head_dim)
+  _req(m.index_impl != 'fused' or (fused_ok and backend == 'gpu'), 'model.index_impl',
+       f"'fused' is a GPU kernel for power-of-two index_n_heads and index_head_dim >= 16 "
+       f'(got {m.index_n_heads} x {m.index_head_dim} on {backend})')
+  index_impl = m.index_impl
+  if index_impl == 'auto':
+    index_impl = 'fused' if backend == 'gpu' and fused_ok else 'reference'
   dtypes = ('auto', 'float32', 'bfloat16')
   _req(m.compute_dtype in dtypes, 'model.compute_dtype', f'must be one of {dtypes}, got {m.compute_dtype!r}')
   compute_dtype = m.compute_dtype
@@ -527,7 +548,8 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
       index_n_heads=int(m.index_n_heads), index_head_dim=int(m.index_head_dim),
       index_topk=int(m.index_topk), indexer_loss_weight=float(m.indexer_loss_weight),
       candidate_topk_blocks=int(m.candidate_topk_blocks),
-      candidate_block_size=int(m.candidate_block_size), rope_theta=float(m.rope_theta),
+      candidate_block_size=int(m.candidate_block_size),
+      index_topk_block=int(m.index_topk_block), rope_theta=float(m.rope_theta),
       compress_rope_theta=float(m.compress_rope_theta), yarn_factor=float(m.yarn_factor),
       yarn_original_max_position=int(m.yarn_original_max_position),
       yarn_beta_fast=float(m.yarn_beta_fast), yarn_beta_slow=float(m.yarn_beta_slow),
@@ -538,7 +560,7 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
       balance_loss_weight=float(m.balance_loss_weight), moe_backend=moe_backend,
       capacity_factor=float(m.capacity_factor), attention_impl=attention_impl,
       sparse_impl='gathered' if m.sparse_impl == 'auto' else m.sparse_impl,
-      sparse_chunk=int(m.sparse_chunk), kv_quant=m.kv_quant, index_quant=m.index_quant,
+      sparse_chunk=int(m.sparse_chunk), index_impl=index_impl, kv_quant=m.kv_quant, index_quant=m.index_quant,
       swa_quant=m.swa_quant,
       init_std=float(m.init_std), compute_dtype=compute_dtype, param_dtype=m.param_dtype)
 

@@ -14,7 +14,7 @@ from deepseek41.model.transformer import Transformer
 from tests.util import packed_batch, resolved, token_ce
 
 CSA2 = {'model.csa2': True, 'model.index_n_heads': 2, 'model.index_head_dim': 8,
-        'model.sparse_chunk': 16}
+        'model.sparse_chunk': 16, 'model.index_topk_block': 2}  # two-stage top-k active
 
 
 def _model(**overrides):
@@ -129,7 +129,8 @@ def test_the_compressed_branch_changes_the_model(csa2_model):
                 np.asarray(_token_ce(off, batch))).max() > 1e-4
 
 
-@pytest.mark.parametrize('overrides', [{'model.sparse_impl': 'reference'},
+@pytest.mark.parametrize('overrides', [{'model.sparse_impl': 'reference',
+                                        'model.index_topk_block': 0},
                                        {'model.sparse_chunk': 5}])
 def test_scalable_path_equals_reference(csa2_model, overrides):
   batch = _aligned_batch(5)

@@ -12,6 +12,7 @@ from flax import nnx
 from deepseek41.model.compressor import (CompressedKV, Compressor, group_layout,
                                          newest_visible_entry_bt, visible_btn)
 from deepseek41.model.indexer import (IndexKeys, IndexQuery, block_scores, blocks_to_entries,
+                                      select_topk_blocked,
                                       candidate_blocks, candidate_pool, index_scores,
                                       indexer_kl_loss, newest_visible_bt, recall_at_k,
                                       select_topk, topk_mask)
@@ -130,6 +131,28 @@ def test_select_topk_against_numpy(ratio):
     assert got == expected
     if k >= vis.sum(-1).max():
       np.testing.assert_array_equal(np.asarray(topk_mask(idx, valid, n)), vis)
+
+
+@pytest.mark.parametrize('ratio', [1, 2])
+def test_two_stage_topk_equals_one_pass(ratio):
+  """Blocked top-k is exact, ties (lowest index first) and the allowed mask included."""
+  rng = np.random.default_rng(7)
+  seg, _, _, vis = layout(ratio)
+  n = vis.shape[-1]
+  for trial in range(4):
+    scores = rng.integers(-2, 3, vis.shape).astype(np.float32)  # heavy ties
+    scores[rng.random(vis.shape) < 0.2] = -0.0
+    if trial % 2:
+      scores = rng.normal(size=vis.shape).astype(np.float32)
+    allowed = rng.random(vis.shape) < 0.6 if trial >= 2 else None
+    for k, block in ((2, 2), (3, 4), (4, 5), (5, 3), (1, 7)):
+      assert k * block < n  # the two-stage path, not the one-pass fallback
+      args = (jnp.asarray(scores), jnp.asarray(vis), k)
+      allowed_j = None if allowed is None else jnp.asarray(allowed)
+      want = select_topk(*args, allowed_j)
+      got = select_topk_blocked(*args, block, allowed_j)
+      for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f'k={k} b={block}')
 
 
 def test_select_topk_ties_lowest_index_and_allowed():

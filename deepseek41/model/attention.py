@@ -46,12 +46,15 @@ class Attention(nnx.Module):
 
   def __call__(self, x_btd, batch, shared: dict):
     """Returns (output [B,T,D], shared): `shared` carries compressed KV and selections onward."""
+    q_r_btr, q_bthd, kv_btd = self.project(x_btd, batch['positions'])
+    o_bthd, shared = self.attend(x_btd, q_r_btr, q_bthd, kv_btd, batch, shared)
+    return self.output(o_bthd), shared
+
+  def project(self, x_btd, positions_bt):
+    """(q_r_btr, q_bthd, kv_btd): the low-rank query and the RoPE'd query heads and latent."""
     cfg = self.cfg
     dt = x_btd.dtype
-    b, t, _ = x_btd.shape
     inv_freq = rope_for_role(cfg, self.role.rope)
-    positions_bt = batch['positions']
-
     q_r_btr = self.q_norm(x_btd @ self.wq_a[...].astype(dt))
     q_bthd = jnp.einsum('btr,rhd->bthd', q_r_btr, self.wq_b[...].astype(dt))
     if cfg.q_head_norm:
@@ -59,15 +62,28 @@ class Attention(nnx.Module):
     kv_btd = self.kv_norm(x_btd @ self.wkv[...].astype(dt))
     q_bthd = apply_rope(q_bthd, positions_bt, inv_freq)
     kv_btd = get_fake_quant(cfg.swa_quant)(apply_rope(kv_btd, positions_bt, inv_freq))
+    return q_r_btr, q_bthd, kv_btd
 
+  def attend(self, x_btd, q_r_btr, q_bthd, kv_btd, batch, shared: dict):
+    """The attention core: window (+ compressed) partials, sink, inverse RoPE -> (o_bthd, shared).
+
+    Split out so the benchmarks time exactly what dense attention replaces.
+    """
+    cfg = self.cfg
     partials = [swa_partial(q_bthd, kv_btd, batch['segment_ids'], window=cfg.sliding_window,
                             impl=cfg.attention_impl)]
     if self.csa2 is not None:
       compressed, shared = self.csa2(x_btd, q_r_btr, q_bthd, batch, shared)
       partials.append(compressed)
-    o_bthd = combine_with_sink(partials, self.sink[...], dtype=dt)
-    o_bthd = apply_rope(o_bthd, positions_bt, inv_freq, inverse=True)
+    o_bthd = combine_with_sink(partials, self.sink[...], dtype=x_btd.dtype)
+    inv_freq = rope_for_role(cfg, self.role.rope)
+    return apply_rope(o_bthd, batch['positions'], inv_freq, inverse=True), shared
 
+  def output(self, o_bthd):
+    """Grouped low-rank output projection: [B,T,H,d] -> [B,T,D]."""
+    cfg = self.cfg
+    b, t = o_bthd.shape[:2]
+    dt = o_bthd.dtype
     o_btgf = o_bthd.reshape(b, t, cfg.o_groups, -1)
     low_btgr = jnp.einsum('btgf,gfr->btgr', o_btgf, self.wo_a[...].astype(dt))
-    return low_btgr.reshape(b, t, -1) @ self.wo_b[...].astype(dt), shared
+    return low_btgr.reshape(b, t, -1) @ self.wo_b[...].astype(dt)

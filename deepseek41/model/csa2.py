@@ -33,7 +33,8 @@ from deepseek41.model import indexer as idx_lib
 from deepseek41.model.compressor import Compressor, visible_btn
 from deepseek41.model.indexer import IndexKeys, IndexQuery
 from deepseek41.ops.chunking import map_query_chunks
-from deepseek41.ops.sparse_attention import compressed_partial
+from deepseek41.ops.index_scores import index_scores_fused
+from deepseek41.ops.sparse_attention import compressed_partial, gather_rows
 from deepseek41.quant import get_fake_quant
 
 
@@ -64,8 +65,12 @@ def pool_entry_mask(blk_idx_btm, blk_valid_btm, block_size: int, n: int):
 
 
 def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chunk: int,
-                   block_size: int, pool=None, publish_blocks: int = 0):
+                   block_size: int, pool=None, publish_blocks: int = 0, topk_block: int = 0,
+                   scores_impl: str = 'reference'):
   """Top-k entries per query, processed `chunk` queries at a time.
+
+  topk_block > 1: exact two-stage top-k over blocks of that many entries (`select_topk_blocked`).
+  scores_impl: 'reference' (jnp) or 'fused' (the GPU kernel, ops/index_scores.py).
 
   pool: (blk_idx_btm, blk_valid_btm) of the candidate source, restricting the choice (Reindex).
   publish_blocks > 0: also return this layer's best `publish_blocks` candidate blocks.
@@ -77,12 +82,19 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
     xs['pool_idx'], xs['pool_valid'] = pool
 
   def per_chunk(c, offset):
-    scores_bcn = idx_lib.index_scores(c['q'], c['w'], k_bnc)
+    if scores_impl.startswith('fused'):  # 'fused_interpret': the kernel on the CPU, for tests
+      rows_c = offset + jnp.arange(c['q'].shape[1], dtype=jnp.int32)
+      limit_bc = jnp.broadcast_to((rows_c + 1) // comp.ratio, c['seg'].shape)
+      scores_bcn = index_scores_fused(c['q'], c['w'], k_bnc, limit_bc,
+                                      interpret=scores_impl == 'fused_interpret')
+    else:
+      scores_bcn = idx_lib.index_scores(c['q'], c['w'], k_bnc)
     vis_bcn = visible_btn(c['seg'], comp, offset)
     allowed = None
     if pool is not None:
       allowed = pool_entry_mask(c['pool_idx'], c['pool_valid'], block_size, n)
-    sel_idx, sel_valid = idx_lib.select_topk(scores_bcn, vis_bcn, topk, allowed)
+    sel_idx, sel_valid = idx_lib.select_topk_blocked(scores_bcn, vis_bcn, topk, topk_block,
+                                                     allowed)
     out = {'idx': sel_idx, 'valid': sel_valid}
     if publish_blocks:
       blocks = idx_lib.block_scores(scores_bcn, vis_bcn, block_size)
@@ -100,12 +112,14 @@ def selected_scores(q_bthc, w_bth, k_bnc, idx_btk, chunk: int):
   """Indexer scores of the selected entries only: [B, T, K] fp32, `chunk` queries at a time."""
   def per_chunk(c, offset):  # q: chunk of queries, e: index head dim
     del offset
-    k_bqke = jax.vmap(lambda k_ne, i_qk: k_ne[i_qk])(k_bnc, c['idx'])
+    k_bqke = gather_rows(k_bnc, c['idx'])
     logits_bqhk = jnp.einsum('bqhe,bqke->bqhk', c['q'], k_bqke,
                              preferred_element_type=jnp.float32)
     h, dim = c['q'].shape[-2:]
     return jnp.einsum('bqh,bqhk->bqk', c['w'], jax.nn.relu(logits_bqhk)) * (h * dim) ** -0.5
-  return map_query_chunks(per_chunk, {'q': q_bthc, 'w': w_bth, 'idx': idx_btk}, chunk)
+  # Recomputed in the backward pass: saving each chunk's gathered keys would cost
+  # [T, K, d_I] per index source, the very size chunking avoids.
+  return map_query_chunks(jax.checkpoint(per_chunk), {'q': q_bthc, 'w': w_bth, 'idx': idx_btk}, chunk)
 
 
 def indexer_distillation(student_btk, mass_btk, valid_btk):
@@ -157,7 +171,8 @@ class CSA2(nnx.Module):
           jax.lax.stop_gradient(q_idx), jax.lax.stop_gradient(w_bth),
           jax.lax.stop_gradient(k_bnc), seg, comp, topk=cfg.index_topk,
           chunk=cfg.sparse_chunk, block_size=cfg.candidate_block_size, pool=pool,
-          publish_blocks=cfg.candidate_topk_blocks if role.publishes_candidates else 0)
+          publish_blocks=cfg.candidate_topk_blocks if role.publishes_candidates else 0,
+          topk_block=cfg.index_topk_block, scores_impl=cfg.index_impl)
       shared[_sel_key(role.layer)] = (sel_idx, sel_valid)
       if blocks is not None:
         shared[_pool_key(role.layer)] = blocks

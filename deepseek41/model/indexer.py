@@ -50,7 +50,8 @@ def identity(x):
 def index_scores(q_bthc, w_bth, k_bnc):
   """fp32 [B, T, N]: I[t,j] = sum_h w[t,h] * H^-1/2 * relu(q[t,h] . k[j]) * C^-1/2.
 
-  Materialises [B, T, H, N]: pass query chunks in the scalable path.
+  Materialises [B, T, H, N]: pass query chunks in the scalable path. The reference for the
+  fused GPU kernel `deepseek41.ops.index_scores.index_scores_fused`.
   """
   h, c = q_bthc.shape[-2], q_bthc.shape[-1]
   dots_bthn = jnp.einsum('bthc,bnc->bthn', q_bthc, k_bnc, preferred_element_type=jnp.float32)
@@ -90,6 +91,36 @@ def select_topk(scores_btn, visible_btn, k: int, allowed_btn=None):
   valid_btk = vals_btk > -jnp.inf
   idx_btk = jnp.where(valid_btk, idx_btk, 0).astype(jnp.int32)
   return _pad_last(idx_btk, k, 0), _pad_last(valid_btk, k, False)
+
+
+def select_topk_blocked(scores_btn, visible_btn, k: int, block: int, allowed_btn=None):
+  """`select_topk` in two exact stages: top-k blocks by their max, then top-k inside them.
+
+  The fast path for long rows: `jax.lax.top_k` sorts whole rows on the GPU, so one top-k over N
+  costs far more than one over N/block plus one over k*block (PERFORMANCE.md). Exact, ties
+  included: an entry outside the k best blocks (ordered by max, then lowest block) is beaten by
+  each of those blocks' first maximum, so it cannot be among the k best entries. The kept blocks
+  are put back in ascending order, so ties among entries still resolve by lowest index.
+  """
+  eligible_btn = visible_btn if allowed_btn is None else visible_btn & allowed_btn
+  n = scores_btn.shape[-1]
+  if block <= 1 or k * block >= n:
+    return select_topk(scores_btn, eligible_btn, k)
+  m = -(-n // block)
+  key_btn = _pad_last(_ranking_key(jax.lax.stop_gradient(scores_btn), eligible_btn),
+                      m * block, -jnp.inf)
+  key_btmb = key_btn.reshape(key_btn.shape[:-1] + (m, block))
+  blk_vals_btk, blk_btk = jax.lax.top_k(jnp.max(key_btmb, axis=-1), k)
+  blk_btk = jnp.sort(jnp.where(blk_vals_btk > -jnp.inf, blk_btk, m), axis=-1)  # empty -> last
+  kept_btk = blk_btk < m
+  blk_btk = jnp.minimum(blk_btk, m - 1)
+  cand_btkb = jnp.take_along_axis(key_btmb, blk_btk[..., None], axis=-2)
+  cand_btc = jnp.where(kept_btk[..., None], cand_btkb, -jnp.inf).reshape(
+      blk_btk.shape[:-1] + (k * block,))
+  vals_btk, pos_btk = jax.lax.top_k(cand_btc, k)
+  entry_btk = jnp.take_along_axis(blk_btk, pos_btk // block, axis=-1) * block + pos_btk % block
+  valid_btk = vals_btk > -jnp.inf
+  return jnp.where(valid_btk, entry_btk, 0).astype(jnp.int32), valid_btk
 
 
 def topk_mask(idx_btk, valid_btk, n: int):

@@ -42,13 +42,40 @@ def _partial_reference(q_bthd, kv_bnd, idx_btk, valid_btk, scale):
   return o_bthd, lse_bth, mass_btk
 
 
+@jax.custom_vjp
+def gather_rows(x_bnd, idx_bck):
+  """x_bnd[b, idx_bck[b, c, k]] -> [B, C, K, d], whose gradient scatter-adds in fp32.
+
+  Autodiff of the plain gather scatter-adds the bf16 cotangent straight into a bf16 [N, d]
+  buffer; many queries pick the same entry, and bf16 atomics on the GPU are emulated, which made
+  the sparse branch's backward slower than dense attention's at 16K tokens.
+  """
+  return jax.vmap(lambda x_nd, idx_ck: x_nd[idx_ck])(x_bnd, idx_bck)
+
+
+def _gather_rows_fwd(x_bnd, idx_bck):
+  return gather_rows(x_bnd, idx_bck), (x_bnd, idx_bck)
+
+
+def _gather_rows_bwd(res, ct_bckd):
+  x_bnd, idx_bck = res  # x_bnd only for its shape and dtype: it is alive anyway
+  b = jnp.arange(x_bnd.shape[0])[:, None, None]
+  grad_bnd = jnp.zeros(x_bnd.shape, jnp.float32).at[b, idx_bck].add(ct_bckd.astype(jnp.float32))
+  return grad_bnd.astype(x_bnd.dtype), None
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
 def _partial_gathered_chunk(q_bchd, kv_bnd, idx_bck, valid_bck, scale):
-  kv_bckd = jax.vmap(lambda kv_nd, idx_ck: kv_nd[idx_ck])(kv_bnd, idx_bck)
+  kv_bckd = gather_rows(kv_bnd, idx_bck)
   scores_bchk = jnp.einsum('bchd,bckd->bchk', q_bchd, kv_bckd,
                            preferred_element_type=jnp.float32) * scale
   probs_bchk, lse_bch = _masked_softmax_partial(scores_bchk, valid_bck[:, :, None, :])
+  # The partial output leaves in the input dtype (bf16 in training, as a flash kernel's would):
+  # an fp32 [T, H, d] per branch is 17 GB at 128K tokens and V4.1's 64 x 512 heads.
   o_bchd = jnp.einsum('bchk,bckd->bchd', probs_bchk.astype(kv_bnd.dtype), kv_bckd,
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=jnp.float32).astype(kv_bnd.dtype)
   return o_bchd, lse_bch, jnp.mean(probs_bchk, axis=2)
 
 
@@ -56,13 +83,19 @@ def _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk):
   def per_chunk(c, offset):
     del offset
     return _partial_gathered_chunk(c['q'], kv_bnd, c['idx'], c['valid'], scale)
-  return map_query_chunks(per_chunk, {'q': q_bthd, 'idx': idx_btk, 'valid': valid_btk}, chunk)
+  # Recomputed in the backward pass (flash-attention style): the saved residuals would be each
+  # chunk's gathered latents and probabilities, [T, K, d] + [T, H, K], which at 64K tokens and
+  # V4.1's shapes is tens of GB per layer.
+  return map_query_chunks(jax.checkpoint(per_chunk),
+                          {'q': q_bthd, 'idx': idx_btk, 'valid': valid_btk}, chunk)
 
 
 def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathered',
                        chunk: int | None = None, scale: float | None = None,
                        with_mass: bool = False):
-  """Attention of each query over its selected compressed entries: (o_bthd fp32, lse_bth fp32).
+  """Attention of each query over its selected compressed entries: (o_bthd, lse_bth fp32).
+
+  o_bthd is fp32 from the reference and in kv's dtype from the gathered path.
 
   q_bthd [B, T, H, d]; kv_bnd [B, N, d] (RoPE'd, possibly fake-quantized latents; key = value);
   idx_btk int [B, T, K] selected entries; valid_btk bool [B, T, K] (false for unused slots and

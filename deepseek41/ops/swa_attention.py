@@ -170,7 +170,7 @@ def _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk):
                             preferred_element_type=jnp.float32) * scale
   probs_bnchk, lse_bnch = _masked_softmax_partial(scores_bnchk, mask_bnck[:, :, :, None, :])
   o_bnchd = jnp.einsum('bnchk,bnkd->bnchd', probs_bnchk.astype(kv_bnkd.dtype), kv_bnkd,
-                       preferred_element_type=jnp.float32)
+                       preferred_element_type=jnp.float32).astype(kv_bnkd.dtype)  # as in sparse
   o_bthd = o_bnchd.reshape(b, t_pad, h, d)[:, :t]
   lse_bth = lse_bnch.reshape(b, t_pad, h)[:, :t]
   return o_bthd, lse_bth
@@ -182,11 +182,12 @@ def _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk):
 
 def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chunked',
                 chunk: int | None = None, scale: float | None = None):
-  """The window branch as a partial: (o_bthd fp32 normalised over the window, lse_bth fp32).
+  """The window branch as a partial: (o_bthd normalised over the window, lse_bth fp32).
 
   q_bthd [B, T, H, d]; kv_btd [B, T, d], the shared K=V latent; segment_ids_bt [B, T] int, 0 =
-  padding, documents contiguous within a row. scale defaults to 1/sqrt(d). The output stays fp32
-  so that merging branches rounds once, in `combine_with_sink`.
+  padding, documents contiguous within a row. scale defaults to 1/sqrt(d). The chunked output is
+  in kv's dtype (bf16 in training: fp32 [T, H, d] partials dominated memory at 128K tokens);
+  `combine_with_sink` merges branches in fp32.
   """
   if q_bthd.ndim != 4 or kv_btd.ndim != 3 or q_bthd.shape[-1] != kv_btd.shape[-1]:
     raise ValueError(f'expected q [B,T,H,d] and kv [B,T,d], got {q_bthd.shape} and {kv_btd.shape}')

@@ -42,7 +42,7 @@ class MetricsWriter:
       self.tb.flush()
     summary = ' '.join(f'{k}={clean[k]:.4g}' for k in
                        ('loss', 'eval_loss', 'indexer_loss', 'indexer_recall', 'grad_norm', 'lr',
-                        'tokens_per_s', 'mfu')
+                        'tokens_per_s', 'mfu', 'peak_memory_gb')
                        if clean.get(k) is not None)
     if self.bar is not None:
       self.bar.write(f'step {step}: {summary}')

@@ -88,6 +88,13 @@ def _load_scalars(load_lme: np.ndarray) -> dict[str, float]:
   return out
 
 
+def _peak_device_memory_gb() -> float | None:
+  """Peak bytes in use on this process's devices since start (GPU/TPU; None where unreported)."""
+  peaks = [(d.memory_stats() or {}).get('peak_bytes_in_use') for d in jax.local_devices()]
+  peaks = [p for p in peaks if p is not None]
+  return max(peaks) / 2**30 if peaks else None
+
+
 def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResult:
   """Run (or resume) training as configured; `config` is an ml_collections.ConfigDict.
 
@@ -107,8 +114,10 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   rules = cfg.mesh.rules
   log.info('mesh %s over %d %s device(s)', dict(mesh.shape), jax.device_count(),
            jax.devices()[0].device_kind)
-  log.info('layer roles (the CSA2 global branch is not wired yet: every layer attends over '
-           'its sliding window):\n%s', format_role_table(cfg.model))
+  log.info('layer roles (%s):\n%s',
+           'CSA2 on: ratio>0 layers add their selected compressed entries to the window'
+           if cfg.model.csa2 else 'CSA2 off: every layer attends over its sliding window only',
+           format_role_table(cfg.model))
 
   # ---- data --------------------------------------------------------------------------------
   if not cfg.data.synthetic:
@@ -230,6 +239,9 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
           scalars['indexer_recall'] = float(host['indexer_recall'])
         if peak:
           scalars['mfu'] = scalars['model_tflops_per_s'] / (peak * jax.device_count())
+        peak_gb = _peak_device_memory_gb()
+        if peak_gb is not None:
+          scalars['peak_memory_gb'] = peak_gb
         scalars.update(_load_scalars(np.asarray(host['load_lme'])))
         if step in eval_losses:
           scalars['eval_loss'] = eval_losses.pop(step)

@@ -1,0 +1,227 @@
+"""Time one CSA2 attention layer against cuDNN dense causal attention of the same FLOPs per pair.
+
+Usage (GPU, V4.1-Flash attention shapes, released quantization formats):
+    python benchmarks/bench_csa2.py --seq_lens 16384,65536 --out csa2.jsonl
+    python benchmarks/bench_csa2.py --small          # CPU smoke run (configs/tiny.py shapes)
+
+What is timed is the attention core, `Attention.attend`: for a Full layer the compressor, index
+keys, indexer query, query-chunked scoring, two-stage top-k (and the candidate pool for the
+candidate source), the gathered sparse branch, the window branch, sink merge, inverse RoPE, and
+the indexer's distillation loss; for a Reuse layer the window and the sparse branch over its
+source's selection (the source's tensors are inputs). The q/kv/output projections are left out
+on both sides: they are the same work with or without sparsity.
+
+Dense baseline: `jax.nn.dot_product_attention(implementation='cudnn', is_causal=True)` with
+128 heads x 256 (cuDNN stops at head dim 256; 64 heads x 512 has the same FLOPs per query-key
+pair), q, k, v all [1, T, 128, 256].
+
+Forward+backward: the gradient of <o, ct> (+ the indexer loss) with respect to the layer's
+parameters and all its float inputs (for Reuse, including the source's compressed KV), i.e.
+what a training step runs for this layer. Method: jit, one warm-up (compile) call,
+block_until_ready, median over --reps runs on fresh inputs (benchmarks/timing.py).
+Each result is printed and appended to --out as one JSON line as soon as it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
+sys.path.insert(0, ROOT)
+from timing import time_fn  # noqa: E402  (benchmarks/timing.py)
+from deepseek41.config import layer_roles, resolve  # noqa: E402
+from deepseek41.model.attention import Attention  # noqa: E402
+from deepseek41.model.csa2 import INDEXER_TOTALS  # noqa: E402
+
+# name -> (layer in configs/v41_flash.py, layer in configs/tiny.py)
+LAYERS = {'full2': (2, 2), 'reuse2': (3, 3), 'full1_candidates': (20, 4), 'reindex': (24, 6),
+          'reuse1': (21, 5)}
+
+
+def load_config(name):
+  spec = importlib.util.spec_from_file_location('cfg', os.path.join(ROOT, 'configs', name))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--seq_lens', default='16384,65536')
+  p.add_argument('--layers', default='full2,reuse2', help=f'comma list of {sorted(LAYERS)}')
+  p.add_argument('--dense', default=True, action=argparse.BooleanOptionalAction,
+                 help='also time cuDNN dense causal attention')
+  p.add_argument('--modes', default='fwd,fwd_bwd')
+  p.add_argument('--reps', type=int, default=5)
+  p.add_argument('--small', action='store_true', help='tiny shapes on the CPU (smoke run)')
+  p.add_argument('--set', action='append', default=[],
+                 help='config override model.KEY=VALUE (python literal), repeatable')
+  p.add_argument('--out', help='append JSON lines here')
+  return p.parse_args(argv)
+
+
+def model_config(args):
+  c = load_config('tiny.py' if args.small else 'v41_flash.py')
+  c.model.csa2 = True
+  if args.small:
+    c.model.compute_dtype = 'float32'
+  for item in args.set:
+    key, value = item.split('=', 1)
+    try:
+      value = eval(value, {})  # noqa: S307 - a benchmark flag, like --config.x=...
+    except (NameError, SyntaxError):
+      pass
+    c.model[key.removeprefix('model.')] = value
+  c.data.seq_len = max(int(s) for s in args.seq_lens.split(','))
+  c.mesh.data = c.mesh.fsdp = c.mesh.expert = c.mesh.tensor = c.mesh.context = 1  # one device
+  return resolve(c, num_devices=1).model
+
+
+def _batch(t):
+  return {'segment_ids': jnp.ones((1, t), jnp.int32),
+          'positions': jnp.arange(t, dtype=jnp.int32)[None]}
+
+
+def _split_float(tree):
+  """(float leaves, rebuild(float leaves) -> tree): differentiate a pytree with int leaves."""
+  leaves, treedef = jax.tree.flatten(tree)
+  where = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+  def rebuild(floats):
+    out = list(leaves)
+    for i, x in zip(where, floats):
+      out[i] = x
+    return jax.tree.unflatten(treedef, out)
+  return [leaves[i] for i in where], rebuild
+
+
+def csa2_case(cfg, name, t, dtype, small):
+  """(fwd, fwd_bwd, make_args, role) for one layer of the role table at sequence length t."""
+  roles = layer_roles(cfg)
+  layer = LAYERS[name][1 if small else 0]
+  role = roles[layer]
+  rngs = nnx.Rngs(params=0)
+  attn = Attention(cfg, role, rngs)
+  graphdef, state = nnx.split(attn)
+  batch = _batch(t)
+  # Sources this layer reads (KV source, index source, candidate pool) run once, untimed.
+  source_layers = sorted({role.kv_source, role.index_source,
+                          cfg.candidate_source_layer_id if role.uses_candidates else -1} -
+                         {layer, -1})
+  sources = [Attention(cfg, roles[s], nnx.Rngs(params=1 + s)) for s in source_layers]
+  run_source = nnx.jit(lambda m, x, s: m(x, batch, s))
+  project = nnx.jit(lambda m, x: m.project(x, batch['positions']))
+
+  def inputs(rep):
+    key = jax.random.fold_in(jax.random.key(0), rep)
+    k_x, k_ct = jax.random.split(key)
+    x = jax.random.normal(k_x, (1, t, cfg.d_model), jnp.float32).astype(dtype)
+    shared = {}
+    for src in sources:
+      _, shared = run_source(src, x, shared)
+    shared.pop(INDEXER_TOTALS, None)
+    q_r, q, kv = project(attn, x)
+    ct = jax.random.normal(k_ct, q.shape, jnp.float32).astype(dtype)
+    return x, q_r, q, kv, shared, ct
+
+  def core(state, x, q_r, q, kv, shared):
+    o, out = nnx.merge(graphdef, state).attend(x, q_r, q, kv, batch, shared)
+    totals = out.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))
+    return o, totals[0] / jnp.maximum(totals[1], 1.0)
+
+  @jax.jit
+  def fwd(state, x, q_r, q, kv, shared, ct):
+    del ct
+    return core(state, x, q_r, q, kv, shared)
+
+  @jax.jit
+  def fwd_bwd(state, x, q_r, q, kv, shared, ct):
+    floats, rebuild = _split_float(shared)
+
+    def loss(state, x, q_r, q, kv, floats):
+      o, indexer_loss = core(state, x, q_r, q, kv, rebuild(floats))
+      return jnp.sum(o.astype(jnp.float32) * ct.astype(jnp.float32)) + indexer_loss
+    return jax.grad(loss, argnums=range(6))(state, x, q_r, q, kv, floats)
+
+  cache = {}
+
+  def make_args(rep):
+    if rep not in cache:
+      cache.clear()
+      cache[rep] = (state,) + inputs(rep)
+    return cache[rep]
+  return fwd, fwd_bwd, make_args, role
+
+
+def dense_case(t, heads, head_dim, dtype, implementation):
+  def make_args(rep):
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(1), rep), 4)
+    return [jax.random.normal(k, (1, t, heads, head_dim), jnp.float32).astype(dtype)
+            for k in keys]
+
+  def attend(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+  @jax.jit
+  def fwd(q, k, v, ct):
+    del ct
+    return attend(q, k, v)
+
+  @jax.jit
+  def fwd_bwd(q, k, v, ct):
+    return jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) *
+                                            ct.astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+  return fwd, fwd_bwd, make_args
+
+
+def record(row, args):
+  row.update(date=datetime.datetime.now().isoformat(timespec='seconds'),
+             device=str(jax.devices()[0].device_kind), jax=jax.__version__)
+  print(json.dumps(row), flush=True)
+  if args.out:
+    with open(args.out, 'a') as fh:
+      fh.write(json.dumps(row) + '\n')
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  cfg = model_config(args)
+  dtype = jnp.float32 if args.small else jnp.bfloat16
+  modes = args.modes.split(',')
+  common = dict(command=' '.join(sys.argv), sets=args.set, reps=args.reps)
+  for t in (int(s) for s in args.seq_lens.split(',')):
+    if args.dense:
+      heads, dim = (2 * cfg.num_heads, cfg.head_dim // 2) if cfg.head_dim > 256 else \
+          (cfg.num_heads, cfg.head_dim)
+      impl = 'xla' if args.small else 'cudnn'
+      fwd, fwd_bwd, make_args = dense_case(t, heads, dim, dtype, impl)
+      flops = 4 * t * (t + 1) / 2 * heads * dim  # causal forward: q.k and p.v per pair
+      for mode, fn in (('fwd', fwd), ('fwd_bwd', fwd_bwd)):
+        if mode in modes:
+          ms, compile_s = time_fn(fn, make_args, args.reps)
+          total = flops * (3.5 if mode == 'fwd_bwd' else 1.0)  # flash bwd recomputes q.k
+          record(dict(case=f'dense_{impl}', heads=heads, head_dim=dim, seq_len=t, mode=mode,
+                      ms=ms, tflops=total / ms / 1e9, compile_s=compile_s, **common), args)
+    for name in args.layers.split(','):
+      fwd, fwd_bwd, make_args, role = csa2_case(cfg, name, t, dtype, args.small)
+      for mode, fn in (('fwd', fwd), ('fwd_bwd', fwd_bwd)):
+        if mode in modes:
+          ms, compile_s = time_fn(fn, make_args, args.reps)
+          record(dict(case=name, layer=role.layer, role=role.mode, ratio=role.ratio,
+                      seq_len=t, mode=mode, ms=ms, compile_s=compile_s,
+                      heads=cfg.num_heads, head_dim=cfg.head_dim, index_heads=cfg.index_n_heads,
+                      topk=cfg.index_topk, window=cfg.sliding_window,
+                      quant=[cfg.kv_quant, cfg.index_quant, cfg.swa_quant], **common), args)
+
+
+if __name__ == '__main__':
+  main()
