@@ -31,6 +31,12 @@ def get_config():
   m.index_source_layer_ids = (2, 4, 6)
   m.candidate_source_layer_id = 4
   m.engram_layer_ids = (1, 3)
+  # CSA2 with the released FP4/FP8 fake quantization. At 128 tokens every mode is live: top-8 of
+  # up to 64 (ratio 2) or 128 (ratio 1) entries, Reindex inside 4 blocks x 4 = 16 candidates.
+  m.csa2 = True
+  m.kv_quant = 'fp4_e4m3_16'
+  m.index_quant = 'fp4_ue8m0_32'
+  m.swa_quant = 'fp8_ue8m0_32'
   m.index_topk = 8
   m.candidate_topk_blocks = 4
   m.candidate_block_size = 4

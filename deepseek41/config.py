@@ -38,6 +38,13 @@ def base_config() -> ml_collections.ConfigDict:
   m.o_groups = 2                     # [o_groups]
   m.o_lora_rank = 64                 # [o_lora_rank] per group
   m.sliding_window = 16              # [sliding_window] keys t-W < s <= t
+  # Residual (section 3.2): mHC over hc_mult streams, V4.1 single-pass or V4 multi-pass order,
+  # or a plain pre-norm residual (ablation).
+  m.residual = 'mhc_single_pass'     # mhc_single_pass | mhc_multi_pass | plain
+  m.hc_mult = 4                      # [hc_mult] residual streams
+  m.hc_sinkhorn_iters = 20           # [hc_sinkhorn_iters]
+  m.hc_eps = 1e-6                    # [hc_eps]
+  m.hc_init_std = 0.02               # std of the coefficient projections [S: HF's init]
   m.q_head_norm = True               # per-head q re-normalisation (section 3.3); off = HF parity
   # Layer roles (section 1). One ratio per backbone layer: 0 = SWA only, 1 or 2 = CSA2 ratio.
   m.compress_ratios = (0, 2, 1, 1)
@@ -148,6 +155,8 @@ def base_config() -> ml_collections.ConfigDict:
       ('index_heads', 'tensor'),
       ('index_dim', ''),
       ('norm', ''),
+      ('hc_coef', ''),
+      ('hc_embed', ''),
   )
 
   # ---- checkpoint -----------------------------------------------------------------------
@@ -189,6 +198,11 @@ class ModelConfig:
   candidate_source_layer_id: int
   engram_layer_ids: tuple[int, ...]
   csa2: bool
+  residual: str
+  hc_mult: int
+  hc_sinkhorn_iters: int
+  hc_eps: float
+  hc_init_std: float
   index_n_heads: int
   index_head_dim: int
   index_topk: int
@@ -488,6 +502,11 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
        all(_latest_at_or_below(kv, l) >= m.num_encoder_layers or ratios[l] == 0
            for l in range(m.num_encoder_layers, L)), 'model.num_encoder_layers',
        'decoder layers must read KV produced inside the decoder (CED wiring)')
+  residuals = ('mhc_single_pass', 'mhc_multi_pass', 'plain')
+  _req(m.residual in residuals, 'model.residual', f'must be one of {residuals}, got {m.residual!r}')
+  _req(m.hc_mult >= 1, 'model.hc_mult', f'must be >= 1, got {m.hc_mult}')
+  _req(m.hc_sinkhorn_iters >= 1, 'model.hc_sinkhorn_iters', 'must be >= 1')
+  _req(m.hc_eps >= 0, 'model.hc_eps', 'must be >= 0')
   _req(m.index_topk >= 1, 'model.index_topk', 'must be >= 1')
   _req(m.index_n_heads >= 1, 'model.index_n_heads', 'must be >= 1')
   _req(m.indexer_loss_weight >= 0, 'model.indexer_loss_weight', 'must be >= 0')
@@ -545,6 +564,9 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
       sliding_window=int(m.sliding_window), q_head_norm=bool(m.q_head_norm),
       compress_ratios=ratios, kv_source_layer_ids=kv, index_source_layer_ids=idx,
       candidate_source_layer_id=cand, engram_layer_ids=eng, csa2=bool(m.csa2),
+      residual=str(m.residual), hc_mult=int(m.hc_mult),
+      hc_sinkhorn_iters=int(m.hc_sinkhorn_iters), hc_eps=float(m.hc_eps),
+      hc_init_std=float(m.hc_init_std),
       index_n_heads=int(m.index_n_heads), index_head_dim=int(m.index_head_dim),
       index_topk=int(m.index_topk), indexer_loss_weight=float(m.indexer_loss_weight),
       candidate_topk_blocks=int(m.candidate_topk_blocks),

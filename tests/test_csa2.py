@@ -24,10 +24,10 @@ def _model(**overrides):
 
 def _walk(model, batch):
   """Run the blocks as Transformer does, recording `shared` after each layer."""
-  x = jnp.take(model.embed[...], batch['tokens'], axis=0)
+  x, pre = model.residual_input(batch['tokens'])
   shared, trail = {}, []
   for block in model.blocks:
-    x, _, shared = block(x, batch, shared)
+    x, pre, _, shared = block(x, pre, batch, shared)
     trail.append(dict(shared))
   return trail
 

@@ -1,7 +1,13 @@
 """Embedding -> blocks -> final RMSNorm -> LM head (untied), with the role table driving each block.
 
-Residuals are plain pre-norm for now (single-pass mHC replaces them in issue 4):
-    h = x + Attn(attn_norm(x));   out = h + MoE(ffn_norm(h))
+The residual is `model.residual` (ARCHITECTURE.md section 3.2; mhc.py for the site math):
+  plain:            h = x + Attn(attn_norm(x));  out = h + MoE(ffn_norm(h))
+  mhc_multi_pass:   (V4) each site computes (pre, post, C) from its input and reads with that pre;
+                    the final norm reads the streams through a learned head
+  mhc_single_pass:  (V4.1) each site's pre is consumed by the next site: attention reads with the
+                    previous layer's ffn pre (layer 0: stream 0), the ffn with this layer's attention
+                    pre, the final norm with the last ffn pre; no head
+With mHC the residual is [B, T, hc_mult, D], the embedding copied into every stream.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from flax import nnx
 from deepseek41.config import LayerRole, ModelConfig, layer_roles
 from deepseek41.model.attention import Attention
 from deepseek41.model.csa2 import INDEXER_TOTALS
+from deepseek41.model.mhc import MHCHead, MHCSite, collapse, expand
 from deepseek41.model.moe import MoE
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import dtype_of, normal_param
@@ -21,20 +28,41 @@ from deepseek41.model.params import dtype_of, normal_param
 class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, role: LayerRole, rngs: nnx.Rngs):
+    self.residual = cfg.residual
     self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
     self.attn = Attention(cfg, role, rngs)
     self.ffn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
     self.moe = MoE(cfg, rngs)
+    if cfg.residual != 'plain':
+      self.attn_site = MHCSite(cfg, rngs)
+      self.ffn_site = MHCSite(cfg, rngs)
 
-  def __call__(self, x_btd, batch, shared):
+  def __call__(self, x, pre_prev, batch, shared):
+    """(x, pre for the next site (single pass; else None), aux, shared)."""
     valid_bt = batch['segment_ids'] > 0
-    attn_btd, shared = self.attn(self.attn_norm(x_btd), batch, shared)
-    h_btd = x_btd + attn_btd
-    y_btd, aux = self.moe(self.ffn_norm(h_btd), batch['modality'], valid_bt)
-    return (h_btd + y_btd).astype(x_btd.dtype), aux, shared
+
+    def attention(u_btd, shared):
+      return self.attn(self.attn_norm(u_btd), batch, shared)
+
+    def ffn(u_btd):
+      return self.moe(self.ffn_norm(u_btd), batch['modality'], valid_bt)
+
+    if self.residual == 'plain':
+      attn_btd, shared = attention(x, shared)
+      h_btd = x + attn_btd
+      y_btd, aux = ffn(h_btd)
+      return (h_btd + y_btd).astype(x.dtype), None, aux, shared
+    pre_a, post_a, comb_a = self.attn_site(x)
+    attn_btd, shared = attention(collapse(x, pre_prev if self.residual == 'mhc_single_pass'
+                                          else pre_a), shared)
+    x = expand(x, attn_btd, post_a, comb_a)
+    pre_f, post_f, comb_f = self.ffn_site(x)
+    y_btd, aux = ffn(collapse(x, pre_a if self.residual == 'mhc_single_pass' else pre_f))
+    x = expand(x, y_btd, post_f, comb_f)
+    return x, (pre_f if self.residual == 'mhc_single_pass' else None), aux, shared
 
 
-def _rematerialized(block: Block, x_btd, batch, shared):
+def _rematerialized(block: Block, x, pre_prev, batch, shared):
   """Run a block whose activations are recomputed in the backward pass.
 
   A pure `jax.checkpoint` over (graph, state): the forward never mutates state, so nothing has
@@ -42,10 +70,10 @@ def _rematerialized(block: Block, x_btd, batch, shared):
   """
   graphdef, state = nnx.split(block)
 
-  def run(state, x_btd, batch, shared):
-    return nnx.merge(graphdef, state)(x_btd, batch, shared)
+  def run(state, x, pre_prev, batch, shared):
+    return nnx.merge(graphdef, state)(x, pre_prev, batch, shared)
   return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(
-      state, x_btd, batch, shared)
+      state, x, pre_prev, batch, shared)
 
 
 class Transformer(nnx.Module):
@@ -57,20 +85,41 @@ class Transformer(nnx.Module):
     self.embed = normal_param(rngs, (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'), cfg.init_std)
     self.blocks = nnx.List([Block(cfg, role, rngs) for role in layer_roles(cfg)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+    if cfg.residual == 'mhc_multi_pass':
+      self.hc_head = MHCHead(cfg, rngs)
     self.head = normal_param(rngs, (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'), cfg.init_std)
 
+  def residual_input(self, tokens_bt):
+    """(x, pre) entering layer 0: the embedding ([B,T,D], or copied into every mHC stream) and
+    the single-pass pre-mix of stream 0 (None otherwise)."""
+    cfg = self.cfg
+    e_btd = jnp.take(self.embed[...], tokens_bt, axis=0).astype(dtype_of(cfg.compute_dtype))
+    if cfg.residual == 'plain':
+      return e_btd, None
+    b, t, d = e_btd.shape
+    x = jnp.broadcast_to(e_btd[:, :, None, :], (b, t, cfg.hc_mult, d))
+    pre = None
+    if cfg.residual == 'mhc_single_pass':
+      pre = jnp.broadcast_to(jax.nn.one_hot(0, cfg.hc_mult, dtype=jnp.float32), (b, t, cfg.hc_mult))
+    return x, pre
+
   def __call__(self, batch):
-    dt = dtype_of(self.cfg.compute_dtype)
-    x_btd = jnp.take(self.embed[...], batch['tokens'], axis=0).astype(dt)
+    cfg = self.cfg
+    dt = dtype_of(cfg.compute_dtype)
+    x, pre = self.residual_input(batch['tokens'])
     auxes = []
     shared = {}  # compressed KV and selections published by source layers (CSA2)
     for block in self.blocks:
       if self.remat == 'block':
-        x_btd, aux, shared = _rematerialized(block, x_btd, batch, shared)
+        x, pre, aux, shared = _rematerialized(block, x, pre, batch, shared)
       else:
-        x_btd, aux, shared = block(x_btd, batch, shared)
+        x, pre, aux, shared = block(x, pre, batch, shared)
       auxes.append(aux)
-    h_btd = self.final_norm(x_btd)
+    if cfg.residual == 'mhc_multi_pass':
+      x = collapse(x, self.hc_head(x))
+    elif cfg.residual == 'mhc_single_pass':
+      x = collapse(x, pre)
+    h_btd = self.final_norm(x)
     logits_btv = jnp.einsum('btd,dv->btv', h_btd, self.head[...].astype(dt),
                             preferred_element_type=jnp.float32)
     kl_sum, counted, recall_sum = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))

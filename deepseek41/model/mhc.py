@@ -1,0 +1,94 @@
+"""mHC: manifold-constrained hyper-connections over `hc_mult` residual streams (ARCHITECTURE.md 3.2).
+
+Per sublayer site, from the streams X [B, T, n, D] (fp32 inside):
+    x~   = X.reshape(n*D) / rms(X)                       one RMS over all n*D values
+    m    = fn . x~   -> [m_pre (n), m_post (n), m_comb (n*n)]
+    pre  = sigmoid(s0 * m_pre + b_pre) + eps              how much of each stream the sublayer reads
+    post = 2 * sigmoid(s1 * m_post + b_post)              how much of the output each stream gets
+    C    = sinkhorn(softmax_k(s2 * m_comb[j, k] + b_comb)) doubly stochastic stream mixing
+    collapse(X, pre)        = sum_k pre_k X[k]
+    expand(X, F, post, C)   = X'[k] = post_k F + sum_j C[j, k] X[j]      (C^T X: C's first index)
+
+The orders in which sites consume their coefficients (V4 multi-pass, V4.1 single-pass) live in
+`transformer.py`; this module holds the site and the head of the multi-pass order.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from deepseek41.config import ModelConfig
+from deepseek41.model.norms import rms_normalize
+from deepseek41.model.params import const_param, normal_param
+
+
+def sinkhorn(logits_bjk, iters: int, eps: float):
+  """Doubly stochastic [.., n, n] from logits: softmax over k, then alternate normalisations.
+
+  Released recipe [C]: softmax along the last axis + eps, divide columns by (sum + eps), then
+  iters - 1 rounds of rows-then-columns, `iters` column normalisations in all.
+  """
+  c = jax.nn.softmax(logits_bjk, axis=-1) + eps
+  c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+  for _ in range(iters - 1):
+    c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+  return c
+
+
+def collapse(x_btnd, pre_btn):
+  """The sublayer input: sum_k pre_k X[k], accumulated in fp32, in X's dtype."""
+  u = jnp.einsum('btnd,btn->btd', x_btnd.astype(jnp.float32), pre_btn.astype(jnp.float32))
+  return u.astype(x_btnd.dtype)
+
+
+def expand(x_btnd, f_btd, post_btn, comb_btjk):
+  """X'[k] = post_k F + sum_j C[j, k] X[j]: write the output, mix the streams (fp32 inside)."""
+  mixed = jnp.einsum('btjk,btjd->btkd', comb_btjk, x_btnd.astype(jnp.float32))
+  out = mixed + post_btn[..., None] * f_btd.astype(jnp.float32)[:, :, None, :]
+  return out.astype(x_btnd.dtype)
+
+
+def _flat_rms(x_btnd, eps):
+  b, t, n, d = x_btnd.shape
+  return rms_normalize(x_btnd.reshape(b, t, n * d), eps)
+
+
+class MHCSite(nnx.Module):
+  """The coefficient generator of one sublayer site: (pre, post, comb) from the streams."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    n = cfg.hc_mult
+    self.n, self.eps, self.norm_eps, self.iters = n, cfg.hc_eps, cfg.rms_norm_eps, cfg.hc_sinkhorn_iters
+    self.fn = normal_param(rngs, ((2 + n) * n, n * cfg.d_model), ('hc_coef', 'hc_embed'),
+                           cfg.hc_init_std)
+    self.base = const_param(0.0, ((2 + n) * n,), ('hc_coef',))
+    self.scale = const_param(1.0, (3,), (None,))
+
+  def __call__(self, x_btnd):
+    """(pre_btn, post_btn, comb_btjk), fp32."""
+    n = self.n
+    m = jnp.einsum('btf,cf->btc', _flat_rms(x_btnd, self.norm_eps), self.fn[...].astype(jnp.float32))
+    base, scale = self.base[...], self.scale[...]
+    pre = jax.nn.sigmoid(scale[0] * m[..., :n] + base[:n]) + self.eps
+    post = 2.0 * jax.nn.sigmoid(scale[1] * m[..., n:2 * n] + base[n:2 * n])
+    comb_logits = scale[2] * m[..., 2 * n:] + base[2 * n:]
+    comb = sinkhorn(comb_logits.reshape(comb_logits.shape[:-1] + (n, n)), self.iters, self.eps)
+    return pre, post, comb
+
+
+class MHCHead(nnx.Module):
+  """The V4 (multi-pass) final read-out: pre = sigmoid(s * fn . x~ + base) + eps over the streams."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    n = cfg.hc_mult
+    self.eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
+    self.fn = normal_param(rngs, (n, n * cfg.d_model), ('hc_coef', 'hc_embed'), cfg.hc_init_std)
+    self.base = const_param(0.0, (n,), ('hc_coef',))
+    self.scale = const_param(1.0, (1,), (None,))
+
+  def __call__(self, x_btnd):
+    m = jnp.einsum('btf,cf->btc', _flat_rms(x_btnd, self.norm_eps), self.fn[...].astype(jnp.float32))
+    return jax.nn.sigmoid(self.scale[...][0] * m + self.base[...]) + self.eps
