@@ -34,6 +34,10 @@ def get_config():
   m.index_source_layer_ids = (2, 6, 9)
   m.candidate_source_layer_id = 6
   m.engram_layer_ids = (1, 4)
+  m.engram_max_ngram = 4             # 2-, 3-, 4-grams x 4 heads: 12 buckets of ~100K rows
+  m.engram_n_heads = 4
+  m.engram_head_dim = 64
+  m.engram_vocab_start = 100_000     # 2 x 1.2M rows x 64 = 154M table parameters
   m.csa2 = True
   m.kv_quant = 'fp4_e4m3_16'
   m.index_quant = 'fp4_ue8m0_32'

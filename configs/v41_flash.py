@@ -30,6 +30,16 @@ def get_config():
   m.index_source_layer_ids = (2, 8, 14, 20, 24, 28, 32, 36)
   m.candidate_source_layer_id = 20
   m.engram_layer_ids = (1, 14)
+  m.engram_max_ngram = 4
+  m.engram_n_heads = 8
+  m.engram_head_dim = 256
+  m.engram_vocab_start = 16_000_000
+  m.engram_pad_token_id = 2
+  m.engram_compressed_vocab_size = 99_092
+  m.residual = 'mhc_single_pass'
+  m.hc_mult = 4
+  m.hc_sinkhorn_iters = 20
+  m.hc_eps = 1e-6
   m.csa2 = True
   m.kv_quant = 'fp4_e4m3_16'
   m.index_quant = 'fp4_ue8m0_32'

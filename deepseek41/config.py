@@ -52,6 +52,14 @@ def base_config() -> ml_collections.ConfigDict:
   m.index_source_layer_ids = (1, 2, 3)
   m.candidate_source_layer_id = 2    # -1: no candidate pool
   m.engram_layer_ids = (1,)
+  # Engram (section 3.12): hashed n-gram memory injected into the residual before these layers.
+  m.engram = True                    # off = the layer ids are ignored (ablation)
+  m.engram_max_ngram = 3             # [engram_max_ngram_size]: 2..max-grams (released 4)
+  m.engram_n_heads = 2               # [engram_n_heads] (released 8)
+  m.engram_head_dim = 16             # [engram_head_dim] (released 256)
+  m.engram_vocab_start = 1000        # [engram_vocab_size]: prime search start (released 16M)
+  m.engram_pad_token_id = 2          # [engram_pad_token_id], in the hashed id space
+  m.engram_compressed_vocab_size = 0  # [engram_compressed_vocab_size]; 0 = hash raw token ids
   # CSA2 global branch (sections 3.6-3.8; issue 3, in progress): off = window attention only.
   m.csa2 = False
   m.index_n_heads = 4                # [index_n_heads]
@@ -125,6 +133,7 @@ def base_config() -> ml_collections.ConfigDict:
   t.eps = 1e-8
   t.weight_decay = 0.1               # never on norms, biases, sinks or scales (1-D params)
   t.grad_clip_norm = 1.0             # global-norm clipping; 0 disables
+  t.engram_table_lr_multiplier = 5.0  # Engram tables learn at this multiple of lr (section 4)
   t.remat = 'none'                   # none | block
   t.eval_every_steps = 50            # 0 disables evaluation
   t.eval_batches = 4
@@ -157,6 +166,9 @@ def base_config() -> ml_collections.ConfigDict:
       ('norm', ''),
       ('hc_coef', ''),
       ('hc_embed', ''),
+      ('engram_rows', 'fsdp,expert'),  # the tables are the largest tensors: shard their rows
+      ('engram_dim', ''),
+      ('engram_in', ''),
   )
 
   # ---- checkpoint -----------------------------------------------------------------------
@@ -197,6 +209,13 @@ class ModelConfig:
   index_source_layer_ids: tuple[int, ...]
   candidate_source_layer_id: int
   engram_layer_ids: tuple[int, ...]
+  engram: bool
+  engram_max_ngram: int
+  engram_n_heads: int
+  engram_head_dim: int
+  engram_vocab_start: int
+  engram_pad_token_id: int
+  engram_compressed_vocab_size: int
   csa2: bool
   residual: str
   hc_mult: int
@@ -274,6 +293,7 @@ class TrainConfig:
   eps: float
   weight_decay: float
   grad_clip_norm: float
+  engram_table_lr_multiplier: float
   remat: str
   eval_every_steps: int
   eval_batches: int
@@ -507,6 +527,14 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
   _req(m.hc_mult >= 1, 'model.hc_mult', f'must be >= 1, got {m.hc_mult}')
   _req(m.hc_sinkhorn_iters >= 1, 'model.hc_sinkhorn_iters', 'must be >= 1')
   _req(m.hc_eps >= 0, 'model.hc_eps', 'must be >= 0')
+  _req(m.engram_max_ngram >= 2, 'model.engram_max_ngram', 'must be >= 2 (2-grams and up)')
+  _req(m.engram_n_heads >= 1 and m.engram_head_dim >= 1, 'model.engram_n_heads',
+       'engram_n_heads and engram_head_dim must be >= 1')
+  _req(2 <= m.engram_vocab_start < 2**24 - 2**16, 'model.engram_vocab_start',
+       f'must be in [2, 2^24 - 2^16) (exact 32-bit hashing), got {m.engram_vocab_start}')
+  _req(m.engram_compressed_vocab_size >= 0, 'model.engram_compressed_vocab_size', 'must be >= 0')
+  _req(0 <= m.engram_pad_token_id < (m.engram_compressed_vocab_size or m.vocab_size),
+       'model.engram_pad_token_id', 'must be an id of the hashed vocabulary')
   _req(m.index_topk >= 1, 'model.index_topk', 'must be >= 1')
   _req(m.index_n_heads >= 1, 'model.index_n_heads', 'must be >= 1')
   _req(m.indexer_loss_weight >= 0, 'model.indexer_loss_weight', 'must be >= 0')
@@ -564,6 +592,11 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
       sliding_window=int(m.sliding_window), q_head_norm=bool(m.q_head_norm),
       compress_ratios=ratios, kv_source_layer_ids=kv, index_source_layer_ids=idx,
       candidate_source_layer_id=cand, engram_layer_ids=eng, csa2=bool(m.csa2),
+      engram=bool(m.engram), engram_max_ngram=int(m.engram_max_ngram),
+      engram_n_heads=int(m.engram_n_heads), engram_head_dim=int(m.engram_head_dim),
+      engram_vocab_start=int(m.engram_vocab_start),
+      engram_pad_token_id=int(m.engram_pad_token_id),
+      engram_compressed_vocab_size=int(m.engram_compressed_vocab_size),
       residual=str(m.residual), hc_mult=int(m.hc_mult),
       hc_sinkhorn_iters=int(m.hc_sinkhorn_iters), hc_eps=float(m.hc_eps),
       hc_init_std=float(m.hc_init_std),
@@ -678,6 +711,7 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
   _req(t.eval_every_steps >= 0, 'train.eval_every_steps', 'must be >= 0')
   _req(t.eval_batches >= 1, 'train.eval_batches', 'must be >= 1')
   _req(t.grad_clip_norm >= 0, 'train.grad_clip_norm', 'must be >= 0')
+  _req(t.engram_table_lr_multiplier > 0, 'train.engram_table_lr_multiplier', 'must be > 0')
   train = TrainConfig(**{f.name: t[f.name] for f in dataclasses.fields(TrainConfig)})
 
   ck = cfg.checkpoint

@@ -19,6 +19,7 @@ from flax import nnx
 from deepseek41.config import LayerRole, ModelConfig, layer_roles
 from deepseek41.model.attention import Attention
 from deepseek41.model.csa2 import INDEXER_TOTALS
+from deepseek41.model.engram import Engram, dead_tokens, layer_addresses, row_ids
 from deepseek41.model.mhc import MHCHead, MHCSite, collapse, expand
 from deepseek41.model.moe import MoE
 from deepseek41.model.norms import RMSNorm
@@ -27,8 +28,10 @@ from deepseek41.model.params import dtype_of, normal_param
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, role: LayerRole, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, role: LayerRole, rngs: nnx.Rngs, engram_rows: int = 0):
     self.residual = cfg.residual
+    self.layer = role.layer
+    self.engram = Engram(cfg, engram_rows, rngs) if engram_rows else None
     self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
     self.attn = Attention(cfg, role, rngs)
     self.ffn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
@@ -40,6 +43,8 @@ class Block(nnx.Module):
   def __call__(self, x, pre_prev, batch, shared):
     """(x, pre for the next site (single pass; else None), aux, shared)."""
     valid_bt = batch['segment_ids'] > 0
+    if self.engram is not None:  # on the whole residual, before this layer's mHC site
+      x = self.engram(x, batch['engram_row_ids'][self.layer], dead_tokens(batch))
 
     def attention(u_btd, shared):
       return self.attn(self.attn_norm(u_btd), batch, shared)
@@ -83,11 +88,16 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.remat = remat
     self.embed = normal_param(rngs, (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'), cfg.init_std)
-    self.blocks = nnx.List([Block(cfg, role, rngs) for role in layer_roles(cfg)])
+    rows = {l: a.rows for l, a in self._engram_addresses().items()}
+    self.blocks = nnx.List([Block(cfg, role, rngs, rows.get(role.layer, 0))
+                            for role in layer_roles(cfg)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
     if cfg.residual == 'mhc_multi_pass':
       self.hc_head = MHCHead(cfg, rngs)
     self.head = normal_param(rngs, (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'), cfg.init_std)
+
+  def _engram_addresses(self):
+    return layer_addresses(self.cfg) if self.cfg.engram else {}
 
   def residual_input(self, tokens_bt):
     """(x, pre) entering layer 0: the embedding ([B,T,D], or copied into every mHC stream) and
@@ -107,6 +117,9 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     dt = dtype_of(cfg.compute_dtype)
     x, pre = self.residual_input(batch['tokens'])
+    addresses = self._engram_addresses()
+    if addresses:  # hashes depend only on token ids: once per batch, not per layer
+      batch = {**batch, 'engram_row_ids': row_ids(cfg, addresses, batch)}
     auxes = []
     shared = {}  # compressed KV and selections published by source layers (CSA2)
     for block in self.blocks:

@@ -1,55 +1,221 @@
-"""`python -m deepseek41.tools.info --config=configs/ablation_1b.py`: what a config builds.
+"""`python -m deepseek41.tools.info --config=configs/v41_flash.py [--mesh=fsdp=64,expert=8] [--json]`
 
-Prints the layer-role table, parameter counts (total, per component, active per token) and the
-FLOP formula, all computed from the model itself through `jax.eval_shape` (no arrays allocated).
+What a config builds, read from the model itself through `jax.eval_shape` (no arrays allocated):
+the layer-role table; parameters by component; active parameters per token in decode and in
+CED prefill; global KV bytes per token from the cache formats and the SWA bytes per live
+request; with --mesh, parameter + optimizer bytes per device under the config's sharding rules.
+
+Active parameters count every weight a token multiplies, with routed experts at K/E of their
+size; embedding rows and Engram table rows are lookups and are not counted, the LM head is
+(decode only). CED prefill runs the encoder layers on every prompt token plus the first decoder
+layer's compressor and index keys (the decoder's global KV); the decoder runs only on a short tail.
 """
 
 from __future__ import annotations
 
 import collections
+import json
+import math
 
 import jax
-from absl import app
+from absl import app, flags
 from ml_collections import config_flags
 
-from deepseek41.config import format_role_table, resolve
+from deepseek41.config import MeshConfig, format_role_table, layer_roles, resolve
+from deepseek41.sharding import logical_to_spec
 from deepseek41.train.flops import flops_per_token
-from deepseek41.train.state import abstract_state, count_params
 from deepseek41.train.optimizer import make_optimizer
+from deepseek41.train.state import abstract_state, count_params
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a get_config() file.')
+_JSON = flags.DEFINE_bool('json', False, 'Print one JSON object instead of the report.')
+_MESH = flags.DEFINE_string('mesh', '', 'Mesh sizes for per-device bytes, e.g. fsdp=64,expert=8 '
+                            '(axes: ' + ', '.join(MeshConfig.AXES) + ').')
+
+ROUTED = ('w_gate', 'w_up', 'w_down')
+
+# Bytes per stored value of a cache format: payload + block scales (ARCHITECTURE.md 3.9, 3.16).
+CACHE_BYTES_PER_VALUE = {'fp4_e4m3_16': 0.5 + 1 / 16, 'fp4_ue8m0_32': 0.5 + 1 / 32,
+                         'fp8_ue8m0_32': 1 + 1 / 32, 'none': 2.0}
 
 
-def parameter_breakdown(params) -> dict[str, int]:
-  """Parameters grouped by the leaf's module name (attn, moe, embed, head, ...)."""
-  groups: dict[str, int] = collections.Counter()
+def _path_keys(path) -> list[str]:
+  return [str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))) for k in path]
+
+
+def component(keys: list[str]) -> str:
+  """The component a parameter belongs to, from its path in the model."""
+  if keys[0] != 'blocks':
+    return {'embed': 'embedding', 'head': 'head', 'final_norm': 'norms',
+            'hc_head': 'mhc'}.get(keys[0], keys[0])
+  part = keys[2]
+  if part == 'moe':
+    if keys[3] in ROUTED:
+      return 'experts.routed'
+    return 'router' if keys[3] == 'w_router' else 'experts.shared'
+  if part == 'attn':
+    if len(keys) > 4 and keys[3] == 'csa2':
+      return {'compressor': 'compressors', 'index_keys': 'indexers',
+              'index_query': 'indexers'}[keys[4]]
+    return 'attention'
+  if part == 'engram':
+    return 'engram.tables' if keys[3] == 'table' else 'engram.projections'
+  if part in ('attn_site', 'ffn_site'):
+    return 'mhc'
+  return 'norms'
+
+
+def _leaves(params):
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    keys = [str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path]
-    name = keys[2] if keys[0] == 'blocks' and len(keys) > 2 else keys[0]
-    if name == 'moe' and keys[3] in ('w_gate', 'w_up', 'w_down'):
-      name = 'moe.routed'
-    elif name == 'moe':
-      name = 'moe.shared+router'
-    groups[name] += int(leaf.size)
+    yield _path_keys(path), leaf
+
+
+def parameter_breakdown(params, biases) -> dict[str, int]:
+  groups: dict[str, int] = collections.Counter()
+  for keys, leaf in _leaves(params):
+    groups[component(keys)] += int(leaf.size)
+  groups['router'] += count_params(biases)  # correction biases: tensors of the release
   return dict(groups)
 
 
-def describe(config) -> str:
-  cfg = resolve(config, num_devices=None, backend='cpu')
+def active_parameters(cfg, params, biases) -> dict[str, float]:
+  """Per token: decode (every layer + head) and CED prefill (encoder + the decoder's KV source)."""
+  m = cfg.model
+  frac = m.num_experts_per_tok / m.n_routed_experts
+  roles = layer_roles(m)
+  first_decoder = m.num_encoder_layers if 0 < m.num_encoder_layers < m.num_layers else None
+  decode = prefill = 0.0
+  for keys, leaf in _leaves(params):
+    comp = component(keys)
+    if comp in ('embedding', 'engram.tables'):
+      continue
+    n = leaf.size * (frac if comp == 'experts.routed' else 1.0)
+    decode += n
+    if comp == 'head' or keys[0] != 'blocks':
+      continue
+    layer = int(keys[1])
+    if first_decoder is None or layer < first_decoder:
+      prefill += n
+    elif layer == first_decoder and comp in ('compressors', 'indexers') and \
+        keys[4] in ('compressor', 'index_keys') and roles[layer].kv_source == layer:
+      prefill += n
+  router_bias = count_params(biases) / max(m.num_layers, 1)
+  decode += router_bias * m.num_layers
+  prefill += router_bias * (first_decoder or m.num_layers)
+  if first_decoder is None:
+    prefill = decode - m.d_model * m.vocab_size  # no CED split: every layer, no head
+  return {'decode': decode, 'prefill': prefill}
+
+
+def kv_cache_bytes(cfg) -> dict[str, float]:
+  m = cfg.model
+  global_bytes = 0.0
+  if m.csa2:
+    for role in layer_roles(m):
+      if role.mode != 'SWA' and role.kv_source == role.layer:
+        entry = (m.head_dim * CACHE_BYTES_PER_VALUE[m.kv_quant] +
+                 m.index_head_dim * CACHE_BYTES_PER_VALUE[m.index_quant])
+        global_bytes += entry / role.ratio
+  swa = m.num_layers * m.sliding_window * m.head_dim * CACHE_BYTES_PER_VALUE[m.swa_quant]
+  return {'global_bytes_per_token': global_bytes, 'swa_bytes_per_request': swa}
+
+
+class _Shape:
+  def __init__(self, sizes):
+    self.shape = sizes
+
+
+def bytes_per_device(abstract, rules, mesh_sizes: dict[str, int]) -> dict[str, float]:
+  """Parameter, optimizer and other state bytes on one device under the sharding rules."""
+  mesh = _Shape({a: mesh_sizes.get(a, 1) for a in MeshConfig.AXES})
+  out = collections.Counter()
+
+  def visit(section, tree):
+    leaves = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: hasattr(x, 'get_metadata'))[0]
+    for _, leaf in leaves:
+      meta = leaf.get_metadata() if hasattr(leaf, 'get_metadata') else {}
+      value = leaf.get_value() if hasattr(leaf, 'get_value') else leaf
+      axes = meta.get('logical_axes')
+      shards = 1
+      if axes is not None:
+        for entry in logical_to_spec(tuple(axes), rules, mesh):
+          for a in (entry if isinstance(entry, tuple) else (entry,)):
+            if a is not None:
+              shards *= mesh.shape[a]
+      out[section] += value.size * value.dtype.itemsize / shards
+  visit('params', abstract['params'])
+  visit('optimizer', abstract['opt'])
+  visit('router_bias', abstract['router_bias'])
+  return dict(out)
+
+
+def _parse_mesh(text: str) -> dict[str, int]:
+  sizes = {}
+  for item in filter(None, text.split(',')):
+    name, _, value = item.partition('=')
+    if name not in MeshConfig.AXES or not value.isdigit():
+      raise app.UsageError(f'--mesh: {item!r} is not AXIS=SIZE with AXIS in {MeshConfig.AXES}')
+    sizes[name] = int(value)
+  return sizes
+
+
+def _resolved(config, mesh_sizes: dict[str, int] | None):
+  """The config on the given mesh (default: one device): only the state's layout depends on it."""
+  config = config.copy_and_resolve_references()
+  devices = math.prod((mesh_sizes or {}).values())
+  for axis in MeshConfig.AXES:
+    config.mesh[axis] = (mesh_sizes or {}).get(axis, 1)
+  config.train.batch_size = math.lcm(config.train.batch_size, devices)  # the batch is irrelevant
+  return resolve(config, num_devices=devices, backend='cpu')
+
+
+def describe(config, mesh_sizes: dict[str, int] | None = None) -> dict:
+  cfg = _resolved(config, mesh_sizes)
   abstract = abstract_state(cfg, make_optimizer(cfg.train))
-  total = count_params(abstract['params'])
-  fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+  params, biases = abstract['params'], abstract['router_bias']
+  groups = parameter_breakdown(params, biases)
+  tables = groups.get('engram.tables', 0)
+  total = count_params(params) + count_params(biases)
+  info = {
+      'params': {'backbone': total - tables, 'engram_tables': tables, 'total': total,
+                 'by_component': dict(sorted(groups.items()))},
+      'active_params': active_parameters(cfg, params, biases),
+      'kv_cache': kv_cache_bytes(cfg),
+      'train_flops_per_token': flops_per_token(cfg.model, cfg.data.seq_len).total,
+  }
+  if mesh_sizes:
+    per_device = bytes_per_device(abstract, cfg.mesh.rules, mesh_sizes)
+    info['bytes_per_device'] = {'mesh': mesh_sizes, **per_device,
+                                'total': sum(per_device.values())}
+  return info
+
+
+def report(config, info: dict) -> str:
+  cfg = _resolved(config, None)
+  p, a, kv = info['params'], info['active_params'], info['kv_cache']
   lines = ['layer roles:', format_role_table(cfg.model), '',
-           f'parameters: {total:,}']
-  for name, n in sorted(parameter_breakdown(abstract['params']).items()):
-    lines.append(f'  {name:<20} {n:>16,}')
-  lines += [f'active matmul parameters per token: {fpt.matmul_params:,}', fpt.formula]
+           f"parameters: {p['total']:,} = backbone {p['backbone']:,} + Engram tables "
+           f"{p['engram_tables']:,}"]
+  for name, n in p['by_component'].items():
+    lines.append(f'  {name:<20} {n:>18,}')
+  lines += [f"active parameters per token: decode {a['decode'] / 1e9:.2f}B, "
+            f"CED prefill {a['prefill'] / 1e9:.2f}B",
+            f"global KV cache: {kv['global_bytes_per_token']:g} bytes per token; SWA "
+            f"{kv['swa_bytes_per_request'] / 1e6:.2f} MB per live request",
+            flops_per_token(cfg.model, cfg.data.seq_len).formula]
+  if 'bytes_per_device' in info:
+    b = info['bytes_per_device']
+    lines.append(f"per device on {b['mesh']}: params {b['params'] / 2**30:.2f} GiB + optimizer "
+                 f"{b['optimizer'] / 2**30:.2f} GiB = {b['total'] / 2**30:.2f} GiB")
   return '\n'.join(lines)
 
 
 def main(argv):
   del argv
-  print(describe(_CONFIG.value))
+  mesh_sizes = _parse_mesh(_MESH.value)
+  info = describe(_CONFIG.value, mesh_sizes)
+  print(json.dumps(info, default=float) if _JSON.value else report(_CONFIG.value, info))
 
 
 def run():

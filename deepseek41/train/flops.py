@@ -32,6 +32,14 @@ def active_matmul_params(m: ModelConfig) -> int:
           + m.o_groups * m.o_lora_rank * d)
   moe = d * m.n_routed_experts + (m.num_experts_per_tok + m.n_shared_experts) * 3 * d * m.moe_intermediate_size
   total = m.num_layers * (attn + moe) + d * m.vocab_size  # + LM head
+  if m.residual != 'plain':  # two coefficient projections per layer, one head (multi-pass)
+    n = m.hc_mult
+    total += 2 * m.num_layers * (2 + n) * n * n * d
+    total += n * n * d if m.residual == 'mhc_multi_pass' else 0
+  if m.engram:
+    streams = m.hc_mult if m.residual != 'plain' else 1
+    total += len(m.engram_layer_ids) * ((m.engram_max_ngram - 1) * m.engram_n_heads *
+                                        m.engram_head_dim * (streams + 1) * d)
   if m.csa2:
     for role in layer_roles(m):
       if role.mode != 'SWA' and role.kv_source == role.layer:  # compressor + index keys per entry

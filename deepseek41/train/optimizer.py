@@ -43,10 +43,21 @@ def decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+def engram_table_mask(params):
+  """True on the Engram tables (`...engram.table`), which take `engram_table_lr_multiplier`."""
+  def is_table(path, _):
+    keys = [str(getattr(k, 'key', getattr(k, 'name', k))) for k in path]
+    return 'engram' in keys and keys[-1] == 'table' or keys[-2:] == ['table', 'value'] \
+        and 'engram' in keys
+  return jax.tree_util.tree_map_with_path(is_table, params)
+
+
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
   parts = []
   if t.grad_clip_norm > 0:
     parts.append(optax.clip_by_global_norm(t.grad_clip_norm))
   parts.append(optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
                            weight_decay=t.weight_decay, mask=decay_mask))
+  if t.engram_table_lr_multiplier != 1.0:
+    parts.append(optax.masked(optax.scale(t.engram_table_lr_multiplier), engram_table_mask))
   return optax.chain(*parts)
