@@ -1,11 +1,12 @@
 """DeepSeek-V4.1-Flash as released (ARCHITECTURE.md section 2.1): the reference configuration.
 
-    python -m deepseek41.tools.info --config=configs/v41_flash.py
+    python -m deepseek41.tools.info --config=configs/v41_flash.py [--mesh=fsdp=64,expert=8]
 
-Training it needs a multi-host slice (552B parameters; fsdp and expert sharding below). Today
-the backbone has the released attention core and MoE; mHC, the CSA2 branch, Engram and DSpark
-arrive with the next issues, and tests/test_config.py accounts for the difference to the
-released 551,880,835,184 backbone parameters term by term.
+The text backbone as released: 551,880,835,184 parameters plus 196,613,849,600 Engram table
+parameters (tests/test_info.py pins both), single-pass mHC, CSA2 with the released cache
+formats, Engram before layers 1 and 14. Training it needs a multi-host slice (fsdp and expert
+sharding below). Vision (0.485B) and the DSpark drafter (14.2B) are later issues; their sizes
+are recorded here for reference only.
 """
 
 from deepseek41.config import base_config
@@ -62,6 +63,10 @@ def get_config():
   m.swiglu_limit = 10.0
   m.router_bias_rate = 0.001
   m.init_std = 0.006
+
+  # Recorded, not built yet: DSpark (num_nextn_predict_layers 3, dspark_block_size 5, target
+  # layers (37, 38, 39), markov rank 256, 128 routed experts top-3) and DeepSeek-ViT (32 layers,
+  # dim 1024, 16 heads, MLP 2816, patch 14, downsample 3, max 1024 image tokens).
 
   c.data.seq_len = 65536
   c.data.default_corpus_vocab_size = 16384

@@ -53,7 +53,7 @@ def test_gate_and_injection_match_the_formula(residual):
 
 
 def test_model_hashes_once_and_engram_changes_the_output():
-  cfg = resolved(**{'model.init_std': 0.1})
+  cfg = resolved(**{'model.init_std': 0.1, 'model.engram': True})
   model = Transformer(cfg.model, nnx.Rngs(params=0))
   batch = packed_batch(seed=4)
   calls = []
@@ -96,7 +96,7 @@ def test_table_rows_are_sharded_by_the_rules():
 
 def test_tables_learn_at_the_multiplied_rate():
   cfg = resolved(**{'train.engram_table_lr_multiplier': 5.0, 'train.grad_clip_norm': 0.0,
-                    'train.weight_decay': 0.0})
+                    'train.weight_decay': 0.0, 'model.engram': True})
   model = Transformer(cfg.model, nnx.Rngs(params=0))
   params = nnx.state(model, nnx.Param)
   grads = jax.tree.map(jnp.ones_like, params)

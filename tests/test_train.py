@@ -138,9 +138,11 @@ def test_sigterm_saves_and_resumes_exactly(corpus, tmp_path):
 
 @pytest.mark.parametrize('residual', ['mhc_single_pass', 'plain'])
 def test_loss_falls(corpus, tmp_path, residual):
+  """The released residual with Engram on, and the plain residual, both learn."""
   config = _config(corpus, **{'train.steps': 40, 'train.lr': 1e-2, 'train.warmup_steps': 5,
                               'train.eval_every_steps': 40, 'train.eval_batches': 2,
-                              'model.residual': residual})
+                              'model.residual': residual,
+                              'model.engram': residual != 'plain'})
   result = train(config, str(tmp_path))
   losses = _losses(str(tmp_path))
   evals = {}

@@ -33,6 +33,10 @@ def small_config(**overrides):
   m.num_experts_per_tok = 2
   m.moe_intermediate_size = 16
   m.compute_dtype = 'float32'
+  # The pre-mHC core keeps the suite's many compiles cheap; mHC, Engram and CED have their own
+  # tests (test_mhc, test_engram, test_ced) and test_train trains with them on.
+  m.residual = 'plain'
+  m.engram = False
   m.capacity_factor = 4.0  # = E / K: nothing can drop
   c.data.seq_len = T
   c.data.synthetic = True

@@ -66,11 +66,12 @@ def pool_entry_mask(blk_idx_btm, blk_valid_btm, block_size: int, n: int):
 
 def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chunk: int,
                    block_size: int, pool=None, publish_blocks: int = 0, topk_block: int = 0,
-                   scores_impl: str = 'reference'):
+                   scores_impl: str = 'reference', row_offset=0):
   """Top-k entries per query, processed `chunk` queries at a time.
 
   topk_block > 1: exact two-stage top-k over blocks of that many entries (`select_topk_blocked`).
   scores_impl: 'reference' (jnp) or 'fused' (the GPU kernel, ops/index_scores.py).
+  row_offset: row index of the first query (the entries cover the whole row from 0).
 
   pool: (blk_idx_btm, blk_valid_btm) of the candidate source, restricting the choice (Reindex).
   publish_blocks > 0: also return this layer's best `publish_blocks` candidate blocks.
@@ -82,6 +83,7 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
     xs['pool_idx'], xs['pool_valid'] = pool
 
   def per_chunk(c, offset):
+    offset = offset + row_offset
     if scores_impl.startswith('fused'):  # 'fused_interpret': the kernel on the CPU, for tests
       rows_c = offset + jnp.arange(c['q'].shape[1], dtype=jnp.int32)
       limit_bc = jnp.broadcast_to((rows_c + 1) // comp.ratio, c['seg'].shape)
@@ -151,16 +153,23 @@ class CSA2(nnx.Module):
     if self.owns_index:
       self.index_query = IndexQuery(cfg, cfg.index_n_heads, cfg.index_head_dim, rngs)
 
+  def publish_kv(self, x_btd, batch, shared: dict) -> dict:
+    """Compress this KV-source layer's attention input and publish entries and index keys."""
+    cfg = self.cfg
+    comp = self.compressor(x_btd, batch['segment_ids'], batch['positions'],
+                           quantize=get_fake_quant(cfg.kv_quant))
+    k_bnc = self.index_keys(jax.lax.stop_gradient(comp.latent_bnd), comp.pos_bn,
+                            quantize=get_fake_quant(cfg.index_quant))
+    return {**shared, _kv_key(self.role.layer): (comp, k_bnc)}
+
   def __call__(self, x_btd, q_r_btr, q_bthd, batch, shared: dict):
     """Returns (the compressed-branch partial (o, lse), the updated `shared`)."""
     cfg, role = self.cfg, self.role
     seg, pos = batch['segment_ids'], batch['positions']
+    row_offset = batch.get('row_offset', 0)  # CED prefill: the query rows are a tail
     shared = dict(shared)
-    if self.owns_kv:
-      comp = self.compressor(x_btd, seg, pos, quantize=get_fake_quant(cfg.kv_quant))
-      k_bnc = self.index_keys(jax.lax.stop_gradient(comp.latent_bnd), comp.pos_bn,
-                              quantize=get_fake_quant(cfg.index_quant))
-      shared[_kv_key(role.layer)] = (comp, k_bnc)
+    if self.owns_kv and _kv_key(role.layer) not in shared:  # (else published by `publish_kv`)
+      shared = self.publish_kv(x_btd, batch, shared)
     comp, k_bnc = shared[_kv_key(role.kv_source)]
     if self.owns_index:
       q_idx, w_bth = self.index_query(jax.lax.stop_gradient(q_r_btr),
@@ -172,7 +181,7 @@ class CSA2(nnx.Module):
           jax.lax.stop_gradient(k_bnc), seg, comp, topk=cfg.index_topk,
           chunk=cfg.sparse_chunk, block_size=cfg.candidate_block_size, pool=pool,
           publish_blocks=cfg.candidate_topk_blocks if role.publishes_candidates else 0,
-          topk_block=cfg.index_topk_block, scores_impl=cfg.index_impl)
+          topk_block=cfg.index_topk_block, scores_impl=cfg.index_impl, row_offset=row_offset)
       shared[_sel_key(role.layer)] = (sel_idx, sel_valid)
       if blocks is not None:
         shared[_pool_key(role.layer)] = blocks

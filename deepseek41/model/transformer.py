@@ -67,6 +67,21 @@ class Block(nnx.Module):
     return x, (pre_f if self.residual == 'mhc_single_pass' else None), aux, shared
 
 
+  def publish_global_kv(self, x, pre_prev, batch, shared):
+    """Only this KV-source layer's compressor and index keys, over every row (CED prefill).
+
+    The same attention input as `__call__` builds (Engram, then the mHC read); nothing else of
+    the layer runs.
+    """
+    if self.engram is not None:
+      x = self.engram(x, batch['engram_row_ids'][self.layer], dead_tokens(batch))
+    if self.residual == 'mhc_single_pass':
+      x = collapse(x, pre_prev)
+    elif self.residual == 'mhc_multi_pass':
+      x = collapse(x, self.attn_site(x)[0])
+    return self.attn.csa2.publish_kv(self.attn_norm(x), batch, shared)
+
+
 def _rematerialized(block: Block, x, pre_prev, batch, shared):
   """Run a block whose activations are recomputed in the backward pass.
 
@@ -99,6 +114,25 @@ class Transformer(nnx.Module):
   def _engram_addresses(self):
     return layer_addresses(self.cfg) if self.cfg.engram else {}
 
+  def with_engram_rows(self, batch):
+    """The batch plus every Engram layer's row ids: hashes depend only on token ids, so they
+    are computed once per batch, not per layer."""
+    addresses = self._engram_addresses()
+    if not addresses:
+      return batch
+    return {**batch, 'engram_row_ids': row_ids(self.cfg, addresses, batch)}
+
+  def logits(self, x, pre):
+    """Final read of the residual (collapse for mHC), RMSNorm, LM head: fp32 [B, T, V]."""
+    cfg = self.cfg
+    if cfg.residual == 'mhc_multi_pass':
+      x = collapse(x, self.hc_head(x))
+    elif cfg.residual == 'mhc_single_pass':
+      x = collapse(x, pre)
+    return jnp.einsum('btd,dv->btv', self.final_norm(x),
+                      self.head[...].astype(dtype_of(cfg.compute_dtype)),
+                      preferred_element_type=jnp.float32)
+
   def residual_input(self, tokens_bt):
     """(x, pre) entering layer 0: the embedding ([B,T,D], or copied into every mHC stream) and
     the single-pass pre-mix of stream 0 (None otherwise)."""
@@ -114,12 +148,8 @@ class Transformer(nnx.Module):
     return x, pre
 
   def __call__(self, batch):
-    cfg = self.cfg
-    dt = dtype_of(cfg.compute_dtype)
     x, pre = self.residual_input(batch['tokens'])
-    addresses = self._engram_addresses()
-    if addresses:  # hashes depend only on token ids: once per batch, not per layer
-      batch = {**batch, 'engram_row_ids': row_ids(cfg, addresses, batch)}
+    batch = self.with_engram_rows(batch)
     auxes = []
     shared = {}  # compressed KV and selections published by source layers (CSA2)
     for block in self.blocks:
@@ -128,13 +158,7 @@ class Transformer(nnx.Module):
       else:
         x, pre, aux, shared = block(x, pre, batch, shared)
       auxes.append(aux)
-    if cfg.residual == 'mhc_multi_pass':
-      x = collapse(x, self.hc_head(x))
-    elif cfg.residual == 'mhc_single_pass':
-      x = collapse(x, pre)
-    h_btd = self.final_norm(x)
-    logits_btv = jnp.einsum('btd,dv->btv', h_btd, self.head[...].astype(dt),
-                            preferred_element_type=jnp.float32)
+    logits_btv = self.logits(x, pre)
     kl_sum, counted, recall_sum = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))
     aux = {
         'indexer_loss': kl_sum / jnp.maximum(counted, 1.0),

@@ -23,7 +23,7 @@ from ml_collections import config_flags
 
 from deepseek41.config import MeshConfig, format_role_table, layer_roles, resolve
 from deepseek41.sharding import logical_to_spec
-from deepseek41.train.flops import flops_per_token
+from deepseek41.train.flops import attention_flops_per_layer, flops_per_token
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.state import abstract_state, count_params
 
@@ -107,6 +107,18 @@ def active_parameters(cfg, params, biases) -> dict[str, float]:
   return {'decode': decode, 'prefill': prefill}
 
 
+def prefill_flops(cfg, active) -> dict[str, float]:
+  """Forward FLOPs per prompt token at data.seq_len: every layer on every token (full) vs the
+  encoder on every token plus the decoder's KV source (CED; the decoder's short tail is
+  amortised over the prompt and left out). Neither computes the LM head."""
+  m = cfg.model
+  attn = attention_flops_per_layer(m, cfg.data.seq_len)
+  head = m.d_model * m.vocab_size
+  encoder = m.num_encoder_layers if 0 < m.num_encoder_layers < m.num_layers else m.num_layers
+  return {'full': 2 * (active['decode'] - head) + sum(attn),
+          'ced': 2 * active['prefill'] + sum(attn[:encoder]), 'seq_len': cfg.data.seq_len}
+
+
 def kv_cache_bytes(cfg) -> dict[str, float]:
   m = cfg.model
   global_bytes = 0.0
@@ -184,6 +196,7 @@ def describe(config, mesh_sizes: dict[str, int] | None = None) -> dict:
       'kv_cache': kv_cache_bytes(cfg),
       'train_flops_per_token': flops_per_token(cfg.model, cfg.data.seq_len).total,
   }
+  info['prefill_flops_per_token'] = prefill_flops(cfg, info['active_params'])
   if mesh_sizes:
     per_device = bytes_per_device(abstract, cfg.mesh.rules, mesh_sizes)
     info['bytes_per_device'] = {'mesh': mesh_sizes, **per_device,
@@ -201,6 +214,9 @@ def report(config, info: dict) -> str:
     lines.append(f'  {name:<20} {n:>18,}')
   lines += [f"active parameters per token: decode {a['decode'] / 1e9:.2f}B, "
             f"CED prefill {a['prefill'] / 1e9:.2f}B",
+            f"prefill FLOPs per prompt token at {info['prefill_flops_per_token']['seq_len']:,} "
+            f"tokens: full forward {info['prefill_flops_per_token']['full']:.3g}, CED "
+            f"{info['prefill_flops_per_token']['ced']:.3g}",
             f"global KV cache: {kv['global_bytes_per_token']:g} bytes per token; SWA "
             f"{kv['swa_bytes_per_request'] / 1e6:.2f} MB per live request",
             flops_per_token(cfg.model, cfg.data.seq_len).formula]

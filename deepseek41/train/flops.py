@@ -57,11 +57,27 @@ def mean_visible_entries(ratio: int, seq_len: int) -> float:
   return sum((t + 1) // ratio for t in range(seq_len)) / seq_len
 
 
+def attention_flops_per_layer(m: ModelConfig, seq_len: int) -> list[float]:
+  """Forward score + value FLOPs per token of each layer: window keys, selected compressed
+  entries, and the indexer's scoring of every visible entry at index sources."""
+  window = 4.0 * m.num_heads * m.head_dim * mean_window_keys(m.sliding_window, seq_len)
+  out = []
+  for role in layer_roles(m):
+    flops = window
+    if m.csa2 and role.mode != 'SWA':
+      visible = mean_visible_entries(role.ratio, seq_len)
+      flops += 4.0 * m.num_heads * m.head_dim * min(m.index_topk, visible)
+      if role.index_source == role.layer:  # Reindex scores its whole chunk too; the pool masks
+        flops += 2.0 * m.index_n_heads * m.index_head_dim * visible
+    out.append(flops)
+  return out
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> FlopsPerToken:
   """Matmul FLOPs per token; with CSA2, the selected keys and the indexer's scoring too."""
   p = active_matmul_params(m)
   keys = mean_window_keys(m.sliding_window, seq_len)
-  attn = 4.0 * m.num_heads * m.head_dim * keys * m.num_layers
+  attn = sum(attention_flops_per_layer(m, seq_len))
   formula = (f'train FLOPs/token = 3 x (2 x N_active_matmul + 4 x layers x heads x head_dim x '
              f'mean_keys) = 3 x (2 x {p:,} + 4 x {m.num_layers} x {m.num_heads} x {m.head_dim} x '
              f'{keys:.1f}')
@@ -72,9 +88,7 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> FlopsPerToken:
         continue
       visible = mean_visible_entries(role.ratio, seq_len)
       selected += min(m.index_topk, visible)
-      if role.index_source == role.layer:
-        scored += visible  # Reindex scores its whole chunk too; the pool only masks
-    attn += 4.0 * m.num_heads * m.head_dim * selected + 2.0 * m.index_n_heads * m.index_head_dim * scored
+      scored += visible if role.index_source == role.layer else 0.0
     formula += (f' + 4 x {m.num_heads} x {m.head_dim} x {selected:.1f} selected'
                 f' + 2 x {m.index_n_heads} x {m.index_head_dim} x {scored:.1f} scored')
   total = 3.0 * (2.0 * p + attn)

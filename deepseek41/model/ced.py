@@ -1,0 +1,61 @@
+"""Causal encoder-decoder (CED) prefill (ARCHITECTURE.md section 3.10).
+
+The decoder's global KV is the first decoder layer's compressor (and index keys) applied to its
+own input, which is a function of the encoder output only. So a prompt can be prefilled by
+  1. running the encoder layers over every prompt token,
+  2. publishing the decoder's compressed KV and index keys from the encoder output (every row),
+  3. running the decoder layers only over the last `n_win` tokens, their sliding windows floored
+     at the tail start (the tail's keys are all they have).
+Step 3's sparse attention over the global KV is exact. Only windows are truncated: a tail row t
+matches the full forward once t - tail_start >= decoder_layers * (sliding_window - 1), the
+reach of the stacked windows back from t.
+"""
+
+from __future__ import annotations
+
+from deepseek41.model.transformer import Transformer
+
+
+def _tail(batch, start: int):
+  out = {}
+  for key, value in batch.items():
+    if key == 'engram_row_ids':
+      out[key] = {layer: ids[:, start:] for layer, ids in value.items()}
+    else:
+      out[key] = value[:, start:]
+  out['row_offset'] = start
+  return out
+
+
+def ced_prefill_logits(model: Transformer, batch, n_win: int):
+  """Logits [B, n_win, V] of the last n_win prompt positions, computed the CED way."""
+  cfg = model.cfg
+  encoder = cfg.num_encoder_layers
+  if not 0 < encoder < cfg.num_layers:
+    raise ValueError(f'CED prefill needs an encoder/decoder split; model.num_encoder_layers is '
+                     f'{encoder} of {cfg.num_layers} layers')
+  t = batch['tokens'].shape[1]
+  if not 0 < n_win <= t:
+    raise ValueError(f'n_win must be in [1, {t}], got {n_win}')
+  x, pre = model.residual_input(batch['tokens'])
+  batch = model.with_engram_rows(batch)
+  shared = {}
+  for block in model.blocks[:encoder]:
+    x, pre, _, shared = block(x, pre, batch, shared)
+  first_decoder = model.blocks[encoder]
+  if first_decoder.attn.csa2 is not None and first_decoder.attn.csa2.owns_kv:
+    shared = first_decoder.publish_global_kv(x, pre, batch, shared)
+  start = t - n_win
+  tail = _tail(batch, start)
+  x = x[:, start:]
+  pre = None if pre is None else pre[:, start:]
+  for block in model.blocks[encoder:]:
+    x, pre, _, shared = block(x, pre, tail, shared)
+  return model.logits(x, pre)
+
+
+def exact_tail_rows(cfg, n_win: int) -> int:
+  """Rows at the end of the tail that match the full forward (the windows are not truncated)."""
+  reach = (cfg.num_layers - cfg.num_encoder_layers) * (cfg.sliding_window - 1)
+  return max(0, n_win - reach)
+
