@@ -6,15 +6,7 @@
 #                                                # checkpoints every 40) and the cost of remat
 set -uo pipefail
 mode=${1:-throughput}
-OUT=${OUT:-/tmp/ds41-bench}; mkdir -p "$OUT"
-if [ -d .whl ]; then  # grain, array-record, ml_collections, portpicker, tensorboardX
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+source benchmarks/device_env.sh
 # Section 1 of docs/performance.md: the 1B model at 4K tokens, window attention only.
 COMMON="--config=configs/ablation_1b.py --config.log.progress_bar=False \
   --config.data.seq_len=4096 --config.train.batch_size=8 --config.train.remat=none \

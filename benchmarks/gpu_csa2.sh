@@ -6,15 +6,7 @@
 #   bash benchmarks/gpu_csa2.sh train      # configs/ablation_1b.py at 65,536 tokens per sequence
 set -uo pipefail
 mode=${1:-layers}
-OUT=${OUT:-/tmp/ds41-bench}; mkdir -p "$OUT"
-if [ -d .whl ]; then  # grain, array-record, ml_collections, portpicker, tensorboardX
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+source benchmarks/device_env.sh
 case "$mode" in
   layers)
     python3 benchmarks/check_fake_quant.py > "$OUT/fake_quant.txt" 2>&1; echo "fake quant exit $?"

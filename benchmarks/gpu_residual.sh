@@ -3,14 +3,7 @@
 # 4K tokens, window attention only, synthetic data, in one device call. Writes logs to $OUT.
 #   STEPS=20 bash benchmarks/gpu_residual.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/ds41-bench}; mkdir -p "$OUT"
-if [ -d .whl ]; then  # grain, array-record, ml_collections, portpicker, tensorboardX
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh
 for residual in mhc_single_pass mhc_multi_pass plain; do
   python3 -m deepseek41.train --config=configs/ablation_1b.py --config.log.progress_bar=False \
     --workdir=/tmp/res_$residual --config.data.synthetic=True --config.checkpoint.every_steps=0 \

@@ -11,6 +11,7 @@ from deepseek41.train.step import forward_loss, make_train_step
 from tests.util import packed_batch, resolved
 
 MESH8 = {'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.expert': 2}
+FULL = {'model.residual': 'mhc_single_pass', 'model.engram': True}  # mHC streams, sharded tables
 
 
 def test_logical_rules_map_to_mesh_axes():
@@ -35,7 +36,7 @@ def runs():
   out = {}
   batch = packed_batch(seed=0, image_rows=(1,))
   for name, n, overrides in (('one', 1, {'mesh.data': 1}), ('eight', 8, MESH8)):
-    cfg, tx, mesh, state, shardings = _setup(n, overrides)
+    cfg, tx, mesh, state, shardings = _setup(n, {**overrides, **FULL})
     md = state_lib.model_def(cfg, tx)
     bsh = batch_sharding(mesh, cfg.mesh.rules)
     gbatch = {k: jax.device_put(v, bsh) for k, v in batch.items()}
@@ -86,6 +87,9 @@ def test_parameters_are_really_sharded(runs):
   assert shard_shape == (w_gate.shape[0] // 2, w_gate.shape[1] // 2, w_gate.shape[2])
   embed = params['embed'].get_value()
   assert embed.addressable_shards[0].data.shape == (embed.shape[0], embed.shape[1] // 2)
+  table = params['blocks'][1]['engram']['table'].get_value()  # Engram rows over fsdp x expert
+  assert tuple(table.sharding.spec)[0] == ('fsdp', 'expert')
+  assert table.addressable_shards[0].data.shape[0] == -(-table.shape[0] // 4)
   # optimizer moments follow their parameters
   mu = runs['eight']['new_state']['opt'][1][0].mu
   assert tuple(mu['blocks'][0]['moe']['w_gate'].get_value().sharding.spec) == (

@@ -66,7 +66,6 @@ class Block(nnx.Module):
     x = expand(x, y_btd, post_f, comb_f)
     return x, (pre_f if self.residual == 'mhc_single_pass' else None), aux, shared
 
-
   def publish_global_kv(self, x, pre_prev, batch, shared):
     """Only this KV-source layer's compressor and index keys, over every row (CED prefill).
 
