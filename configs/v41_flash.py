@@ -37,6 +37,7 @@ def get_config():
   m.engram_vocab_start = 16_000_000
   m.engram_pad_token_id = 2
   m.engram_compressed_vocab_size = 99_092
+  m.engram_table_row_multiple = 4096  # the released row counts divide by 8 and 2 only
   m.residual = 'mhc_single_pass'
   m.hc_mult = 4
   m.hc_sinkhorn_iters = 20

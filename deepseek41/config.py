@@ -60,6 +60,8 @@ def base_config() -> ml_collections.ConfigDict:
   m.engram_vocab_start = 1000        # [engram_vocab_size]: prime search start (released 16M)
   m.engram_pad_token_id = 2          # [engram_pad_token_id], in the hashed id space
   m.engram_compressed_vocab_size = 0  # [engram_compressed_vocab_size]; 0 = hash raw token ids
+  m.engram_table_row_multiple = 1    # pad table rows to a multiple of this so they can shard
+                                     # (a sum of primes divides by few mesh sizes); 1 = exact
   # CSA2 global branch (sections 3.6-3.8; issue 3, in progress): off = window attention only.
   m.csa2 = False
   m.index_n_heads = 4                # [index_n_heads]
@@ -216,6 +218,7 @@ class ModelConfig:
   engram_vocab_start: int
   engram_pad_token_id: int
   engram_compressed_vocab_size: int
+  engram_table_row_multiple: int
   csa2: bool
   residual: str
   hc_mult: int
@@ -533,6 +536,7 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
   _req(2 <= m.engram_vocab_start < 2**24 - 2**16, 'model.engram_vocab_start',
        f'must be in [2, 2^24 - 2^16) (exact 32-bit hashing), got {m.engram_vocab_start}')
   _req(m.engram_compressed_vocab_size >= 0, 'model.engram_compressed_vocab_size', 'must be >= 0')
+  _req(m.engram_table_row_multiple >= 1, 'model.engram_table_row_multiple', 'must be >= 1')
   _req(0 <= m.engram_pad_token_id < (m.engram_compressed_vocab_size or m.vocab_size),
        'model.engram_pad_token_id', 'must be an id of the hashed vocabulary')
   _req(m.index_topk >= 1, 'model.index_topk', 'must be >= 1')
@@ -597,6 +601,7 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
       engram_vocab_start=int(m.engram_vocab_start),
       engram_pad_token_id=int(m.engram_pad_token_id),
       engram_compressed_vocab_size=int(m.engram_compressed_vocab_size),
+      engram_table_row_multiple=int(m.engram_table_row_multiple),
       residual=str(m.residual), hc_mult=int(m.hc_mult),
       hc_sinkhorn_iters=int(m.hc_sinkhorn_iters), hc_eps=float(m.hc_eps),
       hc_init_std=float(m.hc_init_std),

@@ -113,13 +113,16 @@ def test_released_config_parameter_accounting():
   csa2 = (3 * 5_243_392 + 2_621_952     # ratio-2 / ratio-1 compressors (layers 2, 8, 14 / 20)
           + 8 * 5_406_720 + 4 * 65_664)  # index queries (8 index sources), index keys (4 KV sources)
   engram_projections = 2 * 157_327_360
-  engram_tables = (384_006_168 + 384_016_682) * 256
+  pad = lambda rows: -(-rows // 4096) * 4096 - rows  # noqa: E731 (engram_table_row_multiple)
+  engram_tables = (384_006_168 + pad(384_006_168) + 384_016_682 + pad(384_016_682)) * 256
   params = layers * (attention + moe + mhc + 2 * d) + csa2 + engram_projections + \
       2 * 129280 * 5120 + d + engram_tables
   assert count_params(abstract['params']) == params
   biases = layers * 2 * 384                # correction biases: state here, tensors in the release
   assert count_params(abstract['router_bias']) == biases
   assert params + biases - engram_tables == 551_880_835_184
+  tables = abstract['params']['blocks'][14]['engram']['table']
+  assert tables.get_value().shape[0] % 4096 == 0
 
 
 def test_flop_accounting_counts_the_csa2_work():

@@ -19,7 +19,8 @@ def test_released_numbers():
                   {'fsdp': 64, 'expert': 8})
   assert info['params']['backbone'] == 551_880_835_184
   assert info['params']['engram_tables'] == 196_613_849_600
-  assert info['params']['total'] == 551_880_835_184 + 196_613_849_600
+  assert info["params"]["total"] == 551_880_835_184 + 196_613_849_600
+  assert 0 < info["params"]["engram_table_padding"] < 2 * 4096 * 256
   assert round(info['active_params']['decode'] / 1e8) == 161       # about 16.1B
   assert round(info['active_params']['prefill'] / 1e8) == 79       # about 7.9B
   assert info['kv_cache']['global_bytes_per_token'] == 890

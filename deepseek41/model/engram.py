@@ -80,8 +80,9 @@ class Engram(nnx.Module):
     n = cfg.hc_mult if cfg.residual != 'plain' else 1
     j = (cfg.engram_max_ngram - 1) * cfg.engram_n_heads
     self.n, self.d, self.eps = n, cfg.d_model, cfg.rms_norm_eps
-    self.table = normal_param(rngs, (rows, cfg.engram_head_dim), ('engram_rows', 'engram_dim'),
-                              cfg.init_std)
+    padded = -(-rows // cfg.engram_table_row_multiple) * cfg.engram_table_row_multiple
+    self.table = normal_param(rngs, (padded, cfg.engram_head_dim), ('engram_rows', 'engram_dim'),
+                              cfg.init_std)  # rows past `rows` are never addressed
     self.proj = normal_param(rngs, (j * cfg.engram_head_dim, (n + 1) * cfg.d_model),
                              ('engram_in', 'embed'), cfg.init_std)
     self.q_weight = const_param(1.0, (n, cfg.d_model), (None, 'norm'))

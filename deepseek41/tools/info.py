@@ -22,7 +22,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from deepseek41.config import MeshConfig, format_role_table, layer_roles, resolve
-from deepseek41.sharding import logical_to_spec
+from deepseek41.sharding import _fit_spec, logical_to_spec
+from deepseek41.model.engram import layer_addresses
 from deepseek41.train.flops import attention_flops_per_layer, flops_per_token
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.state import abstract_state, count_params
@@ -150,8 +151,8 @@ def bytes_per_device(abstract, rules, mesh_sizes: dict[str, int]) -> dict[str, f
       value = leaf.get_value() if hasattr(leaf, 'get_value') else leaf
       axes = meta.get('logical_axes')
       shards = 1
-      if axes is not None:
-        for entry in logical_to_spec(tuple(axes), rules, mesh):
+      if axes is not None:  # the same spec the trainer uses, axes that do not divide dropped
+        for entry in _fit_spec(logical_to_spec(tuple(axes), rules, mesh), value.shape, mesh):
           for a in (entry if isinstance(entry, tuple) else (entry,)):
             if a is not None:
               shards *= mesh.shape[a]
@@ -187,10 +188,13 @@ def describe(config, mesh_sizes: dict[str, int] | None = None) -> dict:
   abstract = abstract_state(cfg, make_optimizer(cfg.train))
   params, biases = abstract['params'], abstract['router_bias']
   groups = parameter_breakdown(params, biases)
-  tables = groups.get('engram.tables', 0)
+  tables = sum(a.rows for a in layer_addresses(cfg.model).values()) * cfg.model.engram_head_dim \
+      if cfg.model.engram else 0
+  padding = groups.get('engram.tables', 0) - tables  # rows added for sharding, never addressed
   total = count_params(params) + count_params(biases)
   info = {
-      'params': {'backbone': total - tables, 'engram_tables': tables, 'total': total,
+      'params': {'backbone': total - tables - padding, 'engram_tables': tables,
+                 'engram_table_padding': padding, 'total': total - padding,
                  'by_component': dict(sorted(groups.items()))},
       'active_params': active_parameters(cfg, params, biases),
       'kv_cache': kv_cache_bytes(cfg),
