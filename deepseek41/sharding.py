@@ -63,12 +63,17 @@ def _fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
   return P(*fitted)
 
 
+def fitted_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], rules: Rules, mesh) -> P:
+  """The spec a tensor of this shape gets: its rules, less the mesh axes that do not divide it."""
+  return _fit_spec(logical_to_spec(axes, rules, mesh), shape, mesh)
+
+
 def variable_sharding(var: nnx.Variable, rules: Rules, mesh: Mesh) -> NamedSharding:
   axes = var.get_metadata().get('logical_axes')
   value = var.get_value()
   if axes is None:
     return NamedSharding(mesh, P())
-  return NamedSharding(mesh, _fit_spec(logical_to_spec(axes, rules, mesh), value.shape, mesh))
+  return NamedSharding(mesh, fitted_spec(axes, value.shape, rules, mesh))
 
 
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:

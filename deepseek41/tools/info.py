@@ -22,7 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from deepseek41.config import MeshConfig, format_role_table, layer_roles, resolve
-from deepseek41.sharding import _fit_spec, logical_to_spec
+from deepseek41.sharding import fitted_spec
 from deepseek41.model.engram import layer_addresses
 from deepseek41.train.flops import attention_flops_per_layer, flops_per_token
 from deepseek41.train.optimizer import make_optimizer
@@ -152,7 +152,7 @@ def bytes_per_device(abstract, rules, mesh_sizes: dict[str, int]) -> dict[str, f
       axes = meta.get('logical_axes')
       shards = 1
       if axes is not None:  # the same spec the trainer uses, axes that do not divide dropped
-        for entry in _fit_spec(logical_to_spec(tuple(axes), rules, mesh), value.shape, mesh):
+        for entry in fitted_spec(tuple(axes), value.shape, rules, mesh):
           for a in (entry if isinstance(entry, tuple) else (entry,)):
             if a is not None:
               shards *= mesh.shape[a]
