@@ -234,3 +234,22 @@ def test_stop_flag_catches_signals(sig):
       time.sleep(0.01)
     assert stop.signal == sig
   assert signal.getsignal(sig) is not stop._handle  # handlers restored
+
+
+def test_engram_hashes_tokenizer_compressed_ids(corpus, tmp_path):
+  """engram_compressed_vocab_size must match the data's tokenizer; then training uses the map."""
+  import re
+
+  from deepseek41.config import ConfigError
+  engram = {'model.engram': True, 'train.steps': 2}
+  with pytest.raises(ConfigError, match='model.engram_compressed_vocab_size') as err:
+    train(_config(corpus, **engram, **{'model.engram_compressed_vocab_size': 5}),
+          str(tmp_path / 'wrong'))
+  assert not (tmp_path / 'wrong' / 'checkpoints').exists() or \
+      not any((tmp_path / 'wrong' / 'checkpoints').iterdir())
+  count = int(re.search(r'compresses to (\d+) ids', str(err.value)).group(1))
+  assert 3 < count < 300  # case and whitespace variants of BPE tokens merge
+  result = train(_config(corpus, **engram, **{'model.engram_compressed_vocab_size': count}),
+                 str(tmp_path / 'ok'))
+  assert result.step == 2
+  assert len(_losses(str(tmp_path / 'ok'))) == 2

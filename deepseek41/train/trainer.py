@@ -72,9 +72,36 @@ class _StopFlag:
       signal.signal(sig, old)
 
 
-def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding,
+                  engram_map: np.ndarray | None = None) -> dict[str, jax.Array]:
+  """The process-local batch as global arrays; with an Engram compression map, also the
+  compressed ids (`engram_tokens`) the Engram hashes read."""
+  local = dict(local)
+  if engram_map is not None:
+    local['engram_tokens'] = engram_map[np.asarray(local['tokens'])]
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k], np.int32))
-          for k in BATCH_KEYS}
+          for k in BATCH_KEYS + (('engram_tokens',) if engram_map is not None else ())}
+
+
+def _engram_compression(cfg) -> np.ndarray | None:
+  """old id -> compressed id from the data's tokenizer when model.engram_compressed_vocab_size
+  asks for compression (ARCHITECTURE.md 3.12); None to hash raw ids."""
+  m = cfg.model
+  if not (m.engram and m.engram_layer_ids and m.engram_compressed_vocab_size):
+    return None
+  from deepseek41.config import ConfigError
+  from deepseek41.data.pipeline import resolve_sources
+  from deepseek41.model.engram_hash import compress_vocab, vocab_strings
+  if cfg.data.synthetic:
+    raise ConfigError('model.engram_compressed_vocab_size: synthetic data has no tokenizer to '
+                      'compress; set it to 0')
+  path = os.path.join(resolve_sources(cfg.data)[0][0], 'tokenizer.json')
+  import tokenizers
+  mapping, count = compress_vocab(*vocab_strings(tokenizers.Tokenizer.from_file(path)))
+  if count != m.engram_compressed_vocab_size:
+    raise ConfigError(f'model.engram_compressed_vocab_size: {m.engram_compressed_vocab_size}, but '
+                      f'the tokenizer {path} compresses to {count} ids')
+  return mapping.astype(np.int32)
 
 
 def _load_scalars(load_lme: np.ndarray) -> dict[str, float]:
@@ -126,6 +153,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
       from deepseek41.config import ConfigError
       raise ConfigError(f'model.vocab_size: {cfg.model.vocab_size} is smaller than the '
                         f'tokenizer vocabulary of the data ({vocab})')
+  engram_map = _engram_compression(cfg)
   n_proc = jax.process_count()
   local_batch = cfg.train.batch_size // n_proc
   train_ds = make_dataset(cfg.data, split='train', batch_size=local_batch, seed=cfg.train.seed,
@@ -190,7 +218,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
     try:
       for _, batch in zip(range(cfg.train.eval_batches), it):
         with jax.set_mesh(mesh):
-          out = jax.device_get(eval_step(state, _global_batch(batch, bsharding)))
+          out = jax.device_get(eval_step(state, _global_batch(batch, bsharding, engram_map)))
         ce_sum += float(out['ce_sum'])
         n += float(out['tokens'])
     finally:
@@ -272,7 +300,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
     with _StopFlag() as stop:
       while step < end:
         t_wait = time.perf_counter()
-        batch = _global_batch(next(train_iter), bsharding)
+        batch = _global_batch(next(train_iter), bsharding, engram_map)
         wait = time.perf_counter() - t_wait
         with jax.set_mesh(mesh):
           state, metrics = train_step(state, batch)
