@@ -62,7 +62,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.engram_compressed_vocab_size = 0  # [engram_compressed_vocab_size]; 0 = hash raw token ids
   m.engram_table_row_multiple = 1    # pad table rows to a multiple of this so they can shard
                                      # (a sum of primes divides by few mesh sizes); 1 = exact
-  # CSA2 global branch (sections 3.6-3.8; issue 3, in progress): off = window attention only.
+  # CSA2 (sections 3.6-3.8): on in every shipped config; off = window attention only (ablation).
   m.csa2 = False
   m.index_n_heads = 4                # [index_n_heads]
   m.index_head_dim = 32              # [index_head_dim]
