@@ -3,7 +3,7 @@
     q_r = q_norm(x W_qa);  q = q_r W_qb  -> [B,T,H,d];  q_h <- q_h / rms(q_h)   (q_head_norm)
     c   = kv_norm(x W_kv)                  -> [B,T,d]    one latent = key = value for all heads
     RoPE on the last rope_head_dim channels of q and c ("main" for ratio-0 layers, else "compress")
-    o   = softmax over {window keys} (+ the compressed branch, csa2.py) with sink exp(z_h) in the denominator
+    o   = softmax over {window keys} (+ the compressed branch) with sink exp(z_h) in the denominator
     o[..., -rope:] <- inverse RoPE at the query position
     y   = concat_g(o_g W_oa[g]) W_ob        grouped low-rank output, G groups of H/G heads
 
