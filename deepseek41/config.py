@@ -14,6 +14,8 @@ from typing import Any
 
 import ml_collections
 
+from deepseek41.batch import max_span_positions
+
 LAYOUT_VERSION = 1  # bump when the train-state pytree layout changes incompatibly
 
 
@@ -102,6 +104,23 @@ def base_config() -> ml_collections.ConfigDict:
   m.init_std = 0.02
   m.compute_dtype = 'auto'           # auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16
   m.param_dtype = 'float32'          # master weights
+  # Vision (section 3.15): DeepSeek-ViT + 3x3 merge aligner, image spans in the token stream.
+  # Defaults are the tiny test dims; configs/v41_flash.py holds the released ones.
+  m.vision = False
+  m.vision_layers = 2                # released 32
+  m.vision_dim = 64                  # 1024
+  m.vision_heads = 4                 # 16 (head dim 64; 2D RoPE needs head dim % 4 == 0)
+  m.vision_mlp = 128                 # SwiGLU hidden, 2816
+  m.vision_patch = 4                 # patch side in pixels, 14
+  m.vision_merge = 3                 # merge x merge patches -> one LM token
+  m.vision_rope_theta = 10000.0
+  m.vision_norm_eps = 1e-6
+  m.vision_max_image_tokens = 16     # merged tokens per image at most, 1024 (~1344x1344 px)
+  m.vision_min_pixels = 0            # images are scaled up to at least this area, 295936 (544^2)
+  m.vision_attention_impl = 'auto'   # auto (= fused off the CPU) | reference | fused
+  m.image_token_id = 0               # id placed at image-span positions (released 129264); its
+                                     # table row is never read: spans take aligner outputs and
+                                     # learned delimiters
 
   # ---- data -----------------------------------------------------------------------------
   d = c.data = ml_collections.ConfigDict()
@@ -118,6 +137,14 @@ def base_config() -> ml_collections.ConfigDict:
   d.prefetch = 2                     # batches prefetched per worker / by the prefetch thread
   d.packing_bins = 16                # first-fit packing bins
   d.document_align = 2               # documents start at multiples of this (largest compress ratio)
+  # Interleaved image-text sources (model.vision on), mixed with `sources` by weight:
+  # "shapes:0.7,/data/pairs:0.2,/data/web.jsonl:0.1". `shapes` is the embedded task
+  # (deepseek41/data/shapes.py); a directory holds image + caption pairs (a.png + a.txt); a
+  # .jsonl file holds records {"content": [{"text": ...}, {"image": "relative/or/abs.png"}]}.
+  d.image_sources = ''
+  d.max_images_per_row = 4           # image slots per packed row (static shape)
+  d.image_heldout_fraction = 0.02    # records of each image source held out for evaluation
+  d.shapes_image_size = 48           # side in pixels of the embedded task's images
 
   # ---- train ----------------------------------------------------------------------------
   t = c.train = ml_collections.ConfigDict()
@@ -259,6 +286,24 @@ class ModelConfig:
   init_std: float
   compute_dtype: str          # resolved: float32 | bfloat16
   param_dtype: str
+  vision: bool
+  vision_layers: int
+  vision_dim: int
+  vision_heads: int
+  vision_mlp: int
+  vision_patch: int
+  vision_merge: int
+  vision_rope_theta: float
+  vision_norm_eps: float
+  vision_max_image_tokens: int
+  vision_min_pixels: int
+  vision_attention_impl: str  # resolved: reference | fused
+  image_token_id: int
+
+  @property
+  def image_span_max_len(self) -> int:
+    """Longest image span (alignment pad included): how far span attention reaches; 0 = none."""
+    return max_span_positions(self.vision_max_image_tokens) if self.vision else 0
 
   @property
   def roles(self) -> tuple['LayerRole', ...]:
@@ -278,6 +323,26 @@ class DataConfig:
   prefetch: int
   packing_bins: int
   document_align: int
+  image_sources: tuple[tuple[str, float], ...]  # (shapes | pairs dir | .jsonl, weight)
+  max_images_per_row: int
+  image_heldout_fraction: float
+  shapes_image_size: int
+  images: ImageGeometry | None                  # None when model.vision is off
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageGeometry:
+  """What the data pipeline needs of the vision model to lay out image spans and patches."""
+  patch_size: int
+  merge: int
+  max_image_tokens: int
+  min_pixels: int
+  image_token_id: int
+  max_images_per_row: int
+
+  @property
+  def max_patches(self) -> int:
+    return self.merge * self.merge * self.max_image_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,7 +508,7 @@ def _tuple(v) -> tuple:
   return tuple(v) if isinstance(v, (list, tuple)) else (v,)
 
 
-def parse_sources(spec: str) -> tuple[tuple[str, float], ...]:
+def parse_sources(spec: str, key: str = 'data.sources') -> tuple[tuple[str, float], ...]:
   out = []
   for part in [p.strip() for p in spec.split(',') if p.strip()]:
     path, weight = part, 1.0
@@ -454,7 +519,7 @@ def parse_sources(spec: str) -> tuple[tuple[str, float], ...]:
         path = head
       except ValueError:
         pass
-    _req(weight > 0, 'data.sources', f'weight of {path!r} must be > 0, got {weight}')
+    _req(weight > 0, key, f'weight of {path!r} must be > 0, got {weight}')
     out.append((path, weight))
   return tuple(out)
 
@@ -570,6 +635,21 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
   _req(m.attention_impl in impls, 'model.attention_impl',
        f'must be one of {impls}, got {m.attention_impl!r}')
   attention_impl = 'chunked' if m.attention_impl == 'auto' else m.attention_impl
+  if m.vision:
+    for k in ('vision_layers', 'vision_dim', 'vision_heads', 'vision_mlp', 'vision_patch',
+              'vision_merge', 'vision_max_image_tokens'):
+      _req(int(m[k]) >= 1, f'model.{k}', f'must be >= 1, got {m[k]}')
+    _req(m.vision_dim % m.vision_heads == 0 and (m.vision_dim // m.vision_heads) % 4 == 0,
+         'model.vision_heads', f'vision_dim={m.vision_dim} / vision_heads={m.vision_heads} must '
+         'be a whole head dim divisible by 4 (2D RoPE rotates row and column halves in pairs)')
+    _req(m.vision_min_pixels >= 0, 'model.vision_min_pixels', 'must be >= 0')
+  _req(0 <= m.image_token_id < m.vocab_size, 'model.image_token_id',
+       f'must be in [0, vocab_size={m.vocab_size}), got {m.image_token_id}')
+  _req(m.vision_attention_impl in ('auto', 'reference', 'fused'), 'model.vision_attention_impl',
+       f'must be auto, reference or fused, got {m.vision_attention_impl!r}')
+  vision_attention_impl = m.vision_attention_impl
+  if vision_attention_impl == 'auto':
+    vision_attention_impl = 'reference' if backend == 'cpu' else 'fused'
   index_impls = ('auto', 'reference', 'fused')
   _req(m.index_impl in index_impls, 'model.index_impl',
        f'must be one of {index_impls}, got {m.index_impl!r}')
@@ -622,7 +702,14 @@ def _validate_model(m: ml_collections.ConfigDict, backend: str) -> ModelConfig:
       sparse_impl='gathered' if m.sparse_impl == 'auto' else m.sparse_impl,
       sparse_chunk=int(m.sparse_chunk), index_impl=index_impl, kv_quant=m.kv_quant, index_quant=m.index_quant,
       swa_quant=m.swa_quant,
-      init_std=float(m.init_std), compute_dtype=compute_dtype, param_dtype=m.param_dtype)
+      init_std=float(m.init_std), compute_dtype=compute_dtype, param_dtype=m.param_dtype,
+      vision=bool(m.vision), vision_layers=int(m.vision_layers), vision_dim=int(m.vision_dim),
+      vision_heads=int(m.vision_heads), vision_mlp=int(m.vision_mlp),
+      vision_patch=int(m.vision_patch), vision_merge=int(m.vision_merge),
+      vision_rope_theta=float(m.vision_rope_theta), vision_norm_eps=float(m.vision_norm_eps),
+      vision_max_image_tokens=int(m.vision_max_image_tokens),
+      vision_min_pixels=int(m.vision_min_pixels), vision_attention_impl=vision_attention_impl,
+      image_token_id=int(m.image_token_id))
 
 
 def _validate_mesh(ms: ml_collections.ConfigDict, num_devices: int | None) -> MeshConfig:
@@ -684,7 +771,26 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
     _req(model.vocab_size >= d.default_corpus_vocab_size, 'model.vocab_size',
          f'{model.vocab_size} is smaller than data.default_corpus_vocab_size '
          f'({d.default_corpus_vocab_size})')
+  image_sources = parse_sources(d.image_sources, 'data.image_sources')
+  _req(not image_sources or model.vision, 'data.image_sources',
+       'needs model.vision=True (image sources feed the vision encoder)')
+  _req(d.max_images_per_row >= 1, 'data.max_images_per_row', 'must be >= 1')
+  _req(0 <= d.image_heldout_fraction < 1, 'data.image_heldout_fraction', 'must be in [0, 1)')
+  _req(d.shapes_image_size >= 1, 'data.shapes_image_size', 'must be >= 1')
+  if model.vision:
+    _req(max_span_positions(model.vision_max_image_tokens) <= d.seq_len,
+         'model.vision_max_image_tokens',
+         f'the longest image span ({max_span_positions(model.vision_max_image_tokens)} '
+         f'positions) must fit in data.seq_len={d.seq_len}, or packing could not keep it whole')
+  images = ImageGeometry(
+      patch_size=model.vision_patch, merge=model.vision_merge,
+      max_image_tokens=model.vision_max_image_tokens, min_pixels=model.vision_min_pixels,
+      image_token_id=model.image_token_id,
+      max_images_per_row=int(d.max_images_per_row)) if model.vision else None
   data = DataConfig(
+      image_sources=image_sources, max_images_per_row=int(d.max_images_per_row),
+      image_heldout_fraction=float(d.image_heldout_fraction),
+      shapes_image_size=int(d.shapes_image_size), images=images,
       seq_len=int(d.seq_len), sources=parse_sources(d.sources), synthetic=bool(d.synthetic),
       cache_dir=str(d.cache_dir), default_corpus_vocab_size=int(d.default_corpus_vocab_size),
       default_corpus_max_files=int(d.default_corpus_max_files), shuffle_seed=int(d.shuffle_seed),
