@@ -1,5 +1,6 @@
-"""Data: tokenizer, prepare CLI (text -> token shards), the embedded default corpus, and the Grain
-pipeline that turns shards into packed batches.
+"""Data: tokenizer, prepare CLI (text -> token shards), the embedded default corpus, image-text
+sources (images.py, shapes.py, multimodal.py), and the Grain pipeline that turns them into
+packed batches.
 
     python -m deepseek41.data.prepare --input DIR --output OUT --vocab_size 8192
     it = iter(make_dataset(cfg.data, split='train', batch_size=8, seed=0))
@@ -14,6 +15,9 @@ _EXPORTS = {
     'default_corpus_dir': 'default_corpus',
     'BATCH_KEYS': 'pipeline', 'IMAGE': 'pipeline', 'TEXT': 'pipeline',
     'make_dataset': 'pipeline', 'resolve_sources': 'pipeline', 'vocab_size_of': 'pipeline',
+    'tokenizer_path_of': 'pipeline',
+    'load_image': 'images', 'patchify': 'images', 'resize': 'images', 'target_size': 'images',
+    'MultimodalSource': 'multimodal', 'resolve_image_sources': 'multimodal',
     'prepare_dataset': 'prepare',
     'DataError': 'shards', 'ShardWriter': 'shards', 'TokenShardSource': 'shards',
     'read_meta': 'shards',

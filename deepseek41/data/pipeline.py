@@ -4,14 +4,27 @@
     (reseeded every epoch) -> repeat -> weighted mixture -> first-fit packing -> batch ->
     prefetch (worker processes or a thread)
 
-Every batch is a dict of int32 arrays of shape [batch_size, seq_len]:
+Every batch is a dict with exactly the keys of deepseek41.batch.batch_keys(vision) (batch.py
+is the contract); with model.vision off, int32 arrays of shape [batch_size, seq_len]:
 
     tokens       input ids (0 in padding)
     targets      the next token of the same document (0 in padding)
     segment_ids  1, 2, ... per packed piece within a row; 0 = padding
     positions    0, 1, ... restarting at each piece
     loss_mask    1 where targets is real (segment_ids != 0)
-    modality     0 = text (1 is reserved for image tokens)
+    modality     TEXT
+
+With model.vision on (data.images set) every batch also carries the image keys, and the mixture
+takes data.image_sources (multimodal.py) next to the text sources:
+
+    text pieces ---------------------------------+-> weighted mixture -> flatten -> first-fit
+    image-text samples -> list of pieces each ---+   packing (text keys at seq_len, image arrays
+                                                     at max_images_per_row) -> collate
+
+Packing keeps every piece, so every image span, whole in one row and never takes more than
+data.max_images_per_row images into a row; collate re-bases image_index and image_span from
+piece-local to row-local numbering (a piece's images take the row's slots after those of the
+pieces packed before it) and sets modality = IMAGE on every image-span position.
 
 A document of n tokens yields ceil((n - 1) / seq_len) pieces of at most seq_len + 1 tokens that
 overlap by one, so inputs = piece[:-1] and targets = piece[1:] predict every token of the
@@ -21,9 +34,10 @@ Pieces, not documents, are shuffled: a long file's hundreds of pieces would othe
 consecutive batches, and a model trained on such a stream fits one file at a time (seen on the
 default corpus: held-out loss rose for the first 40 steps while the training loss fell).
 
-Mixture weights count pieces (so roughly tokens). The iterator's `get_state()` / `set_state()`
-resume with identical batches as long as the config, batch size, process layout and
-`num_workers` are unchanged (packing runs per worker, so batches depend on the worker count).
+Mixture weights count pieces (so roughly tokens) of text sources and samples (usually one
+piece each) of image sources. The iterator's `get_state()` / `set_state()` resume with identical
+batches as long as the config, batch size, process layout and `num_workers` are unchanged
+(packing runs per worker, so batches depend on the worker count).
 """
 
 from __future__ import annotations
@@ -35,13 +49,16 @@ from collections.abc import Sequence
 import grain
 import numpy as np
 
-from deepseek41.config import DataConfig
+from deepseek41.batch import IMAGE, ROLE_PATCH, TEXT, batch_keys
+from deepseek41.config import DataConfig, ImageGeometry
+from deepseek41.data import multimodal
 from deepseek41.data.default_corpus import default_corpus_dir
-from deepseek41.data.shards import META_FILE, DataError, TokenShardSource
+from deepseek41.data.shards import META_FILE, DataError, TokenShardSource, read_meta
 
 SPLITS = ('train', 'heldout')
-BATCH_KEYS = ('tokens', 'targets', 'segment_ids', 'positions', 'loss_mask', 'modality')
-TEXT, IMAGE = 0, 1  # modality ids
+KINDS = ('text', 'image')
+DEFAULT_SOURCE = 'default'  # the embedded default corpus, by name in data.sources
+BATCH_KEYS = batch_keys(False)
 _SYNTHETIC_TRAIN_DOCS = 1 << 40  # effectively endless; documents are generated on demand
 _SYNTHETIC_EVAL_DOCS = 4096
 
@@ -51,12 +68,19 @@ _SYNTHETIC_EVAL_DOCS = 4096
 
 
 def resolve_sources(cfg: DataConfig) -> list[tuple[str, float]]:
-  """Prepared dataset directories with their mixture weights; checks they can be mixed."""
+  """Prepared dataset directories with their mixture weights; checks they can be mixed.
+
+  No data.sources means the embedded default corpus; the name `default` in data.sources
+  ("default:0.3,/data/mine:0.7") means it too.
+  """
+  def default():
+    return default_corpus_dir(cfg.cache_dir, cfg.default_corpus_vocab_size,
+                              cfg.default_corpus_max_files)
   if cfg.sources:
-    sources = [(path, float(w)) for path, w in cfg.sources]
+    sources = [(default() if path == DEFAULT_SOURCE else path, float(w))
+               for path, w in cfg.sources]
   else:
-    sources = [(default_corpus_dir(cfg.cache_dir, cfg.default_corpus_vocab_size,
-                                   cfg.default_corpus_max_files), 1.0)]
+    sources = [(default(), 1.0)]
   seen = {}
   for path, _ in sources:
     if not os.path.isdir(path):
@@ -91,6 +115,21 @@ def vocab_size_of(cfg: DataConfig, synthetic_vocab_size: int = 512) -> int:
     return synthetic_vocab_size
   path, _ = resolve_sources(cfg)[0]
   return TokenShardSource(os.path.join(path, 'train')).vocab_size
+
+
+def tokenizer_path_of(cfg: DataConfig) -> str:
+  """tokenizer.json of the text sources (the default corpus without data.sources): image
+  sources tokenize their text with it, so text and captions share one vocabulary."""
+  if cfg.synthetic:
+    raise DataError('data.synthetic has no tokenizer; image sources need data.sources (or the '
+                    'default corpus) for theirs')
+  path, _ = resolve_sources(cfg)[0]
+  split_dir = os.path.join(path, 'train')
+  tokenizer = os.path.normpath(os.path.join(split_dir, read_meta(split_dir)['tokenizer']))
+  if not os.path.isfile(tokenizer):
+    raise DataError(f'{split_dir}/{META_FILE} names the tokenizer {tokenizer}, which does not '
+                    'exist; re-run prepare')
+  return tokenizer
 
 
 class SyntheticSource:
@@ -171,6 +210,26 @@ class PieceSource:
 # Transformations (module-level classes so worker processes can unpickle them).
 
 
+class TextPieceList:
+  """Text piece -> [the piece with empty image keys], the element type of image sources."""
+
+  def __init__(self, geometry: ImageGeometry):
+    self.geometry = geometry
+
+  def __call__(self, piece: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    return [multimodal.with_empty_images(piece, self.geometry)]
+
+
+class Flatten(grain.experimental.FlatMapTransform):
+  """Lists of pieces -> pieces. Checkpointable: the state is the parent's state before the list
+  and the index into it (Grain re-reads the list on restore)."""
+
+  max_fan_out = 1 << 16
+
+  def flat_map(self, element):
+    return element
+
+
 class Collate:
   """Packed rows -> the batch dict; pads a short final batch (finite passes) with empty rows."""
 
@@ -190,6 +249,51 @@ class Collate:
         'positions': stack('tokens_positions'),
         'loss_mask': ((segment_ids_bt != 0) & (stack('mask') != 0)).astype(np.int32),
         'modality': np.full_like(segment_ids_bt, TEXT),
+    }
+
+
+class MultimodalCollate:
+  """Packed rows with image keys -> the batch dict of batch.batch_keys(True)."""
+
+  def __init__(self, batch_size: int, seq_len: int, geometry: ImageGeometry):
+    self.batch_size, self.seq_len, self.geometry = batch_size, seq_len, geometry
+
+  def __call__(self, rows: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    g = self.geometry
+    b, t, n, p = self.batch_size, self.seq_len, g.max_images_per_row, g.patch_size
+
+    def stack(key):
+      x_bt = np.zeros((b, t), np.int32)
+      x_bt[:len(rows)] = np.stack([r[key] for r in rows])
+      return x_bt
+    segment_ids_bt = stack('tokens_segment_ids')
+    role_bt, index_bt, span_bt = stack('image_role'), stack('image_index'), stack('image_span')
+    patches_bnpd = np.zeros((b, n, g.max_patches, p * p * 3), np.uint8)
+    grid_bn2 = np.zeros((b, n, 2), np.int32)
+    for r, row in enumerate(rows):
+      patches_bnpd[r] = row['image_patches']
+      grid_bn2[r] = row['image_grid']
+      # Slots are filled piece by piece, so piece s's images follow those of pieces 1 .. s-1:
+      # its local image slot k is row slot offset[s] + k, and its k-th span is span offset[s] + k.
+      slot_segment_n = row['image_grid_segment_ids']
+      segments = max(int(segment_ids_bt[r].max()), int(slot_segment_n.max(initial=0))) + 1
+      count_s = np.bincount(slot_segment_n, minlength=segments)
+      count_s[0] = 0
+      offset_t = (np.cumsum(count_s) - count_s)[segment_ids_bt[r]].astype(np.int32)
+      index_bt[r] += np.where(role_bt[r] == ROLE_PATCH, offset_t * g.max_image_tokens, 0)
+      span_bt[r] += np.where(span_bt[r] != 0, offset_t, 0)
+    return {
+        'tokens': stack('tokens'),
+        'targets': stack('targets'),
+        'segment_ids': segment_ids_bt,
+        'positions': stack('tokens_positions'),
+        'loss_mask': ((segment_ids_bt != 0) & (stack('mask') != 0)).astype(np.int32),
+        'modality': np.where(role_bt != 0, IMAGE, TEXT).astype(np.int32),
+        'image_role': role_bt,
+        'image_index': index_bt,
+        'image_span': span_bt,
+        'image_patches': patches_bnpd,
+        'image_grid': grid_bn2,
     }
 
 
@@ -221,6 +325,29 @@ def _open_sources(cfg: DataConfig, split: str, repeat: bool, seed: int,
   return out
 
 
+def _open_image_sources(cfg: DataConfig, split: str, seed: int) -> list[tuple[object, float]]:
+  kinds = multimodal.resolve_image_sources(cfg)
+  if not kinds:
+    return []
+  if cfg.images is None:
+    raise DataError('data.image_sources need model.vision=True (the image geometry comes from '
+                    'the vision model)')
+  if cfg.synthetic:
+    raise DataError('data.synthetic does not combine with data.image_sources: image sources '
+                    'tokenize their text with the text sources\' tokenizer')
+  tokenizer = tokenizer_path_of(cfg)
+  return [(multimodal.open_image_source(kind, path, cfg, split=split, seed=seed,
+                                        tokenizer_path=tokenizer), weight)
+          for kind, path, weight in kinds]
+
+
+def _is_random(src) -> bool:
+  """Sources whose items are random draws already: shuffling them only costs time."""
+  return isinstance(src, SyntheticSource) or (
+      isinstance(src, multimodal.MultimodalSource) and
+      isinstance(src.samples, multimodal.ShapesSamples))
+
+
 def _ensure_absl_flags_parsed() -> None:
   """Grain worker processes read absl flags; outside absl.app.run nobody has parsed them."""
   from absl import flags
@@ -230,12 +357,14 @@ def _ensure_absl_flags_parsed() -> None:
 
 def make_dataset(cfg: DataConfig, *, split: str, batch_size: int, seed: int,
                  process_index: int = 0, process_count: int = 1, repeat: bool = True,
-                 shuffle: bool | None = None,
-                 synthetic_vocab_size: int = 512) -> grain.IterDataset:
+                 shuffle: bool | None = None, synthetic_vocab_size: int = 512,
+                 kinds: Sequence[str] = KINDS) -> grain.IterDataset:
   """Packed batches for this process (module docstring); `iter()` it for a checkpointable iterator.
 
   `repeat=False` is one finite pass, unshuffled by default (`shuffle=None` means `repeat`), over
   every document of every source once, in order: the deterministic evaluation pass.
+  `kinds` picks the sources: 'text' (data.sources, or the default corpus) and / or 'image'
+  (data.image_sources; e.g. kinds=('image',), split='heldout' for caption evaluation).
   """
   if split not in SPLITS:
     raise DataError(f'split must be one of {SPLITS}, got {split!r}')
@@ -243,18 +372,28 @@ def make_dataset(cfg: DataConfig, *, split: str, batch_size: int, seed: int,
     raise DataError(f'batch_size must be >= 1, got {batch_size}')
   if not 0 <= process_index < process_count:
     raise DataError(f'process_index {process_index} is not in [0, process_count={process_count})')
+  kinds = tuple(kinds)
+  if not kinds or not set(kinds) <= set(KINDS):
+    raise DataError(f'kinds must be a non-empty subset of {KINDS}, got {kinds}')
+  if 'image' in kinds and 'text' not in kinds and not cfg.image_sources:
+    raise DataError("kinds=('image',) needs data.image_sources")
   shuffle = repeat if shuffle is None else shuffle
   seq_len = cfg.seq_len
+  geometry = cfg.images  # None: model.vision off, the text-only batches of before
 
+  text = _open_sources(cfg, split, repeat, seed, synthetic_vocab_size) if 'text' in kinds else []
+  image = _open_image_sources(cfg, split, seed) if 'image' in kinds else []
   per_source, weights = [], []
-  for i, (src, weight) in enumerate(_open_sources(cfg, split, repeat, seed, synthetic_vocab_size)):
+  for i, (src, weight) in enumerate(text + image):
     ds = grain.MapDataset.source(src)
     if len(ds) < process_count:
       raise DataError(f'{src!r} has {len(ds)} documents, fewer than the {process_count} '
                       'processes that each need a share; use a larger corpus')
     ds = ds[process_index::process_count]  # disjoint, interleaved slices per process
-    if shuffle and not cfg.synthetic:  # synthetic documents are random already
+    if shuffle and not _is_random(src):
       ds = ds.shuffle(seed=_derived_seed(seed, cfg.shuffle_seed, 1, i))
+    if geometry is not None and i < len(text):
+      ds = ds.map(TextPieceList(geometry))  # every element: a list of pieces with image keys
     if repeat:
       ds = ds.repeat(None)  # reseeds the shuffle every epoch
     per_source.append(ds)
@@ -267,13 +406,24 @@ def make_dataset(cfg: DataConfig, *, split: str, batch_size: int, seed: int,
     ds = grain.MapDataset.concatenate(per_source)  # a finite pass reads everything once
 
   # Reading a document is a memory-mapped slice: a few threads hide page faults, more only add
-  # scheduling overhead.
-  it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=16))
+  # scheduling overhead. Images are decoded and resized while reading (Pillow releases the GIL).
+  it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=4 if image else 2,
+                                               prefetch_buffer_size=16))
+  length_struct = {'tokens': seq_len, 'targets': seq_len, 'mask': seq_len}
+  if geometry is not None:
+    it_ds = grain.experimental.FlatMapIterDataset(it_ds, Flatten())
+    # Grain packs every array along its first axis (trailing axes kept, 0-length arrays fine),
+    # and a piece goes into the first row where all of its keys fit: its positions and its
+    # images (at most max_images_per_row per row).
+    length_struct.update({k: seq_len for k in ('image_role', 'image_index', 'image_span')})
+    length_struct.update({k: geometry.max_images_per_row for k in ('image_patches', 'image_grid')})
   it_ds = grain.experimental.FirstFitPackIterDataset(
-      it_ds, length_struct={'tokens': seq_len, 'targets': seq_len, 'mask': seq_len},
+      it_ds, length_struct=length_struct,
       num_packing_bins=cfg.packing_bins, seed=_derived_seed(seed, cfg.shuffle_seed, 2),
       shuffle_bins=shuffle)
-  it_ds = it_ds.batch(batch_size, drop_remainder=False, batch_fn=Collate(batch_size, seq_len))
+  collate = Collate(batch_size, seq_len) if geometry is None else \
+      MultimodalCollate(batch_size, seq_len, geometry)
+  it_ds = it_ds.batch(batch_size, drop_remainder=False, batch_fn=collate)
 
   if cfg.num_workers > 0:
     _ensure_absl_flags_parsed()
