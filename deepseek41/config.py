@@ -198,6 +198,11 @@ def base_config() -> ml_collections.ConfigDict:
       ('engram_rows', 'fsdp,expert'),  # the tables are the largest tensors: shard their rows
       ('engram_dim', ''),
       ('engram_in', ''),
+      ('vision_embed', ''),            # the ViT is small next to the LM: replicate its width
+      ('vision_heads', 'tensor'),
+      ('vision_mlp', 'tensor'),
+      ('patch_in', ''),
+      ('merge_in', ''),
   )
 
   # ---- checkpoint -----------------------------------------------------------------------
