@@ -24,7 +24,7 @@ def _model(**overrides):
 
 def _walk(model, batch):
   """Run the blocks as Transformer does, recording `shared` after each layer."""
-  x, pre = model.residual_input(batch['tokens'])
+  x, pre = model.residual_input(batch)
   batch = model.with_engram_rows(batch)
   shared, trail = {}, []
   for block in model.blocks:

@@ -7,6 +7,7 @@
     o[..., -rope:] <- inverse RoPE at the query position
     y   = concat_g(o_g W_oa[g]) W_ob        grouped low-rank output, G groups of H/G heads
 
+Image-span positions also see their whole span (ops/span_attention.py, one more partial).
 With `model.csa2` on, layers of ratio > 0 add the compressed sparse branch (`csa2.CSA2`: their
 KV source's entries selected by their index source) as a second softmax partial, merged with the
 window by log-sum-exp; off, every layer attends only over its sliding window.
@@ -22,6 +23,7 @@ from deepseek41.model.csa2 import CSA2
 from deepseek41.model.norms import RMSNorm, rms_normalize
 from deepseek41.model.params import const_param, normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
+from deepseek41.ops.span_attention import span_partial
 from deepseek41.ops.swa_attention import combine_with_sink, swa_partial
 from deepseek41.quant import get_fake_quant
 
@@ -70,8 +72,14 @@ class Attention(nnx.Module):
     Split out so the benchmarks time exactly what dense attention replaces.
     """
     cfg = self.cfg
+    span_ids_bt = batch.get('image_span')  # image spans: bidirectional inside, causal outside
     partials = [swa_partial(q_bthd, kv_btd, batch['segment_ids'], window=cfg.sliding_window,
-                            impl=cfg.attention_impl)]
+                            impl=cfg.attention_impl, span_ids_bt=span_ids_bt)]
+    if span_ids_bt is not None:
+      partials.append(span_partial(
+          q_bthd, kv_btd, span_ids_bt, num_spans=batch['image_grid'].shape[1],
+          max_span=cfg.image_span_max_len,
+          impl='reference' if cfg.attention_impl == 'reference' else 'gathered'))
     if self.csa2 is not None:
       compressed, shared = self.csa2(x_btd, q_r_btr, q_bthd, batch, shared)
       partials.append(compressed)

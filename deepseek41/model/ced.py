@@ -21,6 +21,8 @@ def _tail(batch, start: int):
   for key, value in batch.items():
     if key == 'engram_row_ids':
       out[key] = {layer: ids[:, start:] for layer, ids in value.items()}
+    elif key in ('image_patches', 'image_grid'):  # per image slot, not per position
+      out[key] = value
     else:
       out[key] = value[:, start:]
   out['row_offset'] = start
@@ -37,7 +39,7 @@ def ced_prefill_logits(model: Transformer, batch, n_win: int):
   t = batch['tokens'].shape[1]
   if not 0 < n_win <= t:
     raise ValueError(f'n_win must be in [1, {t}], got {n_win}')
-  x, pre = model.residual_input(batch['tokens'])
+  x, pre = model.residual_input(batch)
   batch = model.with_engram_rows(batch)
   shared = {}
   for block in model.blocks[:encoder]:

@@ -8,6 +8,8 @@ The residual is `model.residual` (ARCHITECTURE.md section 3.2; mhc.py for the si
                     previous layer's ffn pre (layer 0: stream 0), the ffn with this layer's attention
                     pre, the final norm with the last ffn pre; no head
 With mHC the residual is [B, T, hc_mult, D], the embedding copied into every stream.
+With `model.vision` the image-span positions take the vision encoder's aligned tokens and the
+learned delimiters instead of the table embedding (section 3.1).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from deepseek41.model.mhc import MHCHead, MHCSite, collapse, expand
 from deepseek41.model.moe import MoE
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import dtype_of, normal_param
+from deepseek41.model.vision import VisionEncoder
 
 
 class Block(nnx.Module):
@@ -102,6 +105,7 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.remat = remat
     self.embed = normal_param(rngs, (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'), cfg.init_std)
+    self.vision = VisionEncoder(cfg, rngs, remat) if cfg.vision else None
     rows = {l: a.rows for l, a in self._engram_addresses().items()}
     self.blocks = nnx.List([Block(cfg, role, rngs, rows.get(role.layer, 0))
                             for role in layer_roles(cfg)])
@@ -132,11 +136,20 @@ class Transformer(nnx.Module):
                       self.head[...].astype(dtype_of(cfg.compute_dtype)),
                       preferred_element_type=jnp.float32)
 
-  def residual_input(self, tokens_bt):
+  def embed_inputs(self, batch):
+    """[B, T, D] input embeddings: the table, with image spans filled in by the vision path."""
+    dt = dtype_of(self.cfg.compute_dtype)
+    e_btd = jnp.take(self.embed[...], batch['tokens'], axis=0).astype(dt)
+    if self.vision is not None:
+      merged_bnmd = self.vision(batch['image_patches'], batch['image_grid'], dt)
+      e_btd = self.vision.place(e_btd, batch, merged_bnmd)
+    return e_btd
+
+  def residual_input(self, batch):
     """(x, pre) entering layer 0: the embedding ([B,T,D], or copied into every mHC stream) and
     the single-pass pre-mix of stream 0 (None otherwise)."""
     cfg = self.cfg
-    e_btd = jnp.take(self.embed[...], tokens_bt, axis=0).astype(dtype_of(cfg.compute_dtype))
+    e_btd = self.embed_inputs(batch)
     if cfg.residual == 'plain':
       return e_btd, None
     b, t, d = e_btd.shape
@@ -147,7 +160,7 @@ class Transformer(nnx.Module):
     return x, pre
 
   def __call__(self, batch):
-    x, pre = self.residual_input(batch['tokens'])
+    x, pre = self.residual_input(batch)
     batch = self.with_engram_rows(batch)
     auxes = []
     shared = {}  # compressed KV and selections published by source layers (CSA2)

@@ -16,8 +16,9 @@ Two implementations of the window branch, same signature, same results:
 - `chunked`: queries in blocks of `chunk`, each block against its own block and just enough
   previous blocks to cover the window; memory and FLOPs linear in T, no loop over blocks.
 
-Not handled here (callers widen the mask themselves): bidirectional image spans in prefill and
-DSpark's in-block bidirectional attention.
+Image spans: with `span_ids_bt` given, keys in the query's own image span are left out of the
+window; `span_attention.span_partial` supplies all of them (both directions) as another partial.
+Not handled here: DSpark's in-block bidirectional attention.
 """
 
 from __future__ import annotations
@@ -84,20 +85,30 @@ def combine_with_sink(partials, sink_h, dtype=None):
 # Window branch: reference
 
 
-def window_mask_btu(segment_ids_bt, window: int):
-  """[B, T, T] bool: query t sees key u (causal, within the window, same non-padding document)."""
+def window_mask_btu(segment_ids_bt, window: int, span_ids_bt=None):
+  """[B, T, T] bool: query t sees key u (causal, within the window, same non-padding document,
+  and not in the query's own image span when span ids are given)."""
   t_idx = jnp.arange(segment_ids_bt.shape[1])
   q_pos, k_pos = t_idx[:, None], t_idx[None, :]
   in_window_tu = (k_pos <= q_pos) & (k_pos > q_pos - window)
   same_doc_btu = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
   real_query_bt = segment_ids_bt != 0
-  return in_window_tu[None] & same_doc_btu & real_query_bt[:, :, None]
+  mask_btu = in_window_tu[None] & same_doc_btu & real_query_bt[:, :, None]
+  if span_ids_bt is not None:
+    mask_btu = mask_btu & ~same_span_mask_btu(span_ids_bt)
+  return mask_btu
 
 
-def _swa_partial_reference(q_bthd, kv_btd, segment_ids_bt, window, scale):
+def same_span_mask_btu(span_ids_bt):
+  """[B, T, T] bool: both positions lie in the same image span (id > 0)."""
+  same_btu = span_ids_bt[:, :, None] == span_ids_bt[:, None, :]
+  return same_btu & (span_ids_bt != 0)[:, :, None]
+
+
+def _swa_partial_reference(q_bthd, kv_btd, segment_ids_bt, window, scale, span_ids_bt=None):
   scores_bthu = jnp.einsum('bthd,bud->bthu', q_bthd, kv_btd,
                            preferred_element_type=jnp.float32) * scale
-  mask_bthu = window_mask_btu(segment_ids_bt, window)[:, :, None, :]
+  mask_bthu = window_mask_btu(segment_ids_bt, window, span_ids_bt)[:, :, None, :]
   probs_bthu, lse_bth = _masked_softmax_partial(scores_bthu, mask_bthu)
   # p in the input dtype for the second matmul (fp32 accumulation), as flash kernels do.
   o_bthd = jnp.einsum('bthu,bud->bthd', probs_bthu.astype(kv_btd.dtype), kv_btd,
@@ -142,7 +153,7 @@ def _with_lookback(x_bnc, lookback: int):
   return jnp.concatenate(shifted, axis=2)
 
 
-def _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk):
+def _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk, span_ids_bt=None):
   b, t, h, d = q_bthd.shape
   window, c, lookback, t_pad = chunk_geometry(t, window, chunk)
   n = t_pad // c
@@ -150,6 +161,8 @@ def _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk):
     q_bthd = jnp.pad(q_bthd, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
     kv_btd = jnp.pad(kv_btd, ((0, 0), (0, t_pad - t), (0, 0)))
     segment_ids_bt = jnp.pad(segment_ids_bt, ((0, 0), (0, t_pad - t)))
+    if span_ids_bt is not None:
+      span_ids_bt = jnp.pad(span_ids_bt, ((0, 0), (0, t_pad - t)))
 
   q_bnchd = q_bthd.reshape(b, n, c, h, d)
   kv_bnkd = _with_lookback(kv_btd.reshape(b, n, c, d), lookback)
@@ -164,6 +177,11 @@ def _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk):
   mask_bnck = (in_window_ck[None, None] &
                (seg_q_bnc[..., None] == seg_k_bnk[:, :, None, :]) &
                (seg_q_bnc != 0)[..., None])
+  if span_ids_bt is not None:  # the query's own span is span_attention's branch
+    span_q_bnc = span_ids_bt.reshape(b, n, c)
+    span_k_bnk = _with_lookback(span_q_bnc, lookback)
+    mask_bnck = mask_bnck & ~((span_q_bnc[..., None] == span_k_bnk[:, :, None, :]) &
+                              (span_q_bnc != 0)[..., None])
 
   # (c, h) are adjacent in q, so each block is one [c*h, d] x [d, k] matmul with no transpose.
   scores_bnchk = jnp.einsum('bnchd,bnkd->bnchk', q_bnchd, kv_bnkd,
@@ -181,7 +199,7 @@ def _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk):
 
 
 def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chunked',
-                chunk: int | None = None, scale: float | None = None):
+                chunk: int | None = None, scale: float | None = None, span_ids_bt=None):
   """The window branch as a partial: (o_bthd normalised over the window, lse_bth fp32).
 
   q_bthd [B, T, H, d]; kv_btd [B, T, d], the shared K=V latent; segment_ids_bt [B, T] int, 0 =
@@ -198,9 +216,10 @@ def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chu
     raise ValueError(f'window must be >= 1, got {window}')
   scale = 1.0 / math.sqrt(q_bthd.shape[-1]) if scale is None else scale
   if impl == 'reference':
-    return _swa_partial_reference(q_bthd, kv_btd, segment_ids_bt, window, scale)
+    return _swa_partial_reference(q_bthd, kv_btd, segment_ids_bt, window, scale, span_ids_bt)
   if impl == 'chunked':
-    return _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk)
+    return _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk,
+                                span_ids_bt)
   raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
 
 

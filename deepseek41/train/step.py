@@ -76,13 +76,23 @@ def accumulate_gradients(cfg: RunConfig, md: ModelDef, params, biases, batch):
   return out
 
 
+def _layer_of(path) -> int:
+  keys = [getattr(k, 'key', getattr(k, 'idx', None)) for k in path]
+  return int(keys[keys.index('blocks') + 1])
+
+
 def _updated_router_biases(biases, load_lme, rate: float):
   """Apply the sign rule to each layer's bias from that layer's loads ([L, M, E])."""
   def update(path, bias_me):
-    keys = [getattr(k, 'key', getattr(k, 'idx', None)) for k in path]
-    layer = keys[keys.index('blocks') + 1]
-    return update_router_bias(bias_me, load_lme[layer], rate)
+    return update_router_bias(bias_me, load_lme[_layer_of(path)], rate)
   return jax.tree_util.tree_map_with_path(update, biases)
+
+
+def stacked_router_biases(biases):
+  """[L, M, E]: every layer's per-modality correction biases, in layer order."""
+  by_layer = dict(jax.tree_util.tree_flatten_with_path(biases)[0])
+  by_layer = {_layer_of(path): b for path, b in by_layer.items()}
+  return jnp.stack([by_layer[l] for l in sorted(by_layer)])
 
 
 def make_train_step(cfg: RunConfig, md: ModelDef):
@@ -107,6 +117,7 @@ def make_train_step(cfg: RunConfig, md: ModelDef):
         'tokens': n,
         'dropped': dropped,
         'load_lme': load_lme,
+        'bias_lme': stacked_router_biases(new_biases),
         'indexer_loss': indexer[0],
         'indexer_recall': indexer[1],
     }

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from deepseek41.batch import batch_keys
 from deepseek41.config import RunConfig, format_role_table, resolve
 from deepseek41.data.pipeline import make_dataset, vocab_size_of
 from deepseek41.sharding import batch_sharding, make_mesh
@@ -31,7 +32,6 @@ from deepseek41.train.step import make_eval_step, make_train_step
 
 log = logging.getLogger('deepseek41')
 
-BATCH_KEYS = ('tokens', 'targets', 'segment_ids', 'positions', 'loss_mask', 'modality')
 
 
 class TrainingDiverged(RuntimeError):
@@ -73,14 +73,21 @@ class _StopFlag:
 
 
 def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding,
-                  engram_map: np.ndarray | None = None) -> dict[str, jax.Array]:
+                  engram_map: np.ndarray | None = None, *, vision: bool = False,
+                  blank_images: bool = False) -> dict[str, jax.Array]:
   """The process-local batch as global arrays; with an Engram compression map, also the
-  compressed ids (`engram_tokens`) the Engram hashes read."""
+  compressed ids (`engram_tokens`) the Engram hashes read. `blank_images` replaces every image
+  by a uniform black one (the caption evaluation's control)."""
   local = dict(local)
   if engram_map is not None:
     local['engram_tokens'] = engram_map[np.asarray(local['tokens'])]
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k], np.int32))
-          for k in BATCH_KEYS + (('engram_tokens',) if engram_map is not None else ())}
+  if blank_images:
+    local['image_patches'] = np.zeros_like(local['image_patches'])
+  keys = batch_keys(vision) + (('engram_tokens',) if engram_map is not None else ())
+  # Pixels stay uint8 on the way to the device (4x less transfer); the model normalises them.
+  return {k: jax.make_array_from_process_local_data(
+              sharding, np.asarray(local[k], np.uint8 if k == 'image_patches' else np.int32))
+          for k in keys}
 
 
 def _engram_compression(cfg) -> np.ndarray | None:
@@ -90,12 +97,12 @@ def _engram_compression(cfg) -> np.ndarray | None:
   if not (m.engram and m.engram_layer_ids and m.engram_compressed_vocab_size):
     return None
   from deepseek41.config import ConfigError
-  from deepseek41.data.pipeline import resolve_sources
+  from deepseek41.data.pipeline import tokenizer_path_of
   from deepseek41.model.engram_hash import compress_vocab, vocab_strings
   if cfg.data.synthetic:
     raise ConfigError('model.engram_compressed_vocab_size: synthetic data has no tokenizer to '
                       'compress; set it to 0')
-  path = os.path.join(resolve_sources(cfg.data)[0][0], 'tokenizer.json')
+  path = tokenizer_path_of(cfg.data)
   import tokenizers
   mapping, count = compress_vocab(*vocab_strings(tokenizers.Tokenizer.from_file(path)))
   if count != m.engram_compressed_vocab_size:
@@ -104,14 +111,16 @@ def _engram_compression(cfg) -> np.ndarray | None:
   return mapping.astype(np.int32)
 
 
-def _load_scalars(load_lme: np.ndarray) -> dict[str, float]:
-  """Per-layer, per-modality max/mean expert load (1.0 = perfectly balanced)."""
+def _load_scalars(load_lme: np.ndarray, bias_lme: np.ndarray) -> dict[str, float]:
+  """Per layer and modality: max/mean expert load (1.0 = perfectly balanced; only where the
+  modality had tokens) and the spread (max - min) of that modality's correction bias."""
   out = {}
-  for l, load_me in enumerate(load_lme):
+  for l, (load_me, bias_me) in enumerate(zip(load_lme, bias_lme)):
     for m, name in enumerate(('text', 'image')):
       total = load_me[m].sum()
       if total > 0:
         out[f'expert_load_max_over_mean/layer{l}/{name}'] = float(load_me[m].max() / load_me[m].mean())
+      out[f'router_bias_spread/layer{l}/{name}'] = float(bias_me[m].max() - bias_me[m].min())
   return out
 
 
@@ -204,21 +213,24 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   config_dict = cfg.to_dict()
 
   # ---- evaluation --------------------------------------------------------------------------
-  def evaluate(state) -> float | None:
-    if cfg.data.synthetic:
-      return None
+  vision = cfg.model.vision
+
+  def held_out_loss(state, kinds=('text', 'image'), blank_images=False) -> float | None:
     # An endless unshuffled stream: every process gets the same number of batches, and each
     # evaluation sees the same eval_batches batches.
     # In-process: worker start-up would cost more than the few evaluation batches.
-    ds = make_dataset(dataclasses.replace(cfg.data, num_workers=0), split='heldout', batch_size=local_batch, seed=cfg.train.seed,
+    ds = make_dataset(dataclasses.replace(cfg.data, num_workers=0), split='heldout',
+                      batch_size=local_batch, seed=cfg.train.seed,
                       process_index=jax.process_index(), process_count=n_proc, repeat=True,
-                      shuffle=False)
+                      shuffle=False, kinds=kinds)
     ce_sum, n = 0.0, 0.0
     it = iter(ds)
     try:
       for _, batch in zip(range(cfg.train.eval_batches), it):
+        batch = _global_batch(batch, bsharding, engram_map, vision=vision,
+                              blank_images=blank_images)
         with jax.set_mesh(mesh):
-          out = jax.device_get(eval_step(state, _global_batch(batch, bsharding, engram_map)))
+          out = jax.device_get(eval_step(state, batch))
         ce_sum += float(out['ce_sum'])
         n += float(out['tokens'])
     finally:
@@ -226,9 +238,20 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
         it.close()
     return ce_sum / n if n else None
 
+  def evaluate(state) -> dict[str, float]:
+    """Held-out losses: `eval_loss` over the whole mixture; with image sources also the
+    caption loss (the text of the image samples) with the real images and with blank ones."""
+    if cfg.data.synthetic:
+      return {}
+    out = {'eval_loss': held_out_loss(state)}
+    if cfg.data.image_sources:
+      out['eval_caption_loss_image'] = held_out_loss(state, ('image',))
+      out['eval_caption_loss_blank'] = held_out_loss(state, ('image',), blank_images=True)
+    return {k: v for k, v in out.items() if v is not None}
+
   # ---- the loop ----------------------------------------------------------------------------
   pending: list[tuple[int, Any, float]] = []   # (step, device metrics, data wait seconds)
-  eval_losses: dict[int, float] = {}            # written with that step's training metrics
+  eval_losses: dict[int, dict[str, float]] = {}  # written with that step's training metrics
   carry: dict[str, float] = {}                  # written with the next logged step
   window = {'t0': time.perf_counter(), 'steps': 0, 'wait': 0.0}
   last = {'loss': None, 'eval_loss': None}
@@ -270,9 +293,9 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
         peak_gb = _peak_device_memory_gb()
         if peak_gb is not None:
           scalars['peak_memory_gb'] = peak_gb
-        scalars.update(_load_scalars(np.asarray(host['load_lme'])))
+        scalars.update(_load_scalars(np.asarray(host['load_lme']), np.asarray(host['bias_lme'])))
         if step in eval_losses:
-          scalars['eval_loss'] = eval_losses.pop(step)
+          scalars.update(eval_losses.pop(step))
         scalars.update(carry)
         carry.clear()
         writer.write(step, scalars)
@@ -291,16 +314,16 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   stopped = False
   saved_steps = {start}  # the checkpoint resumed from (or nothing to save at step 0)
   if start == 0 and cfg.train.eval_every_steps:
-    eval_loss = evaluate(state)  # the starting point of the held-out curve
-    if eval_loss is not None:
-      last['eval_loss'] = eval_loss
-      writer.write(0, {'loss': None, 'tokens_per_s': None, 'eval_loss': eval_loss})
+    evals = evaluate(state)  # the starting point of the held-out curve
+    if evals:
+      last['eval_loss'] = evals.get('eval_loss')
+      writer.write(0, {'loss': None, 'tokens_per_s': None, **evals})
   end = cfg.train.steps if stop_at_step is None else min(stop_at_step, cfg.train.steps)
   try:
     with _StopFlag() as stop:
       while step < end:
         t_wait = time.perf_counter()
-        batch = _global_batch(next(train_iter), bsharding, engram_map)
+        batch = _global_batch(next(train_iter), bsharding, engram_map, vision=vision)
         wait = time.perf_counter() - t_wait
         with jax.set_mesh(mesh):
           state, metrics = train_step(state, batch)
@@ -316,17 +339,18 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
 
         if cfg.train.eval_every_steps and (step % cfg.train.eval_every_steps == 0
                                            or step == cfg.train.steps):
-          t_eval = time.perf_counter()
-          eval_loss = evaluate(state)
+          jax.block_until_ready(pending[-1][1] if pending else state['step'])
+          t_eval = time.perf_counter()  # the step itself is not evaluation time
+          evals = evaluate(state)
           if window['t0'] is not None:  # keep evaluation out of the training throughput
             window['t0'] += time.perf_counter() - t_eval
-          if eval_loss is not None:
-            last['eval_loss'] = eval_loss
-            eval_losses[step] = eval_loss
+          if evals:
+            last['eval_loss'] = evals.get('eval_loss')
+            eval_losses[step] = evals
           drain(keep_last=False)
           if step in eval_losses:  # the step was already written (the first step of a run)
             writer.write(step, {'loss': last['loss'], 'tokens_per_s': None,
-                                'eval_loss': eval_losses.pop(step)})
+                                **eval_losses.pop(step)})
           window.update(t0=time.perf_counter(), steps=0, wait=0.0)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
           save(step)

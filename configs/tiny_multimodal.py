@@ -1,0 +1,43 @@
+"""Tiny V4.1 with native vision (CPU): configs/tiny.py plus a 2-layer DeepSeek-ViT.
+
+    python -m deepseek41.train --config=configs/tiny_multimodal.py --workdir=/tmp/ds41-tiny-mm
+
+Trains on a mixture of the embedded shapes captioning task (rendered 48x48 images of coloured
+shapes; captions name the count, colour, shape and position, so they can only be predicted from
+the image) and the default text corpus. Each image is 12 x 12 patches of 4 px, merged 3x3 into
+4 x 4 = 16 LM tokens, so its span is 22 positions: start, 4 rows of 4 patches + newline, end.
+Evaluation writes `eval_caption_loss_image` and `eval_caption_loss_blank` (the same held-out
+captions with every image replaced by a black one) to metrics.jsonl.
+Numbers: docs/performance.md section 7.
+"""
+
+import importlib.util
+import os
+
+
+def _tiny_config():
+  # Config files are loaded by path, not as a package: load the sibling the same way.
+  spec = importlib.util.spec_from_file_location(
+      'deepseek41_configs_tiny', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tiny.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def get_config():
+  c = _tiny_config()
+  m = c.model
+  m.vision = True
+  m.vision_layers = 2
+  m.vision_dim = 64
+  m.vision_heads = 4
+  m.vision_mlp = 128
+  m.vision_patch = 4
+  m.vision_max_image_tokens = 16
+  m.vision_min_pixels = 0
+
+  c.data.sources = 'default:0.25'
+  c.data.image_sources = 'shapes:0.75'
+  c.data.shapes_image_size = 48
+  c.data.max_images_per_row = 4
+  return c

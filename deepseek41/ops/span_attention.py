@@ -1,0 +1,84 @@
+"""Bidirectional attention inside image spans, as one more softmax partial (ARCHITECTURE.md 3.15).
+
+Image-span positions see every position of their own span, earlier and later, and are causal to
+everything else. The window branch (`swa_attention`) drops same-span keys (`span_ids_bt`), and
+this branch supplies all of them, so the union is exactly "window, or same span" with no key
+counted twice. Text positions (span id 0) see nothing here: their partial has lse = -inf.
+The compressed CSA2 branch stays causal for span positions too [I: vLLM widens only the window
+rows of a span in prefill; compressed entries of later span positions do not exist yet there].
+
+Two implementations, same signature, same results:
+- `reference`: dense [B, T, H, T] scores masked to same-span pairs;
+- `gathered`: each row's spans (ids 1..num_spans, contiguous) are gathered into
+  [B, num_spans, max_span] blocks, attended densely per span and scattered back, so the cost is
+  num_spans * max_span^2 per row instead of T^2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from deepseek41.ops.swa_attention import _masked_softmax_partial, same_span_mask_btu
+
+IMPLS = ('reference', 'gathered')
+
+
+def _span_partial_reference(q_bthd, kv_btd, span_ids_bt, scale):
+  scores_bthu = jnp.einsum('bthd,bud->bthu', q_bthd, kv_btd,
+                           preferred_element_type=jnp.float32) * scale
+  mask_bthu = same_span_mask_btu(span_ids_bt)[:, :, None, :]
+  probs_bthu, lse_bth = _masked_softmax_partial(scores_bthu, mask_bthu)
+  o_bthd = jnp.einsum('bthu,bud->bthd', probs_bthu.astype(kv_btd.dtype), kv_btd,
+                      preferred_element_type=jnp.float32)
+  return o_bthd.astype(kv_btd.dtype), lse_bth
+
+
+def span_extents(span_ids_bt, num_spans: int):
+  """(start_bn, length_bn) of spans 1..num_spans in each row (length 0 = absent)."""
+  t = span_ids_bt.shape[1]
+  ids_n = jnp.arange(1, num_spans + 1)
+  in_span_bnt = span_ids_bt[:, None, :] == ids_n[None, :, None]
+  length_bn = jnp.sum(in_span_bnt, axis=-1)
+  start_bn = jnp.where(length_bn > 0, jnp.argmax(in_span_bnt, axis=-1), t)
+  return start_bn, length_bn
+
+
+def _span_partial_gathered(q_bthd, kv_btd, span_ids_bt, scale, num_spans, max_span):
+  b, t, h, d = q_bthd.shape
+  start_bn, length_bn = span_extents(span_ids_bt, num_spans)
+  j_s = jnp.arange(max_span)
+  valid_bns = j_s[None, None, :] < length_bn[..., None]
+  pos_bns = jnp.where(valid_bns, start_bn[..., None] + j_s, 0)
+  rows_b11 = jnp.arange(b)[:, None, None]
+  q_bnshd = q_bthd[rows_b11, pos_bns]
+  kv_bnsd = kv_btd[rows_b11, pos_bns]
+  scores_bnshk = jnp.einsum('bnshd,bnkd->bnshk', q_bnshd, kv_bnsd,
+                            preferred_element_type=jnp.float32) * scale
+  mask_bnsk = valid_bns[:, :, :, None] & valid_bns[:, :, None, :]
+  probs_bnshk, lse_bnsh = _masked_softmax_partial(scores_bnshk, mask_bnsk[:, :, :, None, :])
+  o_bnshd = jnp.einsum('bnshk,bnkd->bnshd', probs_bnshk.astype(kv_bnsd.dtype), kv_bnsd,
+                       preferred_element_type=jnp.float32).astype(kv_btd.dtype)
+  # Scatter back; padding slots go to index t, which mode='drop' discards.
+  dest_bns = jnp.where(valid_bns, pos_bns, t)
+  o_bthd = jnp.zeros((b, t, h, d), kv_btd.dtype).at[rows_b11, dest_bns].set(o_bnshd, mode='drop')
+  lse_bth = jnp.full((b, t, h), -jnp.inf, jnp.float32).at[rows_b11, dest_bns].set(
+      lse_bnsh, mode='drop')
+  return o_bthd, lse_bth
+
+
+def span_partial(q_bthd, kv_btd, span_ids_bt, *, num_spans: int, max_span: int,
+                 impl: str = 'gathered', scale: float | None = None):
+  """Same-span keys as a partial: (o_bthd normalised over them, lse_bth; -inf outside spans).
+
+  span_ids_bt: int [B, T], 1..num_spans per image span (contiguous), 0 elsewhere; max_span
+  bounds a span's length (`ModelConfig.image_span_max_len`). Output in kv's dtype.
+  """
+  scale = 1.0 / math.sqrt(q_bthd.shape[-1]) if scale is None else scale
+  if impl == 'reference':
+    return _span_partial_reference(q_bthd, kv_btd, span_ids_bt, scale)
+  if impl == 'gathered':
+    max_span = min(max_span, q_bthd.shape[1])
+    return _span_partial_gathered(q_bthd, kv_btd, span_ids_bt, scale, num_spans, max_span)
+  raise ValueError(f'span attention impl must be one of {IMPLS}, got {impl!r}')

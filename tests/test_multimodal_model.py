@@ -1,0 +1,218 @@
+"""Image spans inside the language model: attention, routing biases, Engram, CED (section 3.15)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from deepseek41.batch import (IMAGE, ROLE_END, ROLE_NEWLINE, ROLE_PATCH, ROLE_START, TEXT,
+                              span_length)
+from deepseek41.model.ced import ced_prefill_logits, exact_tail_rows
+from deepseek41.model.transformer import Transformer
+from deepseek41.ops.span_attention import span_partial
+from deepseek41.ops.swa_attention import (_masked_softmax_partial, combine_with_sink, swa_partial,
+                                          window_mask_btu)
+from deepseek41.sharding import make_mesh
+from deepseek41.train import state as state_lib
+from deepseek41.train.optimizer import make_optimizer
+from deepseek41.train.step import make_train_step
+from tests.util import resolved
+
+T = 48
+PATCH, MERGE, MAX_TOKENS, SLOTS = 2, 3, 4, 2
+P = MERGE * MERGE * MAX_TOKENS
+VISION = {'model.vision': True, 'model.vision_layers': 1, 'model.vision_dim': 16,
+          'model.vision_heads': 2, 'model.vision_mlp': 16, 'model.vision_patch': PATCH,
+          'model.vision_max_image_tokens': MAX_TOKENS, 'model.image_token_id': 5,
+          'data.max_images_per_row': SLOTS}
+
+
+def image_batch(seed=0, b=2, spans=((6, (4, 4)), (26, (6, 3)))):
+  """Rows of one document: text, then images at the given starts with (h, w) patch grids."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(6, 96, (b, T)).astype(np.int32)
+  role = np.zeros((b, T), np.int32)
+  index = np.zeros((b, T), np.int32)
+  span = np.zeros((b, T), np.int32)
+  patches = np.zeros((b, SLOTS, P, PATCH * PATCH * 3), np.uint8)
+  grid = np.zeros((b, SLOTS, 2), np.int32)
+  for n, (start, (h, w)) in enumerate(spans):
+    hm, wm = -(-h // MERGE), -(-w // MERGE)
+    roles = [ROLE_START]
+    idx = [0]
+    for i in range(hm):
+      roles += [ROLE_PATCH] * wm + [ROLE_NEWLINE]
+      idx += [n * MAX_TOKENS + i * wm + j for j in range(wm)] + [0]
+    roles.append(ROLE_END)
+    idx.append(0)
+    end = start + span_length(hm, wm)
+    assert len(roles) == end - start
+    role[:, start:end] = roles
+    index[:, start:end] = idx
+    span[:, start:end] = n + 1
+    tokens[:, start:end] = 5
+    grid[:, n] = (h, w)
+    patches[:, n, :h * w] = rng.integers(0, 256, (b, h * w, PATCH * PATCH * 3))
+  modality = np.where(role != 0, IMAGE, TEXT).astype(np.int32)
+  targets = np.roll(tokens, -1, axis=1)
+  loss_mask = np.ones((b, T), np.int32)
+  loss_mask[:, :-1] &= (role[:, 1:] == 0)
+  return {'tokens': tokens, 'targets': targets, 'segment_ids': np.ones((b, T), np.int32),
+          'positions': np.tile(np.arange(T, dtype=np.int32), (b, 1)), 'loss_mask': loss_mask,
+          'modality': modality, 'image_role': role, 'image_index': index, 'image_span': span,
+          'image_patches': patches, 'image_grid': grid}
+
+
+def spans_of(batch):
+  s = batch['image_span'][0]
+  return [(int(np.argmax(s == k)), int(np.argmax(s == k)) + int((s == k).sum()))
+          for k in range(1, s.max() + 1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention op
+
+
+def test_span_partial_gathered_equals_reference():
+  batch = image_batch()
+  k1, k2 = jax.random.split(jax.random.key(0))
+  q = jax.random.normal(k1, (2, T, 3, 8))
+  kv = jax.random.normal(k2, (2, T, 8))
+  span_ids = jnp.asarray(batch['image_span'])
+  ref = span_partial(q, kv, span_ids, num_spans=SLOTS, max_span=24, impl='reference')
+  fast = span_partial(q, kv, span_ids, num_spans=SLOTS, max_span=24, impl='gathered')
+  np.testing.assert_allclose(fast[0], ref[0], atol=1e-5)
+  np.testing.assert_array_equal(np.isinf(fast[1]), np.isinf(ref[1]))
+  np.testing.assert_allclose(np.where(np.isinf(ref[1]), 0, fast[1]),
+                             np.where(np.isinf(ref[1]), 0, ref[1]), atol=1e-5)
+  assert np.isinf(ref[1][:, :6]).all() and np.isfinite(ref[1][:, 6:14]).all()
+
+
+@pytest.mark.parametrize('impl', ['reference', 'chunked'])
+def test_window_and_span_partials_are_one_softmax_over_their_union(impl):
+  """Window minus own span, plus the span branch == one softmax over (window or same span)."""
+  batch = image_batch()
+  k1, k2 = jax.random.split(jax.random.key(1))
+  q = jax.random.normal(k1, (2, T, 3, 8))
+  kv = jax.random.normal(k2, (2, T, 8))
+  sink = jnp.array([0.3, -0.2, 0.0])
+  seg, span_ids = jnp.asarray(batch['segment_ids']), jnp.asarray(batch['image_span'])
+  window = 4
+  parts = [swa_partial(q, kv, seg, window=window, impl=impl, chunk=4, span_ids_bt=span_ids),
+           span_partial(q, kv, span_ids, num_spans=SLOTS, max_span=24)]
+  got = combine_with_sink(parts, sink, dtype=jnp.float32)
+
+  same_span = (span_ids[:, :, None] == span_ids[:, None, :]) & (span_ids != 0)[:, :, None]
+  union = window_mask_btu(seg, window) | same_span
+  scores = jnp.einsum('bthd,bud->bthu', q, kv) / np.sqrt(8)
+  probs, lse = _masked_softmax_partial(scores, union[:, :, None, :])
+  dense = jnp.einsum('bthu,bud->bthd', probs, kv)
+  want = combine_with_sink([(dense, lse)], sink, dtype=jnp.float32)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole model: perturbation tests
+
+
+@pytest.fixture(scope='module')
+def model_and_logits():
+  cfg = resolved(**VISION, **{'model.csa2': True, 'model.engram': True,
+                              'model.residual': 'mhc_single_pass'}).model
+  model = Transformer(cfg, nnx.Rngs(0))
+  run = jax.jit(lambda b: model(b)[0])
+  return cfg, model, run
+
+
+def _changed_rows(a, b):
+  return np.abs(np.asarray(a) - np.asarray(b)).max(axis=-1) > 1e-6  # [B, T]
+
+
+def test_image_positions_see_their_whole_span_and_nothing_after(model_and_logits):
+  _, _, run = model_and_logits
+  batch = image_batch()
+  (s0, e0), (s1, e1) = spans_of(batch)
+  base = run(batch)
+
+  # Later pixels of the first image reach every position of its span, the start included.
+  later = {**batch, 'image_patches': batch['image_patches'].copy()}
+  later['image_patches'][:, 0, 15] ^= 0xFF  # patch row 3, col 3: the last merged token
+  changed = _changed_rows(run(later), base)
+  assert changed[:, s0:e0].all()
+  assert not changed[:, :s0].any()          # causal to everything before the span
+
+  # Text after the first span does not reach back into it, or anywhere before itself.
+  after = {**batch, 'tokens': batch['tokens'].copy()}
+  after['tokens'][:, e0 + 3] = (after['tokens'][:, e0 + 3] + 1) % 90 + 6
+  changed = _changed_rows(run(after), base)
+  assert not changed[:, :e0 + 3].any()
+  assert changed[:, e0 + 3:s1].any()
+
+
+def test_text_after_an_image_is_unaffected_by_later_tokens_and_images(model_and_logits):
+  _, _, run = model_and_logits
+  batch = image_batch()
+  (_, e0), (s1, _) = spans_of(batch)
+  base = run(batch)
+  later = {**batch, 'image_patches': batch['image_patches'].copy(),
+           'tokens': batch['tokens'].copy()}
+  later['image_patches'][:, 1] ^= 0x55      # the second image
+  later['tokens'][:, -1] += 1
+  changed = _changed_rows(run(later), base)
+  assert not changed[:, :s1].any()          # text between the images included
+  assert changed[:, s1:].any()
+
+
+def test_engram_never_hashes_across_an_image(model_and_logits):
+  cfg, model, _ = model_and_logits
+  batch = image_batch()
+  (s0, e0), _ = spans_of(batch)
+  before = {**batch, 'tokens': batch['tokens'].copy()}
+  before['tokens'][:, s0 - 1] += 1          # the text token just before the image
+  ids = model.with_engram_rows({k: jnp.asarray(v) for k, v in batch.items()})['engram_row_ids']
+  ids2 = model.with_engram_rows({k: jnp.asarray(v) for k, v in before.items()})['engram_row_ids']
+  for layer in ids:
+    a, b = np.asarray(ids[layer]), np.asarray(ids2[layer])
+    diff = (a != b).reshape(a.shape[0], a.shape[1], -1).any(-1)
+    assert diff[:, s0 - 1].all()            # the changed token's own n-grams
+    assert not diff[:, s0:].any()           # nothing at or after the image sees it
+
+
+def test_ced_prefill_matches_full_forward_with_images(model_and_logits):
+  cfg, model, run = model_and_logits
+  batch = {k: jnp.asarray(v) for k, v in image_batch().items()}
+  n_win = 32  # the tail starts after the first span: a span cut by the tail start is truncated
+  exact = exact_tail_rows(cfg, n_win)
+  assert exact > 0
+  full = run(batch)[:, -exact:]
+  ced = jax.jit(lambda b: ced_prefill_logits(model, b, n_win))(batch)[:, -exact:]
+  np.testing.assert_allclose(ced, full, atol=2e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Modality-separated balancing
+
+
+def test_image_only_batch_moves_only_the_image_bias():
+  cfg = resolved(**VISION)
+  tx = make_optimizer(cfg.train)
+  mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+  state, _ = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
+  md = state_lib.model_def(cfg, tx)
+  step = jax.jit(make_train_step(cfg, md))
+  batch = image_batch(b=8)
+  batch['segment_ids'] = np.where(batch['modality'] == IMAGE, 1, 0).astype(np.int32)  # pad text
+  batch['loss_mask'] &= batch['segment_ids']
+  _, metrics = step(state, batch)
+  bias_lme = np.asarray(metrics['bias_lme'])
+  assert (bias_lme[:, 0] == 0).all()        # text controller untouched
+  assert (np.abs(bias_lme[:, 1]) > 0).any(axis=-1).all()  # every layer moved
+
+  text_batch = image_batch(b=8)
+  text_batch['segment_ids'] = np.where(text_batch['modality'] == TEXT, 1, 0).astype(np.int32)
+  text_batch['loss_mask'] &= text_batch['segment_ids']
+  _, metrics = step(state, text_batch)
+  bias_lme = np.asarray(metrics['bias_lme'])
+  assert (bias_lme[:, 1] == 0).all()
+  assert (np.abs(bias_lme[:, 0]) > 0).any(axis=-1).all()
