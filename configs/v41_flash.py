@@ -5,8 +5,8 @@
 The text backbone as released: 551,880,835,184 parameters plus 196,613,849,600 Engram table
 parameters (tests/test_info.py pins both), single-pass mHC, CSA2 with the released cache
 formats, Engram before layers 1 and 14. Training it needs a multi-host slice (fsdp and expert
-sharding below). Vision (0.485B) and the DSpark drafter (14.2B) are later issues; their sizes
-are recorded here for reference only.
+sharding below). DeepSeek-ViT + aligner (485,273,600 parameters) is built with the released
+dims; the DSpark drafter (14.2B) is a later issue and its sizes are recorded for reference only.
 """
 
 from deepseek41.config import base_config
@@ -65,9 +65,21 @@ def get_config():
   m.router_bias_rate = 0.001
   m.init_std = 0.006
 
+  # DeepSeek-ViT and the 3x3 merge aligner (vision_config, section 3.15).
+  m.vision = True
+  m.vision_layers = 32
+  m.vision_dim = 1024
+  m.vision_heads = 16
+  m.vision_mlp = 2816
+  m.vision_patch = 14
+  m.vision_merge = 3
+  m.vision_rope_theta = 10000.0
+  m.vision_max_image_tokens = 1024
+  m.vision_min_pixels = 295936
+  m.image_token_id = 129264
+
   # Recorded, not built yet: DSpark (num_nextn_predict_layers 3, dspark_block_size 5, target
-  # layers (37, 38, 39), markov rank 256, 128 routed experts top-3) and DeepSeek-ViT (32 layers,
-  # dim 1024, 16 heads, MLP 2816, patch 14, downsample 3, max 1024 image tokens).
+  # layers (37, 38, 39), markov rank 256, 128 routed experts top-3).
 
   c.data.seq_len = 65536
   c.data.default_corpus_vocab_size = 16384

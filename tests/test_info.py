@@ -19,7 +19,10 @@ def test_released_numbers():
                   {'fsdp': 64, 'expert': 8})
   assert info['params']['backbone'] == 551_880_835_184
   assert info['params']['engram_tables'] == 196_613_849_600
-  assert info["params"]["total"] == 551_880_835_184 + 196_613_849_600
+  # The vision encoder + aligner: 485,273,600 (tests/test_vision.py has the arithmetic).
+  assert info['params']['vision'] == 485_273_600
+  assert info["params"]["total"] == 551_880_835_184 + 196_613_849_600 + 485_273_600
+  assert round(info['params']['vision'] / 1e6) == 485                # about 0.485B
   assert 0 < info["params"]["engram_table_padding"] < 2 * 4096 * 256
   assert round(info['active_params']['decode'] / 1e8) == 161       # about 16.1B
   assert round(info['active_params']['prefill'] / 1e8) == 79       # about 7.9B

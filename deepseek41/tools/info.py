@@ -1,12 +1,14 @@
 """`python -m deepseek41.tools.info --config=configs/v41_flash.py [--mesh=fsdp=64,expert=8] [--json]`
 
 What a config builds, read from the model itself through `jax.eval_shape` (no arrays allocated):
-the layer-role table; parameters by component; active parameters per token in decode and in
+the layer-role table; parameters by component (the text backbone, the Engram tables and the
+vision encoder + aligner apart); active parameters per token in decode and in
 CED prefill; global KV bytes per token from the cache formats and the SWA bytes per live
 request; with --mesh, parameter + optimizer bytes per device under the config's sharding rules.
 
 Active parameters count every weight a token multiplies, with routed experts at K/E of their
-size; embedding rows and Engram table rows are lookups and are not counted, the LM head is
+size; embedding rows and Engram table rows are lookups and are not counted (nor is the vision
+path, which runs once per image rather than per token), the LM head is
 (decode only). CED prefill runs the encoder layers on every prompt token plus the first decoder
 layer's compressor and index keys (the decoder's global KV); the decoder runs only on a short tail.
 """
@@ -44,8 +46,13 @@ def _path_keys(path) -> list[str]:
   return [str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))) for k in path]
 
 
+VISION_ALIGNER = ('w_align1', 'b_align1', 'w_align2', 'b_align2', 'delimiters')
+
+
 def component(keys: list[str]) -> str:
   """The component a parameter belongs to, from its path in the model."""
+  if keys[0] == 'vision':
+    return 'vision.aligner' if keys[1] in VISION_ALIGNER else 'vision.encoder'
   if keys[0] != 'blocks':
     return {'embed': 'embedding', 'head': 'head', 'final_norm': 'norms',
             'hc_head': 'mhc'}.get(keys[0], keys[0])
@@ -88,8 +95,8 @@ def active_parameters(cfg, params, biases) -> dict[str, float]:
   decode = prefill = 0.0
   for keys, leaf in _leaves(params):
     comp = component(keys)
-    if comp in ('embedding', 'engram.tables'):
-      continue
+    if comp in ('embedding', 'engram.tables') or comp.startswith('vision'):
+      continue  # lookups; the vision path runs per image, not per token
     n = leaf.size * (frac if comp == 'experts.routed' else 1.0)
     decode += n
     if comp == 'head' or keys[0] != 'blocks':
@@ -191,10 +198,11 @@ def describe(config, mesh_sizes: dict[str, int] | None = None) -> dict:
   tables = sum(a.rows for a in layer_addresses(cfg.model).values()) * cfg.model.engram_head_dim \
       if cfg.model.engram else 0
   padding = groups.get('engram.tables', 0) - tables  # rows added for sharding, never addressed
+  vision = sum(n for name, n in groups.items() if name.startswith('vision'))
   total = count_params(params) + count_params(biases)
   info = {
-      'params': {'backbone': total - tables - padding, 'engram_tables': tables,
-                 'engram_table_padding': padding, 'total': total - padding,
+      'params': {'backbone': total - tables - padding - vision, 'engram_tables': tables,
+                 'engram_table_padding': padding, 'vision': vision, 'total': total - padding,
                  'by_component': dict(sorted(groups.items()))},
       'active_params': active_parameters(cfg, params, biases),
       'kv_cache': kv_cache_bytes(cfg),
@@ -213,7 +221,7 @@ def report(config, info: dict) -> str:
   p, a, kv = info['params'], info['active_params'], info['kv_cache']
   lines = ['layer roles:', format_role_table(cfg.model), '',
            f"parameters: {p['total']:,} = backbone {p['backbone']:,} + Engram tables "
-           f"{p['engram_tables']:,}"]
+           f"{p['engram_tables']:,}" + (f" + vision {p['vision']:,}" if p['vision'] else '')]
   for name, n in p['by_component'].items():
     lines.append(f'  {name:<20} {n:>18,}')
   lines += [f"active parameters per token: decode {a['decode'] / 1e9:.2f}B, "
