@@ -95,6 +95,9 @@ def vit_attention_reference(q_sphd, k_sphd, v_sphd, lengths_s):
   return o_sphd.astype(q_sphd.dtype)
 
 
+CUDNN_SEQ_MULTIPLE = 64
+
+
 def fused_implementation(dtype, head_dim: int) -> str | None:
   """cuDNN flash attention on a GPU where it applies, else None (= XLA's dense path).
 
@@ -118,9 +121,15 @@ def vit_attention_fused(q_sphd, k_sphd, v_sphd, lengths_s, implementation='auto'
   if implementation == 'auto':
     implementation = fused_implementation(q_sphd.dtype, q_sphd.shape[-1])
   lengths_s = jnp.maximum(lengths_s, 1).astype(jnp.int32)
-  return jax.nn.dot_product_attention(q_sphd, k_sphd, v_sphd, query_seq_lengths=lengths_s,
-                                      key_value_seq_lengths=lengths_s,
-                                      implementation=implementation)
+  p = q_sphd.shape[1]
+  pad = (-p) % CUDNN_SEQ_MULTIPLE if implementation == 'cudnn' else 0
+  if pad:  # cuDNN's flash kernel takes sequence lengths in multiples of 64; lengths mask the rest
+    widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+    q_sphd, k_sphd, v_sphd = (jnp.pad(x, widths) for x in (q_sphd, k_sphd, v_sphd))
+  o_sphd = jax.nn.dot_product_attention(q_sphd, k_sphd, v_sphd, query_seq_lengths=lengths_s,
+                                        key_value_seq_lengths=lengths_s,
+                                        implementation=implementation)
+  return o_sphd[:, :p]
 
 
 def vit_attention(q_sphd, k_sphd, v_sphd, lengths_s, impl: str):
