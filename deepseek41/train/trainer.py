@@ -293,13 +293,15 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
         peak_gb = _peak_device_memory_gb()
         if peak_gb is not None:
           scalars['peak_memory_gb'] = peak_gb
+        if vision and timed:
+          scalars['images_per_s'] = window.get('images', 0) * n_proc / (step_time * window['steps'])
         scalars.update(_load_scalars(np.asarray(host['load_lme']), np.asarray(host['bias_lme'])))
         if step in eval_losses:
           scalars.update(eval_losses.pop(step))
         scalars.update(carry)
         carry.clear()
         writer.write(step, scalars)
-        window.update(t0=time.perf_counter(), steps=0, wait=0.0)
+        window.update(t0=time.perf_counter(), steps=0, wait=0.0, images=0)
 
   def save(step: int, force: bool = False):
     drain(keep_last=False)  # never checkpoint a state whose loss was not seen to be finite
@@ -323,8 +325,11 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
     with _StopFlag() as stop:
       while step < end:
         t_wait = time.perf_counter()
-        batch = _global_batch(next(train_iter), bsharding, engram_map, vision=vision)
+        local = next(train_iter)
+        batch = _global_batch(local, bsharding, engram_map, vision=vision)
         wait = time.perf_counter() - t_wait
+        if vision:  # images this process fed (summed over processes by the x n_proc below)
+          window['images'] = window.get('images', 0) + int((local['image_grid'][..., 0] > 0).sum())
         with jax.set_mesh(mesh):
           state, metrics = train_step(state, batch)
         step += 1
@@ -334,7 +339,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
           log.info('first step (compilation included) took %.1f s', time.perf_counter() - t_wait)
           window['t0'] = None
           drain(keep_last=False)
-          window.update(t0=time.perf_counter(), steps=0, wait=0.0)
+          window.update(t0=time.perf_counter(), steps=0, wait=0.0, images=0)
         drain(keep_last=True)
 
         if cfg.train.eval_every_steps and (step % cfg.train.eval_every_steps == 0
@@ -351,7 +356,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
           if step in eval_losses:  # the step was already written (the first step of a run)
             writer.write(step, {'loss': last['loss'], 'tokens_per_s': None,
                                 **eval_losses.pop(step)})
-          window.update(t0=time.perf_counter(), steps=0, wait=0.0)
+          window.update(t0=time.perf_counter(), steps=0, wait=0.0, images=0)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
           save(step)
         if stop.signal is not None:
