@@ -115,6 +115,7 @@ def make_train_step(cfg: RunConfig, md: ModelDef):
         'grad_norm': optax.tree.norm(grads),
         'lr': schedule(state['step']),
         'tokens': n,
+        'routed_tokens': jnp.sum(batch['segment_ids'] > 0),  # every real position routes
         'dropped': dropped,
         'load_lme': load_lme,
         'bias_lme': stacked_router_biases(new_biases),

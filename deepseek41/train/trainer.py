@@ -283,7 +283,8 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
             'model_tflops_per_s': tps * fpt.total / 1e12,
             'data_wait_s': window['wait'] / window['steps'] if timed else math.nan,
             'dropped_frac': float(host['dropped']) / max(
-                float(host['tokens']) * cfg.model.num_experts_per_tok * cfg.model.num_layers, 1.0),
+                float(host['routed_tokens']) * cfg.model.num_experts_per_tok * cfg.model.num_layers,
+                1.0),
         }
         if cfg.model.csa2:
           scalars['indexer_loss'] = float(host['indexer_loss'])
