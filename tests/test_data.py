@@ -22,6 +22,7 @@ from deepseek41.data.pipeline import BATCH_KEYS, make_dataset, resolve_sources, 
 from deepseek41.data.prepare import prepare_dataset
 from deepseek41.data.shards import DataError, ShardWriter, TokenShardSource
 from deepseek41.data.tokenizer import load_tokenizer, train_tokenizer
+from tests.util import take_batches as _take
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = [
@@ -41,20 +42,6 @@ def _cfg(**overrides) -> DataConfig:
               image_heldout_fraction=0.02, shapes_image_size=48, images=None)
   base.update(overrides)
   return DataConfig(**base)
-
-
-def _take(ds, n=None) -> list[dict[str, np.ndarray]]:
-  """Up to n batches (all if None), closing the iterator so worker shared memory is released."""
-  it = iter(ds)
-  try:
-    out = []
-    for batch in it:
-      out.append({k: np.array(v) for k, v in batch.items()})
-      if n is not None and len(out) == n:
-        break
-    return out
-  finally:
-    it.close()
 
 
 def _read(path) -> str:

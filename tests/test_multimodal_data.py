@@ -26,6 +26,7 @@ from deepseek41.data.pipeline import (make_dataset, resolve_sources, tokenizer_p
 from deepseek41.data.prepare import prepare_dataset
 from deepseek41.data.shards import DataError
 from deepseek41.data.tokenizer import load_tokenizer
+from tests.util import take_batches as _take
 
 RELEASED = ImageGeometry(patch_size=14, merge=3, max_image_tokens=1024, min_pixels=295936,
                          image_token_id=129264, max_images_per_row=4)
@@ -63,19 +64,6 @@ def _cfg(text_dir, **overrides) -> DataConfig:
               max_images_per_row=4, image_heldout_fraction=0.2, shapes_image_size=48, images=g)
   base.update(overrides)
   return DataConfig(**base)
-
-
-def _take(ds, n=None) -> list[dict[str, np.ndarray]]:
-  it = iter(ds)
-  try:
-    out = []
-    for batch in it:
-      out.append({k: np.array(v) for k, v in batch.items()})
-      if n is not None and len(out) == n:
-        break
-    return out
-  finally:
-    it.close()
 
 
 def _png(path, arr):

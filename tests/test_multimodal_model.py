@@ -141,6 +141,7 @@ def test_image_positions_see_their_whole_span_and_nothing_after(model_and_logits
   changed = _changed_rows(run(later), base)
   assert changed[:, s0:e0].all()
   assert not changed[:, :s0].any()          # causal to everything before the span
+  assert changed[:, e0:s1].all()            # and the text after it reads the image
 
   # Text after the first span does not reach back into it, or anywhere before itself.
   after = {**batch, 'tokens': batch['tokens'].copy()}

@@ -119,3 +119,17 @@ def np_rope(x, pos, inv_freq):
   r[..., 1::2] = e * np.sin(ang) + o * np.cos(ang)
   x[..., -2 * half:] = r
   return x
+
+
+def take_batches(ds, n=None) -> list[dict[str, np.ndarray]]:
+  """Up to n batches (all if None), closing the iterator so worker shared memory is released."""
+  it = iter(ds)
+  try:
+    out = []
+    for batch in it:
+      out.append({k: np.array(v) for k, v in batch.items()})
+      if n is not None and len(out) == n:
+        break
+    return out
+  finally:
+    it.close()

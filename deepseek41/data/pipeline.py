@@ -230,6 +230,13 @@ class Flatten(grain.experimental.FlatMapTransform):
     return element
 
 
+def _stack_rows(rows, key: str, batch_size: int, seq_len: int) -> np.ndarray:
+  """[batch_size, seq_len] int32 of one key over the packed rows; missing rows are zeros."""
+  x_bt = np.zeros((batch_size, seq_len), np.int32)
+  x_bt[:len(rows)] = np.stack([r[key] for r in rows])
+  return x_bt
+
+
 class Collate:
   """Packed rows -> the batch dict; pads a short final batch (finite passes) with empty rows."""
 
@@ -238,9 +245,7 @@ class Collate:
 
   def __call__(self, rows: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     def stack(key):
-      x_bt = np.zeros((self.batch_size, self.seq_len), np.int32)
-      x_bt[:len(rows)] = np.stack([r[key] for r in rows])
-      return x_bt
+      return _stack_rows(rows, key, self.batch_size, self.seq_len)
     segment_ids_bt = stack('tokens_segment_ids')
     return {
         'tokens': stack('tokens'),
@@ -262,12 +267,11 @@ class MultimodalCollate:
     g = self.geometry
     b, t, n, p = self.batch_size, self.seq_len, g.max_images_per_row, g.patch_size
 
-    def stack(key):
-      x_bt = np.zeros((b, t), np.int32)
-      x_bt[:len(rows)] = np.stack([r[key] for r in rows])
-      return x_bt
-    segment_ids_bt = stack('tokens_segment_ids')
-    role_bt, index_bt, span_bt = stack('image_role'), stack('image_index'), stack('image_span')
+    text = Collate(b, t)(rows)
+    segment_ids_bt = text['segment_ids']
+
+    role_bt, index_bt, span_bt = (_stack_rows(rows, k, b, t)
+                                  for k in ('image_role', 'image_index', 'image_span'))
     patches_bnpd = np.zeros((b, n, g.max_patches, p * p * 3), np.uint8)
     grid_bn2 = np.zeros((b, n, 2), np.int32)
     for r, row in enumerate(rows):
@@ -283,11 +287,7 @@ class MultimodalCollate:
       index_bt[r] += np.where(role_bt[r] == ROLE_PATCH, offset_t * g.max_image_tokens, 0)
       span_bt[r] += np.where(span_bt[r] != 0, offset_t, 0)
     return {
-        'tokens': stack('tokens'),
-        'targets': stack('targets'),
-        'segment_ids': segment_ids_bt,
-        'positions': stack('tokens_positions'),
-        'loss_mask': ((segment_ids_bt != 0) & (stack('mask') != 0)).astype(np.int32),
+        **text,
         'modality': np.where(role_bt != 0, IMAGE, TEXT).astype(np.int32),
         'image_role': role_bt,
         'image_index': index_bt,
