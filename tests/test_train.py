@@ -253,3 +253,26 @@ def test_engram_hashes_tokenizer_compressed_ids(corpus, tmp_path):
                  str(tmp_path / 'ok'))
   assert result.step == 2
   assert len(_losses(str(tmp_path / 'ok'))) == 2
+
+
+def test_multimodal_training_writes_caption_and_image_metrics(corpus, tmp_path):
+  """A vision run on the shapes task: caption losses (real vs blank images) at evaluation,
+  images/s and both modalities' router biases in metrics.jsonl, and a resumable checkpoint."""
+  vision = {'model.vision': True, 'model.vision_layers': 1, 'model.vision_dim': 16,
+            'model.vision_heads': 2, 'model.vision_mlp': 16, 'model.vision_patch': 4,
+            'model.vision_max_image_tokens': 4, 'data.shapes_image_size': 16,
+            'data.image_sources': 'shapes:0.8', 'data.sources': 'default:0.2',
+            'data.max_images_per_row': 2, 'train.steps': 3, 'train.eval_every_steps': 3,
+            'train.eval_batches': 1, 'log.every_steps': 1}
+  result = train(_config(corpus, **vision), str(tmp_path))
+  assert result.step == 3
+  rows = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
+  evals = [r for r in rows if 'eval_caption_loss_image' in r]
+  assert [r['step'] for r in evals] == [0, 3]
+  for r in evals:
+    assert np.isfinite(r['eval_caption_loss_image']) and np.isfinite(r['eval_caption_loss_blank'])
+    assert r['eval_caption_loss_image'] != r['eval_caption_loss_blank']  # the image is read
+  timed = [r for r in rows if r.get('images_per_s')]
+  assert timed and all(r['images_per_s'] > 0 for r in timed)
+  assert any(k.endswith('/image') and k.startswith('router_bias_spread') for k in rows[-1])
+  assert Checkpointer(str(tmp_path), resolve(_config(corpus, **vision)).checkpoint).latest_step() == 3
