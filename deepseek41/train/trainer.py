@@ -33,7 +33,6 @@ from deepseek41.train.step import make_eval_step, make_train_step
 log = logging.getLogger('deepseek41')
 
 
-
 class TrainingDiverged(RuntimeError):
   """A non-finite loss; the message names the step. Checkpoints before it are kept intact."""
 
@@ -215,7 +214,10 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   # ---- evaluation --------------------------------------------------------------------------
   vision = cfg.model.vision
 
-  def held_out_loss(state, kinds=('text', 'image'), blank_images=False) -> float | None:
+  def held_out_losses(state, kinds=('text', 'image'),
+                      blanks=(False,)) -> list[float | None]:
+    """Mean held-out CE per entry of `blanks` (False: the batch as read, True: black images),
+    all over the same batches, which are read and decoded once."""
     # An endless unshuffled stream: every process gets the same number of batches, and each
     # evaluation sees the same eval_batches batches.
     # In-process: worker start-up would cost more than the few evaluation batches.
@@ -223,37 +225,36 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
                       batch_size=local_batch, seed=cfg.train.seed,
                       process_index=jax.process_index(), process_count=n_proc, repeat=True,
                       shuffle=False, kinds=kinds)
-    ce_sum, n = 0.0, 0.0
+    sums = np.zeros((len(blanks), 2))  # (ce_sum, tokens) per variant
     it = iter(ds)
     try:
-      for _, batch in zip(range(cfg.train.eval_batches), it):
-        batch = _global_batch(batch, bsharding, engram_map, vision=vision,
-                              blank_images=blank_images)
-        with jax.set_mesh(mesh):
-          out = jax.device_get(eval_step(state, batch))
-        ce_sum += float(out['ce_sum'])
-        n += float(out['tokens'])
+      for _, local in zip(range(cfg.train.eval_batches), it):
+        for i, blank in enumerate(blanks):
+          batch = _global_batch(local, bsharding, engram_map, vision=vision, blank_images=blank)
+          with jax.set_mesh(mesh):
+            out = jax.device_get(eval_step(state, batch))
+          sums[i] += (float(out['ce_sum']), float(out['tokens']))
     finally:
       if hasattr(it, 'close'):
         it.close()
-    return ce_sum / n if n else None
+    return [ce / n if n else None for ce, n in sums]
 
   def evaluate(state) -> dict[str, float]:
     """Held-out losses: `eval_loss` over the whole mixture; with image sources also the
     caption loss (the text of the image samples) with the real images and with blank ones."""
     if cfg.data.synthetic:
       return {}
-    out = {'eval_loss': held_out_loss(state)}
+    out = {'eval_loss': held_out_losses(state)[0]}
     if cfg.data.image_sources:
-      out['eval_caption_loss_image'] = held_out_loss(state, ('image',))
-      out['eval_caption_loss_blank'] = held_out_loss(state, ('image',), blank_images=True)
+      out['eval_caption_loss_image'], out['eval_caption_loss_blank'] = held_out_losses(
+          state, ('image',), blanks=(False, True))
     return {k: v for k, v in out.items() if v is not None}
 
   # ---- the loop ----------------------------------------------------------------------------
   pending: list[tuple[int, Any, float]] = []   # (step, device metrics, data wait seconds)
   eval_losses: dict[int, dict[str, float]] = {}  # written with that step's training metrics
   carry: dict[str, float] = {}                  # written with the next logged step
-  window = {'t0': time.perf_counter(), 'steps': 0, 'wait': 0.0}
+  window = {'t0': time.perf_counter(), 'steps': 0, 'wait': 0.0, 'images': 0}
   last = {'loss': None, 'eval_loss': None}
 
   def drain(keep_last: bool):
@@ -295,7 +296,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
         if peak_gb is not None:
           scalars['peak_memory_gb'] = peak_gb
         if vision and timed:
-          scalars['images_per_s'] = window.get('images', 0) * n_proc / (step_time * window['steps'])
+          scalars['images_per_s'] = window['images'] * n_proc / (step_time * window['steps'])
         scalars.update(_load_scalars(np.asarray(host['load_lme']), np.asarray(host['bias_lme'])))
         if step in eval_losses:
           scalars.update(eval_losses.pop(step))
@@ -330,7 +331,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
         batch = _global_batch(local, bsharding, engram_map, vision=vision)
         wait = time.perf_counter() - t_wait
         if vision:  # images this process fed (summed over processes by the x n_proc below)
-          window['images'] = window.get('images', 0) + int((local['image_grid'][..., 0] > 0).sum())
+          window['images'] += int((local['image_grid'][..., 0] > 0).sum())
         with jax.set_mesh(mesh):
           state, metrics = train_step(state, batch)
         step += 1
