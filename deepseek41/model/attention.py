@@ -15,6 +15,7 @@ window by log-sum-exp; off, every layer attends only over its sliding window.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -73,15 +74,18 @@ class Attention(nnx.Module):
     """
     cfg = self.cfg
     span_ids_bt = batch.get('image_span')  # image spans: bidirectional inside, causal outside
-    partials = [swa_partial(q_bthd, kv_btd, batch['segment_ids'], window=cfg.sliding_window,
-                            impl=cfg.attention_impl, span_ids_bt=span_ids_bt)]
+    with jax.named_scope('swa'):  # scopes name the GPU trace's kernels (trace_summary.py)
+      partials = [swa_partial(q_bthd, kv_btd, batch['segment_ids'], window=cfg.sliding_window,
+                              impl=cfg.attention_impl, span_ids_bt=span_ids_bt)]
     if span_ids_bt is not None:
-      partials.append(span_partial(
-          q_bthd, kv_btd, span_ids_bt, num_spans=batch['image_grid'].shape[1],
-          max_span=cfg.image_span_max_len,
-          impl='reference' if cfg.attention_impl == 'reference' else 'gathered'))
+      with jax.named_scope('span'):
+        partials.append(span_partial(
+            q_bthd, kv_btd, span_ids_bt, num_spans=batch['image_grid'].shape[1],
+            max_span=cfg.image_span_max_len,
+            impl='reference' if cfg.attention_impl == 'reference' else 'gathered'))
     if self.csa2 is not None:
-      compressed, shared = self.csa2(x_btd, q_r_btr, q_bthd, batch, shared)
+      with jax.named_scope('csa2'):
+        compressed, shared = self.csa2(x_btd, q_r_btr, q_bthd, batch, shared)
       partials.append(compressed)
     o_bthd = combine_with_sink(partials, self.sink[...], dtype=x_btd.dtype)
     inv_freq = rope_for_role(cfg, self.role.rope)

@@ -47,11 +47,14 @@ class Block(nnx.Module):
     """(x, pre for the next site (single pass; else None), aux, shared)."""
     valid_bt = batch['segment_ids'] > 0
     if self.engram is not None:  # on the whole residual, before this layer's mHC site
-      x = self.engram(x, batch['engram_row_ids'][self.layer], dead_tokens(batch))
+      with jax.named_scope('engram'):
+        x = self.engram(x, batch['engram_row_ids'][self.layer], dead_tokens(batch))
 
+    @jax.named_scope('attention')  # scopes name the GPU trace's kernels (trace_summary.py)
     def attention(u_btd, shared):
       return self.attn(self.attn_norm(u_btd), batch, shared)
 
+    @jax.named_scope('moe')
     def ffn(u_btd):
       return self.moe(self.ffn_norm(u_btd), batch['modality'], valid_bt)
 
@@ -60,13 +63,14 @@ class Block(nnx.Module):
       h_btd = x + attn_btd
       y_btd, aux = ffn(h_btd)
       return (h_btd + y_btd).astype(x.dtype), None, aux, shared
-    pre_a, post_a, comb_a = self.attn_site(x)
-    attn_btd, shared = attention(collapse(x, pre_prev if self.residual == 'mhc_single_pass'
-                                          else pre_a), shared)
-    x = expand(x, attn_btd, post_a, comb_a)
-    pre_f, post_f, comb_f = self.ffn_site(x)
-    y_btd, aux = ffn(collapse(x, pre_a if self.residual == 'mhc_single_pass' else pre_f))
-    x = expand(x, y_btd, post_f, comb_f)
+    mhc = jax.named_scope('mhc')  # the residual mixing: sites, reads and writes
+    pre_a, post_a, comb_a = mhc(self.attn_site)(x)
+    attn_btd, shared = attention(mhc(collapse)(x, pre_prev if self.residual == 'mhc_single_pass'
+                                               else pre_a), shared)
+    x = mhc(expand)(x, attn_btd, post_a, comb_a)
+    pre_f, post_f, comb_f = mhc(self.ffn_site)(x)
+    y_btd, aux = ffn(mhc(collapse)(x, pre_a if self.residual == 'mhc_single_pass' else pre_f))
+    x = mhc(expand)(x, y_btd, post_f, comb_f)
     return x, (pre_f if self.residual == 'mhc_single_pass' else None), aux, shared
 
   def publish_global_kv(self, x, pre_prev, batch, shared):
@@ -165,10 +169,11 @@ class Transformer(nnx.Module):
     auxes = []
     shared = {}  # compressed KV and selections published by source layers (CSA2)
     for block in self.blocks:
-      if self.remat == 'block':
-        x, pre, aux, shared = _rematerialized(block, x, pre, batch, shared)
-      else:
-        x, pre, aux, shared = block(x, pre, batch, shared)
+      with jax.named_scope(f'layer{block.layer}'):
+        if self.remat == 'block':
+          x, pre, aux, shared = _rematerialized(block, x, pre, batch, shared)
+        else:
+          x, pre, aux, shared = block(x, pre, batch, shared)
       auxes.append(aux)
     logits_btv = self.logits(x, pre)
     kl_sum, counted, recall_sum = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))

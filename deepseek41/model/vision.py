@@ -279,6 +279,7 @@ class VisionEncoder(nnx.Module):
     # pad, is ours [I]: the reference has only the three image_start/newline/end vectors.
     self.delimiters = normal_param(rngs, (NUM_DELIMITERS, dm), (None, 'embed'), std, pdt)
 
+  @jax.named_scope('vision')  # names the GPU trace's kernels (trace_summary.py)
   def __call__(self, image_patches, image_grid, dtype):
     cfg = self.cfg
     b, n, p, _ = image_patches.shape
