@@ -217,6 +217,8 @@ def base_config() -> ml_collections.ConfigDict:
   lg.every_steps = 10
   lg.tensorboard = True
   lg.progress_bar = True
+  lg.profile_start_step = 0          # > 0: GPU/host trace of steps [N, N + profile_steps) (0: off)
+  lg.profile_steps = 5
   return c
 
 
@@ -402,6 +404,8 @@ class LogConfig:
   every_steps: int
   tensorboard: bool
   progress_bar: bool
+  profile_start_step: int
+  profile_steps: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -838,6 +842,8 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
 
   lg = cfg.log
   _req(lg.every_steps >= 1, 'log.every_steps', 'must be >= 1')
+  _req(lg.profile_start_step >= 0, 'log.profile_start_step', 'must be >= 0 (0 = no profile)')
+  _req(lg.profile_steps >= 1, 'log.profile_steps', 'must be >= 1')
   log = LogConfig(**{f.name: lg[f.name] for f in dataclasses.fields(LogConfig)})
   return RunConfig(model=model, data=data, train=train, mesh=mesh, checkpoint=checkpoint, log=log)
 

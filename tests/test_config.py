@@ -57,6 +57,8 @@ def test_tiny_roles_match_the_reference_toy():
     ('train.schedule', 'linear', 'train.schedule'),
     ('mesh.fsdp', 3, 'mesh'),
     ('data.sources', 'a:-1', 'data.sources'),
+    ('log.profile_steps', 0, 'log.profile_steps'),
+    ('log.profile_start_step', -1, 'log.profile_start_step'),
 ])
 def test_inconsistent_values_name_the_key(key, value, culprit):
   with pytest.raises(ConfigError, match=culprit.replace('.', r'\.')):

@@ -7,6 +7,7 @@ step n's scalars are pulled to the host, so the device never waits for logging.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 import math
 import os
@@ -69,6 +70,61 @@ class _StopFlag:
   def __exit__(self, *exc):
     for sig, old in self._old.items():
       signal.signal(sig, old)
+
+
+class _StepProfiler:
+  """A jax.profiler trace of steps [log.profile_start_step, + log.profile_steps) on process 0.
+
+  Writes `<workdir>/profile/plugins/profile/<time>/` (xplane.pb, trace.json.gz and
+  perfetto_trace.json.gz); `benchmarks/trace_summary.py` summarises it.
+  """
+
+  def __init__(self, cfg, workdir: str, start: int, end: int, primary: bool):
+    self.first = cfg.log.profile_start_step
+    # A run that ends inside the window stops there, before its final checkpoint.
+    self.last = min(self.first + cfg.log.profile_steps - 1, end)
+    self.directory = os.path.join(workdir, 'profile')
+    # A resumed run already past the first profiled step does not trace.
+    self.enabled = primary and self.first > start
+    self.compile_included = self.first == start + 1
+    self.active = False
+
+  def before(self, step: int, state) -> None:
+    """Called before `step` runs: starts the trace on an idle device at the first step."""
+    if not self.enabled or step != self.first:
+      return
+    jax.block_until_ready(state)  # the previous step's kernels stay out of the trace
+    jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+    self.active = True
+    log.info('profiling steps %d-%d into %s; their step times and tokens/s include tracing '
+             'overhead%s', self.first, self.last, self.directory,
+             ' and compilation (the first step of this run)' if self.compile_included else '')
+
+  def after(self, step: int, outputs) -> float:
+    """Called after `step` was dispatched; stops after the last one. Returns seconds stopping."""
+    if not self.active or step != self.last:
+      return 0.0
+    jax.block_until_ready(outputs)  # the trace holds the whole steps
+    t0 = time.perf_counter()
+    self.stop()
+    return time.perf_counter() - t0
+
+  def stop(self) -> None:
+    jax.profiler.stop_trace()
+    self.active = False
+    runs = glob.glob(os.path.join(self.directory, 'plugins', 'profile', '*'))
+    log.info('wrote the profile of steps %d-%d to %s (summary: python '
+             'benchmarks/trace_summary.py %s)', self.first, self.last,
+             max(runs, key=os.path.getmtime) if runs else self.directory, self.directory)
+
+  def close(self) -> None:
+    """Stop a trace the run left open (an exception or a signal inside the window)."""
+    if self.active:
+      try:
+        self.stop()
+      except Exception:  # never mask the exception that ended the run
+        log.exception('stopping the profiler trace failed')
+        self.active = False
 
 
 def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding,
@@ -323,19 +379,24 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
       last['eval_loss'] = evals.get('eval_loss')
       writer.write(0, {'loss': None, 'tokens_per_s': None, **evals})
   end = cfg.train.steps if stop_at_step is None else min(stop_at_step, cfg.train.steps)
+  profiler = _StepProfiler(cfg, workdir, start, end, primary)
   try:
     with _StopFlag() as stop:
       while step < end:
+        profiler.before(step + 1, state)
         t_wait = time.perf_counter()
         local = next(train_iter)
         batch = _global_batch(local, bsharding, engram_map, vision=vision)
         wait = time.perf_counter() - t_wait
         if vision:  # images this process fed (summed over processes by the x n_proc below)
           window['images'] += int((local['image_grid'][..., 0] > 0).sum())
-        with jax.set_mesh(mesh):
-          state, metrics = train_step(state, batch)
+        with jax.set_mesh(mesh), jax.profiler.StepTraceAnnotation('train', step_num=step + 1):
+          state, metrics = train_step(state, batch)  # the annotation marks steps for xprof
         step += 1
         pending.append((step, metrics, wait))
+        stopping = profiler.after(step, (state, metrics))
+        if window['t0'] is not None:  # writing the trace is not training time
+          window['t0'] += stopping
         if step == start + 1:  # keep compilation out of the throughput numbers
           jax.block_until_ready(metrics)
           log.info('first step (compilation included) took %.1f s', time.perf_counter() - t_wait)
@@ -372,6 +433,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
           save(step, force=True)
       drain(keep_last=False)
   finally:
+    profiler.close()
     writer.close()
     ckpt.close()
     if hasattr(train_iter, 'close'):
