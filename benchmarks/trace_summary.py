@@ -1,0 +1,328 @@
+"""Where the device time of profiled training steps goes: a summary of a jax.profiler trace.
+
+    python benchmarks/trace_summary.py WORKDIR/profile [--top 20] [--depth 3] [--merge-layers]
+        [--device-substr GPU]
+
+Reads the newest `perfetto_trace.json.gz` (else `*.trace.json.gz`) under the directory, as
+`--config.log.profile_start_step=N` writes it, and prints
+  (a) device busy time per executed program (a window: one step on one device) and in total,
+  (b) kernel time by named-scope path (`layer3/attention/csa2`), forward and backward apart,
+  (c) the kernels with the most total time.
+Standard library only, so it runs wherever the trace is copied to.
+
+On the GPU the scope path is read from the kernel's `args`: XLA annotates each kernel launch with
+`name`, the op's JAX name stack (`.../transpose(jvp(layer3))/attention/csa2/...`), and xprof may
+add `tf_op` or HLO text with `op_name` metadata (`long_name`). Kernels launched through XLA command
+buffers (CUDA graphs) lose it: `XLA_FLAGS=--xla_gpu_enable_command_buffer=` restores it. On the
+CPU the events carry only `hlo_op`, `hlo_module`, `run_id` and `device_ordinal`: every op lands
+in `(no scope)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import gzip
+import json
+import os
+import re
+import sys
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')           # metadata inside HLO text (long_name)
+_WRAPPED = re.compile(r'([A-Za-z_]\w*)\((.*)\)')      # jvp(layer3), transpose(jvp(...)), jit(f)
+_LAYER = re.compile(r'layer\d+')
+# Name-stack components that are control flow or transformation plumbing, not model structure.
+_PLUMBING = {'while', 'body', 'cond', 'eval_jaxpr', 'scan', 'checkpoint', 'remat',
+             'rematted_computation', 'shard_map', 'closed_call', 'core_call', 'pjit',
+             'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr'}
+_SCOPE_KEYS = ('tf_op', 'name', 'long_name')  # args that may hold the name stack
+PHASES = ('fwd', 'bwd', 'remat', 'other')
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+def find_trace(root: str) -> str:
+  """The newest perfetto_trace.json.gz under root (else the newest *.trace.json.gz)."""
+  found = {'perfetto': [], 'trace': []}
+  for dirpath, _, files in os.walk(root):
+    for f in files:
+      if f == 'perfetto_trace.json.gz':
+        found['perfetto'].append(os.path.join(dirpath, f))
+      elif f.endswith('.trace.json.gz'):
+        found['trace'].append(os.path.join(dirpath, f))
+  paths = found['perfetto'] or found['trace']
+  if not paths:
+    raise SystemExit(f'no perfetto_trace.json.gz or *.trace.json.gz under {root}')
+  return max(paths, key=os.path.getmtime)
+
+
+def load_events(path: str) -> list[dict]:
+  with gzip.open(path, 'rt') as f:
+    trace = json.load(f)
+  return trace['traceEvents'] if isinstance(trace, dict) else trace
+
+
+def track_names(events: list[dict]) -> tuple[dict, dict]:
+  """({pid: process name}, {(pid, tid): thread name}) from the `M` metadata events."""
+  procs, threads = {}, {}
+  for e in events:
+    if e.get('ph') != 'M':
+      continue
+    name = (e.get('args') or {}).get('name', '')
+    if e.get('name') == 'process_name':
+      procs[e.get('pid')] = name
+    elif e.get('name') == 'thread_name':
+      threads[(e.get('pid'), e.get('tid'))] = name
+  return procs, threads
+
+
+def device_ops(events: list[dict], procs: dict, threads: dict, device_substr: str) -> list[dict]:
+  """Complete events of executed ops on the tracks of processes named like `device_substr`.
+
+  On the GPU only the hardware `Stream #N` lines are kept: xprof may add derived lines
+  (`XLA Ops`, `XLA Modules`, name scopes) that repeat the same time. Without stream lines (the
+  CPU), only events that name an HLO op are ops; the rest are runtime and Python markers.
+  """
+  pids = {pid for pid, name in procs.items() if device_substr in name}
+  xs = [e for e in events if e.get('ph') == 'X' and e.get('pid') in pids and e.get('dur', 0) > 0]
+  streams = {k for k, name in threads.items() if k[0] in pids and name.startswith('Stream')}
+  if streams:
+    xs = [e for e in xs if (e['pid'], e.get('tid')) in streams]
+  else:
+    xs = [e for e in xs if 'hlo_op' in (e.get('args') or {})] or xs
+  return sorted(xs, key=lambda e: e['ts'])
+
+
+# ---- scopes ---------------------------------------------------------------------------------
+
+def name_stack(args: dict) -> str:
+  """The op's JAX name stack from a kernel's args ('' when it carries none)."""
+  for key in _SCOPE_KEYS:
+    v = args.get(key)
+    if not isinstance(v, str):
+      continue
+    m = _OP_NAME.search(v)
+    if m:
+      return m.group(1)
+    if ' ' not in v and ('/' in v or '(' in v):
+      return v
+  for v in args.values():
+    if isinstance(v, str) and (m := _OP_NAME.search(v)):
+      return m.group(1)
+  return ''
+
+
+def _first_name(stack: str) -> str:
+  """XLA joins the names of merged ops ('(a:b)', 'a;b'); keep the first."""
+  head = re.split('[;:]', stack, maxsplit=1)[0]
+  if head.count('(') > head.count(')'):  # the '(' that opened the joined list
+    head = head[1:] if head.startswith('(') else head.replace('/(', '/', 1)
+  return head
+
+
+def _split(stack: str) -> list[str]:
+  """Split on '/' outside parentheses."""
+  parts, depth, cur = [], 0, []
+  for ch in stack:
+    depth += (ch == '(') - (ch == ')')
+    if ch == '/' and depth == 0:
+      parts.append(''.join(cur))
+      cur = []
+    else:
+      cur.append(ch)
+  parts.append(''.join(cur))
+  return parts
+
+
+def parse_scope(stack: str) -> tuple[list[str], str]:
+  """(scope components, phase) of a name stack.
+
+  Wrappers are stripped: `jit(...)` components are dropped (the step itself and library helpers
+  such as jit(_where)), `jvp(x)`, `transpose(x)`, `vmap(x)` become x. Phase: `bwd` under
+  transpose, `remat` for the forward recomputed in the backward pass, `fwd` under jvp, `other`
+  outside the differentiated function (optimizer update, metrics).
+  """
+  parts, wrappers, remat = [], set(), False
+  for comp in _split(_first_name(stack)):
+    while (m := _WRAPPED.fullmatch(comp)):
+      wrapper, comp = m.groups()
+      wrappers.add(wrapper)
+      if wrapper == 'jit':
+        comp = ''
+        break
+    remat |= comp == 'rematted_computation'
+    if not comp or comp in _PLUMBING or comp.startswith('branch_'):
+      continue
+    if parts and parts[-1] == comp:  # transpose(jvp(layer1))/jvp(layer1) under remat
+      continue
+    parts.append(comp)
+  if remat:
+    phase = 'remat'
+  elif 'transpose' in wrappers:
+    phase = 'bwd'
+  elif 'jvp' in wrappers:
+    phase = 'fwd'
+  else:
+    phase = 'other'
+  return parts, phase
+
+
+def scope_key(event: dict, depth: int, merge_layers: bool) -> tuple[str, str]:
+  """(phase, first `depth` scope components joined by '/') of one kernel."""
+  stack = name_stack(event.get('args') or {})
+  if not stack:
+    return 'other', '(no scope)'
+  parts, phase = parse_scope(stack)
+  if merge_layers:
+    parts = ['layer*' if _LAYER.fullmatch(p) else p for p in parts]
+  return phase, '/'.join(parts[:depth]) or '(top level)'
+
+
+# ---- windows --------------------------------------------------------------------------------
+
+def _device(e: dict):
+  """The device an op ran on: its process (one per GPU), or device_ordinal on the CPU's threads."""
+  return e['pid'], (e.get('args') or {}).get('device_ordinal')
+
+
+def windows(ops: list[dict], events: list[dict], threads: dict) -> list[tuple[str, list[dict]]]:
+  """[(program name, ops)], one window per program execution on one device, in time order.
+
+  From xprof's `XLA Modules` lines where present (GPU), else from the ops' run_id / group_id
+  (the CPU's thunks carry run_id), else one window per program and device for the whole trace.
+  """
+  pids = {e['pid'] for e in ops}
+  modules = collections.defaultdict(list)
+  for e in events:
+    if (e.get('ph') == 'X' and e.get('pid') in pids
+        and threads.get((e.get('pid'), e.get('tid'))) == 'XLA Modules'):
+      modules[e['pid']].append(e)
+  out = collections.defaultdict(list)
+  if modules:
+    for mods in modules.values():
+      mods.sort(key=lambda m: m['ts'])
+    starts = {pid: [m['ts'] for m in mods] for pid, mods in modules.items()}
+    for e in ops:
+      i = bisect.bisect_right(starts.get(e['pid'], []), e['ts']) - 1
+      m = modules[e['pid']][i] if i >= 0 else None
+      inside = m is not None and e['ts'] <= m['ts'] + m.get('dur', 0)
+      key = (m['name'], e['pid'], m['ts']) if inside else ('(outside modules)', e['pid'], 0)
+      out[key].append(e)
+  else:
+    for e in ops:
+      args = e.get('args') or {}
+      run = args.get('run_id', args.get('group_id'))
+      out[(args.get('hlo_module', '?'), _device(e), run)].append(e)
+  return sorted(((key[0], evs) for key, evs in out.items()), key=lambda w: w[1][0]['ts'])
+
+
+def busy_us(ops: list[dict]) -> float:
+  """Time at least one op runs, per device, summed over devices."""
+  total = 0.0
+  by_device = collections.defaultdict(list)
+  for e in ops:
+    by_device[_device(e)].append((e['ts'], e['ts'] + e['dur']))
+  for spans in by_device.values():
+    spans.sort()
+    end = -float('inf')
+    for s, t in spans:
+      if t > end:
+        total += t - max(s, end)
+        end = t
+  return total
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+def _ms(us: float) -> str:
+  return f'{us / 1000:10.3f}'
+
+
+def report_windows(ops: list[dict], wins: list, max_rows: int = 32) -> None:
+  """(a): busy time per program, then per execution of the busiest program (the train step)."""
+  by_program = collections.defaultdict(list)
+  for name, evs in wins:
+    by_program[name].append(evs)
+  busy = {name: [busy_us(evs) for evs in runs] for name, runs in by_program.items()}
+  print('(a) device busy time per program execution on one device (window)')
+  print(f'{"busy ms":>10} {"runs":>6} {"ms/run":>10}  program')
+  for name, b in sorted(busy.items(), key=lambda kv: -sum(kv[1])):
+    print(f'{_ms(sum(b))} {len(b):6d} {_ms(sum(b) / len(b))}  {name}')
+  top = max(busy, key=lambda n: sum(busy[n]))
+  t0 = min(e['ts'] for e in ops)
+  print(f'windows of {top}:')
+  print(f'{"start ms":>10} {"span ms":>10} {"busy ms":>10} {"ops":>7}')
+  runs = by_program[top]
+  for evs in runs[:max_rows]:
+    start = min(e['ts'] for e in evs)
+    span = max(e['ts'] + e['dur'] for e in evs) - start
+    print(f'{_ms(start - t0)} {_ms(span)} {_ms(busy_us(evs))} {len(evs):7d}')
+  if len(runs) > max_rows:
+    print(f'... {len(runs) - max_rows} more')
+  span = max(e['ts'] + e['dur'] for e in ops) - t0
+  devices = len({_device(e) for e in ops})
+  print(f'total: device busy {busy_us(ops) / 1000:.3f} ms summed over {devices} device(s) in a '
+        f'{span / 1000:.3f} ms trace; {len(wins)} windows; kernel time summed '
+        f'{sum(e["dur"] for e in ops) / 1000:.3f} ms')
+
+
+def report(ops: list[dict], wins: list, *, depth: int, top: int, merge_layers: bool) -> None:
+  report_windows(ops, wins)
+  kernel_us = sum(e['dur'] for e in ops)
+
+  groups = collections.defaultdict(lambda: [0.0, 0])
+  phases = collections.Counter()
+  for e in ops:
+    phase, scope = scope_key(e, depth, merge_layers)
+    groups[(phase, scope)][0] += e['dur']
+    groups[(phase, scope)][1] += 1
+    phases[phase] += e['dur']
+  print(f'\n(b) kernel time by named scope (first {depth} components). Phase: fwd forward, '
+        'bwd backward (transpose), remat forward recomputed in the backward pass, other outside '
+        'the gradient (optimizer, metrics)')
+  print('    ' + ', '.join(f'{p} {phases[p] / 1000:.3f} ms ({100 * phases[p] / kernel_us:.1f}%)'
+                           for p in PHASES if phases[p]))
+  print(f'{"ms":>10} {"%":>6} {"ops":>7} {"phase":>6}  scope')
+  for (phase, scope), (us, n) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
+    print(f'{_ms(us)} {100 * us / kernel_us:6.2f} {n:7d} {phase:>6}  {scope}')
+
+  kernels = collections.defaultdict(lambda: [0.0, 0, ''])
+  for e in ops:
+    k = kernels[e.get('name', '?')]
+    k[0] += e['dur']
+    k[1] += 1
+    k[2] = k[2] or '/'.join(scope_key(e, 99, False))
+  print(f'\n(c) top {top} kernels by total time')
+  print(f'{"ms":>10} {"%":>6} {"calls":>7}  kernel  [phase/scope of its first call]')
+  for name, (us, n, where) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+    print(f'{_ms(us)} {100 * us / kernel_us:6.2f} {n:7d}  {name[:100]}  [{where}]')
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  ap.add_argument('trace_dir', help='a profile directory (WORKDIR/profile), searched recursively')
+  ap.add_argument('--top', type=int, default=20, help='kernels listed in (c)')
+  ap.add_argument('--depth', type=int, default=3, help='scope components grouped in (b)')
+  ap.add_argument('--device-substr', default='GPU',
+                  help="keep processes whose name contains this ('/device:GPU:0'); '' keeps all "
+                       '(the CPU, whose ops run on host threads)')
+  ap.add_argument('--merge-layers', action='store_true', help='sum layerN scopes as layer*')
+  args = ap.parse_args(argv)
+
+  path = find_trace(args.trace_dir)
+  events = load_events(path)
+  procs, threads = track_names(events)
+  print(f'trace: {path}')
+  ops = device_ops(events, procs, threads, args.device_substr)
+  if not ops:
+    print(f'no op events on processes matching {args.device_substr!r}; processes: '
+          f'{sorted(set(procs.values()))} (try --device-substr "")')
+    return 1
+  report(ops, windows(ops, events, threads), depth=args.depth, top=args.top,
+         merge_layers=args.merge_layers)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

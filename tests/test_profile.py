@@ -1,0 +1,95 @@
+"""Profiling: the trainer traces the configured steps; benchmarks/trace_summary.py reads traces."""
+
+import glob
+import gzip
+import json
+
+from benchmarks import trace_summary
+from deepseek41.train.trainer import train
+from tests.util import small_config
+
+
+def _traces(workdir):
+  return glob.glob(str(workdir / 'profile' / '**' / 'perfetto_trace.json.gz'), recursive=True)
+
+
+def _traced_steps(path):
+  """Step numbers of the trainer's StepTraceAnnotation events in a trace."""
+  with gzip.open(path, 'rt') as f:
+    events = json.load(f)['traceEvents']
+  return sorted(int(e['args']['step_num']) for e in events
+                if e.get('ph') == 'X' and e.get('name') == 'train')
+
+
+def test_trainer_traces_the_window_and_the_summary_reads_it(tmp_path, capsys):
+  config = small_config(**{'mesh.data': -1, 'log.profile_start_step': 2, 'log.profile_steps': 2})
+  # Ends inside the window (steps 2-3): the trace is still stopped and written.
+  train(config, str(tmp_path), stop_at_step=2)
+  [first] = _traces(tmp_path)
+  assert _traced_steps(first) == [2]
+  # Resumed past profile_start_step: no second trace.
+  assert train(config, str(tmp_path)).step == 4
+  assert _traces(tmp_path) == [first]
+
+  assert trace_summary.main([str(tmp_path / 'profile'), '--device-substr', '', '--top', '5']) == 0
+  out = capsys.readouterr().out
+  assert 'total: device busy' in out
+  assert '(c) top 5 kernels' in out
+
+
+def _fake_gpu_trace(path):
+  """A GPU-shaped trace: a kernel stream plus xprof's derived lines that repeat its time."""
+  meta = [
+      {'ph': 'M', 'pid': 1, 'name': 'process_name', 'args': {'name': '/device:GPU:0'}},
+      {'ph': 'M', 'pid': 1, 'tid': 7, 'name': 'thread_name', 'args': {'name': 'Stream #7(Kernel)'}},
+      {'ph': 'M', 'pid': 1, 'tid': 8, 'name': 'thread_name', 'args': {'name': 'XLA Ops'}},
+      {'ph': 'M', 'pid': 1, 'tid': 9, 'name': 'thread_name', 'args': {'name': 'XLA Modules'}},
+      {'ph': 'M', 'pid': 2, 'name': 'process_name', 'args': {'name': '/host:CPU'}},
+  ]
+  fwd = 'jit(train_step)/while/body/eval_jaxpr/jvp(layer3)/attention/csa2/dot_general'
+  bwd = 'jit(train_step)/while/body/eval_jaxpr/transpose(jvp(layer3))/attention/csa2/dot_general'
+  kernels = [
+      {'ph': 'X', 'pid': 1, 'tid': 7, 'ts': 10, 'dur': 30, 'name': 'gemm_fwd',
+       'args': {'hlo_op': 'fusion.1', 'name': fwd}},
+      {'ph': 'X', 'pid': 1, 'tid': 7, 'ts': 50, 'dur': 50, 'name': 'gemm_bwd',
+       'args': {'hlo_op': 'fusion.2', 'name': bwd}},
+      {'ph': 'X', 'pid': 1, 'tid': 7, 'ts': 200, 'dur': 20, 'name': 'adam',
+       'args': {'hlo_op': 'fusion.3', 'tf_op': 'jit(train_step)/mul'}},
+  ]
+  derived = [dict(k, tid=8) for k in kernels] + [
+      {'ph': 'X', 'pid': 1, 'tid': 9, 'ts': 5, 'dur': 100, 'name': 'jit_train_step(1)'},
+      {'ph': 'X', 'pid': 1, 'tid': 9, 'ts': 150, 'dur': 100, 'name': 'jit_train_step(1)'},
+      {'ph': 'X', 'pid': 2, 'tid': 1, 'ts': 0, 'dur': 999, 'name': 'PjitFunction(train_step)'},
+  ]
+  with gzip.open(path, 'wt') as f:
+    json.dump({'traceEvents': meta + kernels + derived}, f)
+
+
+def test_summary_of_a_gpu_shaped_trace(tmp_path, capsys):
+  _fake_gpu_trace(tmp_path / 'perfetto_trace.json.gz')
+  assert trace_summary.main([str(tmp_path), '--depth', '3']) == 0
+  out = capsys.readouterr().out
+  assert 'total: device busy 0.100 ms' in out  # the stream only: derived lines not counted
+  assert '2 windows' in out
+  lines = out.splitlines()
+  assert any('bwd  layer3/attention/csa2' in l and '50.00' in l for l in lines)
+  assert any('fwd  layer3/attention/csa2' in l and '30.00' in l for l in lines)
+  assert any('other  mul' in l for l in lines)
+
+
+def test_scope_parsing():
+  parse = trace_summary.parse_scope
+  base = 'jit(train_step)/while/body/eval_jaxpr/'
+  assert parse(base + 'jvp(layer0)/attention/swa/and') == (
+      ['layer0', 'attention', 'swa', 'and'], 'fwd')
+  assert parse(base + 'transpose(jvp(layer1))/jvp(layer1)/checkpoint/moe/dot_general') == (
+      ['layer1', 'moe', 'dot_general'], 'bwd')
+  assert parse(base + 'transpose(jvp(layer1))/jvp(layer1)/checkpoint/rematted_computation/mhc/add'
+               ) == (['layer1', 'mhc', 'add'], 'remat')
+  assert parse('jit(train_step)/jit(tree_bias_correction)/div') == (['div'], 'other')
+  # XLA's joined names of merged ops keep the first.
+  assert parse('jit(train_step)/(while/body/eval_jaxpr/jvp(layer3)/moe/reduce_sum:while/body)'
+               ) == (['layer3', 'moe', 'reduce_sum'], 'fwd')
+  assert trace_summary.name_stack(
+      {'long_name': '%fusion.3 = f32[8]{0} fusion(), metadata={op_name="jit(f)/jvp(vision)/add"}'}
+  ) == 'jit(f)/jvp(vision)/add'
