@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepseek41.ops.sparse_attention import compressed_partial, selection_mask
+from deepseek41.ops.sparse_attention import compressed_partial, gather_rows, selection_mask
 from deepseek41.ops.swa_attention import combine_with_sink
 
 B, T, H, D, N, K = 2, 37, 3, 16, 20, 6
@@ -58,3 +58,21 @@ def test_matches_numpy_softmax_over_the_selection_with_sink():
         e = np.where(mask[b, t], np.exp(s - s.max()), 0.0)
         z = e.sum() + np.exp(float(sink[h]) - s.max())
         np.testing.assert_allclose(np.asarray(o)[b, t, h], e @ kvn[b] / z, rtol=1e-4, atol=1e-6)
+
+
+def test_gather_rows_gradient_skips_invalid_slots():
+  """The custom backward equals autodiff of the gather with invalid slots' cotangents zeroed.
+
+  Invalid slots all name entry 0; their cotangent is dropped, not added (even when non-zero).
+  """
+  _, kv, idx, valid = _inputs(2)
+  idx = jnp.where(valid, idx, 0)
+  ct = jax.random.normal(jax.random.key(3), idx.shape + (D,))
+  got = jax.vjp(lambda x: gather_rows(x, idx, valid), kv)[1](ct)[0]
+  plain = jax.vjp(lambda x: jax.vmap(lambda x_nd, i: x_nd[i])(x, idx), kv)[1](
+      ct * valid[..., None])[0]
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-6)
+  with_invalid = jax.vjp(lambda x: jax.vmap(lambda x_nd, i: x_nd[i])(x, idx), kv)[1](ct)[0]
+  assert not np.allclose(with_invalid[:, 0], got[:, 0])
+  np.testing.assert_array_equal(gather_rows(kv, idx, valid),
+                                jax.vmap(lambda x_nd, i: x_nd[i])(kv, idx))

@@ -110,18 +110,22 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
   return out['idx'], out['valid'], blocks
 
 
-def selected_scores(q_bthc, w_bth, k_bnc, idx_btk, chunk: int):
-  """Indexer scores of the selected entries only: [B, T, K] fp32, `chunk` queries at a time."""
+def selected_scores(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, chunk: int):
+  """Indexer scores of the selected entries only: [B, T, K] fp32, `chunk` queries at a time.
+
+  Invalid slots score entry 0 and pass it no gradient (`gather_rows`).
+  """
   def per_chunk(c, offset):  # q: chunk of queries, e: index head dim
     del offset
-    k_bqke = gather_rows(k_bnc, c['idx'])
+    k_bqke = gather_rows(k_bnc, c['idx'], c['valid'])
     logits_bqhk = jnp.einsum('bqhe,bqke->bqhk', c['q'], k_bqke,
                              preferred_element_type=jnp.float32)
     h, dim = c['q'].shape[-2:]
     return jnp.einsum('bqh,bqhk->bqk', c['w'], jax.nn.relu(logits_bqhk)) * (h * dim) ** -0.5
   # Recomputed in the backward pass: saving each chunk's gathered keys would cost
   # [T, K, d_I] per index source, the very size chunking avoids.
-  return map_query_chunks(jax.checkpoint(per_chunk), {'q': q_bthc, 'w': w_bth, 'idx': idx_btk}, chunk)
+  xs = {'q': q_bthc, 'w': w_bth, 'idx': idx_btk, 'valid': valid_btk}
+  return map_query_chunks(jax.checkpoint(per_chunk), xs, chunk)
 
 
 def indexer_distillation(student_btk, mass_btk, valid_btk):
@@ -190,7 +194,7 @@ class CSA2(nnx.Module):
         q_bthd, comp.kv_bnd.astype(q_bthd.dtype), sel_idx, sel_valid, impl=cfg.sparse_impl,
         chunk=cfg.sparse_chunk, with_mass=True)
     if self.owns_index:
-      student_btk = selected_scores(q_idx, w_bth, k_bnc, sel_idx, cfg.sparse_chunk)
+      student_btk = selected_scores(q_idx, w_bth, k_bnc, sel_idx, sel_valid, cfg.sparse_chunk)
       kl_sum, counted, recall_sum = indexer_distillation(student_btk, mass_btk, sel_valid)
       totals = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))
       shared[INDEXER_TOTALS] = totals + jnp.stack([kl_sum, counted, recall_sum])

@@ -43,32 +43,38 @@ def _partial_reference(q_bthd, kv_bnd, idx_btk, valid_btk, scale):
 
 
 @jax.custom_vjp
-def gather_rows(x_bnd, idx_bck):
+def gather_rows(x_bnd, idx_bck, valid_bck):
   """x_bnd[b, idx_bck[b, c, k]] -> [B, C, K, d], whose gradient scatter-adds in fp32.
 
   Autodiff of the plain gather scatter-adds the bf16 cotangent straight into a bf16 [N, d]
   buffer; many queries pick the same entry, and bf16 atomics on the GPU are emulated, which made
   the sparse branch's backward slower than dense attention's at 16K tokens.
+  The backward drops the slots that are not `valid_bck`: they all hold entry 0 (`select_topk`),
+  and adding their zeros serialised every query's unused slots on one row's atomics, which
+  made the scatter most of the step on short documents (docs/performance.md section 7.1).
   """
+  del valid_bck
   return jax.vmap(lambda x_nd, idx_ck: x_nd[idx_ck])(x_bnd, idx_bck)
 
 
-def _gather_rows_fwd(x_bnd, idx_bck):
-  return gather_rows(x_bnd, idx_bck), (x_bnd, idx_bck)
+def _gather_rows_fwd(x_bnd, idx_bck, valid_bck):
+  return gather_rows(x_bnd, idx_bck, valid_bck), (x_bnd, idx_bck, valid_bck)
 
 
 def _gather_rows_bwd(res, ct_bckd):
-  x_bnd, idx_bck = res  # x_bnd only for its shape and dtype: it is alive anyway
+  x_bnd, idx_bck, valid_bck = res  # x_bnd only for its shape and dtype: it is alive anyway
   b = jnp.arange(x_bnd.shape[0])[:, None, None]
-  grad_bnd = jnp.zeros(x_bnd.shape, jnp.float32).at[b, idx_bck].add(ct_bckd.astype(jnp.float32))
-  return grad_bnd.astype(x_bnd.dtype), None
+  target_bck = jnp.where(valid_bck, idx_bck, x_bnd.shape[1])  # out of range: dropped
+  grad_bnd = jnp.zeros(x_bnd.shape, jnp.float32).at[b, target_bck].add(
+      ct_bckd.astype(jnp.float32), mode='drop')
+  return grad_bnd.astype(x_bnd.dtype), None, None
 
 
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 def _partial_gathered_chunk(q_bchd, kv_bnd, idx_bck, valid_bck, scale):
-  kv_bckd = gather_rows(kv_bnd, idx_bck)
+  kv_bckd = gather_rows(kv_bnd, idx_bck, valid_bck)
   scores_bchk = jnp.einsum('bchd,bckd->bchk', q_bchd, kv_bckd,
                            preferred_element_type=jnp.float32) * scale
   probs_bchk, lse_bch = _masked_softmax_partial(scores_bchk, valid_bck[:, :, None, :])
