@@ -163,6 +163,11 @@ def base_config() -> ml_collections.ConfigDict:
   t.weight_decay = 0.1               # never on norms, biases, sinks or scales (1-D params)
   t.grad_clip_norm = 1.0             # global-norm clipping; 0 disables
   t.engram_table_lr_multiplier = 5.0  # Engram tables learn at this multiple of lr (section 4)
+  # [I] The ViT and its aligner learn at this multiple of lr. Adam moves every aligner weight by
+  # about lr per step, so its output (the LM input at image positions) grows like fan-in x lr
+  # while a table embedding row barely moves; at a text-tuned lr the spans become large,
+  # near-constant vectors the LM cannot read (docs/performance.md section 7.2).
+  t.vision_lr_multiplier = 1.0
   t.remat = 'none'                   # none | block
   t.eval_every_steps = 50            # 0 disables evaluation
   t.eval_batches = 4
@@ -369,6 +374,7 @@ class TrainConfig:
   weight_decay: float
   grad_clip_norm: float
   engram_table_lr_multiplier: float
+  vision_lr_multiplier: float
   remat: str
   eval_every_steps: int
   eval_batches: int
@@ -832,6 +838,7 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
   _req(t.eval_batches >= 1, 'train.eval_batches', 'must be >= 1')
   _req(t.grad_clip_norm >= 0, 'train.grad_clip_norm', 'must be >= 0')
   _req(t.engram_table_lr_multiplier > 0, 'train.engram_table_lr_multiplier', 'must be > 0')
+  _req(t.vision_lr_multiplier > 0, 'train.vision_lr_multiplier', 'must be > 0')
   train = TrainConfig(**{f.name: t[f.name] for f in dataclasses.fields(TrainConfig)})
 
   ck = cfg.checkpoint

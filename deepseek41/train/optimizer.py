@@ -52,6 +52,13 @@ def engram_table_mask(params):
   return jax.tree_util.tree_map_with_path(is_table, params)
 
 
+def vision_mask(params):
+  """True on the vision encoder and aligner (`vision...`), which take `vision_lr_multiplier`."""
+  def is_vision(path, _):
+    return str(getattr(path[0], 'key', getattr(path[0], 'name', path[0]))) == 'vision'
+  return jax.tree_util.tree_map_with_path(is_vision, params)
+
+
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
   parts = []
   if t.grad_clip_norm > 0:
@@ -60,4 +67,6 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
                            weight_decay=t.weight_decay, mask=decay_mask))
   if t.engram_table_lr_multiplier != 1.0:
     parts.append(optax.masked(optax.scale(t.engram_table_lr_multiplier), engram_table_mask))
+  if t.vision_lr_multiplier != 1.0:
+    parts.append(optax.masked(optax.scale(t.vision_lr_multiplier), vision_mask))
   return optax.chain(*parts)
