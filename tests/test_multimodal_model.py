@@ -191,6 +191,24 @@ def test_ced_prefill_matches_full_forward_with_images(model_and_logits):
   np.testing.assert_allclose(ced, full, atol=2e-4)
 
 
+def test_ced_exact_rows_cover_a_span_cut_by_the_tail_start(model_and_logits):
+  """A span longer than the window, cut by the tail start, reaches further than the windows."""
+  cfg, model, run = model_and_logits
+  raw = image_batch(spans=((6, (4, 4)), (20, (12, 3))))
+  batch = {k: jnp.asarray(v) for k, v in raw.items()}
+  _, (s1, e1) = spans_of(raw)
+  assert e1 - s1 > cfg.sliding_window
+  start = s1 + 1
+  n_win = T - start
+  exact = exact_tail_rows(cfg, n_win)
+  assert exact > 0
+  full = np.asarray(run(batch))
+  ced = np.asarray(jax.jit(lambda b: ced_prefill_logits(model, b, n_win))(batch))
+  np.testing.assert_allclose(ced[:, -exact:], full[:, -exact:], atol=2e-4)
+  window_only = n_win - (cfg.num_layers - cfg.num_encoder_layers) * (cfg.sliding_window - 1)
+  assert not np.allclose(ced[:, -window_only:], full[:, -window_only:], atol=2e-4)
+
+
 # ---------------------------------------------------------------------------------------------
 # Modality-separated balancing
 

@@ -6,9 +6,10 @@ own input, which is a function of the encoder output only. So a prompt can be pr
   2. publishing the decoder's compressed KV and index keys from the encoder output (every row),
   3. running the decoder layers only over the last `n_win` tokens, their sliding windows floored
      at the tail start (the tail's keys are all they have).
-Step 3's sparse attention over the global KV is exact. Only windows are truncated: a tail row t
-matches the full forward once t - tail_start >= decoder_layers * (sliding_window - 1), the
-reach of the stacked windows back from t.
+Step 3's sparse attention over the global KV is exact. Only windows, and an image span that
+straddles the tail start, are truncated: a tail row t matches the full forward once
+t - tail_start >= decoder_layers * (max(sliding_window, longest span) - 1), the reach back from t
+of the stacked windows and spans (a span passes a difference on to its last position in one layer).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def ced_prefill_logits(model: Transformer, batch, n_win: int):
 
 
 def exact_tail_rows(cfg, n_win: int) -> int:
-  """Rows at the end of the tail that match the full forward (the windows are not truncated)."""
-  reach = (cfg.num_layers - cfg.num_encoder_layers) * (cfg.sliding_window - 1)
+  """Rows at the end of the tail that match the full forward (no truncated window or span reaches)."""
+  per_layer = max(cfg.sliding_window, cfg.image_span_max_len) - 1
+  reach = (cfg.num_layers - cfg.num_encoder_layers) * per_layer
   return max(0, n_win - reach)
 
