@@ -45,6 +45,9 @@ def get_config():
   c.data.image_sources = 'shapes:0.9'
   c.data.shapes_image_size = 48
   c.data.max_images_per_row = 4
+  # At the text model's lr the aligner's output grows into large near-constant vectors within a
+  # few hundred steps and the LM stops reading the images (docs/performance.md section 7.2).
+  c.train.vision_lr_multiplier = 0.1
   # Binding the image to the words comes after the caption template is learned: hold the
   # learning rate (WSD) for longer than tiny.py's 300-step cosine.
   c.train.steps = 600
