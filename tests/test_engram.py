@@ -10,8 +10,7 @@ from deepseek41.config import base_config, resolve
 from deepseek41.model.engram import Engram, layer_addresses, row_ids
 from deepseek41.model.transformer import Transformer
 from deepseek41.sharding import logical_to_spec
-from deepseek41.train.optimizer import make_optimizer
-from tests.util import packed_batch, resolved
+from tests.util import first_update_ratios, packed_batch, resolved
 
 
 def _np_engram(mod, x_tnd, ids_tj, dead_t, eps):
@@ -94,22 +93,7 @@ def test_table_rows_are_sharded_by_the_rules():
 
 
 def test_tables_learn_at_the_multiplied_rate():
-  cfg = resolved(**{'train.engram_table_lr_multiplier': 5.0, 'train.grad_clip_norm': 0.0,
-                    'train.weight_decay': 0.0, 'model.engram': True})
-  model = Transformer(cfg.model, nnx.Rngs(params=0))
-  params = nnx.state(model, nnx.Param)
-  grads = jax.tree.map(jnp.ones_like, params)
-  fast = make_optimizer(cfg.train)
-  slow = make_optimizer(resolved(**{'train.engram_table_lr_multiplier': 1.0,
-                                    'train.grad_clip_norm': 0.0,
-                                    'train.weight_decay': 0.0}).train)
-  u_fast, _ = fast.update(grads, fast.init(params), params)
-  u_slow, _ = slow.update(grads, slow.init(params), params)
-  checked = 0
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(u_fast)[0],
-                          jax.tree.leaves(u_slow)):
-    name = jax.tree_util.keystr(path)
-    ratio = 5.0 if ('engram' in name and 'table' in name) else 1.0
-    np.testing.assert_allclose(np.asarray(a), ratio * np.asarray(b), rtol=1e-6, err_msg=name)
-    checked += ratio == 5.0
-  assert checked == 1
+  scaled = first_update_ratios(
+      {'model.engram': True}, {'train.engram_table_lr_multiplier': 5.0},
+      lambda name: 5.0 if ('engram' in name and 'table' in name) else 1.0)
+  assert scaled == 1

@@ -13,7 +13,7 @@ from deepseek41.batch import (NUM_DELIMITERS, ROLE_ALIGN, ROLE_END, ROLE_NEWLINE
 from deepseek41.model.vision import (VisionEncoder, merge_patches, patch_rows_cols,
                                      place_image_embeddings, rope_2d, vit_attention_fused,
                                      vit_attention_reference)
-from tests.util import resolved
+from tests.util import first_update_ratios, resolved
 
 
 def np_rope_2d(x, rows, cols, theta):
@@ -306,22 +306,8 @@ def test_released_parameter_count(vision_cfg):
 
 
 def test_vision_learns_at_its_multiplied_rate():
-  from deepseek41.model.transformer import Transformer
-  from deepseek41.train.optimizer import make_optimizer
-  common = {'train.grad_clip_norm': 0.0, 'train.weight_decay': 0.0,
-            'train.engram_table_lr_multiplier': 1.0, 'model.vision': True}
-  cfg = resolved(**common, **{'train.vision_lr_multiplier': 0.1})
-  params = nnx.state(Transformer(cfg.model, nnx.Rngs(params=0)), nnx.Param)
-  grads = jax.tree.map(jnp.ones_like, params)
-  slow = make_optimizer(cfg.train)
-  plain = make_optimizer(resolved(**common).train)
-  u_slow, _ = slow.update(grads, slow.init(params), params)
-  u_plain, _ = plain.update(grads, plain.init(params), params)
-  scaled = 0
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(u_slow)[0],
-                          jax.tree.leaves(u_plain)):
-    name = jax.tree_util.keystr(path)
-    ratio = 0.1 if name.startswith("['vision']") else 1.0
-    np.testing.assert_allclose(np.asarray(a), ratio * np.asarray(b), rtol=1e-6, err_msg=name)
-    scaled += ratio != 1.0
+  scaled = first_update_ratios(
+      {'train.engram_table_lr_multiplier': 1.0, 'model.vision': True},
+      {'train.vision_lr_multiplier': 0.1},
+      lambda name: 0.1 if name.startswith("['vision']") else 1.0)
   assert scaled >= 10  # every ViT and aligner weight, and only those

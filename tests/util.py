@@ -133,3 +133,31 @@ def take_batches(ds, n=None) -> list[dict[str, np.ndarray]]:
     return out
   finally:
     it.close()
+
+
+def first_update_ratios(overrides: dict, scaled: dict, ratio_of) -> int:
+  """Checks the first optimizer update with `scaled` overrides is ratio_of(path) x the plain one.
+
+  All-ones gradients, no clipping or weight decay; returns how many leaves had a ratio != 1.
+  """
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from deepseek41.model.transformer import Transformer
+  from deepseek41.train.optimizer import make_optimizer
+  common = {'train.grad_clip_norm': 0.0, 'train.weight_decay': 0.0, **overrides}
+  cfg = resolved(**common, **scaled)
+  params = nnx.state(Transformer(cfg.model, nnx.Rngs(params=0)), nnx.Param)
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates = []
+  for c in (cfg, resolved(**common)):
+    tx = make_optimizer(c.train)
+    updates.append(tx.update(grads, tx.init(params), params)[0])
+  scaled_leaves = 0
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(updates[0])[0],
+                          jax.tree.leaves(updates[1])):
+    name = jax.tree_util.keystr(path)
+    ratio = ratio_of(name)
+    np.testing.assert_allclose(np.asarray(a), ratio * np.asarray(b), rtol=1e-6, err_msg=name)
+    scaled_leaves += ratio != 1.0
+  return scaled_leaves
