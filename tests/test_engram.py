@@ -95,5 +95,6 @@ def test_table_rows_are_sharded_by_the_rules():
 def test_tables_learn_at_the_multiplied_rate():
   scaled = first_update_ratios(
       {'model.engram': True}, {'train.engram_table_lr_multiplier': 5.0},
+      {'train.engram_table_lr_multiplier': 1.0},
       lambda name: 5.0 if ('engram' in name and 'table' in name) else 1.0)
   assert scaled == 1

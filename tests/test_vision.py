@@ -308,6 +308,6 @@ def test_released_parameter_count(vision_cfg):
 def test_vision_learns_at_its_multiplied_rate():
   scaled = first_update_ratios(
       {'train.engram_table_lr_multiplier': 1.0, 'model.vision': True},
-      {'train.vision_lr_multiplier': 0.1},
+      {'train.vision_lr_multiplier': 0.1}, {'train.vision_lr_multiplier': 1.0},
       lambda name: 0.1 if name.startswith("['vision']") else 1.0)
   assert scaled >= 10  # every ViT and aligner weight, and only those

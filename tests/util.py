@@ -135,8 +135,8 @@ def take_batches(ds, n=None) -> list[dict[str, np.ndarray]]:
     it.close()
 
 
-def first_update_ratios(overrides: dict, scaled: dict, ratio_of) -> int:
-  """Checks the first optimizer update with `scaled` overrides is ratio_of(path) x the plain one.
+def first_update_ratios(overrides: dict, scaled: dict, plain: dict, ratio_of) -> int:
+  """Checks the first optimizer update under `scaled` is ratio_of(path) x the one under `plain`.
 
   All-ones gradients, no clipping or weight decay; returns how many leaves had a ratio != 1.
   """
@@ -150,7 +150,7 @@ def first_update_ratios(overrides: dict, scaled: dict, ratio_of) -> int:
   params = nnx.state(Transformer(cfg.model, nnx.Rngs(params=0)), nnx.Param)
   grads = jax.tree.map(jnp.ones_like, params)
   updates = []
-  for c in (cfg, resolved(**common)):
+  for c in (cfg, resolved(**common, **plain)):
     tx = make_optimizer(c.train)
     updates.append(tx.update(grads, tx.init(params), params)[0])
   scaled_leaves = 0
