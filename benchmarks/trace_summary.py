@@ -239,8 +239,18 @@ def _ms(us: float) -> str:
   return f'{us / 1000:10.3f}'
 
 
-def report_windows(ops: list[dict], wins: list, max_rows: int = 32) -> None:
-  """(a): busy time per program, then per execution of the busiest program (the train step)."""
+def host_steps(events: list[dict]) -> int:
+  """Training steps the trace holds, from the trainer's `train` step annotations on the host."""
+  return len({(e.get('args') or {}).get('step_num') for e in events
+              if e.get('ph') == 'X' and e.get('name') == 'train'})
+
+
+def report_windows(ops: list[dict], wins: list, steps: int = 0, max_rows: int = 32) -> None:
+  """(a): busy time per program, then per execution of the busiest program (the train step).
+
+  steps: the host's count of traced steps; when the device lines cannot tell the executions
+  apart (one window for several steps), the per-step figure comes from it.
+  """
   by_program = collections.defaultdict(list)
   for name, evs in wins:
     by_program[name].append(evs)
@@ -260,6 +270,9 @@ def report_windows(ops: list[dict], wins: list, max_rows: int = 32) -> None:
     print(f'{_ms(start - t0)} {_ms(span)} {_ms(busy_us(evs))} {len(evs):7d}')
   if len(runs) > max_rows:
     print(f'... {len(runs) - max_rows} more')
+  if steps > len(runs):
+    print(f'the trace holds {steps} train steps (host step annotations) but {len(runs)} '
+          f'window(s) of {top}: {sum(busy[top]) / steps / 1000:.3f} ms busy per step on average')
   span = max(e['ts'] + e['dur'] for e in ops) - t0
   devices = len({_device(e) for e in ops})
   print(f'total: device busy {busy_us(ops) / 1000:.3f} ms summed over {devices} device(s) in a '
@@ -267,8 +280,9 @@ def report_windows(ops: list[dict], wins: list, max_rows: int = 32) -> None:
         f'{sum(e["dur"] for e in ops) / 1000:.3f} ms')
 
 
-def report(ops: list[dict], wins: list, *, depth: int, top: int, merge_layers: bool) -> None:
-  report_windows(ops, wins)
+def report(ops: list[dict], wins: list, *, depth: int, top: int, merge_layers: bool,
+           steps: int = 0) -> None:
+  report_windows(ops, wins, steps)
   kernel_us = sum(e['dur'] for e in ops)
 
   groups = collections.defaultdict(lambda: [0.0, 0])
@@ -320,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
           f'{sorted(set(procs.values()))} (try --device-substr "")')
     return 1
   report(ops, windows(ops, events, threads), depth=args.depth, top=args.top,
-         merge_layers=args.merge_layers)
+         merge_layers=args.merge_layers, steps=host_steps(events))
   return 0
 
 

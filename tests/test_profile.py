@@ -37,7 +37,7 @@ def test_trainer_traces_the_window_and_the_summary_reads_it(tmp_path, capsys):
   assert '(c) top 5 kernels' in out
 
 
-def _fake_gpu_trace(path):
+def _fake_gpu_trace(path, modules_line=True):
   """A GPU-shaped trace: a kernel stream plus xprof's derived lines that repeat its time."""
   meta = [
       {'ph': 'M', 'pid': 1, 'name': 'process_name', 'args': {'name': '/device:GPU:0'}},
@@ -60,7 +60,11 @@ def _fake_gpu_trace(path):
       {'ph': 'X', 'pid': 1, 'tid': 9, 'ts': 5, 'dur': 100, 'name': 'jit_train_step(1)'},
       {'ph': 'X', 'pid': 1, 'tid': 9, 'ts': 150, 'dur': 100, 'name': 'jit_train_step(1)'},
       {'ph': 'X', 'pid': 2, 'tid': 1, 'ts': 0, 'dur': 999, 'name': 'PjitFunction(train_step)'},
+      {'ph': 'X', 'pid': 2, 'tid': 1, 'ts': 0, 'dur': 3, 'name': 'train', 'args': {'step_num': 5}},
+      {'ph': 'X', 'pid': 2, 'tid': 1, 'ts': 4, 'dur': 3, 'name': 'train', 'args': {'step_num': 6}},
   ]
+  if not modules_line:
+    derived = [e for e in derived if e.get('tid') != 9]
   with gzip.open(path, 'wt') as f:
     json.dump({'traceEvents': meta + kernels + derived}, f)
 
@@ -75,6 +79,14 @@ def test_summary_of_a_gpu_shaped_trace(tmp_path, capsys):
   assert any('bwd  layer3/attention/csa2' in l and '50.00' in l for l in lines)
   assert any('fwd  layer3/attention/csa2' in l and '30.00' in l for l in lines)
   assert any('other  mul' in l for l in lines)
+
+
+def test_summary_counts_host_steps_when_the_device_lines_do_not_split_them(tmp_path, capsys):
+  _fake_gpu_trace(tmp_path / 'perfetto_trace.json.gz', modules_line=False)
+  assert trace_summary.main([str(tmp_path)]) == 0
+  out = capsys.readouterr().out
+  assert '1 windows' in out
+  assert 'the trace holds 2 train steps' in out and '0.050 ms busy per step' in out
 
 
 def test_scope_parsing():
