@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from deepseek41.config import base_config, resolve
+from deepseek41.model.transformer import Transformer
+from deepseek41.train.optimizer import make_optimizer
 
 B, T, VOCAB = 8, 48, 96
 
@@ -98,8 +103,6 @@ def packed_layout(doc_lengths, t):
 
 def token_ce(model, batch):
   """Per-token cross-entropy [B, T] (0 on padding): the quantity perturbation tests compare."""
-  import jax
-  import jax.numpy as jnp
   logits, _ = model(batch)
   lse = jax.nn.logsumexp(logits, axis=-1)
   tgt = jnp.take_along_axis(logits, batch['targets'][..., None], axis=-1)[..., 0]
@@ -140,11 +143,6 @@ def first_update_ratios(overrides: dict, scaled: dict, plain: dict, ratio_of) ->
 
   All-ones gradients, no clipping or weight decay; returns how many leaves had a ratio != 1.
   """
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-  from deepseek41.model.transformer import Transformer
-  from deepseek41.train.optimizer import make_optimizer
   common = {'train.grad_clip_norm': 0.0, 'train.weight_decay': 0.0, **overrides}
   cfg = resolved(**common, **scaled)
   params = nnx.state(Transformer(cfg.model, nnx.Rngs(params=0)), nnx.Param)

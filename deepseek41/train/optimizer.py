@@ -43,20 +43,24 @@ def decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+def _mask_by_path(params, keep):
+  """tree of bools: keep(keys) for each leaf, keys = its path as strings ('vision', 'w_align2')."""
+  def leaf(path, _):
+    return keep([str(getattr(k, 'key', getattr(k, 'name', k))) for k in path])
+  return jax.tree_util.tree_map_with_path(leaf, params)
+
+
 def engram_table_mask(params):
   """True on the Engram tables (`...engram.table`), which take `engram_table_lr_multiplier`."""
-  def is_table(path, _):
-    keys = [str(getattr(k, 'key', getattr(k, 'name', k))) for k in path]
+  def is_table(keys):
     return 'engram' in keys and keys[-1] == 'table' or keys[-2:] == ['table', 'value'] \
         and 'engram' in keys
-  return jax.tree_util.tree_map_with_path(is_table, params)
+  return _mask_by_path(params, is_table)
 
 
 def vision_mask(params):
   """True on the vision encoder and aligner (`vision...`), which take `vision_lr_multiplier`."""
-  def is_vision(path, _):
-    return str(getattr(path[0], 'key', getattr(path[0], 'name', path[0]))) == 'vision'
-  return jax.tree_util.tree_map_with_path(is_vision, params)
+  return _mask_by_path(params, lambda keys: keys[0] == 'vision')
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
