@@ -58,6 +58,7 @@ def test_tiny_roles_match_the_reference_toy():
     ('mesh.fsdp', 3, 'mesh'),
     ('data.sources', 'a:-1', 'data.sources'),
     ('log.profile_steps', 0, 'log.profile_steps'),
+    ('train.vision_lr_multiplier', 0.0, 'train.vision_lr_multiplier'),
     ('log.profile_start_step', -1, 'log.profile_start_step'),
 ])
 def test_inconsistent_values_name_the_key(key, value, culprit):
