@@ -164,7 +164,8 @@ def test_prepare_directory_and_jsonl(tmp_path):
   assert sorted(docs['train'] + docs['heldout']) == sorted(expected)
   assert docs['train'] and docs['heldout']
   record = json.loads(_read(os.path.join(out, 'prepare.json')))
-  assert record['skipped_binary_files'] == 1 and record['inputs'] == [corpus, jsonl]
+  assert record['skipped_binary_files'] == [os.path.join(corpus, 'image.bin')]
+  assert record['inputs'] == [corpus, jsonl]
   # Same inputs -> same tokenizer and the same held-out documents.
   again = prepare_dataset([corpus, jsonl], str(tmp_path / 'again'), vocab_size=300,
                           heldout_fraction=0.3, progress=False)
@@ -216,6 +217,9 @@ def test_prepare_cli(tmp_path):
   ok = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
   assert ok.returncode == 0, ok.stderr
   assert 'wrote' in ok.stdout and 'RuntimeWarning' not in ok.stderr
+  assert (f'WARNING: skipped 1 binary files (prepare.json lists them): {corpus}/image.bin'
+          in ok.stderr)
+  assert f'WARNING: {corpus}/latin1.txt is not valid UTF-8: replaced 1 byte by' in ok.stderr
   assert json.loads(_read(tmp_path / 'out' / 'prepare.json'))['argv'] == cmd[3:]
   cmd[cmd.index(corpus)] = str(tmp_path / 'missing')
   cmd[cmd.index(str(tmp_path / 'out'))] = str(tmp_path / 'out2')

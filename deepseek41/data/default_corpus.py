@@ -18,7 +18,7 @@ from deepseek41.data.shards import META_FILE, DataError
 HELDOUT_FRACTION = 0.02
 EXCLUDED_DIRS = frozenset({'site-packages', 'dist-packages', 'test', 'tests', 'idlelib',
                            '__pycache__'})
-CORPUS_VERSION = 1  # bump when the file selection or split rule changes
+CORPUS_VERSION = 2  # bump when the file selection, split rule or tokenizer recipe changes
 
 
 def stdlib_files(max_files: int = 0) -> list[InputFile]:
@@ -58,7 +58,7 @@ def default_corpus_dir(cache_dir: str, vocab_size: int, max_files: int = 0, *,
     prepare_files(stdlib_files(max_files), out, vocab_size=vocab_size,
                   heldout_fraction=HELDOUT_FRACTION, progress=progress,
                   record={'corpus': 'python stdlib', 'python': sys.version,
-                          'max_files': max_files, 'vocab_size': vocab_size})
+                          'max_files': max_files, 'requested_vocab_size': vocab_size})
   except (DataError, OSError):
     # Another process finished first: its rename won and ours failed. Anything else re-raises
     # (including a foreign directory at `out`, which is never deleted: others may be reading it).

@@ -3,7 +3,9 @@
     python -m deepseek41.data.prepare --input corpus/ --input extra.jsonl --output /data/mine \
         --vocab_size 8192 [--heldout_fraction 0.01] [--jsonl_field text] [--shard_tokens N]
 
-Output:  DIR/tokenizer.json, DIR/train/, DIR/heldout/ (see shards.py), DIR/prepare.json.
+Output:  DIR/tokenizer.json, DIR/train/, DIR/heldout/ (see shards.py), DIR/prepare.json. The
+vocab_size recorded there (and in the shards' meta.json) is the tokenizer's real size: a small
+corpus can give fewer tokens than --vocab_size asks for, which prepare warns about.
 
 A plain file is one document; a `.jsonl` file holds one document per line (a JSON object whose
 `--jsonl_field` is the text); a directory contributes every non-hidden file below it, in sorted
@@ -11,19 +13,25 @@ order. A document goes to heldout when a hash of (its file's path relative to th
 index in the file) falls below `heldout_fraction`, so the held-out set does not change when other
 files are added or the corpus moves. Everything is written to a temporary directory that is
 renamed into place at the end: `DIR` either holds a complete dataset or does not exist.
+
+Input is UTF-8 text. A binary file (NUL bytes, or mostly bytes that are not UTF-8, in its first
+8 KiB) is skipped with a warning naming it, and it is an error when every input is binary. Other
+bytes that are not UTF-8 become U+FFFD, with a warning naming the file and the count.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import tqdm
 
@@ -35,6 +43,12 @@ TOKENIZER_FILE = 'tokenizer.json'
 PREPARE_FILE = 'prepare.json'
 _ENCODE_CHUNK_CHARS = 4 << 20  # texts handed to the (multi-threaded) HF encoder at once
 _BINARY_SNIFF_BYTES = 8192
+# Share of not-UTF-8 bytes at the start above which a file without NUL bytes is binary too. Text
+# in a Latin-1-like encoding stays far below (a few accented letters); random bytes are near 0.5.
+_BINARY_UNDECODABLE_SHARE = 0.3
+_SKIPPED_LISTED = 10  # skipped files named one by one in the warning; prepare.json lists all
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,21 +96,70 @@ def _read_bytes(path: str) -> bytes:
     raise DataError(f'cannot read input file {path}: {e.strerror or e}') from e
 
 
-def looks_binary(path: str) -> bool:
-  """NUL bytes near the start mean a binary file (images, archives) that directory walks skip."""
+def binary_reason(path: str) -> str | None:
+  """Why the start of `path` looks binary (images, archives, UTF-16), or None for text."""
   try:
     with open(path, 'rb') as f:
-      return b'\0' in f.read(_BINARY_SNIFF_BYTES)
+      head = f.read(_BINARY_SNIFF_BYTES)
   except OSError as e:
     raise DataError(f'cannot read input file {path}: {e.strerror or e}') from e
+  if b'\0' in head:
+    return 'it contains NUL bytes'
+  # final=False: a character cut by the sniff's end is not counted as undecodable.
+  decoded = codecs.getincrementaldecoder('utf-8')('surrogateescape').decode(head, final=False)
+  bad = _count_escaped(decoded)
+  if head and bad / len(head) > _BINARY_UNDECODABLE_SHARE:
+    return f'{bad} of its first {len(head)} bytes are not UTF-8'
+  return None
 
 
-def iter_documents(f: InputFile, jsonl_field: str) -> Iterator[str]:
-  """The documents of one file; undecodable bytes become U+FFFD rather than failing."""
+def _count_escaped(text: str) -> int:
+  """surrogateescape turns each undecodable byte into one of U+DC80..U+DCFF."""
+  return sum(1 for c in text if '\udc80' <= c <= '\udcff')
+
+
+def decode_text(raw: bytes) -> tuple[str, int]:
+  """(text, number of bytes that are not UTF-8); those bytes become U+FFFD."""
+  try:
+    return raw.decode('utf-8'), 0
+  except UnicodeDecodeError:
+    return raw.decode('utf-8', errors='replace'), _count_escaped(
+        raw.decode('utf-8', errors='surrogateescape'))
+
+
+def drop_binary(files: Sequence[InputFile]) -> tuple[list[InputFile], list[str]]:
+  """(the text files, the paths of binary ones), warning about the latter; an error if all are."""
+  text, skipped = [], []
+  for f in files:
+    reason = binary_reason(f.path)
+    if reason is None:
+      text.append(f)
+    else:
+      skipped.append((f.path, reason))
+  named = ', '.join(f'{path} ({reason})' for path, reason in skipped[:_SKIPPED_LISTED])
+  if len(skipped) > _SKIPPED_LISTED:
+    named += f' and {len(skipped) - _SKIPPED_LISTED} more'
+  advice = 'prepare reads UTF-8 text; convert text in another encoding first (iconv -t utf-8)'
+  if skipped and not text:
+    raise DataError(f'every input file is binary, nothing to tokenize: {named}; {advice}')
+  if skipped:
+    log.warning('skipped %d binary files (prepare.json lists them): %s; %s', len(skipped), named,
+                advice)
+  return text, [path for path, _ in skipped]
+
+
+def iter_documents(f: InputFile, jsonl_field: str,
+                   on_undecodable: Callable[[int, int], None] | None = None) -> Iterator[str]:
+  """The documents of one file. Bytes that are not UTF-8 become U+FFFD rather than failing;
+  `on_undecodable(line_no, count)` hears of each line (line 0: a whole plain file) that had some.
+  """
   if not f.jsonl:
-    yield _read_bytes(f.path).decode('utf-8', errors='replace')
+    text, bad = decode_text(_read_bytes(f.path))
+    if bad and on_undecodable:
+      on_undecodable(0, bad)
+    yield text
     return
-  for line_no, line in _read_lines(f.path):
+  for line_no, line in _read_lines(f.path, on_undecodable):
     if not line.strip():
       continue
     try:
@@ -114,7 +177,8 @@ def iter_documents(f: InputFile, jsonl_field: str) -> Iterator[str]:
     yield value
 
 
-def _read_lines(path: str) -> Iterator[tuple[int, str]]:
+def _read_lines(path: str, on_undecodable: Callable[[int, int], None] | None
+                ) -> Iterator[tuple[int, str]]:
   """(1-based line number, line) streamed from disk, split on b'\\n' only.
 
   str.splitlines would also split on U+2028 and friends, which JSON strings may contain raw.
@@ -122,7 +186,10 @@ def _read_lines(path: str) -> Iterator[tuple[int, str]]:
   try:
     with open(path, 'rb') as f:
       for line_no, raw in enumerate(f, start=1):
-        yield line_no, raw.decode('utf-8', errors='replace')
+        line, bad = decode_text(raw)
+        if bad and on_undecodable:
+          on_undecodable(line_no, bad)
+        yield line_no, line
   except OSError as e:
     raise DataError(f'cannot read input file {path}: {e.strerror or e}') from e
 
@@ -153,7 +220,8 @@ def _file_splits(f: InputFile, jsonl_field: str, heldout_fraction: float,
 def _scan(files, jsonl_field, heldout_fraction, scan: _Scan, progress: bool, desc: str):
   """First pass: validates every file, counts documents, and yields the training texts."""
   for f in tqdm.tqdm(files, desc=desc, unit='file', disable=not progress):
-    for i, text in enumerate(iter_documents(f, jsonl_field)):
+    undecodable = _Undecodable()
+    for i, text in enumerate(iter_documents(f, jsonl_field, undecodable)):
       if not text:
         continue
       score = heldout_score(f.key, i)
@@ -164,6 +232,27 @@ def _scan(files, jsonl_field, heldout_fraction, scan: _Scan, progress: bool, des
         scan.num_heldout += 1
       else:
         yield text
+    undecodable.warn(f.path)
+
+
+class _Undecodable:
+  """Counts one file's bytes that are not UTF-8, for one warning per file."""
+
+  def __init__(self):
+    self.bytes, self.lines, self.first_line = 0, 0, 0
+
+  def __call__(self, line_no: int, count: int) -> None:
+    self.bytes += count
+    self.lines += 1
+    self.first_line = self.first_line or line_no
+
+  def warn(self, path: str) -> None:
+    if not self.bytes:
+      return
+    where = (f' on {self.lines} lines (first: line {self.first_line})' if self.first_line else '')
+    log.warning('%s is not valid UTF-8: replaced %d byte%s%s by U+FFFD; if it is text in '
+                'another encoding, convert it first (e.g. iconv -f latin1 -t utf-8)', path,
+                self.bytes, 's' if self.bytes > 1 else '', where)
 
 
 def _encode_and_write(tok: Tokenizer, files, jsonl_field, heldout_fraction, forced,
@@ -201,13 +290,15 @@ def prepare_files(files: Sequence[InputFile], output: str, *, tokenizer_path: st
     raise DataError(f'output {output} already exists; delete it or choose another --output')
   if not files:
     raise DataError('the inputs contain no files')
+  files, binary = drop_binary(files)
+  record = dict(record or {}, skipped_binary_files=binary)
   parent = os.path.dirname(os.path.abspath(output))
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=os.path.basename(output) + '.tmp-', dir=parent)
   try:
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the dataset may live in a shared cache
     _prepare_into(tmp, files, tokenizer_path, vocab_size, heldout_fraction, jsonl_field,
-                  shard_tokens, progress, record or {})
+                  shard_tokens, progress, record)
     os.rename(tmp, output)  # atomic: readers never see a half-written dataset
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -241,7 +332,8 @@ def _prepare_into(out_dir, files, tokenizer_path, vocab_size, heldout_fraction, 
   if metas['train']['num_docs'] == 0:
     raise DataError(f'every document went to heldout (heldout_fraction={heldout_fraction}); '
                     'lower --heldout_fraction')
-  summary = dict(record, tokenizer_vocab_size=tok.vocab_size, tokenizer_sha256=sha,
+  # vocab_size is the real size, which can be below requested_vocab_size (train_tokenizer).
+  summary = dict(record, vocab_size=tok.vocab_size, tokenizer_sha256=sha,
                  num_files=len(files), heldout_fraction=heldout_fraction,
                  splits={s: {'num_docs': m['num_docs'], 'num_tokens': m['num_tokens']}
                          for s, m in metas.items()})
@@ -256,17 +348,10 @@ def prepare_dataset(inputs: Sequence[str], output: str, tokenizer_path: str | No
                     argv: Sequence[str] | None = None) -> str:
   """Prepares `inputs` (files / directories / .jsonl) into `output`; returns `output`."""
   files = collect_files(inputs, extensions)
-  given = {os.path.abspath(p) for p in inputs}
-  # Directory walks skip binaries; a file named explicitly is always read.
-  binary = [f for f in files if os.path.abspath(f.path) not in given and looks_binary(f.path)]
-  if binary:
-    skipped = {f.path for f in binary}
-    files = [f for f in files if f.path not in skipped]
-    print(f'prepare: skipped {len(binary)} binary files (e.g. {binary[0].path})', file=sys.stderr)
   record = {'inputs': list(inputs), 'output': output, 'tokenizer': tokenizer_path,
-            'vocab_size': vocab_size, 'jsonl_field': jsonl_field, 'shard_tokens': shard_tokens,
-            'extensions': list(extensions), 'argv': list(argv) if argv is not None else None,
-            'skipped_binary_files': len(binary)}
+            'requested_vocab_size': vocab_size, 'jsonl_field': jsonl_field,
+            'shard_tokens': shard_tokens, 'extensions': list(extensions),
+            'argv': list(argv) if argv is not None else None}
   return prepare_files(files, output, tokenizer_path=tokenizer_path, vocab_size=vocab_size,
                        heldout_fraction=heldout_fraction, jsonl_field=jsonl_field,
                        shard_tokens=shard_tokens, progress=progress, record=record)
@@ -293,6 +378,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = _parser().parse_args(argv)
+  logging.basicConfig(level=logging.WARNING, format='%(levelname)s: %(message)s')
   try:
     out = prepare_dataset(
         args.input, args.output, args.tokenizer, args.vocab_size, args.heldout_fraction,

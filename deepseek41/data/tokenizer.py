@@ -2,18 +2,20 @@
 
 Our own tokenizers reserve `<pad>` = 0 and `<eos>` = 1, then the 256 byte symbols, then merges,
 so any vocabulary size >= 259 works and no text is ever out of vocabulary. Every encoded
-document ends with `<eos>`, which is how the model learns where documents stop.
+document ends with `<eos>`, which is how the model learns where documents stop. Pre-tokenized
+pieces are at most MAX_PIECE_BYTES long (see `_pre_tokenizer`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
 from deepseek41.data.shards import DataError
 
@@ -23,6 +25,10 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + 1
 # Names foreign tokenizer.json files use for the end-of-document and padding tokens.
 EOS_NAMES = (EOS, '</s>', '<|endoftext|>', '<|end_of_text|>', '<｜end▁of▁sentence｜>', '[SEP]')
 PAD_NAMES = (PAD, '<|pad|>', '[PAD]', '<|padding|>')
+MAX_PIECE_BYTES = 256  # longest pre-tokenized piece, hence longest token (_pre_tokenizer)
+MIN_FREQUENCY = 2  # a merge needs a byte pair that occurs at least this often
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -82,21 +88,58 @@ def _first_token_id(hf: tokenizers.Tokenizer, names: Sequence[str]) -> int | Non
   return None
 
 
+def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+  """GPT-2 byte-level splitting, then every piece cut into chunks of <= MAX_PIECE_BYTES.
+
+  Why the cut: the BPE trainer re-scans a whole piece for every merge that touches it, so one
+  whitespace-free run (a minified file, a base64 blob, a 5 MB line) costs O(its length) per merge
+  and prepare ran ~60x slower per byte than on normal text. Chunks bound that cost; they change
+  nothing for ordinary words, and tokens longer than MAX_PIECE_BYTES are useless anyway. The cut
+  lives in the tokenizer itself (saved in tokenizer.json), so training and every later encode
+  split text the same way. It runs after ByteLevel, where one character is one byte.
+  """
+  return pre_tokenizers.Sequence([
+      # No prefix space: source code and text keep their exact leading whitespace.
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+      pre_tokenizers.Split(Regex(f'.{{1,{MAX_PIECE_BYTES}}}'), behavior='isolated'),
+  ])
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-  """Trains a byte-level BPE; the same texts in the same order give the same tokenizer."""
+  """Trains a byte-level BPE; the same texts in the same order give the same tokenizer.
+
+  A corpus with fewer mergeable pairs than `vocab_size` asks for yields a smaller vocabulary:
+  that is logged as a warning, and `Tokenizer.vocab_size` is the real size.
+  """
   if vocab_size < MIN_VOCAB_SIZE:
     raise DataError(f'vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} '
                     f'special tokens + 1 merge), got {vocab_size}')
   hf = tokenizers.Tokenizer(models.BPE())
-  # No prefix space: source code and text keep their exact leading whitespace.
-  hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  hf.pre_tokenizer = _pre_tokenizer()
   hf.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(
-      vocab_size=vocab_size, min_frequency=2, show_progress=False,
+      vocab_size=vocab_size, min_frequency=MIN_FREQUENCY, show_progress=False,
       special_tokens=list(SPECIAL_TOKENS),
       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  hf.train_from_iterator(texts, trainer=trainer)
-  return Tokenizer(hf, source=f'<trained, vocab_size={vocab_size}>')
+  seen = {'texts': 0, 'chars': 0}
+
+  def counted(texts):
+    for text in texts:
+      seen['texts'] += 1
+      seen['chars'] += len(text)
+      yield text
+
+  hf.train_from_iterator(counted(texts), trainer=trainer)
+  tok = Tokenizer(hf, source=f'<trained, vocab_size={vocab_size}>')
+  if tok.vocab_size < vocab_size:
+    log.warning(
+        'asked for a vocabulary of %d tokens but got only %d: the training corpus (%d documents, '
+        '%d characters) is too small or too repetitive, BPE found only %d merges (pairs of '
+        'tokens seen at least %d times). Using the %d-token vocabulary, the real size that '
+        'prepare.json and meta.json record; give more text or a smaller --vocab_size.',
+        vocab_size, tok.vocab_size, seen['texts'], seen['chars'],
+        tok.vocab_size - MIN_VOCAB_SIZE + 1, MIN_FREQUENCY, tok.vocab_size)
+  return tok
 
 
 def load_tokenizer(path: str) -> Tokenizer:
