@@ -349,6 +349,11 @@ def test_pair_and_jsonl_sources_and_their_errors(tmp_path, text_dir):
   (tmp_path / 'pairs' / 'sub0' / 'lonely.png').write_bytes(b'')
   with pytest.raises(DataError, match=r'image .*lonely\.png has no caption'):
     multimodal.PairSamples(str(tmp_path / 'pairs'), 'train', 0.2)
+  (tmp_path / 'pairs' / 'sub0' / 'lonely.png').unlink()
+  (tmp_path / 'pairs' / 'sub1' / 'im001.jpg').unlink()  # its caption im001.txt stays behind
+  with pytest.raises(DataError, match=r'1 caption files in .*pairs have no image \(.*\): '
+                                      r'.*pairs/sub1/im001\.txt; restore the images'):
+    multimodal.PairSamples(str(tmp_path / 'pairs'), 'train', 0.2)
   bad = tmp_path / 'bad'
   _png(bad / 'ok.png', _noise(rng, 8, 8))
   (bad / 'ok.txt').write_text('fine')

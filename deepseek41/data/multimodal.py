@@ -5,7 +5,8 @@
     shapes          the embedded task (shapes.py): an endless training stream and a fixed
                     held-out set of SHAPES_HELDOUT_SAMPLES, generated on the fly
     DIR             image + caption pairs: every `x.png|jpg|jpeg|webp` below DIR with its `x.txt`,
-                    sorted by relative path; the sample is [image, caption]
+                    sorted by relative path; the sample is [image, caption]. An image without
+                    its caption, or a caption (any .txt) without its image, is an error.
     FILE.jsonl      one record per non-blank line: {"content": [{"text": "..."}, {"image": "a.png"},
                     ...]}; image paths are relative to the JSONL file's directory or absolute
 
@@ -150,6 +151,13 @@ def _scan_pairs(root: str) -> list[tuple[str, str]]:
       raise DataError(f'image {os.path.join(root, images[stem])} has no caption: expected '
                       f'{os.path.join(root, stem + ".txt")}')
     pairs.append((images[stem], stem + '.txt'))
+  # A caption without its image is most likely a broken copy of the dataset, not a choice.
+  orphans = sorted(os.path.join(root, stem + '.txt') for stem in texts - images.keys())
+  if orphans:
+    named = ', '.join(orphans[:5]) + (f' and {len(orphans) - 5} more' if len(orphans) > 5 else '')
+    raise DataError(f'data.image_sources: {len(orphans)} caption files in {root} have no image '
+                    f'({"/".join(IMAGE_EXTENSIONS)} of the same name): {named}; restore the '
+                    'images, or move the captions (and any other .txt file) out of the directory')
   return pairs
 
 
