@@ -6,9 +6,10 @@
     g_k   = sigmoid(sign(dot_k) sqrt(max(|dot_k|, 1e-6)))      0 on dead tokens (padding, image)
     X[k] += g_k v                      before the layer's mHC site
 
-The row ids depend only on token ids: `EngramAddressing` computes them once per batch for every
-Engram layer (engram_hash.py holds the hashing), never inside a layer. Tables are rows x
-head_dim parameters with the logical axis `engram_rows`, so the mesh rules shard their rows.
+The row ids depend only on token ids: `row_ids` computes them once per batch for every Engram
+layer (`Transformer.with_engram_rows` calls it; engram_hash.py holds the hashing), never inside a
+layer. Tables are rows x head_dim `EngramTable` parameters (their own learning rate) with the
+logical axis `engram_rows`, so the mesh rules shard their rows.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from flax import nnx
 from deepseek41.config import ModelConfig
 from deepseek41.model import engram_hash
 from deepseek41.model.norms import rms_normalize
-from deepseek41.model.params import const_param, normal_param
+from deepseek41.model.params import EngramTable, const_param, normal_param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +83,7 @@ class Engram(nnx.Module):
     self.n, self.d, self.eps = n, cfg.d_model, cfg.rms_norm_eps
     padded = -(-rows // cfg.engram_table_row_multiple) * cfg.engram_table_row_multiple
     self.table = normal_param(rngs, (padded, cfg.engram_head_dim), ('engram_rows', 'engram_dim'),
-                              cfg.init_std)  # rows past `rows` are never addressed
+                              cfg.init_std, EngramTable)  # rows past `rows` are never addressed
     self.proj = normal_param(rngs, (j * cfg.engram_head_dim, (n + 1) * cfg.d_model),
                              ('engram_in', 'embed'), cfg.init_std)
     self.q_weight = const_param(1.0, (n, cfg.d_model), (None, 'norm'))

@@ -16,9 +16,10 @@ def rms_normalize(x, eps: float):
 
 class RMSNorm(nnx.Module):
 
-  def __init__(self, dim: int, eps: float, axis_name: str = 'norm'):
+  def __init__(self, dim: int, eps: float, axis_name: str = 'norm',
+               kind: type[nnx.Param] = nnx.Param):
     self.eps = eps
-    self.scale = const_param(1.0, (dim,), (axis_name,))
+    self.scale = const_param(1.0, (dim,), (axis_name,), kind)
 
   def __call__(self, x):
     return (rms_normalize(x, self.eps) * self.scale[...].astype(jnp.float32)).astype(x.dtype)

@@ -1,9 +1,16 @@
-"""Parameter creation with logical axis names (DESIGN.md "Parameters and state").
+"""Parameter creation with logical axis names and parameter groups (docs/design.md "Parameters
+and state").
 
 Every parameter is an `nnx.Param` carrying `logical_axes` metadata; `sharding.py` maps those
 names to mesh axes through the config's rules table. We use our own metadata key rather than
 flax's `out_sharding`, so creating a model never needs an ambient mesh: shardings are applied
 once, by `jax.jit(..., out_shardings=...)` at initialisation.
+
+Groups that train differently are variable types, fixed where the parameter is created:
+`EngramTable` (the Engram memory rows, `train.engram_table_lr_multiplier`) and `VisionParam`
+(the ViT, aligner and span delimiters, `train.vision_lr_multiplier`). The optimizer, the step
+and tools.info select them with nnx filters (`isinstance`), never from parameter paths. The
+types do not appear in the state's paths, so checkpoints keep their layout.
 """
 
 from __future__ import annotations
@@ -17,18 +24,46 @@ class RouterBias(nnx.Variable):
   """MoE correction bias: training state updated by the sign rule, never by the optimizer."""
 
 
+class EngramTable(nnx.Param):
+  """Rows of an Engram memory table: looked up per token, learning at their own rate."""
+
+
+class VisionParam(nnx.Param):
+  """A weight of the vision encoder, aligner or span delimiters: learning at its own rate."""
+
+
 def dtype_of(name: str):
   return {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}[name]
 
 
 def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
-                 std: float, dtype=jnp.float32) -> nnx.Param:
+                 std: float, kind: type[nnx.Param] = nnx.Param) -> nnx.Param:
+  """A weight drawn N(0, std^2) in fp32 (`cast_params` sets the stored dtype, once, for all)."""
   assert len(shape) == len(axes), (shape, axes)
   value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-  return nnx.Param(value.astype(dtype), logical_axes=tuple(axes))
+  return kind(value, logical_axes=tuple(axes))
 
 
 def const_param(value: float, shape: tuple[int, ...], axes: tuple[str | None, ...],
-                dtype=jnp.float32) -> nnx.Param:
+                kind: type[nnx.Param] = nnx.Param) -> nnx.Param:
+  """A constant-initialised elementwise parameter (scale, bias, sink): `elementwise` marks it
+  as no matmul weight for the FLOP count (deepseek41/model/inventory.py)."""
   assert len(shape) == len(axes), (shape, axes)
-  return nnx.Param(jnp.full(shape, value, dtype), logical_axes=tuple(axes))
+  return kind(jnp.full(shape, value, jnp.float32), logical_axes=tuple(axes), elementwise=True)
+
+
+def is_elementwise(var: nnx.Variable) -> bool:
+  return bool(var.get_metadata().get('elementwise', False))
+
+
+def cast_params(module: nnx.Module, dtype) -> nnx.Module:
+  """Store every floating `nnx.Param` of `module` in `dtype` (`model.param_dtype`), in place.
+
+  Only `nnx.Param`s: the MoE correction biases (`RouterBias`) stay fp32, because the sign rule
+  moves them by `model.router_bias_rate` (1e-3) per step, below bf16's resolution (2^-8
+  relative) once a bias exceeds ~0.25, so in bf16 they would stop moving.
+  """
+  for _, var in nnx.iter_graph(module):
+    if isinstance(var, nnx.Param) and jnp.issubdtype(var.get_value().dtype, jnp.floating):
+      var.set_value(var.get_value().astype(dtype))
+  return module

@@ -23,7 +23,7 @@ from flax import nnx
 from deepseek41.batch import NUM_DELIMITERS, ROLE_ALIGN, ROLE_PATCH, ROLE_START
 from deepseek41.config import ModelConfig
 from deepseek41.model.norms import RMSNorm
-from deepseek41.model.params import const_param, dtype_of, normal_param
+from deepseek41.model.params import VisionParam, const_param, normal_param
 
 IMPLS = ('reference', 'fused')
 
@@ -200,16 +200,15 @@ class VisionAttention(nnx.Module):
     d, h = cfg.vision_dim, cfg.vision_heads
     hd = d // h
     std = cfg.init_std
-    pdt = dtype_of(cfg.param_dtype)
     self.cfg = cfg
     # Fused qkv laid out [D, 3, H, hd]: flattening the output gives (q|k|v)-major, head, channel,
     # the order of a Linear(D -> 3D) [I], while heads stay an axis that shards.
     self.w_qkv = normal_param(rngs, (d, 3, h, hd), ('vision_embed', None, 'vision_heads',
-                                                    'head_dim'), std, pdt)
-    self.b_qkv = const_param(0.0, (3, h, hd), (None, 'vision_heads', 'head_dim'), pdt)
+                                                    'head_dim'), std, VisionParam)
+    self.b_qkv = const_param(0.0, (3, h, hd), (None, 'vision_heads', 'head_dim'), VisionParam)
     self.w_o = normal_param(rngs, (h, hd, d), ('vision_heads', 'head_dim', 'vision_embed'), std,
-                            pdt)
-    self.b_o = const_param(0.0, (d,), ('vision_embed',), pdt)
+                            VisionParam)
+    self.b_o = const_param(0.0, (d,), ('vision_embed',), VisionParam)
 
   def __call__(self, x_spd, rows_sp, cols_sp, lengths_s):
     cfg, dt = self.cfg, x_spd.dtype
@@ -228,13 +227,12 @@ class VisionBlock(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, f, std = cfg.vision_dim, cfg.vision_mlp, cfg.init_std
-    pdt = dtype_of(cfg.param_dtype)
-    self.attn_norm = RMSNorm(d, cfg.vision_norm_eps, 'vision_embed')
+    self.attn_norm = RMSNorm(d, cfg.vision_norm_eps, 'vision_embed', VisionParam)
     self.attn = VisionAttention(cfg, rngs)
-    self.mlp_norm = RMSNorm(d, cfg.vision_norm_eps, 'vision_embed')
-    self.w_gate = normal_param(rngs, (d, f), ('vision_embed', 'vision_mlp'), std, pdt)
-    self.w_up = normal_param(rngs, (d, f), ('vision_embed', 'vision_mlp'), std, pdt)
-    self.w_down = normal_param(rngs, (f, d), ('vision_mlp', 'vision_embed'), std, pdt)
+    self.mlp_norm = RMSNorm(d, cfg.vision_norm_eps, 'vision_embed', VisionParam)
+    self.w_gate = normal_param(rngs, (d, f), ('vision_embed', 'vision_mlp'), std, VisionParam)
+    self.w_up = normal_param(rngs, (d, f), ('vision_embed', 'vision_mlp'), std, VisionParam)
+    self.w_down = normal_param(rngs, (f, d), ('vision_mlp', 'vision_embed'), std, VisionParam)
 
   def __call__(self, x_spd, rows_sp, cols_sp, lengths_s):
     dt = x_spd.dtype
@@ -256,28 +254,29 @@ def _rematerialized(block: VisionBlock, *args):
 class VisionEncoder(nnx.Module):
   """Patches -> aligned LM-width image tokens; also owns the span delimiter vectors.
 
+  Every parameter here is a `VisionParam` (`train.vision_lr_multiplier` selects them by type).
+
   `__call__(image_patches [B,N,P,p*p*3] uint8, image_grid [B,N,2], dtype) -> [B,N,M,d_model]`.
   """
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: str = 'none'):
     d, std, dm = cfg.vision_dim, cfg.init_std, cfg.d_model
     mm = cfg.vision_merge * cfg.vision_merge
-    pdt = dtype_of(cfg.param_dtype)
     self.cfg = cfg
     self.remat = remat
     p3 = cfg.vision_patch * cfg.vision_patch * 3
-    self.w_patch = normal_param(rngs, (p3, d), ('patch_in', 'vision_embed'), std, pdt)
-    self.b_patch = const_param(0.0, (d,), ('vision_embed',), pdt)
+    self.w_patch = normal_param(rngs, (p3, d), ('patch_in', 'vision_embed'), std, VisionParam)
+    self.b_patch = const_param(0.0, (d,), ('vision_embed',), VisionParam)
     self.blocks = nnx.List([VisionBlock(cfg, rngs) for _ in range(cfg.vision_layers)])
-    self.final_norm = RMSNorm(d, cfg.vision_norm_eps, 'vision_embed')
+    self.final_norm = RMSNorm(d, cfg.vision_norm_eps, 'vision_embed', VisionParam)
     # Aligner: hidden width d_model, sharded like an MLP hidden (column- then row-parallel).
-    self.w_align1 = normal_param(rngs, (mm * d, dm), ('merge_in', 'mlp'), std, pdt)
-    self.b_align1 = const_param(0.0, (dm,), ('mlp',), pdt)
-    self.w_align2 = normal_param(rngs, (dm, dm), ('mlp', 'embed'), std, pdt)
-    self.b_align2 = const_param(0.0, (dm,), ('embed',), pdt)
+    self.w_align1 = normal_param(rngs, (mm * d, dm), ('merge_in', 'mlp'), std, VisionParam)
+    self.b_align1 = const_param(0.0, (dm,), ('mlp',), VisionParam)
+    self.w_align2 = normal_param(rngs, (dm, dm), ('mlp', 'embed'), std, VisionParam)
+    self.b_align2 = const_param(0.0, (dm,), ('embed',), VisionParam)
     # start, newline, end, alignment pad (batch.py's role order). The 4th, for the alignment
     # pad, is ours [I]: the reference has only the three image_start/newline/end vectors.
-    self.delimiters = normal_param(rngs, (NUM_DELIMITERS, dm), (None, 'embed'), std, pdt)
+    self.delimiters = normal_param(rngs, (NUM_DELIMITERS, dm), (None, 'embed'), std, VisionParam)
 
   @jax.named_scope('vision')  # names the GPU trace's kernels (trace_summary.py)
   def __call__(self, image_patches, image_grid, dtype):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from deepseek41.config import TrainConfig
+from deepseek41.model.params import EngramTable, VisionParam
 
 
 def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
@@ -43,24 +45,28 @@ def decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def _mask_by_path(params, keep):
-  """tree of bools: keep(keys) for each leaf, keys = its path as strings ('vision', 'w_align2')."""
-  def leaf(path, _):
-    return keep([str(getattr(k, 'key', getattr(k, 'name', k))) for k in path])
-  return jax.tree_util.tree_map_with_path(leaf, params)
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def group_mask(params, kind: type[nnx.Variable]):
+  """tree of bools shaped like params: True on the variables of type `kind` (an nnx filter)."""
+  if not any(_is_variable(x) for x in jax.tree.leaves(params, is_leaf=_is_variable)):
+    raise ValueError('parameter groups are variable types: pass the nnx.State of the model\'s '
+                     'parameters, not bare arrays')
+  return jax.tree.map(lambda v: jax.tree.map(lambda _: isinstance(v, kind), v), params,
+                      is_leaf=_is_variable)
 
 
 def engram_table_mask(params):
-  """True on the Engram tables (`...engram.table`), which take `engram_table_lr_multiplier`."""
-  def is_table(keys):
-    return 'engram' in keys and keys[-1] == 'table' or keys[-2:] == ['table', 'value'] \
-        and 'engram' in keys
-  return _mask_by_path(params, is_table)
+  """True on the Engram tables (`EngramTable`), which take `engram_table_lr_multiplier`."""
+  return group_mask(params, EngramTable)
 
 
 def vision_mask(params):
-  """True on the vision encoder and aligner (`vision...`), which take `vision_lr_multiplier`."""
-  return _mask_by_path(params, lambda keys: keys[0] == 'vision')
+  """True on the vision encoder, aligner and delimiters (`VisionParam`), which take
+  `vision_lr_multiplier`."""
+  return group_mask(params, VisionParam)
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:

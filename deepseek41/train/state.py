@@ -3,8 +3,9 @@
     state = {'params': nnx.State[Param], 'router_bias': nnx.State[RouterBias],
              'opt': optax state, 'step': int32[], 'rng': uint32[2]}
 
-Parameters are fp32 master weights; modules cast them to the compute dtype at use. The router
-biases sit beside the parameters, so the optimizer (and weight decay) never sees them.
+Parameters are stored in `model.param_dtype` (fp32 master weights by default; the optimizer's
+moments follow it); modules cast them to the compute dtype at use. The router biases sit beside
+the parameters, so the optimizer (and weight decay) never sees them, and stay fp32.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from deepseek41.config import RunConfig
-from deepseek41.model.params import RouterBias
+from deepseek41.model.params import RouterBias, cast_params, dtype_of
 from deepseek41.model.transformer import Transformer
 from deepseek41.sharding import variable_sharding
 
@@ -32,8 +33,10 @@ class ModelDef:
 
 
 def build_model(cfg: RunConfig, seed: int | None = None) -> Transformer:
+  """The model with every parameter stored in `model.param_dtype` (the one place it applies)."""
   seed = cfg.train.seed if seed is None else seed
-  return Transformer(cfg.model, nnx.Rngs(params=seed), remat=cfg.train.remat)
+  model = Transformer(cfg.model, nnx.Rngs(params=seed), remat=cfg.train.remat)
+  return cast_params(model, dtype_of(cfg.model.param_dtype))
 
 
 def split_model(model: Transformer):

@@ -76,23 +76,28 @@ def accumulate_gradients(cfg: RunConfig, md: ModelDef, params, biases, batch):
   return out
 
 
-def _layer_of(path) -> int:
-  keys = [getattr(k, 'key', getattr(k, 'idx', None)) for k in path]
-  return int(keys[keys.index('blocks') + 1])
+def _per_layer(biases, num_layers: int):
+  """The router biases' leaves (one per layer, in layer order) and their tree structure.
+
+  Layer order is the flattening order: the blocks are an nnx.List, whose keys are the ints
+  0..L-1 and flatten in numeric order. A count other than L is a model this step cannot serve.
+  """
+  leaves, treedef = jax.tree.flatten(biases)
+  if len(leaves) != num_layers:
+    raise ValueError(f'expected one router bias per layer ({num_layers}), got {len(leaves)}')
+  return leaves, treedef
 
 
 def _updated_router_biases(biases, load_lme, rate: float):
   """Apply the sign rule to each layer's bias from that layer's loads ([L, M, E])."""
-  def update(path, bias_me):
-    return update_router_bias(bias_me, load_lme[_layer_of(path)], rate)
-  return jax.tree_util.tree_map_with_path(update, biases)
+  leaves, treedef = _per_layer(biases, load_lme.shape[0])
+  return jax.tree.unflatten(treedef, [update_router_bias(bias_me, load_lme[layer], rate)
+                                      for layer, bias_me in enumerate(leaves)])
 
 
 def stacked_router_biases(biases):
-  """[L, M, E]: every layer's per-modality correction biases, in layer order."""
-  by_layer = dict(jax.tree_util.tree_flatten_with_path(biases)[0])
-  by_layer = {_layer_of(path): b for path, b in by_layer.items()}
-  return jnp.stack([by_layer[l] for l in sorted(by_layer)])
+  """[L, M, E]: every layer's per-modality correction biases, in layer order (`_per_layer`)."""
+  return jnp.stack(jax.tree.leaves(biases))
 
 
 def make_train_step(cfg: RunConfig, md: ModelDef):
