@@ -1,6 +1,7 @@
 """`python -m deepseek41.tools.info --config=configs/v41_flash.py [--mesh=fsdp=64,expert=8] [--json]`
 
-What a config builds, read from the model itself through `jax.eval_shape` (no arrays allocated):
+What a config builds, read from the model itself through `jax.eval_shape` (no arrays allocated)
+and walked by deepseek41/model/inventory.py, the walk train/flops.py counts MFU with:
 the layer-role table; parameters by component (the text backbone, the Engram tables and the
 vision encoder + aligner apart); active parameters per token in decode and in
 CED prefill; global KV bytes per token from the cache formats and the SWA bytes per live
@@ -8,8 +9,7 @@ request; with --mesh, parameter + optimizer bytes per device under the config's 
 
 Active parameters count every weight a token multiplies, with routed experts at K/E of their
 size; embedding rows and Engram table rows are lookups and are not counted (nor is the vision
-path, which runs once per image rather than per token), the LM head is
-(decode only). CED prefill runs the encoder layers on every prompt token plus the first decoder
+path, which runs once per image rather than per token); the LM head counts in decode only. CED prefill runs the encoder layers on every prompt token plus the first decoder
 layer's compressor and index keys (the decoder's global KV); the decoder runs only on a short tail.
 """
 
@@ -24,8 +24,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from deepseek41.config import MeshConfig, format_role_table, layer_roles, resolve
-from deepseek41.sharding import fitted_spec
+from deepseek41.model import inventory
 from deepseek41.model.engram import layer_addresses
+from deepseek41.sharding import fitted_spec
 from deepseek41.train.flops import attention_flops_per_layer, flops_per_token
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.state import abstract_state, count_params
@@ -35,77 +36,39 @@ _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object instead of the r
 _MESH = flags.DEFINE_string('mesh', '', 'Mesh sizes for per-device bytes, e.g. fsdp=64,expert=8 '
                             '(axes: ' + ', '.join(MeshConfig.AXES) + ').')
 
-ROUTED = ('w_gate', 'w_up', 'w_down')
-
 # Bytes per stored value of a cache format: payload + block scales (ARCHITECTURE.md 3.9, 3.16).
 CACHE_BYTES_PER_VALUE = {'fp4_e4m3_16': 0.5 + 1 / 16, 'fp4_ue8m0_32': 0.5 + 1 / 32,
                          'fp8_ue8m0_32': 1 + 1 / 32, 'none': 2.0}
 
 
-def _path_keys(path) -> list[str]:
-  return [str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))) for k in path]
-
-
-VISION_ALIGNER = ('w_align1', 'b_align1', 'w_align2', 'b_align2', 'delimiters')
-
-
-def component(keys: list[str]) -> str:
-  """The component a parameter belongs to, from its path in the model."""
-  if keys[0] == 'vision':
-    return 'vision.aligner' if keys[1] in VISION_ALIGNER else 'vision.encoder'
-  if keys[0] != 'blocks':
-    return {'embed': 'embedding', 'head': 'head', 'final_norm': 'norms',
-            'hc_head': 'mhc'}.get(keys[0], keys[0])
-  part = keys[2]
-  if part == 'moe':
-    if keys[3] in ROUTED:
-      return 'experts.routed'
-    return 'router' if keys[3] == 'w_router' else 'experts.shared'
-  if part == 'attn':
-    if len(keys) > 4 and keys[3] == 'csa2':
-      return {'compressor': 'compressors', 'index_keys': 'indexers',
-              'index_query': 'indexers'}[keys[4]]
-    return 'attention'
-  if part == 'engram':
-    return 'engram.tables' if keys[3] == 'table' else 'engram.projections'
-  if part in ('attn_site', 'ffn_site'):
-    return 'mhc'
-  return 'norms'
-
-
-def _leaves(params):
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    yield _path_keys(path), leaf
-
-
-def parameter_breakdown(params, biases) -> dict[str, int]:
+def parameter_breakdown(leaves: list[inventory.Leaf], biases) -> dict[str, int]:
   groups: dict[str, int] = collections.Counter()
-  for keys, leaf in _leaves(params):
-    groups[component(keys)] += int(leaf.size)
+  for leaf in leaves:
+    groups[leaf.component] += leaf.size
   groups['router'] += count_params(biases)  # correction biases: tensors of the release
   return dict(groups)
 
 
-def active_parameters(cfg, params, biases) -> dict[str, float]:
+def active_parameters(cfg, leaves: list[inventory.Leaf], biases) -> dict[str, float]:
   """Per token: decode (every layer + head) and CED prefill (encoder + the decoder's KV source)."""
   m = cfg.model
   frac = m.num_experts_per_tok / m.n_routed_experts
   roles = layer_roles(m)
   first_decoder = m.num_encoder_layers if 0 < m.num_encoder_layers < m.num_layers else None
   decode = prefill = 0.0
-  for keys, leaf in _leaves(params):
-    comp = component(keys)
-    if comp in ('embedding', 'engram.tables') or comp.startswith('vision'):
+  for leaf in leaves:
+    comp = leaf.component
+    if comp in inventory.LOOKUPS or comp.startswith('vision'):
       continue  # lookups; the vision path runs per image, not per token
     n = leaf.size * (frac if comp == 'experts.routed' else 1.0)
     decode += n
-    if comp == 'head' or keys[0] != 'blocks':
+    layer = leaf.layer
+    if layer is None:
       continue
-    layer = int(keys[1])
     if first_decoder is None or layer < first_decoder:
       prefill += n
     elif layer == first_decoder and comp in ('compressors', 'indexers') and \
-        keys[4] in ('compressor', 'index_keys') and roles[layer].kv_source == layer:
+        leaf.keys[4] in ('compressor', 'index_keys') and roles[layer].kv_source == layer:
       prefill += n
   router_bias = count_params(biases) / max(m.num_layers, 1)
   decode += router_bias * m.num_layers
@@ -192,9 +155,10 @@ def _resolved(config, mesh_sizes: dict[str, int] | None):
 
 def describe(config, mesh_sizes: dict[str, int] | None = None) -> dict:
   cfg = _resolved(config, mesh_sizes)
-  abstract = abstract_state(cfg, make_optimizer(cfg.train))
-  params, biases = abstract['params'], abstract['router_bias']
-  groups = parameter_breakdown(params, biases)
+  params, biases = inventory.abstract_params(cfg.model)
+  leaves = inventory.param_leaves(params)
+  flops = flops_per_token(cfg.model, cfg.data.seq_len)
+  groups = parameter_breakdown(leaves, biases)
   tables = sum(a.rows for a in layer_addresses(cfg.model).values()) * cfg.model.engram_head_dim \
       if cfg.model.engram else 0
   padding = groups.get('engram.tables', 0) - tables  # rows added for sharding, never addressed
@@ -204,12 +168,14 @@ def describe(config, mesh_sizes: dict[str, int] | None = None) -> dict:
       'params': {'backbone': total - tables - padding - vision, 'engram_tables': tables,
                  'engram_table_padding': padding, 'vision': vision, 'total': total - padding,
                  'by_component': dict(sorted(groups.items()))},
-      'active_params': active_parameters(cfg, params, biases),
+      'active_params': active_parameters(cfg, leaves, biases),
       'kv_cache': kv_cache_bytes(cfg),
-      'train_flops_per_token': flops_per_token(cfg.model, cfg.data.seq_len).total,
+      'train_flops_per_token': flops.total,
+      'train_flops_per_image': flops.vision_per_image,
   }
   info['prefill_flops_per_token'] = prefill_flops(cfg, info['active_params'])
   if mesh_sizes:
+    abstract = abstract_state(cfg, make_optimizer(cfg.train))
     per_device = bytes_per_device(abstract, cfg.mesh.rules, mesh_sizes)
     info['bytes_per_device'] = {'mesh': mesh_sizes, **per_device,
                                 'total': sum(per_device.values())}

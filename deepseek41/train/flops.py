@@ -1,8 +1,13 @@
-"""Model FLOPs per token and the device peak, for TFLOP/s and MFU.
+"""Model FLOPs per token and per image, and the device peak, for TFLOP/s and MFU.
 
 Counted, not credited: only matmuls the model actually performs for a token (active experts,
 the attention keys inside the window), times 3 for forward + backward. Embedding lookups,
-norms, softmax and the router's top-k are not counted.
+norms, softmax and the router's top-k are not counted. The weights come from the model's own
+(abstract) parameters through deepseek41/model/inventory.py, the walk tools.info uses too.
+
+Images run the vision tower once each: `vision_per_image` is the training FLOPs of one image at
+the largest configured size (`model.vision_max_image_tokens` merged tokens), so the trainer's
+model FLOPs are `tokens x total + images x vision_per_image`.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from deepseek41.config import ModelConfig, layer_roles
+from deepseek41.model import inventory
 
 # Dense bf16 peak per device, TFLOP/s (datasheets).
 PEAK_TFLOPS = (
@@ -24,29 +30,27 @@ class FlopsPerToken:
   attention: float         # score + value FLOPs per token (forward)
   total: float             # training FLOPs per token (forward + backward)
   formula: str
+  vision_per_image: float = 0.0  # training FLOPs of one largest image through ViT + aligner
 
 
 def active_matmul_params(m: ModelConfig) -> int:
-  d, h, hd = m.d_model, m.num_heads, m.head_dim
-  attn = (d * m.q_lora_rank + m.q_lora_rank * h * hd + d * hd + h * hd * m.o_lora_rank
-          + m.o_groups * m.o_lora_rank * d)
-  moe = d * m.n_routed_experts + (m.num_experts_per_tok + m.n_shared_experts) * 3 * d * m.moe_intermediate_size
-  total = m.num_layers * (attn + moe) + d * m.vocab_size  # + LM head
-  if m.residual != 'plain':  # two coefficient projections per layer, one head (multi-pass)
-    n = m.hc_mult
-    total += 2 * m.num_layers * (2 + n) * n * n * d
-    total += n * n * d if m.residual == 'mhc_multi_pass' else 0
-  if m.engram:
-    streams = m.hc_mult if m.residual != 'plain' else 1
-    total += len(m.engram_layer_ids) * ((m.engram_max_ngram - 1) * m.engram_n_heads *
-                                        m.engram_head_dim * (streams + 1) * d)
-  if m.csa2:
-    for role in layer_roles(m):
-      if role.mode != 'SWA' and role.kv_source == role.layer:  # compressor + index keys per entry
-        total += (2 if role.ratio == 2 else 1) * d * hd + hd * m.index_head_dim // role.ratio
-      if role.mode != 'SWA' and role.index_source == role.layer:  # index query and head weights
-        total += m.q_lora_rank * m.index_n_heads * m.index_head_dim + d * m.index_n_heads
-  return total
+  """Weights one token is multiplied with (inventory.matmul_params_per_token of the model)."""
+  params, _ = inventory.abstract_params(m)
+  return inventory.matmul_params_per_token(m, inventory.param_leaves(params))
+
+
+def vision_flops_per_image(m: ModelConfig) -> float:
+  """Training FLOPs (3 x forward) of one image of `vision_max_image_tokens` merged tokens:
+  the ViT's weights on each of its merge^2 x M patches, its attention over them per layer, the
+  aligner's weights on each merged token. 0 without `model.vision`."""
+  if not m.vision:
+    return 0.0
+  params, _ = inventory.abstract_params(m)
+  encoder, aligner = inventory.vision_matmul_params(inventory.param_leaves(params))
+  tokens = m.vision_max_image_tokens
+  patches = m.vision_merge * m.vision_merge * tokens
+  attention = 4.0 * m.vision_layers * patches * patches * m.vision_dim
+  return 3.0 * (2.0 * (encoder * patches + aligner * tokens) + attention)
 
 
 def mean_window_keys(window: int, seq_len: int) -> float:
@@ -93,7 +97,10 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> FlopsPerToken:
                 f' + 2 x {m.index_n_heads} x {m.index_head_dim} x {scored:.1f} scored')
   total = 3.0 * (2.0 * p + attn)
   formula += f') = {total:.4g}'
-  return FlopsPerToken(p, attn, total, formula)
+  vision = vision_flops_per_image(m)
+  if vision:
+    formula += f'; vision train FLOPs/image (ViT + aligner, largest image) = {vision:.4g}'
+  return FlopsPerToken(p, attn, total, formula, vision)
 
 
 def device_peak_tflops(device_kind: str, override: float = 0.0) -> float:
