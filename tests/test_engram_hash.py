@@ -1,4 +1,4 @@
-"""Engram addressing (ARCHITECTURE.md section 3.12): compression, hash constants, n-gram row ids.
+"""Engram addressing (docs/architecture.md 3.12): compression, hash constants, n-gram row ids.
 
 Expected row ids come from hand arithmetic or from `_slow_row_ids`, a per-position Python-int walk
 written from the section's text, not from engram_hash helpers.
@@ -15,7 +15,7 @@ from deepseek41.model.engram_hash import (compress_vocab, layer_multipliers, ngr
 # Released config (HF41 configuration defaults).
 RELEASED = dict(layer_ids=(1, 14), max_ngram=4, n_heads=8, vocab_start=16_000_000)
 RELEASED_V = 99_092
-# Toy config (ARCHITECTURE.md section 7).
+# Toy config (docs/architecture.md section 7).
 TOY = dict(layer_ids=(1, 3), max_ngram=3, n_heads=2, vocab_start=1000)
 
 

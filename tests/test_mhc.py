@@ -39,7 +39,7 @@ def test_expand_mixes_with_the_first_index_of_c():
 
 
 # ---------------------------------------------------------------------------------------------
-# The orders, transcribed from ARCHITECTURE.md section 3.2 in numpy
+# The orders, transcribed from docs/architecture.md section 3.2 in numpy
 
 
 def _np_coefficients(site, x_tnd, eps_norm, n, iters, eps):

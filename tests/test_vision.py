@@ -1,4 +1,4 @@
-"""Vision encoder (ARCHITECTURE.md 3.15): 2D RoPE, per-image attention, 3x3 merge, placement."""
+"""Vision encoder (docs/architecture.md 3.15): 2D RoPE, per-image attention, merge, placement."""
 
 import dataclasses
 

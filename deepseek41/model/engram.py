@@ -1,4 +1,4 @@
-"""Engram conditional memory of one layer (ARCHITECTURE.md section 3.12).
+"""Engram conditional memory of one layer (docs/architecture.md section 3.12).
 
     rows  = table[row_ids]            24 rows per token in the release (3 n-gram sizes x 8 heads)
     [k_1..k_n, v] = W_e flat(rows)     one key per residual stream, one shared value

@@ -1,4 +1,5 @@
-"""Engram addressing: tokenizer compression, hash constants, n-gram row ids (ARCHITECTURE.md 3.12).
+"""Engram addressing: tokenizer compression, hash constants, n-gram row ids
+(docs/architecture.md 3.12).
 
 Pure functions, no parameters. Everything here depends only on token ids and the config, so it runs
 once per tokenizer (`compress_vocab`), once per config (`layer_multipliers`, `ngram_primes`,

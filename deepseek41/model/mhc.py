@@ -1,4 +1,5 @@
-"""mHC: manifold-constrained hyper-connections over `hc_mult` residual streams (ARCHITECTURE.md 3.2).
+"""mHC: manifold-constrained hyper-connections over `hc_mult` residual streams
+(docs/architecture.md 3.2).
 
 Per sublayer site, from the streams X [B, T, n, D] (fp32 inside):
     x~   = X.reshape(n*D) / rms(X)                       one RMS over all n*D values

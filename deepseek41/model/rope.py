@@ -1,4 +1,4 @@
-"""Rotary position embedding with adjacent-pair rotation and YaRN (ARCHITECTURE.md section 3.4).
+"""Rotary position embedding with adjacent-pair rotation and YaRN (docs/architecture.md 3.4).
 
 Pure functions: the inverse frequencies are a static numpy constant computed once per rope role,
 and `apply_rope` rotates the last `2 * len(inv_freq)` channels of a tensor in fp32.

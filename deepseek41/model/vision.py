@@ -1,4 +1,4 @@
-"""DeepSeek-ViT, the 3x3 merge aligner and the learned span delimiters (ARCHITECTURE.md 3.15).
+"""DeepSeek-ViT, the 3x3 merge aligner and the learned span delimiters (docs/architecture.md 3.15).
 
     pixels uint8 -> (x/255 - 0.5)/0.5 -> patch embed -> L x [RMSNorm, attention with 2D RoPE,
     RMSNorm, SwiGLU] -> RMSNorm -> zero padding patches -> merge 3x3 (channel-major)

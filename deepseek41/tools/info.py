@@ -1,16 +1,18 @@
 """`python -m deepseek41.tools.info --config=configs/v41_flash.py [--mesh=fsdp=64,expert=8] [--json]`
 
 What a config builds, read from the model itself through `jax.eval_shape` (no arrays allocated)
-and walked by deepseek41/model/inventory.py, the walk train/flops.py counts MFU with:
-the layer-role table; parameters by component (the text backbone, the Engram tables and the
-vision encoder + aligner apart); active parameters per token in decode and in
-CED prefill; global KV bytes per token from the cache formats and the SWA bytes per live
-request; with --mesh, parameter + optimizer bytes per device under the config's sharding rules.
+and walked by deepseek41/model/inventory.py, the walk train/flops.py counts MFU with: the
+layer-role table; parameters by component (the text backbone, the Engram tables and the vision
+encoder + aligner apart); active parameters per token in decode and in CED prefill; training
+FLOPs per token and per image; global KV bytes per token from the cache formats and the SWA
+bytes per live request; with --mesh, parameter + optimizer bytes per device under the config's
+sharding rules.
 
 Active parameters count every weight a token multiplies, with routed experts at K/E of their
 size; embedding rows and Engram table rows are lookups and are not counted (nor is the vision
-path, which runs once per image rather than per token); the LM head counts in decode only. CED prefill runs the encoder layers on every prompt token plus the first decoder
-layer's compressor and index keys (the decoder's global KV); the decoder runs only on a short tail.
+path, which runs once per image rather than per token); the LM head counts in decode only. CED
+prefill runs the encoder layers on every prompt token plus the first decoder layer's compressor
+and index keys (the decoder's global KV); the decoder runs only on a short tail.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object instead of the r
 _MESH = flags.DEFINE_string('mesh', '', 'Mesh sizes for per-device bytes, e.g. fsdp=64,expert=8 '
                             '(axes: ' + ', '.join(MeshConfig.AXES) + ').')
 
-# Bytes per stored value of a cache format: payload + block scales (ARCHITECTURE.md 3.9, 3.16).
+# Bytes per stored value of a cache format: payload + block scales (docs/architecture.md 3.9,
+# 3.16).
 CACHE_BYTES_PER_VALUE = {'fp4_e4m3_16': 0.5 + 1 / 16, 'fp4_ue8m0_32': 0.5 + 1 / 32,
                          'fp8_ue8m0_32': 1 + 1 / 32, 'none': 2.0}
 
