@@ -1,5 +1,7 @@
-"""Config files build, validation names the culprit key, the role table follows ARCHITECTURE.md."""
+"""Config files build, validation names the culprit key, the role table follows
+docs/architecture.md section 1, and the declarations are the one schema."""
 
+import dataclasses
 import glob
 import os
 import subprocess
@@ -8,14 +10,18 @@ import sys
 import jax
 import pytest
 
-from deepseek41.config import (FULL, REINDEX, REUSE, SWA, ConfigError, base_config,
-                               layer_roles, load_config_file, resolve)
+from deepseek41.config import (FULL, REINDEX, REUSE, SECTIONS, SWA, ConfigError, ModelConfig,
+                               base_config, layer_roles, load_config_file, parse_sources, resolve)
 from deepseek41.train.state import abstract_state, count_params
 from deepseek41.train.optimizer import make_optimizer
 from tests.util import small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py')))
+# Exact parameter counts of the shipped configs: a change to one is a change to that model
+# (v41_flash: the released backbone + padded Engram tables + the ViT, itemised below).
+CONFIG_PARAMS = {'ablation_1b.py': 1_261_912_776, 'tiny.py': 4_673_136,
+                 'tiny_multimodal.py': 5_243_120, 'v41_flash.py': 748_981_418_096}
 
 
 @pytest.mark.parametrize('path', CONFIGS, ids=os.path.basename)
@@ -24,11 +30,8 @@ def test_every_config_builds(path):
   sharded = any(config.mesh[a] > 1 for a in ('fsdp', 'expert', 'tensor', 'context'))
   cfg = resolve(config, num_devices=8 if sharded else 1, backend='cpu')
   abstract = abstract_state(cfg, make_optimizer(cfg.train))  # jax.eval_shape: no arrays
-  n = count_params(abstract['params'])
-  assert n > 0
+  assert count_params(abstract['params']) == CONFIG_PARAMS[os.path.basename(path)]
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
-  if os.path.basename(path) == 'ablation_1b.py':
-    assert 0.9e9 < n < 1.4e9
 
 
 def test_tiny_roles_match_the_reference_toy():
@@ -103,30 +106,37 @@ def test_cli_rejects_unknown_override_and_missing_config(tmp_path):
 
 
 def test_released_config_parameter_accounting():
-  """The model built from configs/v41_flash.py holds exactly the released backbone (s.6)."""
+  """The model built from configs/v41_flash.py holds the released backbone, part by part
+  (docs/architecture.md section 6)."""
   cfg = resolve(load_config_file(os.path.join(ROOT, 'configs', 'v41_flash.py')), backend='cpu',
                 num_devices=8)
   abstract = abstract_state(cfg, make_optimizer(cfg.train))
-  layers, d = 40, 5120
-  attention = 5120 * 1280 + 1280 + 1280 * 32768 + 5120 * 512 + 512 + 64 + 8 * 4096 * 1024 + 8192 * 5120
-  assert attention == 126_617_408
-  moe = 384 * 3 * 5120 * 2304 + 3 * 5120 * 2304 + 5120 * 384
-  mhc = 2 * (24 * 4 * d + 24 + 3)
-  assert mhc == 983_094 // 1 and layers * mhc == 39_323_760
-  csa2 = (3 * 5_243_392 + 2_621_952     # ratio-2 / ratio-1 compressors (layers 2, 8, 14 / 20)
-          + 8 * 5_406_720 + 4 * 65_664)  # index queries (8 index sources), index keys (4 KV sources)
-  engram_projections = 2 * 157_327_360
-  pad = lambda rows: -(-rows // 4096) * 4096 - rows  # noqa: E731 (engram_table_row_multiple)
-  engram_tables = (384_006_168 + pad(384_006_168) + 384_016_682 + pad(384_016_682)) * 256
-  params = layers * (attention + moe + mhc + 2 * d) + csa2 + engram_projections + \
-      2 * 129280 * 5120 + d + engram_tables
-  vision = count_params(abstract['params']['vision'])  # tests/test_vision.py has its arithmetic
-  assert count_params(abstract['params']) - vision == params
-  biases = layers * 2 * 384                # correction biases: state here, tensors in the release
-  assert count_params(abstract['router_bias']) == biases
-  assert params + biases - engram_tables == 551_880_835_184
-  tables = abstract['params']['blocks'][14]['engram']['table']
-  assert tables.get_value().shape[0] % 4096 == 0
+  params, blocks = abstract['params'], abstract['params']['blocks']
+  n = count_params
+  # Attention of an SWA-only layer: 5120x1280 + 1280 (q_a, norm) + 1280x32768 (q_b) + 5120x512 +
+  # 512 (kv, norm) + 64 (sink) + 8x4096x1024 (o_a) + 8192x5120 (o_b).
+  assert n(blocks[0]['attn']) == 126_617_408
+  # KV + index sources add a compressor (ratio 2: 5_243_392, ratio 1: 2_621_952), index queries
+  # (5_406_720) and index keys (65_664); an index-only source (Reindex) adds the queries alone.
+  assert n(blocks[2]['attn']) == 126_617_408 + 5_243_392 + 5_406_720 + 65_664
+  assert n(blocks[20]['attn']) == 126_617_408 + 2_621_952 + 5_406_720 + 65_664
+  assert n(blocks[24]['attn']) == 126_617_408 + 5_406_720
+  assert n(blocks[21]['attn']) == 126_617_408
+  # MoE: 384 routed + 1 shared SwiGLU experts of 5120 x 2304, and the 5120 x 384 router.
+  assert all(n(blocks[l]['moe']) == 13_626_900_480 for l in range(40))
+  # mHC: two sites per layer of 24 x (4 x 5120) + 24 + 3.
+  assert all(n(blocks[l]['attn_site']) == n(blocks[l]['ffn_site']) == 491_547 for l in range(40))
+  # Engram before layers 1 and 14: the two projections, and tables whose released row counts
+  # (384_006_168 and 384_016_682) are padded to multiples of 4096 (engram_table_row_multiple).
+  tables = [blocks[l]['engram']['table'].get_value().shape for l in (1, 14)]
+  assert tables == [(384_008_192, 256), (384_020_480, 256)]
+  assert n(blocks[1]['engram']) - n(blocks[1]['engram']['table']) == 157_327_360
+  # The backbone as released, without the tables (correction biases are state here, tensors in
+  # the release).
+  table_params = sum(n(blocks[l]['engram']['table']) for l in (1, 14))
+  biases = n(abstract['router_bias'])
+  assert biases == 40 * 2 * 384
+  assert n(params) - n(params['vision']) - table_params + biases == 551_880_835_184
 
 
 def test_flop_accounting_counts_the_csa2_work():
@@ -140,3 +150,146 @@ def test_flop_accounting_counts_the_csa2_work():
   assert active_matmul_params(on) - active_matmul_params(off) == extra
   assert flops_per_token(on, 128).total > flops_per_token(off, 128).total + 6 * extra
   assert 'selected' in flops_per_token(on, 128).formula
+
+
+# ---------------------------------------------------------------------------------------------
+# One declaration per key.
+
+
+def test_the_section_dataclasses_are_the_schema():
+  """base_config() holds exactly the declared fields (only derived ones are not keys), and
+  to_dict() (stored in checkpoints) one entry per field."""
+  base = base_config()
+  run = resolve(base, num_devices=1, backend='cpu').to_dict()
+  assert sorted(base.keys()) == sorted(SECTIONS) == sorted(run)
+  for name, cls in SECTIONS.items():
+    fields = {f.name for f in dataclasses.fields(cls)}
+    derived = {'images'} if name == 'data' else set()
+    assert fields - derived == set(base[name].keys())
+    assert set(run[name]) == fields
+
+
+def test_values_take_their_declared_types():
+  c = small_config(**{'model.compress_ratios': [0, 2, 1, 1], 'train.lr': 1})
+  cfg = resolve(c, num_devices=1, backend='cpu')
+  assert cfg.model.compress_ratios == (0, 2, 1, 1)
+  assert type(cfg.train.lr) is float
+  assert cfg.mesh.rules[0] == ('batch', ('data', 'fsdp', 'expert'))
+  assert cfg.data.sources == () and cfg.data.images is None
+
+
+@pytest.mark.parametrize('backend', ['cpu', 'gpu', 'tpu'])
+def test_no_auto_choice_survives_resolution(backend):
+  model = resolve(base_config(), num_devices=1, backend=backend).model
+  assert 'auto' not in dataclasses.asdict(model).values()
+  assert model.index_impl == ('fused' if backend == 'gpu' else 'reference')
+  assert model.vision_attention_impl == ('reference' if backend == 'cpu' else 'fused')
+  assert (model.attention_impl, model.sparse_impl) == ('chunked', 'gathered')
+
+
+def test_model_config_has_no_roles_shortcut():
+  """layer_roles(model) is the one way to the role table."""
+  assert not hasattr(ModelConfig, 'roles')
+
+
+# ---------------------------------------------------------------------------------------------
+# Knobs that would do nothing, and bad data sources.
+
+
+@pytest.mark.parametrize('mesh', [{'mesh.data': 4, 'mesh.context': 2},
+                                  {'mesh.data': 1, 'mesh.context': -1}])
+def test_context_parallelism_is_rejected_until_it_exists(mesh):
+  with pytest.raises(ConfigError, match=r'mesh\.context: must be 1'):
+    resolve(small_config(**mesh), num_devices=8, backend='cpu')
+  one = {'mesh.data': 1, 'mesh.context': -1}
+  assert resolve(small_config(**one), num_devices=1, backend='cpu').mesh.context == 1
+
+
+@pytest.mark.parametrize('spec, message', [
+    ('good:abc', r"data\.sources: the weight of entry 'good:abc' is 'abc', not a number"),
+    ('a:0', r"data\.sources: the weight of entry 'a:0' must be a number > 0"),
+    ('a:-1', r"data\.sources: the weight of entry 'a:-1' must be a number > 0"),
+    ('a:nan', r"data\.sources: the weight of entry 'a:nan' must be a number > 0"),
+    ('a:inf', r"data\.sources: the weight of entry 'a:inf' must be a number > 0"),
+    (':0.5', r"data\.sources: entry ':0.5' has a weight but no path"),
+])
+def test_bad_source_weights_name_the_entry(spec, message):
+  with pytest.raises(ConfigError, match=message):
+    resolve(small_config(**{'data.sources': spec}), num_devices=1, backend='cpu')
+
+
+def test_source_entries_parse_with_their_weights(tmp_path):
+  colon = tmp_path / 'run:2'
+  colon.mkdir()
+  assert parse_sources('default:0.3, /data/a:0.7,/data/b,,') == \
+      (('default', 0.3), ('/data/a', 0.7), ('/data/b', 1.0))
+  assert parse_sources('gs://bucket/data') == (('gs://bucket/data', 1.0),)
+  assert parse_sources(f'{colon},{colon}:2') == ((str(colon), 1.0), (str(colon), 2.0))
+
+
+def test_a_file_is_not_a_text_source(tmp_path):
+  path = tmp_path / 'corpus.txt'
+  path.write_text('text')
+  with pytest.raises(ConfigError, match=rf"data\.sources: entry '{path}' is a file"):
+    resolve(small_config(**{'data.sources': f'{path}:0.5'}), num_devices=1, backend='cpu')
+
+
+def test_image_sources_may_be_jsonl_files_only(tmp_path):
+  jsonl, txt = tmp_path / 'web.jsonl', tmp_path / 'web.txt'
+  jsonl.write_text('{}\n')
+  txt.write_text('{}\n')
+  vision = {'model.vision': True}
+  cfg = resolve(small_config(**vision, **{'data.image_sources': f'shapes:0.5,{jsonl}'}),
+                num_devices=1, backend='cpu')
+  assert cfg.data.image_sources == (('shapes', 0.5), (str(jsonl), 1.0))
+  with pytest.raises(ConfigError, match=rf"data\.image_sources: entry '{txt}' is a file but not"):
+    resolve(small_config(**vision, **{'data.image_sources': str(txt)}), num_devices=1,
+            backend='cpu')
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks against the data's tokenizer: resolve(with_data=True), before anything compiles.
+
+
+@pytest.fixture(scope='module')
+def prepared(tmp_path_factory):
+  """A 5-file slice of the default corpus with a 300-token BPE vocabulary, as data.sources."""
+  from deepseek41.data.default_corpus import default_corpus_dir
+  path = default_corpus_dir(str(tmp_path_factory.mktemp('cache')), 300, 5, progress=False)
+  return {'data.synthetic': False, 'data.sources': path}
+
+
+def test_with_data_the_vocabulary_must_cover_the_tokenizer(prepared):
+  small = small_config(**prepared, **{'model.vocab_size': 299})
+  resolve(small, num_devices=1, backend='cpu')  # the tokenizer is not read without with_data
+  with pytest.raises(ConfigError, match=r'model\.vocab_size: 299 is smaller than the tokenizer '
+                                        r'vocabulary of the data \(300\)'):
+    resolve(small, num_devices=1, backend='cpu', with_data=True)
+  cfg = resolve(small_config(**prepared, **{'model.vocab_size': 300}), num_devices=1,
+                backend='cpu', with_data=True)
+  assert cfg.model.vocab_size == 300
+
+
+def test_with_data_the_engram_compressed_vocabulary_must_match_the_tokenizer(prepared):
+  import tokenizers
+
+  from deepseek41.data.pipeline import tokenizer_path_of
+  from deepseek41.model.engram_hash import compress_vocab, vocab_strings
+  engram = {**prepared, 'model.vocab_size': 300, 'model.engram': True}
+  cfg = resolve(small_config(**engram), num_devices=1, backend='cpu')
+  tokenizer = tokenizers.Tokenizer.from_file(tokenizer_path_of(cfg.data))
+  _, count = compress_vocab(*vocab_strings(tokenizer))
+  assert 3 < count < 300  # case and whitespace variants of BPE tokens merge
+  wrong = small_config(**engram, **{'model.engram_compressed_vocab_size': count + 1})
+  with pytest.raises(ConfigError, match=rf'model\.engram_compressed_vocab_size: {count + 1}, '
+                                        rf'but the tokenizer .* compresses to {count} ids'):
+    resolve(wrong, num_devices=1, backend='cpu', with_data=True)
+  right = small_config(**engram, **{'model.engram_compressed_vocab_size': count})
+  assert resolve(right, num_devices=1, backend='cpu', with_data=True) \
+      .model.engram_compressed_vocab_size == count
+
+
+def test_synthetic_data_cannot_feed_a_compressed_engram_vocabulary():
+  c = small_config(**{'model.engram': True, 'model.engram_compressed_vocab_size': 50})
+  with pytest.raises(ConfigError, match=r'model\.engram_compressed_vocab_size: synthetic data'):
+    resolve(c, num_devices=1, backend='cpu')
