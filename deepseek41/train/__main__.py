@@ -3,11 +3,21 @@
 Starts or resumes the run in --workdir (it resumes from the newest complete checkpoint there).
 Multi-host: pass --coordinator_address, --num_processes and --process_id on every host (or rely
 on jax.distributed's auto-detection on TPU / SLURM with --distributed).
+
+Exit status (sysexits.h values where one fits):
+  0   finished (train.steps, or --stop_at_step), with a checkpoint of the last step
+  75  stopped by SIGTERM / SIGINT after saving a checkpoint (EX_TEMPFAIL): start it again to
+      resume; a scheduler can requeue on 75
+  74  a checkpoint save failed (EX_IOERR: full or unwritable disk); complete checkpoints kept
+  2   the run cannot start or go on as given: bad config, data, checkpoint or work directory,
+      the work directory locked by another trainer, or a non-finite loss
+  1   anything else (an unexpected error, with its traceback)
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from absl import app, flags
@@ -39,19 +49,36 @@ def main(argv):
                                num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
   from deepseek41.config import ConfigError
   from deepseek41.data.shards import DataError
-  from deepseek41.train.checkpoint import CheckpointError
+  from deepseek41.train.checkpoint import CheckpointError, CheckpointSaveError
   from deepseek41.train.trainer import TrainingDiverged, train
+  from deepseek41.train.workdir import WorkdirError
   try:
     result = train(_CONFIG.value, _WORKDIR.value, stop_at_step=_STOP_AT.value)
-  except (ConfigError, DataError, CheckpointError, TrainingDiverged, FileNotFoundError) as e:
+  except CheckpointSaveError as e:
     logging.error('%s', e)
-    sys.exit(2)
-  logging.getLogger('deepseek41').info('finished at step %d (loss %s, eval loss %s)%s', result.step, result.last_loss,
-               result.last_eval_loss, ' after a stop signal' if result.stopped_by_signal else '')
+    sys.exit(EXIT_SAVE_FAILED)
+  except (ConfigError, DataError, CheckpointError, WorkdirError, TrainingDiverged,
+          FileNotFoundError) as e:
+    logging.error('%s', e)
+    sys.exit(EXIT_BAD_INPUT)
+  logging.getLogger('deepseek41').info(
+      'finished at step %d (loss %s, eval loss %s)%s', result.step, result.last_loss,
+      result.last_eval_loss, ' after a stop signal' if result.stopped_by_signal else '')
+  if result.stopped_by_signal:
+    sys.exit(EXIT_STOPPED)
+
+
+EXIT_STOPPED = 75       # EX_TEMPFAIL: saved after a signal, resumable
+EXIT_SAVE_FAILED = 74   # EX_IOERR
+EXIT_BAD_INPUT = 2
 
 
 def check_overrides(argv: list[str]) -> str | None:
-  """Name an unknown `--config.a.b=c` key before absl turns it into a bare AttributeError."""
+  """Name a missing --config file, or an unknown `--config.a.b=c` key, before absl turns it
+  into a long traceback."""
+  config_file = _config_file(argv)
+  if config_file is not None and not os.path.isfile(config_file.split(':', 1)[0]):
+    return f'--config file {config_file!r} does not exist'
   from deepseek41.config import base_config
   schema = base_config()
   for arg in argv[1:]:
@@ -66,6 +93,16 @@ def check_overrides(argv: list[str]) -> str | None:
         return (f'unknown config key {key!r} in {arg!r}' +
                 (f'; {where} has: {known}' if known else ''))
       node = node[part]
+  return None
+
+
+def _config_file(argv: list[str]) -> str | None:
+  """The value of --config in argv (`--config=F` or `--config F`), or None."""
+  for i, arg in enumerate(argv[1:], start=1):
+    if arg.startswith('--config='):
+      return arg[len('--config='):]
+    if arg == '--config' and i + 1 < len(argv):
+      return argv[i + 1]
   return None
 
 

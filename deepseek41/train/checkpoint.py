@@ -5,18 +5,31 @@
 - `data`: the Grain iterator position (one JSON per process).
 - `config`: the resolved run config; `meta`: the layout version and every leaf's shape/dtype.
 
+- `checksums.json`: size and CRC-32 of every other file of the step, written by the primary
+  process once the save has committed. Restore verifies it before reading anything: a corrupt
+  checkpoint stops the run with a CheckpointError naming it (it is never used silently, and the
+  trainer does not fall back on its own: move the directory aside to resume from the previous
+  one). A checkpoint without the file (written before checksums were recorded, or a run killed
+  between the commit and the manifest) restores with a note that it was not verified.
+
 Restore validates `meta` and `config` against the current model before reading any array, so a
 mismatch is reported as a list of differences instead of a shape error deep inside Orbax.
-Nothing here ever deletes a checkpoint except Orbax's own retention policy (max_to_keep /
-keep_period) after a newer save has committed.
+Nothing here ever deletes a complete checkpoint except Orbax's own retention policy
+(max_to_keep / keep_period) after a newer save has committed. A failed save raises
+CheckpointSaveError (naming the directory) as soon as it is seen, and removes the partial
+`<step>.orbax-checkpoint-tmp*` directory it left.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
 import re
+import shutil
+import uuid
+import zlib
 from typing import Any
 
 import grain
@@ -26,13 +39,42 @@ from deepseek41.config import LAYOUT_VERSION, CheckpointConfig
 
 log = logging.getLogger(__name__)
 
-# Model keys that change how the model is executed, not what it computes or stores.
+# Model keys that change how the model is executed, not what it computes or stores. Several
+# resolve from 'auto' per backend, so they must not block resuming a GPU checkpoint on the CPU.
 EXECUTION_ONLY_MODEL_KEYS = frozenset({'moe_backend', 'attention_impl', 'compute_dtype',
-                                       'capacity_factor', 'sparse_impl', 'sparse_chunk'})
+                                       'capacity_factor', 'sparse_impl', 'sparse_chunk',
+                                       'index_impl', 'vision_attention_impl'})
+
+MANIFEST = 'checksums.json'
+_CHUNK = 1 << 24
 
 
 class CheckpointError(RuntimeError):
   """A checkpoint cannot be used; the message names the step directory and what is wrong."""
+
+
+class CheckpointSaveError(RuntimeError):
+  """A save failed (unwritable or full disk, ...); the message names the directory."""
+
+
+def _crc32(path: str) -> int:
+  crc = 0
+  with open(path, 'rb') as f:
+    while chunk := f.read(_CHUNK):
+      crc = zlib.crc32(chunk, crc)
+  return crc
+
+
+def file_checksums(step_dir: str) -> dict[str, list[int]]:
+  """{path relative to step_dir: [size, crc32]} of every file but the manifest."""
+  out = {}
+  for root, _, files in os.walk(step_dir):
+    for name in files:
+      path = os.path.join(root, name)
+      rel = os.path.relpath(path, step_dir)
+      if rel != MANIFEST:
+        out[rel] = [os.path.getsize(path), _crc32(path)]
+  return dict(sorted(out.items()))
 
 
 def _diff(saved: Any, now: Any, prefix: str = '') -> list[str]:
@@ -57,8 +99,11 @@ def _normalise(x):
 class Checkpointer:
   """One CheckpointManager per work directory."""
 
-  def __init__(self, workdir: str, cfg: CheckpointConfig):
+  def __init__(self, workdir: str, cfg: CheckpointConfig, *, primary: bool = True):
     self.directory = os.path.abspath(os.path.join(workdir, 'checkpoints'))
+    self.primary = primary  # writes the checksum manifests and removes failed saves
+    self.async_save = cfg.async_save
+    self._pending: int | None = None  # an async save not yet seen to commit
     os.makedirs(self.directory, exist_ok=True)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.max_to_keep,
@@ -85,6 +130,13 @@ class Checkpointer:
 
   def save(self, step: int, state, data_iter, config_dict: dict, layout: dict,
            force: bool = False) -> bool:
+    """Start saving `step` (async: returns after the device-to-host copy); False if that step
+    is already saved (a stop signal right after a periodic save). Raises CheckpointSaveError
+    for this save's failure, or for the previous async one's."""
+    self.wait()  # the previous save has committed (or its failure is raised) before this one
+    if step in self.manager.all_steps():
+      return False
+    self._check_writable(step)
     args = {
         'state': ocp.args.StandardSave(state),
         'config': ocp.args.JsonSave(_normalise(config_dict)),
@@ -93,19 +145,132 @@ class Checkpointer:
     }
     if data_iter is not None:
       args['data'] = grain.checkpoint.CheckpointSave(data_iter)
-    return self.manager.save(step, args=ocp.args.Composite(**args), force=force)
+    try:
+      saved = self.manager.save(step, args=ocp.args.Composite(**args), force=force)
+    except Exception as e:  # noqa: BLE001 - any failure of the save is reported the same way
+      self._fail(step, e)
+    if saved:
+      self._pending = step
+      if not self.async_save:
+        self._commit_pending()
+    return saved
 
-  def wait(self):
-    self.manager.wait_until_finished()
+  def poll(self) -> None:
+    """Between steps: raise promptly if a background save failed; record committed saves."""
+    if self._pending is not None and not self.manager.is_saving_in_progress():
+      self.wait()
 
-  def close(self):
-    self.manager.wait_until_finished()
-    self.manager.close()
+  def wait(self) -> None:
+    """Block until the pending save has committed (and its checksums are written)."""
+    if self._pending is None:
+      return
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      self._fail(self._pending, e)
+    self._commit_pending()
+
+  def close(self) -> None:
+    """Finish the pending save; never raises (it runs while another exception may be raised)."""
+    try:
+      self.wait()
+    except CheckpointSaveError as e:
+      log.error('%s', e)
+    try:
+      self.manager.close()
+    except Exception:  # noqa: BLE001 - a save failure was already reported
+      log.exception('closing the checkpoint manager failed')
+
+  def _commit_pending(self) -> None:
+    step, self._pending = self._pending, None
+    try:
+      self.manager.check_for_errors()
+    except Exception as e:  # noqa: BLE001
+      self._fail(step, e)
+    if not os.path.isdir(self.step_dir(step)):
+      # Orbax logs a failure of its finalize thread and leaves only the tmp directory.
+      self._fail(step, 'the save did not commit (the Orbax error is logged above)')
+    if self.primary:
+      path = os.path.join(self.step_dir(step), MANIFEST)
+      tmp = f'{path}.{uuid.uuid4().hex}.tmp'
+      try:
+        sums = file_checksums(self.step_dir(step))  # before the manifest's own tmp file exists
+        with open(tmp, 'w') as f:
+          json.dump(sums, f, indent=0)
+        os.replace(tmp, path)
+      except OSError as e:
+        self._fail(step, e, committed=True)
+
+  def _check_writable(self, step: int) -> None:
+    """Orbax's background thread waits ~5 minutes on a step directory it failed to create:
+    find an unwritable directory here instead, at once."""
+    if not self.primary:
+      return
+    probe = os.path.join(self.directory, f'.write-probe-{uuid.uuid4().hex}')
+    try:
+      with open(probe, 'w'):
+        pass
+      os.remove(probe)
+    except OSError as e:
+      self._fail(step, e)
+
+  def _fail(self, step: int, cause, committed: bool = False):
+    if self.primary and not committed:
+      for path in glob.glob(os.path.join(self.directory, f'{step}.orbax-checkpoint-tmp*')):
+        shutil.rmtree(path, ignore_errors=True)
+    detail = f'{type(cause).__name__}: {cause}' if isinstance(cause, BaseException) else cause
+    kept = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit()) \
+        if os.path.isdir(self.directory) else []
+    raise CheckpointSaveError(
+        f'saving checkpoint {step} to {self.directory} failed ({detail}); stopping. Complete '
+        f'checkpoints are kept: {kept or "none"}. Free space or fix the directory\'s '
+        'permissions, then start again to resume.') from (
+            cause if isinstance(cause, BaseException) else None)
 
   # -- restore ---------------------------------------------------------------------------------
 
   def step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
+
+  def verify(self, step: int) -> bool:
+    """True if the step's files match its checksums, False if it has none (an older
+    checkpoint); raises CheckpointError naming the files that differ."""
+    path = os.path.join(self.step_dir(step), MANIFEST)
+    if not os.path.exists(path):
+      return False
+    try:
+      with open(path) as f:
+        recorded = json.load(f)
+    except (OSError, ValueError) as e:
+      raise CheckpointError(f'checkpoint {self.step_dir(step)}: unreadable {MANIFEST} ({e}). '
+                            'Move that directory aside to resume from the previous '
+                            'checkpoint.') from e
+    now = file_checksums(self.step_dir(step))
+    bad = sorted(f for f in set(recorded) | set(now) if recorded.get(f) != now.get(f))
+    if bad:
+      raise CheckpointError(
+          f'checkpoint {self.step_dir(step)} is corrupt: {len(bad)} file(s) differ from the '
+          f'checksums recorded when it was saved ({", ".join(bad[:5])}'
+          f'{", ..." if len(bad) > 5 else ""}). Move that directory aside to resume from the '
+          'previous checkpoint.')
+    return True
+
+  def describe_newest(self) -> str:
+    """One sentence on the newest checkpoint, calling it intact only if it was verified."""
+    try:
+      self.wait()
+    except CheckpointSaveError as e:
+      return str(e)
+    step = self.latest_step()
+    if step is None:
+      return f'No checkpoint was saved in {self.directory}.'
+    try:
+      verified = self.verify(step)
+    except CheckpointError as e:
+      return str(e)
+    if verified:
+      return f'The newest checkpoint, {self.step_dir(step)}, is intact (checksums verified).'
+    return f'The newest checkpoint is {self.step_dir(step)} (not verified: it has no checksums).'
 
   def read_json_item(self, step: int, item: str) -> dict:
     try:

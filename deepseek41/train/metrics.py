@@ -1,4 +1,10 @@
-"""Metric writers: console progress, WORKDIR/metrics.jsonl and TensorBoard."""
+"""Metric writers: console progress, WORKDIR/metrics.jsonl and TensorBoard.
+
+metrics.jsonl holds one line per step of the run as it continues: a run resumed from the
+checkpoint of step S first drops the lines of steps after S (they were written by a run that
+stopped, or was killed, before saving them, and are trained again), so no step appears twice.
+TensorBoard event files are append-only; its viewer shows the newest value of a step.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +23,10 @@ class MetricsWriter:
   def __init__(self, workdir: str, *, tensorboard: bool, progress_bar: bool, total_steps: int,
                start_step: int, enabled: bool = True):
     self.enabled = enabled
-    self.jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a') if enabled else None
+    path = os.path.join(workdir, 'metrics.jsonl')
+    if enabled:
+      drop_steps_after(path, start_step)
+    self.jsonl = open(path, 'a') if enabled else None
     self.tb = None
     if enabled and tensorboard:
       from tensorboardX import SummaryWriter
@@ -62,3 +71,29 @@ class MetricsWriter:
       self.tb.close()
     if self.jsonl is not None:
       self.jsonl.close()
+
+
+def drop_steps_after(path: str, step: int) -> int:
+  """Remove the lines of steps > `step` (all lines for a start from scratch, `step` 0) from a
+  metrics.jsonl; returns how many were dropped. The file is replaced atomically."""
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    lines = f.readlines()
+  keep = []
+  for line in lines:
+    try:
+      record_step = json.loads(line)['step']
+    except (ValueError, KeyError, TypeError):
+      continue  # a line cut short by a kill
+    if 0 < step and record_step <= step:
+      keep.append(line if line.endswith('\n') else line + '\n')
+  dropped = len(lines) - len(keep)
+  if dropped:
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+      f.writelines(keep)
+    os.replace(tmp, path)
+    log.info('metrics.jsonl: dropped %d line(s) after step %d, written by a run that did not '
+             'checkpoint them', dropped, step)
+  return dropped

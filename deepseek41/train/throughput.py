@@ -1,0 +1,72 @@
+"""Throughput over a window of logged steps: step time, tokens/s, model TFLOP/s, MFU, data wait.
+
+The window opens after a step's metrics were written and closes at the next logged step. Time
+that is not training (compilation, evaluation, checkpoint blocking, writing a profile) is
+excluded; the compile step is not timed at all.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+class Throughput:
+  """Timing bookkeeping for one run; `scalars()` reports the current window."""
+
+  def __init__(self, *, tokens_per_step: int, flops_per_token, peak_tflops: float | None,
+               device_count: int, process_count: int, vision: bool):
+    self.tokens_per_step = tokens_per_step
+    self.flops_per_token = flops_per_token.total
+    # Training FLOPs of one image through the vision tower (0 where flops.py does not count it).
+    self.flops_per_image = getattr(flops_per_token, 'vision_per_image', 0) or 0
+    self.peak_tflops = peak_tflops
+    self.device_count = device_count
+    self.process_count = process_count
+    self.vision = vision
+    self.t0: float | None = None  # None: not timing (the compile step)
+    self.steps = 0
+    self.wait_s = 0.0
+    self.local_images = 0
+
+  def start(self) -> None:
+    """Open a new window now."""
+    self.t0 = time.perf_counter()
+    self.steps, self.wait_s, self.local_images = 0, 0.0, 0
+
+  def pause(self) -> None:
+    """Stop timing until the next start() (the compile step is not throughput)."""
+    self.t0 = None
+
+  def exclude(self, seconds: float) -> None:
+    """Leave `seconds` of non-training time (evaluation, saving, profiling) out of the window."""
+    if self.t0 is not None:
+      self.t0 += seconds
+
+  def count_step(self, data_wait_s: float) -> None:
+    if self.t0 is not None:
+      self.steps += 1
+      self.wait_s += data_wait_s
+
+  def count_images(self, local_images: int) -> None:
+    """Images this process fed to a step (summed over processes in scalars())."""
+    self.local_images += local_images
+
+  def scalars(self) -> dict[str, float]:
+    timed = self.t0 is not None and self.steps > 0
+    elapsed = time.perf_counter() - self.t0 if timed else math.nan
+    step_time = elapsed / self.steps if timed else math.nan
+    images = self.local_images * self.process_count
+    flops = (self.steps * self.tokens_per_step * self.flops_per_token
+             + images * self.flops_per_image)
+    out = {
+        'step_time_s': step_time,
+        'tokens_per_s': self.tokens_per_step / step_time,
+        'model_tflops_per_s': flops / elapsed / 1e12 if timed else math.nan,
+        'data_wait_s': self.wait_s / self.steps if timed else math.nan,
+    }
+    if self.peak_tflops:
+      out['mfu'] = out['model_tflops_per_s'] / (self.peak_tflops * self.device_count)
+    if self.vision and timed:
+      out['images_per_s'] = images / elapsed
+    return out
