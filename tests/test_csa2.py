@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deepseek41.config import FULL, REINDEX, REUSE
+from deepseek41.config import FULL, REINDEX, REUSE, layer_roles
 from deepseek41.model.compressor import visible_btn
-from deepseek41.model.csa2 import INDEXER_TOTALS, pool_entry_mask
-from deepseek41.model.indexer import topk_mask
+from deepseek41.model.csa2 import INDEXER_TOTALS
+from deepseek41.model.indexer import document_first_entry_bt, pool_entry_mask
+from deepseek41.ops.sparse_attention import selection_mask
 from deepseek41.model.transformer import Transformer
 from tests.util import packed_batch, resolved, token_ce
 
@@ -54,7 +55,7 @@ def test_roles_publish_and_reuse_exactly_what_they_should():
   model, cfg = _model()
   batch = {k: jnp.asarray(v) for k, v in _aligned_batch(0).items()}
   trail = _walk(model, batch)
-  roles = cfg.model.roles
+  roles = layer_roles(cfg.model)
   assert [r.mode for r in roles] == ['SWA', FULL, FULL, REINDEX]
   for role, shared in zip(roles, trail):
     new = set(shared) - set(trail[role.layer - 1] if role.layer else {}) - {INDEXER_TOTALS}
@@ -75,15 +76,15 @@ def test_roles_publish_and_reuse_exactly_what_they_should():
   vis = np.asarray(visible_btn(batch['segment_ids'], comp))
   for layer in (2, 3):
     idx, valid = final[f'sel{layer}']
-    sel = np.asarray(topk_mask(idx, valid, comp.num_entries))
+    sel = np.asarray(selection_mask(idx, valid, comp.num_entries))
     assert not (sel & ~vis).any()
     assert (sel.sum(-1) == np.minimum(vis.sum(-1), cfg.model.index_topk)).all()
     assert (vis.sum(-1) > cfg.model.index_topk).any()
   blk_idx, blk_valid = final['pool2']
-  pool = np.asarray(pool_entry_mask(blk_idx, blk_valid, cfg.model.candidate_block_size,
-                                    comp.num_entries))
+  pool = np.asarray(pool_entry_mask(blk_idx, blk_valid, document_first_entry_bt(vis),
+                                    cfg.model.candidate_block_size, comp.num_entries))
   idx3, valid3 = final['sel3']
-  sel3 = np.asarray(topk_mask(idx3, valid3, comp.num_entries))
+  sel3 = np.asarray(selection_mask(idx3, valid3, comp.num_entries))
   assert not (sel3 & ~pool).any()                       # Reindex stays inside the pool
   assert ((vis & ~pool).sum(-1) > 0).any()              # and the pool really restricts
   newest = np.where(vis.any(-1), vis.shape[-1] - 1 - np.argmax(vis[..., ::-1], -1), -1)
@@ -99,7 +100,7 @@ def test_top_k_covering_everything_selects_exactly_the_visible_entries():
     comp, _ = final[f'kv{src}']
     vis = np.asarray(visible_btn(batch['segment_ids'], comp))
     idx, valid = final[f'sel{layer}']
-    np.testing.assert_array_equal(np.asarray(topk_mask(idx, valid, comp.num_entries)), vis)
+    np.testing.assert_array_equal(np.asarray(selection_mask(idx, valid, comp.num_entries)), vis)
 
 
 @pytest.fixture(scope='module')

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from deepseek41.config import ConfigError
-from deepseek41.model.indexer import index_scores
 from deepseek41.ops.index_scores import index_scores_fused
+from deepseek41.ops.index_scores import index_scores_reference as index_scores
 from tests.util import resolved
 
 
@@ -43,7 +43,10 @@ def test_fused_scores_are_a_gpu_choice():
 
 @pytest.mark.parametrize('ratio', [1, 2])
 def test_selection_with_the_kernel_equals_reference(ratio):
-  """select_chunked (chunks, two-stage top-k, candidate pool) is the same with either scorer."""
+  """select_chunked (chunks, two-stage top-k, candidate pool) is the same with either scorer,
+  on documents at offsets that are not multiples of the candidate block."""
+  import functools
+
   from flax import nnx
 
   from deepseek41.model.compressor import Compressor
@@ -61,8 +64,14 @@ def test_selection_with_the_kernel_equals_reference(ratio):
   comp = Compressor(cfg, ratio, nnx.Rngs(0))(x, seg, pos)
   k = IndexKeys(cfg, 16, nnx.Rngs(1))(comp.latent_bnd, comp.pos_bn)
   q, w = IndexQuery(cfg, 2, 16, nnx.Rngs(2))(q_r, x, pos)
-  kw = dict(topk=4, chunk=16, block_size=2, publish_blocks=3, topk_block=2)
-  want = select_chunked(q, w, k, seg, comp, scores_impl='reference', **kw)
-  got = select_chunked(q, w, k, seg, comp, scores_impl='fused_interpret', **kw)
+  kernel = functools.partial(index_scores_fused, interpret=True)
+  kw = dict(topk=4, chunk=16, block_size=4, topk_block=2)
+  want = select_chunked(q, w, k, seg, comp, publish_blocks=3, **kw)
+  got = select_chunked(q, w, k, seg, comp, publish_blocks=3, scores_fn=kernel, **kw)
   for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+  # A Reindex layer selecting inside that pool.
+  want_r = select_chunked(q, w, k, seg, comp, pool=want[2], **kw)
+  got_r = select_chunked(q, w, k, seg, comp, pool=want[2], scores_fn=kernel, **kw)
+  for a, b_ in zip(jax.tree.leaves(got_r), jax.tree.leaves(want_r)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))

@@ -1,4 +1,4 @@
-"""CSA2 lightning indexer (ARCHITECTURE.md section 3.7): scores, top-k, candidate pool, KL, recall.
+"""CSA2 lightning indexer (docs/architecture.md section 3.7): scores, top-k, candidate pool, KL, recall.
 
 Expected values come from numpy loops and stable argsorts written here (ties: lowest index).
 """
@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deepseek41.model.compressor import (CompressedKV, Compressor, group_layout,
-                                         newest_visible_entry_bt, visible_btn)
-from deepseek41.model.indexer import (IndexKeys, IndexQuery, block_scores, blocks_to_entries,
-                                      select_topk_blocked,
-                                      candidate_blocks, candidate_pool, index_scores,
-                                      indexer_kl_loss, newest_visible_bt, recall_at_k,
-                                      select_topk, topk_mask)
+from deepseek41.model.compressor import CompressedKV, Compressor, group_layout, visible_btn
+from deepseek41.model.indexer import (IndexKeys, IndexQuery, block_scores, candidate_blocks,
+                                      document_first_entry_bt,
+                                      indexer_distillation, indexer_kl_per_query,
+                                      newest_visible_bt, pool_entry_mask, recall_per_query,
+                                      select_topk, select_topk_blocked)
 from deepseek41.model.rope import rope_for_role
+from deepseek41.ops.index_scores import index_scores_reference as index_scores
+from deepseek41.ops.sparse_attention import selection_mask
 from tests.util import np_rope, packed_layout, resolved
 
 B, T, D, DH, DI, HI, QL = 2, 48, 32, 16, 8, 2, 16
@@ -130,7 +131,7 @@ def test_select_topk_against_numpy(ratio):
     got = [list(i[v]) for i, v in zip(idx.reshape(-1, k), valid.reshape(-1, k))]
     assert got == expected
     if k >= vis.sum(-1).max():
-      np.testing.assert_array_equal(np.asarray(topk_mask(idx, valid, n)), vis)
+      np.testing.assert_array_equal(np.asarray(selection_mask(idx, valid, n)), vis)
 
 
 @pytest.mark.parametrize('ratio', [1, 2])
@@ -182,7 +183,7 @@ def test_select_topk_random_with_allowed():
   scores = rng.standard_normal(vis.shape).astype(np.float32)
   allowed = rng.random(vis.shape) < 0.5
   idx, valid = select_topk(scores, vis, 5, allowed_btn=allowed)
-  sel = np.asarray(topk_mask(idx, valid, vis.shape[-1]))
+  sel = np.asarray(selection_mask(idx, valid, vis.shape[-1]))
   assert not (sel & ~(vis & allowed)).any()
   expected = np_topk(scores, vis & allowed, 5)
   idx, valid = np.asarray(idx).reshape(-1, 5), np.asarray(valid).reshape(-1, 5)
@@ -194,61 +195,92 @@ def test_select_topk_random_with_allowed():
 # Candidate pool
 
 
+def candidate_pool(scores, vis, bs, topk_blocks):
+  """(blk_idx, blk_valid, pool mask): the candidate source's pieces, composed as select_chunked
+  composes them (on the whole row as one chunk)."""
+  first = document_first_entry_bt(vis)
+  blk_idx, blk_valid = candidate_blocks(block_scores(scores, vis, first, bs),
+                                        newest_visible_bt(vis), first, bs, topk_blocks)
+  pool = pool_entry_mask(blk_idx, blk_valid, first, bs, scores.shape[-1]) & vis
+  return blk_idx, blk_valid, pool
+
+
 def np_candidate_blocks(scores, vis, bs, topk_blocks):
-  """Expected kept block sets per query, from the section's description."""
+  """Expected kept block sets per query, from the section's description: blocks of `bs` entries
+  counted from the query's document's first entry (its first visible one)."""
   out = []
   n = scores.shape[-1]
   m = -(-n // bs)
   for s_row, v_row in zip(scores.reshape(-1, n), vis.reshape(-1, n)):
+    if not v_row.any():
+      out.append(set())
+      continue
+    first = np.nonzero(v_row)[0].min()
     bsc = np.full(m, -np.inf)
     for blk in range(m):
-      members = [j for j in range(blk * bs, min(n, blk * bs + bs)) if v_row[j]]
+      members = [j for j in range(first + blk * bs, min(n, first + blk * bs + bs)) if v_row[j]]
       if members:
         bsc[blk] = max(s_row[j] for j in members)
     finite = np.isfinite(bsc)
-    if not finite.any():
-      out.append(set())
-      continue
-    newest_blk = max(np.nonzero(v_row)[0]) // bs
+    newest_blk = (max(np.nonzero(v_row)[0]) - first) // bs
     bsc[newest_blk] = np.inf
     order = [b for b in np.argsort(-bsc, kind='stable') if bsc[b] > -np.inf]
     out.append(set(order[:min(topk_blocks, int(finite.sum()))]))
   return out
 
 
+@pytest.mark.parametrize('ratio', [1, 2])
 @pytest.mark.parametrize('bs,topk_blocks', [(4, 3), (3, 2), (4, 20)])
-def test_candidate_pool(bs, topk_blocks):
+def test_candidate_pool(ratio, bs, topk_blocks):
   rng = np.random.default_rng(5)
-  seg, _, comp, vis = layout(1)
+  seg, _, comp, vis = layout(ratio)
   n = vis.shape[-1]
   scores = rng.standard_normal(vis.shape).astype(np.float32)
   scores[..., 5] = 10.0   # a high score that is invisible to some queries
-  pool = np.asarray(candidate_pool(scores, vis, bs, topk_blocks))
+  blk_idx, blk_valid, pool = (np.asarray(a) for a in candidate_pool(scores, vis, bs, topk_blocks))
   assert pool.shape == vis.shape
   assert not (pool & ~vis).any()                               # never invisible entries
-  newest = np.asarray(newest_visible_bt(vis))
+  first = np.asarray(document_first_entry_bt(vis))
   expected = np_candidate_blocks(scores, vis, bs, topk_blocks)
-  blk_idx, blk_valid = candidate_blocks(block_scores(scores, vis, bs), newest, bs, topk_blocks)
-  blk_idx, blk_valid = np.asarray(blk_idx), np.asarray(blk_valid)
   for q, (p_row, v_row, exp) in enumerate(zip(pool.reshape(-1, n), vis.reshape(-1, n), expected)):
-    kept = {j // bs for j in np.nonzero(p_row)[0]}
-    assert kept == exp
-    if v_row.any():
-      newest_j = np.nonzero(v_row)[0].max()
-      assert p_row[newest_j]                                     # the newest entry's block
-      n_blocks_visible = len({j // bs for j in np.nonzero(v_row)[0]})
-      assert len(kept) == min(topk_blocks, n_blocks_visible)
-      # every visible entry of a kept block is in the pool
-      for j in np.nonzero(v_row)[0]:
-        assert p_row[j] == (j // bs in kept)
     bi, ti = divmod(q, T)
     assert set(blk_idx[bi, ti][blk_valid[bi, ti]]) == exp
-  # newest visible via the O(T) compressor helper agrees with the dense one
-  np.testing.assert_array_equal(newest_visible_entry_bt(seg, comp), newest)
-  # blocks_to_entries covers exactly the kept blocks' entries (within N)
-  e_idx, e_valid = blocks_to_entries(blk_idx, blk_valid, bs, n)
-  entry_mask = np.asarray(topk_mask(e_idx, e_valid, n))
-  np.testing.assert_array_equal(entry_mask & vis, pool)
+    if not v_row.any():
+      assert first[bi, ti] == -1 and not p_row.any()
+      continue
+    f = np.nonzero(v_row)[0].min()
+    assert first[bi, ti] == f
+    kept = {(j - f) // bs for j in np.nonzero(p_row)[0]}
+    assert kept == exp
+    newest_j = np.nonzero(v_row)[0].max()
+    assert p_row[newest_j]                                       # the newest entry's block
+    n_blocks_visible = len({(j - f) // bs for j in np.nonzero(v_row)[0]})
+    assert len(kept) == min(topk_blocks, n_blocks_visible)
+    for j in np.nonzero(v_row)[0]:                               # all of a kept block's entries
+      assert p_row[j] == ((j - f) // bs in kept)
+
+
+def test_pool_blocks_follow_the_document_not_the_row():
+  """The same document at two offsets (0 and 2, blocks of 4) keeps the same blocks."""
+  rng = np.random.default_rng(9)
+  seg, pos = packed_layout([[20], [2, 20]], 24)
+  pos_bn, seg_bn, last_bn = group_layout(seg, pos, 1)
+  comp = CompressedKV(latent_bnd=None, kv_bnd=None, pos_bn=pos_bn, seg_bn=seg_bn,
+                      last_bn=last_bn, ratio=1)
+  vis = np.asarray(visible_btn(seg, comp))
+  doc_scores = rng.standard_normal((20, 20)).astype(np.float32)
+  scores = np.zeros((2, 24, 24), np.float32)
+  scores[0, :20, :20] = doc_scores
+  scores[1, 2:22, 2:22] = doc_scores
+  blk_idx, blk_valid, pool = (np.asarray(a) for a in candidate_pool(scores, vis, 4, 2))
+  np.testing.assert_array_equal(blk_idx[1, 2:22], blk_idx[0, :20])
+  np.testing.assert_array_equal(blk_valid[1, 2:22], blk_valid[0, :20])
+  np.testing.assert_array_equal(pool[1, 2:22, 2:22], pool[0, :20, :20])
+  assert (vis[0, :20, :20] & ~pool[0, :20, :20]).any()           # the pool binds
+  # The entry mask of the published blocks, given the document's first entry, is the pool.
+  np.testing.assert_array_equal(
+      np.asarray(pool_entry_mask(blk_idx, blk_valid, document_first_entry_bt(vis), 4, 24)) & vis,
+      pool)
 
 
 def test_reindex_selection_inside_pool():
@@ -256,9 +288,9 @@ def test_reindex_selection_inside_pool():
   _, _, _, vis = layout(1)
   s_src = rng.standard_normal(vis.shape).astype(np.float32)
   s_own = rng.standard_normal(vis.shape).astype(np.float32)
-  pool = candidate_pool(s_src, vis, 4, 3)
+  pool = candidate_pool(s_src, vis, 4, 3)[2]
   idx, valid = select_topk(s_own, vis, 8, allowed_btn=pool)
-  sel = np.asarray(topk_mask(idx, valid, vis.shape[-1]))
+  sel = np.asarray(selection_mask(idx, valid, vis.shape[-1]))
   assert not (sel & ~np.asarray(pool)).any()
   np.testing.assert_array_equal(sel.sum(-1), np.minimum(8, np.asarray(pool).sum(-1)))
 
@@ -286,7 +318,7 @@ def test_end_to_end_chunked_equals_full():
     np.testing.assert_allclose(s_c, scores[:, t0:t1], atol=1e-6)
     np.testing.assert_array_equal(i_c, idx[:, t0:t1])
     np.testing.assert_array_equal(ok_c, valid[:, t0:t1])
-  sel = np.asarray(topk_mask(idx, valid, comp.num_entries))
+  sel = np.asarray(selection_mask(idx, valid, comp.num_entries))
   assert not (sel & ~np.asarray(vis)).any()
 
 
@@ -306,48 +338,58 @@ def np_kl(scores, teacher, mask):
   return np.mean(kls)
 
 
-def test_indexer_kl_loss():
+def _kl_loss(scores, teacher, mask):
+  kl_sum, counted, _ = indexer_distillation(scores, teacher, mask)
+  return kl_sum / jnp.maximum(counted, 1.0)
+
+
+def test_indexer_kl():
   rng = np.random.default_rng(8)
   _, _, _, vis = layout(2)
   teacher = rng.random(vis.shape).astype(np.float32)
   teacher[rng.random(vis.shape) < 0.2] = 0.0
   scores = rng.standard_normal(vis.shape).astype(np.float32) * 3
-  loss = indexer_kl_loss(scores, teacher, vis)
+  loss = _kl_loss(scores, teacher, vis)
   expected = np_kl(scores.astype(np.float64), teacher.astype(np.float64), vis)
   np.testing.assert_allclose(loss, expected, rtol=1e-4)
+  _, counted = indexer_kl_per_query(scores, teacher, vis)
+  np.testing.assert_array_equal(counted, vis.any(-1) & ((teacher * vis).sum(-1) > 0))
   # Student == teacher on the mask (scores = log teacher + any per-query constant): zero loss.
   pos_teacher = teacher + 0.05
   student = np.log(pos_teacher) + rng.standard_normal(vis.shape[:2])[..., None]
   student = np.where(vis, student, 123.0).astype(np.float32)   # outside the mask: irrelevant
-  np.testing.assert_allclose(indexer_kl_loss(student, pos_teacher, vis), 0.0, atol=1e-6)
+  np.testing.assert_allclose(_kl_loss(student, pos_teacher, vis), 0.0, atol=1e-6)
 
   # Gradient flows to the scores only, is finite, and is zero outside the mask.
-  g_s, g_t = jax.grad(indexer_kl_loss, argnums=(0, 1))(jnp.asarray(scores), jnp.asarray(teacher),
-                                                       jnp.asarray(vis))
+  g_s, g_t = jax.grad(_kl_loss, argnums=(0, 1))(jnp.asarray(scores), jnp.asarray(teacher),
+                                                jnp.asarray(vis))
   assert np.all(np.asarray(g_t) == 0)
   g_s = np.asarray(g_s)
   assert np.all(np.isfinite(g_s)) and np.any(g_s != 0)
   assert np.all(g_s[~vis] == 0)
   # Queries with an empty mask (padding, first tokens) contribute nothing, even with huge scores.
   big = np.where(vis, scores, 1e30).astype(np.float32)
-  np.testing.assert_allclose(indexer_kl_loss(big, teacher, vis), loss, rtol=1e-6)
-  assert float(indexer_kl_loss(scores, teacher, np.zeros_like(vis))) == 0.0
+  np.testing.assert_allclose(_kl_loss(big, teacher, vis), loss, rtol=1e-6)
+  assert float(_kl_loss(scores, teacher, np.zeros_like(vis))) == 0.0
 
 
-def test_recall_at_k():
+def test_recall():
   n = 12
   teacher = np.zeros((1, 3, n), np.float32)
   teacher[0, 0, [1, 4, 7, 9]] = [0.4, 0.3, 0.2, 0.1]
   teacher[0, 1, [0, 2]] = [0.5, 0.5]
-  # row 2 has no teacher mass: not counted
-  selected = np.zeros((1, 3, n), bool)
-  selected[0, 0, [1, 4, 7, 11]] = True      # covers the top-3 of query 0
-  selected[0, 1, [0, 2, 3]] = True           # covers both positive entries of query 1
-  assert float(recall_at_k(selected, teacher, 3)) == 1.0
-  assert float(recall_at_k(selected, teacher, 4)) == pytest.approx((3 / 4 + 1.0) / 2)
-  selected[0, 1, 2] = False
-  assert float(recall_at_k(selected, teacher, 3)) == pytest.approx((1.0 + 0.5) / 2)
-  # The (idx, valid) form of a selection gives the same.
-  idx, valid = select_topk(teacher, np.ones_like(selected), 3)
-  assert float(recall_at_k((idx, valid), teacher, 3)) == 1.0
-  assert float(recall_at_k(selected, np.zeros_like(teacher), 3)) == 1.0
+  # row 2 has no teacher mass: recall 0, and it is not counted
+  student = np.zeros((1, 3, n), np.float32)
+  student[0, 0, [1, 4, 7, 11]] = [4, 3, 2, 1]    # its top-3 is the teacher's top-3
+  student[0, 1, [0, 2, 3]] = [1, 2, 3]           # its top-2 is {3, 2}: one of the teacher's two
+  mask = np.ones((1, 3, n), bool)
+  np.testing.assert_allclose(recall_per_query(student, teacher, mask, 3), [[1.0, 1.0, 0.0]])
+  np.testing.assert_allclose(recall_per_query(student, teacher, mask, 2), [[1.0, 0.5, 0.0]])
+  np.testing.assert_allclose(recall_per_query(student, teacher, mask, 4), [[0.75, 1.0, 0.0]])
+  mask[0, 0, 1] = False                           # outside the mask for both
+  np.testing.assert_allclose(recall_per_query(student, teacher, mask, 2), [[1.0, 0.5, 0.0]])
+  # The model's statistic: the top quarter of the slots, summed over counted queries.
+  _, counted, recall_sum = indexer_distillation(student[:, :, :8], teacher[:, :, :8],
+                                                np.ones((1, 3, 8), bool))
+  assert float(counted) == 2.0                    # top 2 of 8: {1, 4} / {0, 2} vs {3, 2}
+  assert float(recall_sum) == pytest.approx(1.0 + 0.5)

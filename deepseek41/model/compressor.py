@@ -34,8 +34,7 @@ Visibility (`visible_btn`): entry j is visible to query row t iff
 `seg_bn[j] == segment_ids_bt[t] != 0` and `last_bn[j] <= t`; inside a document that starts at an
 even row offset this is exactly section 3.6's `j_local < floor((t_local + 1) / r)`. The scalable
 path must never build [T, N] for a whole sequence: `visible_btn` takes a slice of query rows
-(`row_offset`) and any slice of entries, so a caller builds it one query chunk at a time, and
-`newest_visible_entry_bt` finds the newest visible entry of every query in O(T) without any mask.
+(`row_offset`) and any slice of entries, so a caller builds it one query chunk at a time.
 """
 
 from __future__ import annotations
@@ -128,23 +127,6 @@ def visible_btn(segment_ids_bt, comp: CompressedKV, row_offset=0):
   same_doc_btn = (comp.seg_bn[:, None, :] == seg_q_bt[:, :, None]) & (seg_q_bt[:, :, None] != 0)
   complete_btn = comp.last_bn[:, None, :] <= t_q[None, :, None]
   return same_doc_btn & complete_btn
-
-
-def newest_visible_entry_bt(segment_ids_bt, comp: CompressedKV, row_offset=0):
-  """int32 [B, Tq]: index of the newest entry visible to each query row, -1 if none; O(T).
-
-  Needs the row-aligned layout of the whole row (entry j = rows [j*r, j*r + r), as `Compressor`
-  builds it; `comp` must hold all entries of the row). The newest complete group of row t is
-  j* = floor((t+1)/r) - 1; if it is not in t's document then nothing is: either t starts its
-  document (j* ends before it) or j* straddles into t's document, which has no complete group yet.
-  """
-  r = comp.ratio
-  seg_q_bt = jnp.asarray(segment_ids_bt, jnp.int32)
-  t_q = row_offset + jnp.arange(seg_q_bt.shape[1], dtype=jnp.int32)
-  j_bt = jnp.broadcast_to((t_q + 1) // r - 1, seg_q_bt.shape)
-  seg_j_bt = jnp.take_along_axis(comp.seg_bn, jnp.maximum(j_bt, 0), axis=1)
-  ok_bt = (j_bt >= 0) & (seg_j_bt == seg_q_bt) & (seg_q_bt != 0)
-  return jnp.where(ok_bt, j_bt, -1).astype(jnp.int32)
 
 
 # ---------------------------------------------------------------------------------------------

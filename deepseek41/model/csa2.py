@@ -24,6 +24,8 @@ teacher's top quarter of the selection that the student also ranks in its top qu
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -33,7 +35,7 @@ from deepseek41.model import indexer as idx_lib
 from deepseek41.model.compressor import Compressor, visible_btn
 from deepseek41.model.indexer import IndexKeys, IndexQuery
 from deepseek41.ops.chunking import map_query_chunks
-from deepseek41.ops.index_scores import index_scores_fused
+from deepseek41.ops.index_scores import SCORERS, index_scores_reference
 from deepseek41.ops.sparse_attention import compressed_partial, gather_rows
 from deepseek41.quant import get_fake_quant
 
@@ -53,29 +55,20 @@ def _pool_key(layer):
   return f'pool{layer}'
 
 
-def pool_entry_mask(blk_idx_btm, blk_valid_btm, block_size: int, n: int):
-  """bool [B, Tq, N]: entries inside the kept candidate blocks (a scatter: no [.., M, blocks])."""
-  b, t, _ = blk_idx_btm.shape
-  blocks = -(-n // block_size)
-  kept_btm = jnp.zeros((b, t, blocks), jnp.bool_)
-  bi = jnp.arange(b)[:, None, None]
-  ti = jnp.arange(t)[None, :, None]
-  kept_btm = kept_btm.at[bi, ti, blk_idx_btm].max(blk_valid_btm)
-  return jnp.repeat(kept_btm, block_size, axis=-1)[..., :n]
-
-
 def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chunk: int,
                    block_size: int, pool=None, publish_blocks: int = 0, topk_block: int = 0,
-                   scores_impl: str = 'reference', row_offset=0):
+                   scores_fn: Callable = index_scores_reference, row_offset=0):
   """Top-k entries per query, processed `chunk` queries at a time.
 
   topk_block > 1: exact two-stage top-k over blocks of that many entries (`select_topk_blocked`).
-  scores_impl: 'reference' (jnp) or 'fused' (the GPU kernel, ops/index_scores.py).
+  scores_fn: the indexer scorer, one of ops/index_scores.py's `SCORERS`.
   row_offset: row index of the first query (the entries cover the whole row from 0).
 
-  pool: (blk_idx_btm, blk_valid_btm) of the candidate source, restricting the choice (Reindex).
+  pool: (blk_idx_btk, blk_valid_btk) of the candidate source, restricting the choice (Reindex);
+  its blocks are numbered within each query's document (indexer.block_scores), which this
+  layer finds the same way, from the same KV source's visibility.
   publish_blocks > 0: also return this layer's best `publish_blocks` candidate blocks.
-  Returns (idx_btk, valid_btk, (blk_idx_btm, blk_valid_btm) or None).
+  Returns (idx_btk, valid_btk, (blk_idx_btk, blk_valid_btk) or None).
   """
   n = k_bnc.shape[1]
   xs = {'q': q_bthc, 'w': w_bth, 'seg': segment_ids_bt}
@@ -84,25 +77,23 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
 
   def per_chunk(c, offset):
     offset = offset + row_offset
-    if scores_impl.startswith('fused'):  # 'fused_interpret': the kernel on the CPU, for tests
-      rows_c = offset + jnp.arange(c['q'].shape[1], dtype=jnp.int32)
-      limit_bc = jnp.broadcast_to((rows_c + 1) // comp.ratio, c['seg'].shape)
-      scores_bcn = index_scores_fused(c['q'], c['w'], k_bnc, limit_bc,
-                                      interpret=scores_impl == 'fused_interpret')
-    else:
-      scores_bcn = idx_lib.index_scores(c['q'], c['w'], k_bnc)
+    rows_c = offset + jnp.arange(c['q'].shape[1], dtype=jnp.int32)
+    limit_bc = jnp.broadcast_to((rows_c + 1) // comp.ratio, c['seg'].shape)
+    scores_bcn = scores_fn(c['q'], c['w'], k_bnc, limit_bc)
     vis_bcn = visible_btn(c['seg'], comp, offset)
     allowed = None
+    if pool is not None or publish_blocks:
+      first_bc = idx_lib.document_first_entry_bt(vis_bcn)
     if pool is not None:
-      allowed = pool_entry_mask(c['pool_idx'], c['pool_valid'], block_size, n)
+      allowed = idx_lib.pool_entry_mask(c['pool_idx'], c['pool_valid'], first_bc, block_size, n)
     sel_idx, sel_valid = idx_lib.select_topk_blocked(scores_bcn, vis_bcn, topk, topk_block,
                                                      allowed)
     out = {'idx': sel_idx, 'valid': sel_valid}
     if publish_blocks:
-      blocks = idx_lib.block_scores(scores_bcn, vis_bcn, block_size)
+      blocks = idx_lib.block_scores(scores_bcn, vis_bcn, first_bc, block_size)
       newest = idx_lib.newest_visible_bt(vis_bcn)
-      out['blk_idx'], out['blk_valid'] = idx_lib.candidate_blocks(blocks, newest, block_size,
-                                                                  publish_blocks)
+      out['blk_idx'], out['blk_valid'] = idx_lib.candidate_blocks(blocks, newest, first_bc,
+                                                                  block_size, publish_blocks)
     return out
 
   out = map_query_chunks(per_chunk, xs, chunk)
@@ -126,20 +117,6 @@ def selected_scores(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, chunk: int):
   # [T, K, d_I] per index source, the very size chunking avoids.
   xs = {'q': q_bthc, 'w': w_bth, 'idx': idx_btk, 'valid': valid_btk}
   return map_query_chunks(jax.checkpoint(per_chunk), xs, chunk)
-
-
-def indexer_distillation(student_btk, mass_btk, valid_btk):
-  """(kl_sum, counted, recall_sum) for one index source (see the module docstring)."""
-  kl_bt, counted_bt = idx_lib.indexer_kl_per_query(student_btk, mass_btk, valid_btk)
-  k = student_btk.shape[-1]
-  top = max(1, k // 4)
-  s_idx, s_valid = idx_lib.select_topk(jax.lax.stop_gradient(student_btk), valid_btk, top)
-  student_top_btk = idx_lib.topk_mask(s_idx, s_valid, k)
-  t_idx, t_valid = idx_lib.select_topk(mass_btk, valid_btk & (mass_btk > 0), top)
-  hits_bt = jnp.sum(jnp.take_along_axis(student_top_btk, t_idx, axis=-1) & t_valid, axis=-1)
-  recall_bt = hits_bt / jnp.maximum(jnp.sum(t_valid, axis=-1), 1)
-  counted = counted_bt.astype(jnp.float32)
-  return jnp.sum(kl_bt), jnp.sum(counted), jnp.sum(recall_bt * counted)
 
 
 class CSA2(nnx.Module):
@@ -185,7 +162,8 @@ class CSA2(nnx.Module):
           jax.lax.stop_gradient(k_bnc), seg, comp, topk=cfg.index_topk,
           chunk=cfg.sparse_chunk, block_size=cfg.candidate_block_size, pool=pool,
           publish_blocks=cfg.candidate_topk_blocks if role.publishes_candidates else 0,
-          topk_block=cfg.index_topk_block, scores_impl=cfg.index_impl, row_offset=row_offset)
+          topk_block=cfg.index_topk_block, scores_fn=SCORERS[cfg.index_impl],
+          row_offset=row_offset)
       shared[_sel_key(role.layer)] = (sel_idx, sel_valid)
       if blocks is not None:
         shared[_pool_key(role.layer)] = blocks
@@ -195,7 +173,7 @@ class CSA2(nnx.Module):
         chunk=cfg.sparse_chunk, with_mass=True)
     if self.owns_index:
       student_btk = selected_scores(q_idx, w_bth, k_bnc, sel_idx, sel_valid, cfg.sparse_chunk)
-      kl_sum, counted, recall_sum = indexer_distillation(student_btk, mass_btk, sel_valid)
+      kl_sum, counted, recall_sum = idx_lib.indexer_distillation(student_btk, mass_btk, sel_valid)
       totals = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))
       shared[INDEXER_TOTALS] = totals + jnp.stack([kl_sum, counted, recall_sum])
     return (o_bthd, lse_bth), shared

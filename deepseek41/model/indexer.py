@@ -1,28 +1,30 @@
-"""The CSA2 lightning indexer: scores, top-k selection, candidate pool (ARCHITECTURE.md 3.7).
+"""The CSA2 lightning indexer: top-k selection, candidate pool, training signal (docs/architecture.md 3.7).
 
     keys  (KV sources):     k_j   = quantize(RoPE_c(k_norm(latent_j W_k), pos_j))        [N, d_I]
     query (index sources):  q_t,h = quantize(RoPE_c((q_r,t W_qb^I)_h, positions_t))  [T, H_I, d_I]
                             w_t,h = x_t W_w                                            [T, H_I]
-    score:                  I[t,j] = sum_h w[t,h] H_I^-1/2 relu(q[t,h] . k[j]) d_I^-1/2  (fp32)
+    score:                  I[t,j] = sum_h w[t,h] H_I^-1/2 relu(q[t,h] . k[j]) d_I^-1/2  (fp32;
+                            ops/index_scores.py, reference and fused kernel)
     selection:              the best min(k, #eligible) eligible entries, eligible = visible
                             (and inside the candidate pool for Reindex layers)
-    candidate pool:         blocks of `block_size` entries, block score = max over visible
-                            entries; the block of the query's newest visible entry is forced in;
-                            the top min(topk_blocks, #blocks with a visible entry) blocks are kept
+    candidate pool:         block b of a query's document = its compressed entries
+                            [first + b*block_size, first + (b+1)*block_size), first = the
+                            document's first entry (as a document alone in a row sees them, so a
+                            packed document's pool does not depend on where it sits in the row);
+                            block score = max over visible entries; the block of the query's
+                            newest visible entry is forced in; the top min(topk_blocks, #blocks
+                            with a visible entry) blocks are kept
 
 Everything is a pure function of per-query rows, so the scalable path runs it on query chunks
 (`q_bthc[:, t0:t1]`, `visible_btn(seg[:, t0:t1], comp, row_offset=t0)`) and never builds
 [T, N] for a whole long sequence; `candidate_blocks` is the block-level form ([Tq, N/block]
-block scores -> kept block ids) for that path.
+block scores -> kept block ids) that is published, `pool_entry_mask` maps it back to entries.
 
 Deterministic ties: selection runs `jax.lax.top_k`, whose documented contract is that of equal
 values the lower index comes first. Two details make that contract sufficient: ineligible entries
 get -inf (eligible scores are clipped to finite values, so they always rank above every ineligible
 entry), and -0.0 is rewritten as +0.0 first, because top_k orders floats totally (-0.0 < +0.0),
 and relu makes exact zeros (of either sign, depending on w) common.
-
-Indexer training helpers (`indexer_kl_loss`, `recall_at_k`) are pure functions; wiring the
-distillation target is the caller's.
 """
 
 from __future__ import annotations
@@ -37,26 +39,11 @@ from deepseek41.config import ModelConfig
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
+from deepseek41.ops.sparse_attention import selection_mask
 
 
 def identity(x):
   return x
-
-
-# ---------------------------------------------------------------------------------------------
-# Scores
-
-
-def index_scores(q_bthc, w_bth, k_bnc):
-  """fp32 [B, T, N]: I[t,j] = sum_h w[t,h] * H^-1/2 * relu(q[t,h] . k[j]) * C^-1/2.
-
-  Materialises [B, T, H, N]: pass query chunks in the scalable path. The reference for the
-  fused GPU kernel `deepseek41.ops.index_scores.index_scores_fused`.
-  """
-  h, c = q_bthc.shape[-2], q_bthc.shape[-1]
-  dots_bthn = jnp.einsum('bthc,bnc->bthn', q_bthc, k_bnc, preferred_element_type=jnp.float32)
-  w_bth = w_bth.astype(jnp.float32) * (h ** -0.5 * c ** -0.5)
-  return jnp.einsum('bthn,bth->btn', jax.nn.relu(dots_bthn), w_bth)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,49 +110,55 @@ def select_topk_blocked(scores_btn, visible_btn, k: int, block: int, allowed_btn
   return jnp.where(valid_btk, entry_btk, 0).astype(jnp.int32), valid_btk
 
 
-def topk_mask(idx_btk, valid_btk, n: int):
-  """bool [B, T, N] from a selection (for the dense reference attention and tests)."""
-  b, t, _ = idx_btk.shape
-  target_btk = jnp.where(valid_btk, idx_btk, n)  # out of range -> dropped
-  bi = jnp.arange(b)[:, None, None]
-  ti = jnp.arange(t)[None, :, None]
-  return jnp.zeros((b, t, n), bool).at[bi, ti, target_btk].set(True, mode='drop')
-
-
 # ---------------------------------------------------------------------------------------------
 # Hierarchical candidates (the candidate-source layer)
 
 
 def newest_visible_bt(visible_btn):
-  """int32 [B, T]: the largest visible entry index per query, -1 if none (dense form).
-
-  The O(T) equivalent without a mask is compressor.newest_visible_entry_bt.
-  """
+  """int32 [B, T]: the largest visible entry index per query, -1 if none."""
   n = visible_btn.shape[-1]
   return jnp.max(jnp.where(visible_btn, jnp.arange(n, dtype=jnp.int32), -1), axis=-1)
 
 
-def block_scores(scores_btn, visible_btn, block_size: int):
-  """fp32 [B, T, M], M = ceil(N / block_size): max over each block's visible entries, -inf if none.
+def document_first_entry_bt(visible_btn):
+  """int32 [B, T]: the first compressed entry of each query's document, -1 if it sees none.
 
-  Blocks are consecutive entry indices starting at entry 0 of the row.
+  That is the query's smallest visible entry: a document's entries are consecutive, and its
+  first entry completes before any other.
+  """
+  n = visible_btn.shape[-1]
+  first_bt = jnp.min(jnp.where(visible_btn, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+  return jnp.where(first_bt < n, first_bt, -1).astype(jnp.int32)
+
+
+def block_scores(scores_btn, visible_btn, first_bt, block_size: int):
+  """fp32 [B, T, M], M = ceil(N / block_size): per block of the query's document, the max over
+  its visible entries, -inf if none. Block b = entries [first + b*block_size, +block_size).
+
+  first_bt: `document_first_entry_bt`. The row is read shifted by `first` (one gather of the
+  chunk's scores), so the document's blocks are consecutive runs of the shifted row.
   """
   key_btn = _ranking_key(scores_btn, visible_btn)
   n = key_btn.shape[-1]
   m = -(-n // block_size)
-  key_btn = _pad_last(key_btn, m * block_size, -jnp.inf)
-  return jnp.max(key_btn.reshape(key_btn.shape[:-1] + (m, block_size)), axis=-1)
+  col_btc = jnp.maximum(first_bt, 0)[..., None] + jnp.arange(m * block_size, dtype=jnp.int32)
+  shifted_btc = jnp.where(col_btc < n,
+                          jnp.take_along_axis(key_btn, jnp.minimum(col_btc, n - 1), axis=-1),
+                          -jnp.inf)
+  return jnp.max(shifted_btc.reshape(shifted_btc.shape[:-1] + (m, block_size)), axis=-1)
 
 
-def candidate_blocks(block_scores_btm, newest_bt, block_size: int, topk_blocks: int):
+def candidate_blocks(block_scores_btm, newest_bt, first_bt, block_size: int, topk_blocks: int):
   """(blk_idx_btk int32, blk_valid_btk bool), k = topk_blocks slots: the kept blocks per query.
 
-  The block holding `newest_bt` (the newest visible entry, -1 = none) is forced in (+inf); then
-  the top min(topk_blocks, #blocks with score > -inf) blocks, ties by lowest block index. Invalid
-  slots have idx 0. This is the block-level form the scalable path tops over [Tq, N/block_size].
+  Blocks are numbered within the query's document (`block_scores`). The block holding
+  `newest_bt` (the newest visible entry, -1 = none) is forced in (+inf); then the top
+  min(topk_blocks, #blocks with score > -inf) blocks, ties by lowest block index. Invalid slots
+  have idx 0.
   """
   m = block_scores_btm.shape[-1]
-  forced_btm = (jnp.arange(m, dtype=jnp.int32) == (newest_bt // block_size)[..., None]) & \
+  newest_blk_bt = (newest_bt - first_bt) // block_size
+  forced_btm = (jnp.arange(m, dtype=jnp.int32) == newest_blk_bt[..., None]) & \
       (newest_bt >= 0)[..., None]
   key_btm = jnp.where(forced_btm, jnp.inf, block_scores_btm)
   key_btm = jnp.where(key_btm == 0, 0.0, key_btm)
@@ -175,35 +168,21 @@ def candidate_blocks(block_scores_btm, newest_bt, block_size: int, topk_blocks: 
   return _pad_last(idx_btk, topk_blocks, 0), _pad_last(valid_btk, topk_blocks, False)
 
 
-def blocks_to_entries(blk_idx_btk, blk_valid_btk, block_size: int, n: int):
-  """(entry_idx_btc int32, entry_valid_btc bool), C = k * block_size: the entries of kept blocks.
+def pool_entry_mask(blk_idx_btk, blk_valid_btk, first_bt, block_size: int, n: int):
+  """bool [B, T, N]: the entries of the kept blocks (numbered within each query's document).
 
-  Entries past N (the last, partial block) are invalid with idx 0. For the scalable Reindex
-  path: gather these keys, score them, top-k among them, map back through entry_idx.
+  Entries before the document's first entry are outside every block. AND it with the
+  visibility: a block's entries past the query's newest visible one are in the mask.
   """
-  off = jnp.arange(block_size, dtype=jnp.int32)
-  idx_btkc = blk_idx_btk[..., None] * block_size + off
-  valid_btkc = blk_valid_btk[..., None] & (idx_btkc < n)
-  shape = blk_idx_btk.shape[:-1] + (-1,)
-  return (jnp.where(valid_btkc, idx_btkc, 0).reshape(shape), valid_btkc.reshape(shape))
-
-
-def candidate_pool(scores_btn, visible_btn, block_size: int, topk_blocks: int):
-  """bool [B, T, N]: the visible entries of the kept candidate blocks (dense form).
-
-  Block-level pieces: `block_scores`, `newest_visible_bt`, `candidate_blocks`.
-  """
-  n = scores_btn.shape[-1]
-  blk_idx_btk, blk_valid_btk = candidate_blocks(
-      block_scores(scores_btn, visible_btn, block_size), newest_visible_bt(visible_btn),
-      block_size, topk_blocks)
   m = -(-n // block_size)
-  kept_btm = topk_mask(blk_idx_btk, blk_valid_btk, m)
-  return jnp.repeat(kept_btm, block_size, axis=-1)[..., :n] & visible_btn
+  kept_btm = selection_mask(blk_idx_btk, blk_valid_btk, m)
+  rel_btn = jnp.arange(n, dtype=jnp.int32) - jnp.maximum(first_bt, 0)[..., None]
+  blk_btn = jnp.clip(rel_btn // block_size, 0, m - 1)
+  return (rel_btn >= 0) & jnp.take_along_axis(kept_btm, blk_btn, axis=-1)
 
 
 # ---------------------------------------------------------------------------------------------
-# Indexer training helpers
+# Indexer training signal
 
 
 def _masked_log_softmax(scores_btn, mask_btn):
@@ -236,36 +215,35 @@ def indexer_kl_per_query(scores_btn, teacher_btn, mask_btn):
   return jnp.where(counted_bt, kl_bt, 0.0), counted_bt
 
 
-def indexer_kl_loss(scores_btn, teacher_btn, mask_btn):
-  """Scalar: mean over counted queries of KL(teacher || softmax(scores over mask)); 0 if none.
+def recall_per_query(scores_btn, teacher_btn, mask_btn, k: int):
+  """float32 [B, T]: |student top-k & teacher top-k| / |teacher top-k|, 0 where nothing counts.
 
-  Gradient flows to `scores_btn` only (the teacher is stop-gradient'ed). Also stop the indexer's
-  inputs (q_r, x, latent) upstream if only the indexer weights should learn from it (section 4).
+  Both tops are taken over the mask; the teacher's is its min(k, #positive) largest positive
+  entries (ties by lowest index). A query counts iff the teacher has positive mass in the mask.
   """
-  kl_bt, counted_bt = indexer_kl_per_query(scores_btn, teacher_btn, mask_btn)
-  count = jnp.sum(counted_bt.astype(jnp.float32))
-  return jnp.sum(kl_bt) / jnp.maximum(count, 1.0)
-
-
-def recall_at_k(selected, teacher_btn, k: int):
-  """Scalar: mean over queries of |selected & teacher top-k| / |teacher top-k|.
-
-  `selected`: a bool [B, T, N] mask or an (idx_btk, valid_btk) pair from `select_topk`. The
-  teacher's top-k is its min(k, #positive) largest positive entries (ties by lowest index);
-  queries where the teacher has no positive mass are not counted (result 1.0 if none counts).
-  """
+  n = scores_btn.shape[-1]
   teacher_btn = jax.lax.stop_gradient(teacher_btn).astype(jnp.float32)
-  n = teacher_btn.shape[-1]
-  if isinstance(selected, (tuple, list)):
-    selected = topk_mask(selected[0], selected[1], n)
-  t_idx_btk, t_valid_btk = select_topk(teacher_btn, teacher_btn > 0, k)
-  hit_btk = jnp.take_along_axis(selected, t_idx_btk, axis=-1) & t_valid_btk
-  denom_bt = jnp.sum(t_valid_btk, axis=-1).astype(jnp.float32)
-  counted_bt = denom_bt > 0
-  recall_bt = jnp.sum(hit_btk, axis=-1) / jnp.maximum(denom_bt, 1.0)
-  count = jnp.sum(counted_bt.astype(jnp.float32))
-  return jnp.where(count > 0, jnp.sum(jnp.where(counted_bt, recall_bt, 0.0)) /
-                   jnp.maximum(count, 1.0), 1.0)
+  s_idx_btk, s_valid_btk = select_topk(scores_btn, mask_btn, k)
+  student_top_btn = selection_mask(s_idx_btk, s_valid_btk, n)
+  t_idx_btk, t_valid_btk = select_topk(teacher_btn, mask_btn & (teacher_btn > 0), k)
+  hits_bt = jnp.sum(jnp.take_along_axis(student_top_btn, t_idx_btk, axis=-1) & t_valid_btk,
+                    axis=-1)
+  return hits_bt / jnp.maximum(jnp.sum(t_valid_btk, axis=-1), 1).astype(jnp.float32)
+
+
+def indexer_distillation(student_btk, mass_btk, valid_btk):
+  """(kl_sum, counted, recall_sum) of one index source over its selected entries.
+
+  student: the indexer scores of the selected slots; mass: the attention probability the layer
+  put on them (the teacher); valid: the slots in use. KL as `indexer_kl_per_query`; recall of the
+  teacher's top quarter of the slots by the student's top quarter (`recall_per_query`). Sums over
+  counted queries: the model divides by `counted` once every index source has added its share.
+  """
+  kl_bt, counted_bt = indexer_kl_per_query(student_btk, mass_btk, valid_btk)
+  top = max(1, student_btk.shape[-1] // 4)
+  recall_bt = recall_per_query(jax.lax.stop_gradient(student_btk), mass_btk, valid_btk, top)
+  counted = counted_bt.astype(jnp.float32)
+  return jnp.sum(kl_bt), jnp.sum(counted), jnp.sum(recall_bt * counted)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,7 +285,7 @@ class IndexQuery(nnx.Module):
     """(q_bthc, w_bth): q = quantize(RoPE_compress(q_r W_qb^I)) at the query positions; w fp32.
 
     q_r_btr is the layer's normed low-rank query (attention's q_norm(x W_qa)); x_btd its normed
-    input. The H^-1/2 and C^-1/2 factors are applied in `index_scores`, not here.
+    input. The H^-1/2 and C^-1/2 factors are applied by the scorer (ops/index_scores.py).
     """
     dt = q_r_btr.dtype
     q_bthc = jnp.einsum('btr,rhc->bthc', q_r_btr, self.wq_b[...].astype(dt))

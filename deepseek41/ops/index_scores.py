@@ -1,13 +1,15 @@
-"""Lightning-indexer scores as one fused GPU kernel (Pallas, Triton backend), and its reference.
+"""Lightning-indexer scores: the jnp reference and one fused GPU kernel (Pallas, Triton backend).
 
     I[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j]) * (H * C)^-1/2        fp32 [B, T, N]
 
-The plain jnp form (`deepseek41.model.indexer.index_scores`) writes the [T, H, N] dot products to
-memory and reads them back to apply relu and the head weights: at 64K tokens and 32 heads that
-round trip is most of the indexer's time. The kernel keeps each [bq, bn] tile's head loop on
-chip (one [bq, C] x [C, bn] matmul per head, relu and the weighted sum in registers) and skips
-key tiles past the causal limit of its query rows (those are written as 0; the caller masks
-everything invisible anyway).
+Both take `limit_bt`, the number of leading entries each query row can see; entries at or past
+it may hold 0 instead of the score (the caller masks everything invisible anyway).
+
+`index_scores_reference` writes the [T, H, N] dot products to memory and reads them back to
+apply relu and the head weights: at 64K tokens and 32 heads that round trip is most of the
+indexer's time. The kernel keeps each [bq, bn] tile's head loop on chip (one [bq, C] x [C, bn]
+matmul per head, relu and the weighted sum in registers) and skips key tiles past the causal
+limit of its query rows (written as 0).
 
 The kernel has no gradient: selection stops gradients, and the indexer's training signal uses
 the scores of the selected entries only (`csa2.selected_scores`).
@@ -24,6 +26,18 @@ from jax.experimental import pallas as pl
 from deepseek41.config import index_scores_supported
 
 MIN_DOT = 16  # Triton's smallest matmul dimension
+
+
+def index_scores_reference(q_bthc, w_bth, k_bnc, limit_bt=None):
+  """fp32 [B, T, N] indexer scores in jnp, every entry scored (`limit_bt` is not needed).
+
+  Materialises [B, T, H, N]: pass query chunks in the scalable path.
+  """
+  del limit_bt
+  h, c = q_bthc.shape[-2], q_bthc.shape[-1]
+  dots_bthn = jnp.einsum('bthc,bnc->bthn', q_bthc, k_bnc, preferred_element_type=jnp.float32)
+  w_bth = w_bth.astype(jnp.float32) * (h ** -0.5 * c ** -0.5)
+  return jnp.einsum('bthn,bth->btn', jax.nn.relu(dots_bthn), w_bth)
 
 
 def _kernel(lim_ref, q_ref, w_ref, k_ref, o_ref, *, heads, dim, bq, bn, scale):
@@ -94,3 +108,6 @@ def index_scores_fused(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 64, blo
       name='csa2_index_scores',
   )(lim_bt, q_btf, w_bth, k_bnc)
   return out[:, :t, :n]
+
+
+SCORERS = {'reference': index_scores_reference, 'fused': index_scores_fused}  # model.index_impl

@@ -26,9 +26,12 @@ IMPLS = ('reference', 'gathered')
 
 
 def selection_mask(idx_btk, valid_btk, num_entries: int):
-  """[B, T, N] bool from top-k indices (for the reference path and tests)."""
-  hits_btkn = jax.nn.one_hot(idx_btk, num_entries, dtype=jnp.bool_) & valid_btk[..., None]
-  return jnp.any(hits_btkn, axis=2)
+  """bool [B, T, N] from a selection: True at the valid slots' entries (a scatter, no one-hot)."""
+  b, t, _ = idx_btk.shape
+  target_btk = jnp.where(valid_btk, idx_btk, num_entries)  # out of range: dropped
+  bi = jnp.arange(b)[:, None, None]
+  ti = jnp.arange(t)[None, :, None]
+  return jnp.zeros((b, t, num_entries), jnp.bool_).at[bi, ti, target_btk].set(True, mode='drop')
 
 
 def _partial_reference(q_bthd, kv_bnd, idx_btk, valid_btk, scale):
