@@ -1,10 +1,10 @@
-"""Tiny V4.1 (CPU: about 4.5M parameters, about 0.4 s per step on 2 cores).
+"""Tiny V4.1 (CPU: about 4.7M parameters, about 0.4 s per step on 2 cores).
 
     python -m deepseek41.train --config=configs/tiny.py --workdir=/tmp/ds41-tiny
 
 Trains on the embedded default corpus (the Python standard library sources of the running
 interpreter, BPE vocabulary 512, prepared on first use into ~/.cache/deepseek41). The whole V4.1
-block structure of ARCHITECTURE.md section 7 with every mechanism on: single-pass mHC over 4
+block structure of docs/architecture.md section 7 with every mechanism on: single-pass mHC over 4
 streams, the causal encoder-decoder split (layers 0-3 / 4-7), Engram before layers 1 and 3,
 and CSA2 in every mode (SWA-only layers, ratio-2 and ratio-1 KV sources, Reuse and Reindex
 layers, a candidate source) with the released FP4/FP8 fake quantization.

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1-Flash as released (ARCHITECTURE.md section 2.1): the reference configuration.
+"""DeepSeek-V4.1-Flash as released (docs/architecture.md section 2.1): the reference config.
 
     python -m deepseek41.tools.info --config=configs/v41_flash.py [--mesh=fsdp=64,expert=8]
 

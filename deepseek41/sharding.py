@@ -1,8 +1,9 @@
-"""Mesh construction and the logical-axis -> mesh-axis rules (DESIGN.md "Parameters and state").
+"""Mesh construction and the logical-axis -> mesh-axis rules (docs/design.md "Parameters and
+state").
 
 One device is the degenerate mesh (every axis of size 1): there is no separate single-device path.
-Meshes use `AxisType.Auto` (GSPMD propagation): STACK.md section 2 lists the ops that fail in
-the Explicit mode `jax.make_mesh` picks by default.
+Meshes use `AxisType.Auto` (GSPMD propagation): docs/design.md "Sharding on the JAX stack" lists
+the ops that fail in the Explicit mode `jax.make_mesh` picks by default.
 """
 
 from __future__ import annotations
