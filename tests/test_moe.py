@@ -5,9 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from deepseek41.model.moe import (expert_load, route, router_scores, sequence_balance_loss,
-                                  update_router_bias)
+from deepseek41.model.moe import (MoE, expert_load, route, router_scores,
+                                  sequence_balance_loss, update_router_bias)
 from deepseek41.model.params import RouterBias
+from deepseek41.ops.expert_gemm import expert_ffn
 from deepseek41.train import state as state_lib
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.step import make_train_step
@@ -109,3 +110,22 @@ def test_absent_modality_bias_stays_put_and_rate_zero_freezes_biases():
                                                      'train.lr': 1e-2})
   for b0, b1 in zip(biases[0], biases[-1]):
     np.testing.assert_array_equal(np.asarray(b1), np.asarray(b0))
+
+
+def test_shared_experts_compute_what_a_routed_expert_computes_in_bf16():
+  """One clipped SwiGLU for every expert: the shared expert equals a routed expert (reference
+  backend, weight 1) holding the same weights, bit for bit in bf16 (the activation in fp32)."""
+  cfg = resolved(**{'model.compute_dtype': 'bfloat16', 'model.swiglu_limit': 0.5}).model
+  moe = MoE(cfg, nnx.Rngs(0))
+  for w in (moe.shared_gate, moe.shared_up, moe.shared_down):
+    w[...] = w[...] * 40.0   # pre-activations well past the clamp and in silu's curved part
+  x = jax.random.normal(jax.random.key(1), (2, 24, cfg.d_model), jnp.bfloat16)
+  got = moe.shared_experts(x)
+  n = x.shape[0] * x.shape[1]
+  want, _ = expert_ffn(x.reshape(n, -1), jnp.zeros((n, 1), jnp.int32), jnp.ones((n, 1)),
+                       jnp.ones(n, bool), moe.shared_gate[...][None], moe.shared_up[...][None],
+                       moe.shared_down[...][None], swiglu_limit=cfg.swiglu_limit,
+                       backend='reference')
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(want.reshape(got.shape), np.float32))

@@ -15,16 +15,9 @@ from flax import nnx
 
 from deepseek41.config import ModelConfig
 from deepseek41.model.params import RouterBias, normal_param
-from deepseek41.ops.expert_gemm import expert_ffn_batched
+from deepseek41.ops.expert_gemm import clipped_swiglu, expert_ffn_batched
 
 NUM_MODALITIES = 2  # 0 = text, 1 = image (batch field `modality`)
-
-
-def clipped_swiglu(x, w_gate, w_up, w_down, limit: float):
-  """`W2(silu(min(W1 x, l)) * clip(W3 x, -l, l))`: the expert and shared-expert MLP."""
-  gate = jnp.minimum(x @ w_gate, limit)
-  up = jnp.clip(x @ w_up, -limit, limit)
-  return (jax.nn.silu(gate) * up) @ w_down
 
 
 def router_scores(x_btd, w_router_de):
@@ -89,6 +82,13 @@ class MoE(nnx.Module):
       self.shared_up = normal_param(rngs, (d, fs), ('embed', 'mlp'), std)
       self.shared_down = normal_param(rngs, (fs, d), ('mlp', 'embed'), std)
 
+  def shared_experts(self, x_btd):
+    """The shared experts: one clipped SwiGLU of width n_shared * F, the routed experts' math."""
+    dt = x_btd.dtype
+    h_btf = clipped_swiglu(x_btd @ self.shared_gate[...].astype(dt),
+                           x_btd @ self.shared_up[...].astype(dt), self.cfg.swiglu_limit)
+    return h_btf @ self.shared_down[...].astype(dt)
+
   def __call__(self, x_btd, modality_bt, valid_bt):
     cfg = self.cfg
     dt = x_btd.dtype
@@ -101,9 +101,7 @@ class MoE(nnx.Module):
         swiglu_limit=cfg.swiglu_limit, backend=cfg.moe_backend,
         capacity_factor=cfg.capacity_factor)
     if cfg.n_shared_experts:
-      y_btd = y_btd + clipped_swiglu(x_btd, self.shared_gate[...].astype(dt),
-                                     self.shared_up[...].astype(dt),
-                                     self.shared_down[...].astype(dt), cfg.swiglu_limit)
+      y_btd = y_btd + self.shared_experts(x_btd)
     aux = {
         'load_me': expert_load(idx_btk, modality_bt, valid_bt, cfg.n_routed_experts),
         'balance': sequence_balance_loss(scores_bte, idx_btk, valid_bt, cfg.num_experts_per_tok),

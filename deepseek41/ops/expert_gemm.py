@@ -42,7 +42,11 @@ def expert_capacity(n_tokens: int, k: int, e: int, factor: float) -> int:
 
 
 def clipped_swiglu(h_gate, h_up, limit: float | None):
-  """silu(min(g, L)) * clip(u, -L, L) in float32, cast back to the input dtype."""
+  """silu(min(g, L)) * clip(u, -L, L) in float32, cast back to the input dtype.
+
+  The one activation of every expert, routed (each backend) and shared (model/moe.py): float32
+  so that silu and the product round once, to the compute dtype, not at every step in bf16.
+  """
   g = h_gate.astype(jnp.float32)
   u = h_up.astype(jnp.float32)
   if limit is not None:
