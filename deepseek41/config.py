@@ -474,7 +474,8 @@ def _read_section(cls, section: ml_collections.ConfigDict, name: str,
       try:
         value = convert(value)
       except (TypeError, ValueError):
-        type_name = getattr(types[f.name], '__name__', str(types[f.name]))
+        t = types[f.name]
+        type_name = t.__name__ if isinstance(t, type) else str(t)
         raise ConfigError(f'{name}.{f.name}: must be {type_name}, got {value!r}') from None
     out[f.name] = value
   for f in _keys(cls):

@@ -176,6 +176,11 @@ def test_values_take_their_declared_types():
   assert type(cfg.train.lr) is float
   assert cfg.mesh.rules[0] == ('batch', ('data', 'fsdp', 'expert'))
   assert cfg.data.sources == () and cfg.data.images is None
+  c = small_config()
+  del c.model['d_model']  # past ConfigDict's type lock, as a config built by hand could be
+  c.model.d_model = 'wide'
+  with pytest.raises(ConfigError, match="model.d_model: must be int, got 'wide'"):
+    resolve(c, num_devices=1, backend='cpu')
 
 
 @pytest.mark.parametrize('backend', ['cpu', 'gpu', 'tpu'])
