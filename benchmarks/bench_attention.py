@@ -4,7 +4,7 @@ Usage (GPU, V4.1-like shapes):   python benchmarks/bench_attention.py --out swa.
       (all 64 heads):            python benchmarks/bench_attention.py --heads 64 --out swa64.json
       (CPU smoke run):           python benchmarks/bench_attention.py --small
 
-Method (PERFORMANCE.md): jit, one warm-up (compile) call, block_until_ready, median over --reps
+Method (docs/performance.md): jit, one warm-up (compile) call, block_until_ready, median over --reps
 runs, each on freshly drawn inputs. One document per row (no padding).
 
 FLOPs: two matmuls (q.k and p.v) of 2*d each per (query, key, head): forward = 4*B*T*K*H*d;

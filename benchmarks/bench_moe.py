@@ -3,7 +3,7 @@
 Usage (GPU, the 1B ablation shape):   python benchmarks/bench_moe.py --out moe.json
        (CPU smoke run, small shapes):  python benchmarks/bench_moe.py --small
 
-Method (PERFORMANCE.md): jit, warm up, block_until_ready, median over --reps runs, each on freshly
+Method (docs/performance.md): jit, warm up, block_until_ready, median over --reps runs, each on freshly
 drawn inputs. FLOPs counted are the useful ones only, 2 * 3 * (B*T) * K * D * F forward (three
 matmuls per assignment) and three times that for forward+backward; capacity padding, the dense
 reference's E/K overwork and ragged_dot's per-group dense compute are not credited.

@@ -4,7 +4,7 @@ Usage (GPU):        python benchmarks/check_fake_quant.py            (exit 1 on 
        (CPU smoke):  JAX_PLATFORMS=cpu python benchmarks/check_fake_quant.py --reps 5
 
 Why: with XLA's default `xla_allow_excess_precision`, a jitted `astype(float4).astype(bf16)` round
-trip is folded away on the H200 (PERFORMANCE.md, first trap), so a QAT can train nothing in low
+trip is folded away on the H200 (docs/performance.md, first trap), so a QAT can train nothing in low
 precision while the CPU tests pass. For each format of deepseek41.quant, in bf16 and f32 on
 [rows, cols] inputs (normal values, per-row magnitudes 2^-10..2^10), this reports
   (a) max |fq(x) - x|, which must be > 0;

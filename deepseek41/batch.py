@@ -1,4 +1,4 @@
-"""The batch contract shared by the data pipeline and the model (DESIGN.md "Batches").
+"""The batch contract shared by the data pipeline and the model (docs/design.md, "Batches").
 
 Text fields, int32 [B, T]:
 
@@ -23,7 +23,7 @@ P = merge^2 * model.vision_max_image_tokens patches, p = model.vision_patch):
                                      patch grid, the first h*w real, the rest 0
     image_grid     int32 [B, N, 2]   (h, w) of each slot's patch grid; (0, 0) = empty slot
 
-Span layout (ARCHITECTURE.md section 3.15), for an image of hm x wm merged tokens:
+Span layout (docs/architecture.md section 3.15), for an image of hm x wm merged tokens:
 
     [align pad]? [start] ([patch] x wm [newline]) x hm [end]
 

@@ -1,4 +1,4 @@
-"""Fake quantization for quantization-aware training (ARCHITECTURE.md sections 3.5, 3.6, 3.7, 3.16).
+"""Fake quantization for quantization-aware training (docs/architecture.md 3.5-3.7, 3.16).
 
 Each format quantizes in blocks along the last axis and dequantizes again (`qdq_*`); the `fq_*`
 versions wrap that in a straight-through estimator (identity gradient, section 3.16). Math runs in
@@ -11,7 +11,7 @@ float32 and the result comes back in the input dtype.
 
 Rounding is arithmetic on float32 (bit extraction, `round` half-to-even, `where`), never a
 `astype(float4_e2m1fn).astype(...)` round trip: under jit on the H200, XLA folds such round trips
-away (`xla_allow_excess_precision`, PERFORMANCE.md's first trap) and the QAT silently trains in
+away (`xla_allow_excess_precision`, docs/performance.md's first trap) and the QAT silently trains in
 full precision. Nor is there a division: XLA turns `x / scale` into `x * (1 / scale)`, which puts
 exact ties on the wrong side (see `_round_quotient`). `round_e2m1` / `round_e4m3` and the `qdq_*`
 functions equal ml_dtypes' casts of the float32 quotients bit for bit (tests/test_quant.py);

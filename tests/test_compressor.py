@@ -1,4 +1,4 @@
-"""CSA2 KV compressor (ARCHITECTURE.md section 3.6): math, group layout, visibility, causality.
+"""CSA2 KV compressor (docs/architecture.md section 3.6): math, group layout, visibility, causality.
 
 Expected values are recomputed here in numpy (projection, gate softmax, RMSNorm, adjacent-pair
 RoPE) from the section's formulas; visibility is recomputed from its definition on tokens.

@@ -75,7 +75,7 @@ def expected_kept(idx, valid, cap):
 
 
 def numpy_moe(x, idx, weight, valid, wg, wu, wd, limit):
-  """Token-by-token float64 math of ARCHITECTURE.md 3.11 (limit None: unclipped)."""
+  """Token-by-token float64 math of docs/architecture.md 3.11 (limit None: unclipped)."""
   x, idx, weight, valid, wg, wu, wd = (np.asarray(a, np.float64) if a.dtype.kind == 'f'
                                        else np.asarray(a)
                                        for a in (x, idx, weight, valid, wg, wu, wd))

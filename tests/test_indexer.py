@@ -1,4 +1,4 @@
-"""CSA2 lightning indexer (docs/architecture.md section 3.7): scores, top-k, candidate pool, KL, recall.
+"""CSA2 lightning indexer (docs/architecture.md 3.7): scores, top-k, candidate pool, KL, recall.
 
 Expected values come from numpy loops and stable argsorts written here (ties: lowest index).
 """

@@ -1,4 +1,4 @@
-"""Router and correction-bias behaviour (ARCHITECTURE.md section 3.11)."""
+"""Router and correction-bias behaviour (docs/architecture.md section 3.11)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Fake quantization (ARCHITECTURE.md sections 3.5, 3.6, 3.7, 3.16).
+"""Fake quantization (docs/architecture.md sections 3.5, 3.6, 3.7, 3.16).
 
 Hand-computed blocks from the spec, bit-exact agreement of the arithmetic rounding with ml_dtypes'
 casts (random values across magnitudes, every grid point, every tie and its float32 neighbours),

@@ -1,4 +1,4 @@
-"""Sliding-window attention branch (ARCHITECTURE.md sections 3.3, 3.5): masks, sink, merge, impls.
+"""Sliding-window attention branch (docs/architecture.md 3.3, 3.5): masks, sink, merge, impls.
 
 Masks are checked by perturbation (change inputs, compare outputs bit for bit), the sink and the
 merge against a plain numpy softmax written here.

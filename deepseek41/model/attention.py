@@ -1,4 +1,4 @@
-"""The V4.1 attention core: shared-KV latent MQA with a sink (ARCHITECTURE.md sections 3.3-3.5, 3.8).
+"""The V4.1 attention core: shared-KV latent MQA with a sink (docs/architecture.md 3.3-3.5, 3.8).
 
     q_r = q_norm(x W_qa);  q = q_r W_qb  -> [B,T,H,d];  q_h <- q_h / rms(q_h)   (q_head_norm)
     c   = kv_norm(x W_kv)                  -> [B,T,d]    one latent = key = value for all heads

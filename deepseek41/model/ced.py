@@ -1,4 +1,4 @@
-"""Causal encoder-decoder (CED) prefill (ARCHITECTURE.md section 3.10).
+"""Causal encoder-decoder (CED) prefill (docs/architecture.md section 3.10).
 
 The decoder's global KV is the first decoder layer's compressor (and index keys) applied to its
 own input, which is a function of the encoder output only. So a prompt can be prefilled by

@@ -1,4 +1,4 @@
-"""The CSA2 KV compressor of a KV-source layer (ARCHITECTURE.md section 3.6).
+"""The CSA2 KV compressor of a KV-source layer (docs/architecture.md section 3.6).
 
     r = 1:  latent_t = kv_norm(x_t W_kv)                                     one entry per token
     r = 2:  kv_t = x_t W_kv,  g_t = x_t W_gate                (fp32)
@@ -25,7 +25,7 @@ Packing note: a document that starts at an odd row offset loses its first token 
 (invisible) group and its entries are {1,2}, {3,4}, ... instead of {0,1}, {2,3}, ... as at
 inference, with RoPE positions 1, 3, ...; the result is still causal and never leaks across
 documents, but only documents that start at an even row offset compress exactly like inference
-(ARCHITECTURE section 4, "Packing": align document starts to even offsets).
+(docs/architecture.md section 4.1, "Document alignment").
 
 If T is not a multiple of r the row is padded internally with padding tokens (segment 0), so the
 last entry of such a row is invisible.

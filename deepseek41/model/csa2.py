@@ -1,4 +1,4 @@
-"""CSA2 of one layer across the role table (ARCHITECTURE.md sections 3.6-3.8).
+"""CSA2 of one layer across the role table (docs/architecture.md sections 3.6-3.8).
 
     KV source (Full):  compress this layer's attention input -> entries (kv, latent, layout);
                        index keys from the pre-RoPE latent; publish both for the layers it serves
@@ -11,7 +11,7 @@ Everything a later layer needs travels in `shared`, a dict of arrays threaded th
 Selection is query-chunked (`sparse_chunk` queries at a time): the [Tq, N] score slab of one chunk
 exists, never [T, N] for the whole sequence.
 
-Indexer training [I] (ARCHITECTURE.md section 4; our choice, V3.2's sparse-stage recipe adapted
+Indexer training [I] (docs/architecture.md section 4; our choice, V3.2's sparse-stage recipe adapted
 to CSA2, no dense warm-up): at each index source the teacher is this layer's own attention
 probability over the selected entries (averaged over heads, renormalised over the selection,
 stop-gradient); the student is the indexer score of the same entries; the loss is KL(teacher ||

@@ -1,4 +1,4 @@
-"""The CSA2 lightning indexer: top-k selection, candidate pool, training signal (docs/architecture.md 3.7).
+"""The CSA2 lightning indexer: top-k, candidate pool, training signal (docs/architecture.md 3.7).
 
     keys  (KV sources):     k_j   = quantize(RoPE_c(k_norm(latent_j W_k), pos_j))        [N, d_I]
     query (index sources):  q_t,h = quantize(RoPE_c((q_r,t W_qb^I)_h, positions_t))  [T, H_I, d_I]
@@ -84,7 +84,7 @@ def select_topk_blocked(scores_btn, visible_btn, k: int, block: int, allowed_btn
   """`select_topk` in two exact stages: top-k blocks by their max, then top-k inside them.
 
   The fast path for long rows: `jax.lax.top_k` sorts whole rows on the GPU, so one top-k over N
-  costs far more than one over N/block plus one over k*block (PERFORMANCE.md). Exact, ties
+  costs far more than one over N/block plus one over k*block (docs/performance.md). Exact, ties
   included: an entry outside the k best blocks (ordered by max, then lowest block) is beaten by
   each of those blocks' first maximum, so it cannot be among the k best entries. The kept blocks
   are put back in ascending order, so ties among entries still resolve by lowest index.

@@ -1,4 +1,4 @@
-"""DeepSeekMoE with modality-separated aux-loss-free balancing (ARCHITECTURE.md section 3.11).
+"""DeepSeekMoE with modality-separated aux-loss-free balancing (docs/architecture.md section 3.11).
 
 Router math is fp32: `s = sqrt(softplus(x W_g))`; the correction bias of the token's modality
 steers *selection* only (`idx = top_k(s + b[modality])`), the combine weights use the unbiased

@@ -1,6 +1,6 @@
 """Embedding -> blocks -> final RMSNorm -> LM head (untied), with the role table driving each block.
 
-The residual is `model.residual` (ARCHITECTURE.md section 3.2; mhc.py for the site math):
+The residual is `model.residual` (docs/architecture.md section 3.2; mhc.py for the site math):
   plain:            h = x + Attn(attn_norm(x));  out = h + MoE(ffn_norm(h))
   mhc_multi_pass:   (V4) each site computes (pre, post, C) from its input and reads with that pre;
                     the final norm reads the streams through a learned head

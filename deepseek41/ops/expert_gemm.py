@@ -1,10 +1,10 @@
-"""Routed-expert compute of the MoE layer (ARCHITECTURE.md 3.11), three interchangeable backends.
+"""Routed-expert compute of the MoE layer (docs/architecture.md 3.11), three backends.
 
 Each expert is the clipped SwiGLU `y = (silu(min(x Wg, L)) * clip(x Wu, -L, L)) Wd`, and a token's
 output is `sum_k weight_nk * Expert_{idx_nk}(x_n)`, combined in float32. The router (scores, top-k,
 bias) lives elsewhere; these functions take its decisions as `expert_idx_nk` and `weight_nk`.
 
-Backends (PERFORMANCE.md says why there are several):
+Backends (docs/performance.md says why there are several):
   * `reference`: every expert on every token, combined with a dense [N, E] weight matrix. Obviously
     right, E/K times the useful FLOPs; the ground truth for tests.
   * `capacity_einsum`: sort assignments by expert, gather them into a capacity-padded [E, C, D]

@@ -1,4 +1,4 @@
-"""Bidirectional attention inside image spans, as one more softmax partial (ARCHITECTURE.md 3.15).
+"""Bidirectional attention inside image spans, one more softmax partial (docs/architecture.md 3.15).
 
 Image-span positions see every position of their own span, earlier and later, and are causal to
 everything else. The window branch (`swa_attention`) drops same-span keys (`span_ids_bt`), and

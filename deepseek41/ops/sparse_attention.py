@@ -1,4 +1,4 @@
-"""The compressed branch of CSA2 attention (ARCHITECTURE.md section 3.8) as a softmax partial.
+"""The compressed branch of CSA2 attention (docs/architecture.md section 3.8) as a softmax partial.
 
 Query t attends to the compressed entries its layer selected (top-k of the index source, at most
 `index_topk` per query), with the same shared-latent MQA as the window branch: every head of a

@@ -1,4 +1,4 @@
-"""Sliding-window branch of the V4.1 attention core (ARCHITECTURE.md sections 3.3, 3.5, 3.8).
+"""Sliding-window branch of the V4.1 attention core (docs/architecture.md sections 3.3, 3.5, 3.8).
 
 Shared-KV latent MQA: one latent vector per token is both the key and the value of all heads.
 Query t sees key u iff `t - window < u <= t` and both lie in the same (non-padding) document.
