@@ -9,7 +9,7 @@ from flax import nnx
 from deepseek41.model.params import EngramTable, RouterBias, VisionParam, const_param, normal_param
 from deepseek41.sharding import make_mesh
 from deepseek41.train import state as state_lib
-from deepseek41.train.optimizer import engram_table_mask, make_optimizer, vision_mask
+from deepseek41.train.optimizer import decay_mask, engram_table_mask, make_optimizer, vision_mask
 from deepseek41.train.step import make_train_step
 from tests.util import packed_batch, resolved
 
@@ -44,6 +44,18 @@ def test_groups_of_the_model_are_the_tables_and_the_vision_tower():
   vision = _selected(vision_mask(params))
   every = _selected(jax.tree.map(lambda _: True, params))
   assert vision == {p for p in every if p.startswith("['vision']")} and len(vision) >= 10
+
+
+def test_weight_decay_skips_elementwise_weights_of_any_rank():
+  cfg = resolved(**GROUPS)
+  params = state_lib.abstract_state(cfg, make_optimizer(cfg.train))['params']
+  decayed = _selected(decay_mask(params))
+  engram = "['blocks'][1]['engram']"
+  assert f"{engram}['proj'].value" in decayed and f"{engram}['table'].value" in decayed
+  # The Engram query/key norm weights are [n, D] but scale elementwise, like the 1-D norms.
+  assert f"{engram}['q_weight'].value" not in decayed
+  assert f"{engram}['k_weight'].value" not in decayed
+  assert not any('norm' in p or 'sink' in p or "['b_" in p for p in decayed)
 
 
 def test_a_group_mask_of_bare_arrays_is_an_error():

@@ -8,7 +8,7 @@ import optax
 from flax import nnx
 
 from deepseek41.config import TrainConfig
-from deepseek41.model.params import EngramTable, VisionParam
+from deepseek41.model.params import EngramTable, VisionParam, is_elementwise
 
 
 def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
@@ -41,8 +41,13 @@ def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
 
 
 def decay_mask(params):
-  """Weight decay only on matrices: norms, biases, sinks and scales are 1-D and are left alone."""
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+  """Weight decay only on matrices: norms, biases, sinks and scales (`const_param`s, marked
+  elementwise; most are 1-D, the Engram per-stream norm weights are [n, D]) are left alone."""
+  def decays(v):
+    value = v.get_value() if _is_variable(v) else v
+    return jax.tree.map(lambda _: value.ndim >= 2 and not (_is_variable(v) and is_elementwise(v)),
+                        v)
+  return jax.tree.map(decays, params, is_leaf=_is_variable)
 
 
 def _is_variable(x) -> bool:
