@@ -36,6 +36,7 @@ import grain
 import orbax.checkpoint as ocp
 
 from deepseek41.config import LAYOUT_VERSION, CheckpointConfig
+from deepseek41.train.workdir import WorkdirError
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,13 @@ class Checkpointer:
     self.primary = primary  # writes the checksum manifests and removes failed saves
     self.async_save = cfg.async_save
     self._pending: int | None = None  # an async save not yet seen to commit
-    os.makedirs(self.directory, exist_ok=True)
+    try:  # at start-up, not at the first save hours later
+      os.makedirs(self.directory, exist_ok=True)
+      if primary:
+        self._probe()
+    except OSError as e:
+      raise WorkdirError(f'checkpoint directory {self.directory} is not usable: '
+                         f'{e.strerror or e}') from e
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.max_to_keep,
         keep_period=cfg.keep_period or None,
@@ -206,13 +213,16 @@ class Checkpointer:
     find an unwritable directory here instead, at once."""
     if not self.primary:
       return
-    probe = os.path.join(self.directory, f'.write-probe-{uuid.uuid4().hex}')
     try:
-      with open(probe, 'w'):
-        pass
-      os.remove(probe)
+      self._probe()
     except OSError as e:
       self._fail(step, e)
+
+  def _probe(self) -> None:
+    probe = os.path.join(self.directory, f'.write-probe-{uuid.uuid4().hex}')
+    with open(probe, 'w'):
+      pass
+    os.remove(probe)
 
   def _fail(self, step: int, cause, committed: bool = False):
     if self.primary and not committed:

@@ -27,7 +27,8 @@ def load_scalars(load_lme: np.ndarray, bias_lme: np.ndarray) -> dict[str, float]
     for m, name in enumerate(('text', 'image')):
       total = load_me[m].sum()
       if total > 0:
-        out[f'expert_load_max_over_mean/layer{l}/{name}'] = float(load_me[m].max() / load_me[m].mean())
+        out[f'expert_load_max_over_mean/layer{l}/{name}'] = float(load_me[m].max()
+                                                                  / load_me[m].mean())
       out[f'router_bias_spread/layer{l}/{name}'] = float(bias_me[m].max() - bias_me[m].min())
   return out
 

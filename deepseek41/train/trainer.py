@@ -173,7 +173,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
 
     # ---- loop --------------------------------------------------------------------------------
     if start == 0 and cfg.train.eval_every_steps:
-      _evaluate(evaluate, step_log, throughput, 0, state)  # the starting point of the held-out curve
+      _evaluate(evaluate, step_log, throughput, 0, state)  # the start of the held-out curve
     end = cfg.train.steps if stop_at_step is None else min(stop_at_step, cfg.train.steps)
     profiler = _StepProfiler(cfg, workdir, start, end, primary)
     step = start
