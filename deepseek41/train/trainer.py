@@ -141,10 +141,12 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
   log.info('peak: %s', f'{peak:g} TFLOP/s per device (bf16 dense)' if peak else
            'unknown for this device: MFU not reported (set train.peak_tflops)')
 
-  ckpt = Checkpointer(workdir, cfg.checkpoint, primary=primary)
-  writer = None
-  profiler = None
-  try:
+  # Closed in reverse order however the run ends: profiler, writer, checkpoints, input.
+  with contextlib.ExitStack() as cleanup:
+    if hasattr(train_iter, 'close'):
+      cleanup.callback(train_iter.close)
+    ckpt = Checkpointer(workdir, cfg.checkpoint, primary=primary)
+    cleanup.callback(ckpt.close)
     state, start = _initial_state(cfg, ckpt, tx, mesh, abstract, shardings, layout, train_iter)
     if primary:  # only now: a start rejected by the checkpoint leaves the old config.json
       with open(os.path.join(workdir, 'config.json'), 'w') as f:
@@ -162,6 +164,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard,
                            progress_bar=cfg.log.progress_bar, total_steps=cfg.train.steps,
                            start_step=start, enabled=primary)
+    cleanup.callback(writer.close)
     throughput = Throughput(tokens_per_step=cfg.train.batch_size * cfg.data.seq_len,
                             flops_per_token=fpt, peak_tflops=peak,
                             device_count=jax.device_count(), process_count=n_proc,
@@ -176,6 +179,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
       _evaluate(evaluate, step_log, throughput, 0, state)  # the start of the held-out curve
     end = cfg.train.steps if stop_at_step is None else min(stop_at_step, cfg.train.steps)
     profiler = _StepProfiler(cfg, workdir, start, end, primary)
+    cleanup.callback(profiler.close)
     step = start
     stopped = False
     with _StopFlag() as stop:
@@ -220,14 +224,6 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
           save(step, state)
       step_log.drain(keep_last=False)
       ckpt.wait()  # the last save has committed and is verified, or its failure is raised
-  finally:
-    if profiler is not None:
-      profiler.close()
-    if writer is not None:
-      writer.close()
-    ckpt.close()
-    if hasattr(train_iter, 'close'):
-      train_iter.close()
   return TrainResult(step=step, last_loss=step_log.last_loss,
                      last_eval_loss=step_log.last_eval_loss,
                      stopped_by_signal=stopped)
