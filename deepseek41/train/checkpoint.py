@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import uuid
 import zlib
 from typing import Any
@@ -97,6 +98,26 @@ def _normalise(x):
   return json.loads(json.dumps(x))
 
 
+class _ManifestWriter(threading.Thread):
+  """Writes a committed step's checksums.json (atomically); keeps the error for the caller."""
+
+  def __init__(self, step: int, step_dir: str):
+    super().__init__(name=f'checksums-{step}', daemon=True)
+    self.step, self.step_dir = step, step_dir
+    self.error: OSError | None = None
+
+  def run(self) -> None:
+    path = os.path.join(self.step_dir, MANIFEST)
+    tmp = f'{path}.{uuid.uuid4().hex}.tmp'
+    try:
+      sums = file_checksums(self.step_dir)  # before the manifest's own tmp file exists
+      with open(tmp, 'w') as f:
+        json.dump(sums, f, indent=0)
+      os.replace(tmp, path)
+    except OSError as e:
+      self.error = e
+
+
 class Checkpointer:
   """One CheckpointManager per work directory."""
 
@@ -105,6 +126,7 @@ class Checkpointer:
     self.primary = primary  # writes the checksum manifests and removes failed saves
     self.async_save = cfg.async_save
     self._pending: int | None = None  # an async save not yet seen to commit
+    self._manifest: _ManifestWriter | None = None  # checksums of the newest committed save
     try:  # at start-up, not at the first save hours later
       os.makedirs(self.directory, exist_ok=True)
       if primary:
@@ -166,16 +188,18 @@ class Checkpointer:
     """Between steps: raise promptly if a background save failed; record committed saves."""
     if self._pending is not None and not self.manager.is_saving_in_progress():
       self.wait()
+    if self._manifest is not None and not self._manifest.is_alive():
+      self._finish_manifest()
 
   def wait(self) -> None:
-    """Block until the pending save has committed (and its checksums are written)."""
-    if self._pending is None:
-      return
-    try:
-      self.manager.wait_until_finished()
-    except Exception as e:  # noqa: BLE001
-      self._fail(self._pending, e)
-    self._commit_pending()
+    """Block until the pending save has committed and its checksums are written."""
+    if self._pending is not None:
+      try:
+        self.manager.wait_until_finished()
+      except Exception as e:  # noqa: BLE001
+        self._fail(self._pending, e)
+      self._commit_pending()
+    self._finish_manifest()
 
   def close(self) -> None:
     """Finish the pending save; never raises (it runs while another exception may be raised)."""
@@ -197,16 +221,17 @@ class Checkpointer:
     if not os.path.isdir(self.step_dir(step)):
       # Orbax logs a failure of its finalize thread and leaves only the tmp directory.
       self._fail(step, 'the save did not commit (the Orbax error is logged above)')
-    if self.primary:
-      path = os.path.join(self.step_dir(step), MANIFEST)
-      tmp = f'{path}.{uuid.uuid4().hex}.tmp'
-      try:
-        sums = file_checksums(self.step_dir(step))  # before the manifest's own tmp file exists
-        with open(tmp, 'w') as f:
-          json.dump(sums, f, indent=0)
-        os.replace(tmp, path)
-      except OSError as e:
-        self._fail(step, e, committed=True)
+    if self.primary:  # hashing a large checkpoint takes a while: off the training thread
+      self._manifest = _ManifestWriter(step, self.step_dir(step))
+      self._manifest.start()
+
+  def _finish_manifest(self) -> None:
+    if self._manifest is None:
+      return
+    writer, self._manifest = self._manifest, None
+    writer.join()
+    if writer.error is not None:
+      self._fail(writer.step, writer.error, committed=True)
 
   def _check_writable(self, step: int) -> None:
     """Orbax's background thread waits ~5 minutes on a step directory it failed to create:
