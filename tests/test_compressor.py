@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deepseek41.model.compressor import CompressedKV, Compressor, group_layout, visible_btn
+from deepseek41.model.compressor import (CompressedKV, Compressor, document_first_entry_bt,
+                                         group_layout, visible_btn)
 from deepseek41.model.rope import rope_for_role
 from tests.util import np_rope, packed_layout, resolved
 
@@ -168,6 +169,11 @@ def test_visibility_by_definition(ratio, docs):
   sub = CompressedKV(latent_bnd=None, kv_bnd=None, pos_bn=pos_bn[:, 4:11], seg_bn=seg_bn[:, 4:11],
                      last_bn=last_bn[:, 4:11], ratio=ratio)
   np.testing.assert_array_equal(visible_btn(seg[:, 16:32], sub, row_offset=16), vis[:, 16:32, 4:11])
+  # The document's first entry in O(T) == the smallest visible entry (-1: none).
+  first = np.where(vis.any(-1), np.argmax(vis, -1), -1)
+  np.testing.assert_array_equal(document_first_entry_bt(seg, comp), first)
+  np.testing.assert_array_equal(document_first_entry_bt(seg[:, 10:30], comp, row_offset=10),
+                                first[:, 10:30])
 
 
 @pytest.mark.parametrize('ratio', [1, 2])

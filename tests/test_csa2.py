@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 from deepseek41.config import FULL, REINDEX, REUSE, layer_roles
-from deepseek41.model.compressor import visible_btn
+from deepseek41.model.compressor import document_first_entry_bt, visible_btn
 from deepseek41.model.csa2 import INDEXER_TOTALS
-from deepseek41.model.indexer import document_first_entry_bt, pool_entry_mask
+from deepseek41.model.indexer import pool_entry_mask
 from deepseek41.ops.sparse_attention import selection_mask
 from deepseek41.model.transformer import Transformer
 from tests.util import packed_batch, resolved, token_ce
@@ -81,8 +81,9 @@ def test_roles_publish_and_reuse_exactly_what_they_should():
     assert (sel.sum(-1) == np.minimum(vis.sum(-1), cfg.model.index_topk)).all()
     assert (vis.sum(-1) > cfg.model.index_topk).any()
   blk_idx, blk_valid = final['pool2']
-  pool = np.asarray(pool_entry_mask(blk_idx, blk_valid, document_first_entry_bt(vis),
-                                    cfg.model.candidate_block_size, comp.num_entries))
+  first = document_first_entry_bt(batch['segment_ids'], comp)
+  pool = np.asarray(pool_entry_mask(blk_idx, blk_valid, first, cfg.model.candidate_block_size,
+                                    comp.num_entries))
   idx3, valid3 = final['sel3']
   sel3 = np.asarray(selection_mask(idx3, valid3, comp.num_entries))
   assert not (sel3 & ~pool).any()                       # Reindex stays inside the pool

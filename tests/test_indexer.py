@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deepseek41.model.compressor import CompressedKV, Compressor, group_layout, visible_btn
+from deepseek41.model.compressor import (CompressedKV, Compressor, document_first_entry_bt,
+                                         group_layout, visible_btn)
 from deepseek41.model.indexer import (IndexKeys, IndexQuery, block_scores, candidate_blocks,
-                                      document_first_entry_bt,
                                       indexer_distillation, indexer_kl_per_query,
                                       newest_visible_bt, pool_entry_mask, recall_per_query,
                                       select_topk, select_topk_blocked)
@@ -195,10 +195,15 @@ def test_select_topk_random_with_allowed():
 # Candidate pool
 
 
+def first_visible(vis):
+  """The document's first entry as the smallest visible one (-1: none), from the dense mask."""
+  return np.where(vis.any(-1), np.argmax(vis, -1), -1).astype(np.int32)
+
+
 def candidate_pool(scores, vis, bs, topk_blocks):
   """(blk_idx, blk_valid, pool mask): the candidate source's pieces, composed as select_chunked
   composes them (on the whole row as one chunk)."""
-  first = document_first_entry_bt(vis)
+  first = first_visible(vis)
   blk_idx, blk_valid = candidate_blocks(block_scores(scores, vis, first, bs),
                                         newest_visible_bt(vis), first, bs, topk_blocks)
   pool = pool_entry_mask(blk_idx, blk_valid, first, bs, scores.shape[-1]) & vis
@@ -240,7 +245,7 @@ def test_candidate_pool(ratio, bs, topk_blocks):
   blk_idx, blk_valid, pool = (np.asarray(a) for a in candidate_pool(scores, vis, bs, topk_blocks))
   assert pool.shape == vis.shape
   assert not (pool & ~vis).any()                               # never invisible entries
-  first = np.asarray(document_first_entry_bt(vis))
+  first = np.asarray(document_first_entry_bt(seg, comp))
   expected = np_candidate_blocks(scores, vis, bs, topk_blocks)
   for q, (p_row, v_row, exp) in enumerate(zip(pool.reshape(-1, n), vis.reshape(-1, n), expected)):
     bi, ti = divmod(q, T)
@@ -279,8 +284,24 @@ def test_pool_blocks_follow_the_document_not_the_row():
   assert (vis[0, :20, :20] & ~pool[0, :20, :20]).any()           # the pool binds
   # The entry mask of the published blocks, given the document's first entry, is the pool.
   np.testing.assert_array_equal(
-      np.asarray(pool_entry_mask(blk_idx, blk_valid, document_first_entry_bt(vis), 4, 24)) & vis,
+      np.asarray(pool_entry_mask(blk_idx, blk_valid, document_first_entry_bt(seg, comp), 4, 24))
+      & vis,
       pool)
+
+
+@pytest.mark.parametrize('bs', [1, 3, 4, 8])
+def test_pool_entry_mask_is_the_kept_blocks_of_each_document(bs):
+  rng = np.random.default_rng(bs)
+  n, k = 23, 3
+  m = -(-n // bs)
+  first = rng.integers(-1, n, (B, T)).astype(np.int32)
+  idx = rng.integers(0, m, (B, T, k)).astype(np.int32)
+  valid = rng.random((B, T, k)) < 0.7
+  got = np.asarray(pool_entry_mask(idx, valid, first, bs, n))
+  for bi, ti in np.ndindex(B, T):
+    f, kept = max(first[bi, ti], 0), set(idx[bi, ti][valid[bi, ti]])
+    want = [e >= f and (e - f) // bs in kept for e in range(n)]
+    np.testing.assert_array_equal(got[bi, ti], want, err_msg=f'first={f}')
 
 
 def test_reindex_selection_inside_pool():

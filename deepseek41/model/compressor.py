@@ -34,7 +34,8 @@ Visibility (`visible_btn`): entry j is visible to query row t iff
 `seg_bn[j] == segment_ids_bt[t] != 0` and `last_bn[j] <= t`; inside a document that starts at an
 even row offset this is exactly section 3.6's `j_local < floor((t_local + 1) / r)`. The scalable
 path must never build [T, N] for a whole sequence: `visible_btn` takes a slice of query rows
-(`row_offset`) and any slice of entries, so a caller builds it one query chunk at a time.
+(`row_offset`) and any slice of entries, so a caller builds it one query chunk at a time, and
+`document_first_entry_bt` finds where each query's document starts among the entries in O(T).
 """
 
 from __future__ import annotations
@@ -127,6 +128,30 @@ def visible_btn(segment_ids_bt, comp: CompressedKV, row_offset=0):
   same_doc_btn = (comp.seg_bn[:, None, :] == seg_q_bt[:, :, None]) & (seg_q_bt[:, :, None] != 0)
   complete_btn = comp.last_bn[:, None, :] <= t_q[None, :, None]
   return same_doc_btn & complete_btn
+
+
+def document_first_entry_bt(segment_ids_bt, comp: CompressedKV, row_offset=0):
+  """int32 [B, Tq]: the first entry of each query row's document, -1 if the row sees no entry.
+
+  O(T + N), no mask; `comp` must hold all entries of the row in the row-aligned layout (entry
+  j = rows [j*r, j*r + r), as `Compressor` builds it). Row t's newest complete group is
+  j* = floor((t+1)/r) - 1, and t sees an entry iff j* is in t's document (else t starts its
+  document, or j* straddles into it). A document's entries are one run of equal segment ids
+  (straddling groups and padding have id 0), so its first entry is where j*'s run starts.
+  """
+  seg_bn = comp.seg_bn
+  n = seg_bn.shape[1]
+  j_n = jnp.arange(n, dtype=jnp.int32)
+  new_run_bn = jnp.concatenate([jnp.ones_like(seg_bn[:, :1], bool),
+                                seg_bn[:, 1:] != seg_bn[:, :-1]], axis=1)
+  run_start_bn = jax.lax.cummax(jnp.where(new_run_bn, j_n, 0), axis=1)
+  seg_q_bt = jnp.asarray(segment_ids_bt, jnp.int32)
+  t_q = row_offset + jnp.arange(seg_q_bt.shape[1], dtype=jnp.int32)
+  j_bt = jnp.broadcast_to((t_q + 1) // comp.ratio - 1, seg_q_bt.shape)
+  j_safe_bt = jnp.clip(j_bt, 0, n - 1)
+  sees_bt = (j_bt >= 0) & (jnp.take_along_axis(seg_bn, j_safe_bt, axis=1) == seg_q_bt) & \
+      (seg_q_bt != 0)
+  return jnp.where(sees_bt, jnp.take_along_axis(run_start_bn, j_safe_bt, axis=1), -1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from flax import nnx
 
 from deepseek41.config import SWA, LayerRole, ModelConfig
 from deepseek41.model import indexer as idx_lib
-from deepseek41.model.compressor import Compressor, visible_btn
+from deepseek41.model.compressor import Compressor, document_first_entry_bt, visible_btn
 from deepseek41.model.indexer import IndexKeys, IndexQuery
 from deepseek41.ops.chunking import map_query_chunks
 from deepseek41.ops.index_scores import SCORERS, index_scores_reference
@@ -65,13 +65,15 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
   row_offset: row index of the first query (the entries cover the whole row from 0).
 
   pool: (blk_idx_btk, blk_valid_btk) of the candidate source, restricting the choice (Reindex);
-  its blocks are numbered within each query's document (indexer.block_scores), which this
-  layer finds the same way, from the same KV source's visibility.
+  its blocks are numbered within each query's document (indexer.block_scores), whose first
+  entry this layer finds the same way, in the same KV source's entries.
   publish_blocks > 0: also return this layer's best `publish_blocks` candidate blocks.
   Returns (idx_btk, valid_btk, (blk_idx_btk, blk_valid_btk) or None).
   """
   n = k_bnc.shape[1]
   xs = {'q': q_bthc, 'w': w_bth, 'seg': segment_ids_bt}
+  if pool is not None or publish_blocks:
+    xs['first'] = document_first_entry_bt(segment_ids_bt, comp, row_offset)
   if pool is not None:
     xs['pool_idx'], xs['pool_valid'] = pool
 
@@ -82,17 +84,16 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
     scores_bcn = scores_fn(c['q'], c['w'], k_bnc, limit_bc)
     vis_bcn = visible_btn(c['seg'], comp, offset)
     allowed = None
-    if pool is not None or publish_blocks:
-      first_bc = idx_lib.document_first_entry_bt(vis_bcn)
     if pool is not None:
-      allowed = idx_lib.pool_entry_mask(c['pool_idx'], c['pool_valid'], first_bc, block_size, n)
+      allowed = idx_lib.pool_entry_mask(c['pool_idx'], c['pool_valid'], c['first'], block_size,
+                                        n)
     sel_idx, sel_valid = idx_lib.select_topk_blocked(scores_bcn, vis_bcn, topk, topk_block,
                                                      allowed)
     out = {'idx': sel_idx, 'valid': sel_valid}
     if publish_blocks:
-      blocks = idx_lib.block_scores(scores_bcn, vis_bcn, first_bc, block_size)
+      blocks = idx_lib.block_scores(scores_bcn, vis_bcn, c['first'], block_size)
       newest = idx_lib.newest_visible_bt(vis_bcn)
-      out['blk_idx'], out['blk_valid'] = idx_lib.candidate_blocks(blocks, newest, first_bc,
+      out['blk_idx'], out['blk_valid'] = idx_lib.candidate_blocks(blocks, newest, c['first'],
                                                                   block_size, publish_blocks)
     return out
 

@@ -120,23 +120,13 @@ def newest_visible_bt(visible_btn):
   return jnp.max(jnp.where(visible_btn, jnp.arange(n, dtype=jnp.int32), -1), axis=-1)
 
 
-def document_first_entry_bt(visible_btn):
-  """int32 [B, T]: the first compressed entry of each query's document, -1 if it sees none.
-
-  That is the query's smallest visible entry: a document's entries are consecutive, and its
-  first entry completes before any other.
-  """
-  n = visible_btn.shape[-1]
-  first_bt = jnp.min(jnp.where(visible_btn, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
-  return jnp.where(first_bt < n, first_bt, -1).astype(jnp.int32)
-
-
 def block_scores(scores_btn, visible_btn, first_bt, block_size: int):
   """fp32 [B, T, M], M = ceil(N / block_size): per block of the query's document, the max over
   its visible entries, -inf if none. Block b = entries [first + b*block_size, +block_size).
 
-  first_bt: `document_first_entry_bt`. The row is read shifted by `first` (one gather of the
-  chunk's scores), so the document's blocks are consecutive runs of the shifted row.
+  first_bt: the document's first entry (`compressor.document_first_entry_bt`). The row is read
+  shifted by `first` (one gather of the chunk's scores), so the document's blocks are
+  consecutive runs of the shifted row.
   """
   key_btn = _ranking_key(scores_btn, visible_btn)
   n = key_btn.shape[-1]
@@ -173,12 +163,25 @@ def pool_entry_mask(blk_idx_btk, blk_valid_btk, first_bt, block_size: int, n: in
 
   Entries before the document's first entry are outside every block. AND it with the
   visibility: a block's entries past the query's newest visible one are in the mask.
+
+  Write first = a*block_size + phase. Column c (c >= -1) of the row holds entries
+  [c*block_size + phase, +block_size), the document's block c - a: an entry e sits in column
+  e // block_size, or the one before it if e % block_size < phase. So only the [T, M] block
+  mask is gathered (by a); the entries are its repeats, selected by phase.
   """
   m = -(-n // block_size)
   kept_btm = selection_mask(blk_idx_btk, blk_valid_btk, m)
-  rel_btn = jnp.arange(n, dtype=jnp.int32) - jnp.maximum(first_bt, 0)[..., None]
-  blk_btn = jnp.clip(rel_btn // block_size, 0, m - 1)
-  return (rel_btn >= 0) & jnp.take_along_axis(kept_btm, blk_btn, axis=-1)
+  first_bt = jnp.maximum(first_bt, 0)
+  a_bt, phase_bt = first_bt // block_size, first_bt % block_size
+  doc_blk_btc = jnp.arange(-1, m, dtype=jnp.int32) - a_bt[..., None]  # columns -1 .. m-1
+  col_btc = (doc_blk_btc >= 0) & jnp.take_along_axis(kept_btm, jnp.clip(doc_blk_btc, 0, m - 1),
+                                                      axis=-1)
+
+  def entries(col_btm):
+    return jnp.repeat(col_btm, block_size, axis=-1)[..., :n]
+  r_n = jnp.arange(n, dtype=jnp.int32) % block_size
+  return jnp.where(r_n >= phase_bt[..., None], entries(col_btc[..., 1:]),
+                   entries(col_btc[..., :-1]))
 
 
 # ---------------------------------------------------------------------------------------------
