@@ -21,8 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from deepseek41.config import RunConfig, format_role_table, resolve
-from deepseek41.data.pipeline import make_dataset, vocab_size_of
+from deepseek41.config import RunConfig, engram_compresses, format_role_table, resolve
+from deepseek41.data.pipeline import make_dataset
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.checkpoint import Checkpointer
@@ -92,7 +92,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   the schedule: the run continues from there when started again. Raises WorkdirError if the
   work directory is unusable or another trainer holds it.
   """
-  cfg: RunConfig = resolve(config)
+  cfg: RunConfig = resolve(config, with_data=True)  # tokenizer checks too, before anything runs
   primary = jax.process_index() == 0
   workdir = prepare_workdir(workdir)
   # Processes of one multi-host run share the directory: the primary holds the lock for all.
@@ -112,12 +112,6 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
            format_role_table(cfg.model))
 
   # ---- input -------------------------------------------------------------------------------
-  if not cfg.data.synthetic:
-    vocab = vocab_size_of(cfg.data)
-    if vocab > cfg.model.vocab_size:
-      from deepseek41.config import ConfigError
-      raise ConfigError(f'model.vocab_size: {cfg.model.vocab_size} is smaller than the '
-                        f'tokenizer vocabulary of the data ({vocab})')
   engram_map = _engram_compression(cfg)
   n_proc = jax.process_count()
   local_batch = cfg.train.batch_size // n_proc
@@ -329,22 +323,15 @@ class _StepProfiler:
 
 def _engram_compression(cfg) -> np.ndarray | None:
   """old id -> compressed id from the data's tokenizer when model.engram_compressed_vocab_size
-  asks for compression (ARCHITECTURE.md 3.12); None to hash raw ids."""
-  m = cfg.model
-  if not (m.engram and m.engram_layer_ids and m.engram_compressed_vocab_size):
+  asks for compression (docs/architecture.md 3.12); None to hash raw ids. resolve(with_data=True)
+  has already checked the count against the tokenizer."""
+  if not engram_compresses(cfg.model):
     return None
-  from deepseek41.config import ConfigError
+  import tokenizers
   from deepseek41.data.pipeline import tokenizer_path_of
   from deepseek41.model.engram_hash import compress_vocab, vocab_strings
-  if cfg.data.synthetic:
-    raise ConfigError('model.engram_compressed_vocab_size: synthetic data has no tokenizer to '
-                      'compress; set it to 0')
-  path = tokenizer_path_of(cfg.data)
-  import tokenizers
-  mapping, count = compress_vocab(*vocab_strings(tokenizers.Tokenizer.from_file(path)))
-  if count != m.engram_compressed_vocab_size:
-    raise ConfigError(f'model.engram_compressed_vocab_size: {m.engram_compressed_vocab_size}, but '
-                      f'the tokenizer {path} compresses to {count} ids')
+  tokenizer = tokenizers.Tokenizer.from_file(tokenizer_path_of(cfg.data))
+  mapping, _ = compress_vocab(*vocab_strings(tokenizer))
   return mapping.astype(np.int32)
 
 
