@@ -1,4 +1,4 @@
-"""RoPE (ARCHITECTURE.md section 3.4): rotation properties and the YaRN frequencies.
+"""RoPE (docs/architecture.md section 3.4): rotation properties and the YaRN frequencies.
 
 Expected frequencies are recomputed here from the section's formulas, not from rope.py helpers.
 """

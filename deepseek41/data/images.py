@@ -1,4 +1,4 @@
-"""Image preprocessing for the vision encoder (ARCHITECTURE.md section 3.15): size, load, patches.
+"""Image preprocessing for the vision encoder (docs/architecture.md 3.15): size, load, patches.
 
     H, W = target_size(height, width, geometry)     # pixels, multiples of the patch size
     img = resize(load_image(path, record='x.jsonl:3'), (H, W))

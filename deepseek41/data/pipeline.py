@@ -165,7 +165,7 @@ def aligned_piece(piece_t: np.ndarray, align: int) -> dict[str, np.ndarray]:
 
   With every piece a multiple of `align` long, first-fit packing starts every document at a
   multiple of `align` within its row, so ratio-2 compressed groups never straddle two documents
-  (ARCHITECTURE.md section 4, "Packing"). The padding positions belong to the document (they
+  (docs/architecture.md section 4, "Packing"). The padding positions belong to the document (they
   come after all its real tokens, so no real query sees them) and carry mask 0: no loss.
   """
   tokens_t, targets_t = piece_t[:-1], piece_t[1:]
