@@ -161,8 +161,8 @@ def candidate_blocks(block_scores_btm, newest_bt, first_bt, block_size: int, top
 def pool_entry_mask(blk_idx_btk, blk_valid_btk, first_bt, block_size: int, n: int):
   """bool [B, T, N]: the entries of the kept blocks (numbered within each query's document).
 
-  Entries before the document's first entry are outside every block. AND it with the
-  visibility: a block's entries past the query's newest visible one are in the mask.
+  Entries before the document's first entry are outside every block; the caller ANDs the mask
+  with the visibility (a kept block also covers entries the query cannot see yet).
 
   Write first = a*block_size + phase. Column c (c >= -1) of the row holds entries
   [c*block_size + phase, +block_size), the document's block c - a: an entry e sits in column
