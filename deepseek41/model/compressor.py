@@ -25,7 +25,7 @@ Packing note: a document that starts at an odd row offset loses its first token 
 (invisible) group and its entries are {1,2}, {3,4}, ... instead of {0,1}, {2,3}, ... as at
 inference, with RoPE positions 1, 3, ...; the result is still causal and never leaks across
 documents, but only documents that start at an even row offset compress exactly like inference
-(docs/architecture.md section 4.1, "Document alignment").
+(docs/architecture.md section 4.1, "Packing").
 
 If T is not a multiple of r the row is padded internally with padding tokens (segment 0), so the
 last entry of such a row is invisible.
