@@ -18,8 +18,7 @@ class Throughput:
                device_count: int, process_count: int, vision: bool):
     self.tokens_per_step = tokens_per_step
     self.flops_per_token = flops_per_token.total
-    # Training FLOPs of one image through the vision tower (0 where flops.py does not count it).
-    self.flops_per_image = getattr(flops_per_token, 'vision_per_image', 0) or 0
+    self.flops_per_image = flops_per_token.vision_per_image  # 0 without the vision tower
     self.peak_tflops = peak_tflops
     self.device_count = device_count
     self.process_count = process_count
