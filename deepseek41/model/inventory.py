@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 from flax import nnx
@@ -31,7 +32,6 @@ class Leaf:
   keys: tuple[str, ...]   # the path in the model, e.g. ('blocks', '3', 'moe', 'w_gate')
   component: str          # tools.info's name for it, e.g. 'experts.routed'
   size: int
-  ndim: int
   matmul: bool            # a weight a token is multiplied with (not a lookup or a scale)
 
   @property
@@ -79,7 +79,7 @@ def param_leaves(params) -> list[Leaf]:
     comp = component(keys, var)
     value = var.get_value()
     lookup = comp in LOOKUPS or keys[-1] == 'delimiters'  # delimiters: vectors placed, not mixed
-    out.append(Leaf(keys, comp, int(value.size), value.ndim,
+    out.append(Leaf(keys, comp, int(value.size),
                     value.ndim >= 2 and not lookup and not is_elementwise(var)))
   return out
 
@@ -92,7 +92,13 @@ def abstract_params(m: ModelConfig):
   return params, biases
 
 
-def matmul_params_per_token(m: ModelConfig, leaves: list[Leaf]) -> int:
+@functools.lru_cache(maxsize=8)
+def model_leaves(m: ModelConfig) -> tuple[Leaf, ...]:
+  """`param_leaves` of the model `m` builds, walked once per config."""
+  return tuple(param_leaves(abstract_params(m)[0]))
+
+
+def matmul_params_per_token(m: ModelConfig, leaves: Sequence[Leaf]) -> int:
   """Weights one token is multiplied with in training, every layer run on every token.
 
   Routed experts count K/E of their size; a layer's index keys are computed once per
@@ -112,7 +118,7 @@ def matmul_params_per_token(m: ModelConfig, leaves: list[Leaf]) -> int:
   return total
 
 
-def vision_matmul_params(leaves: list[Leaf]) -> tuple[int, int]:
+def vision_matmul_params(leaves: Sequence[Leaf]) -> tuple[int, int]:
   """(encoder weights multiplied per patch, aligner weights multiplied per merged token)."""
   encoder = sum(l.size for l in leaves if l.matmul and l.component == 'vision.encoder')
   aligner = sum(l.size for l in leaves if l.matmul and l.component == 'vision.aligner')

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+from collections.abc import Sequence
 
 import jax
 from absl import app, flags
@@ -44,7 +45,7 @@ CACHE_BYTES_PER_VALUE = {'fp4_e4m3_16': 0.5 + 1 / 16, 'fp4_ue8m0_32': 0.5 + 1 / 
                          'fp8_ue8m0_32': 1 + 1 / 32, 'none': 2.0}
 
 
-def parameter_breakdown(leaves: list[inventory.Leaf], biases) -> dict[str, int]:
+def parameter_breakdown(leaves: Sequence[inventory.Leaf], biases) -> dict[str, int]:
   groups: dict[str, int] = collections.Counter()
   for leaf in leaves:
     groups[leaf.component] += leaf.size
@@ -52,7 +53,7 @@ def parameter_breakdown(leaves: list[inventory.Leaf], biases) -> dict[str, int]:
   return dict(groups)
 
 
-def active_parameters(cfg, leaves: list[inventory.Leaf], biases) -> dict[str, float]:
+def active_parameters(cfg, leaves: Sequence[inventory.Leaf], biases) -> dict[str, float]:
   """Per token: decode (every layer + head) and CED prefill (encoder + the decoder's KV source)."""
   m = cfg.model
   frac = m.num_experts_per_tok / m.n_routed_experts
@@ -159,7 +160,7 @@ def _resolved(config, mesh_sizes: dict[str, int] | None):
 def describe(config, mesh_sizes: dict[str, int] | None = None) -> dict:
   cfg = _resolved(config, mesh_sizes)
   params, biases = inventory.abstract_params(cfg.model)
-  leaves = inventory.param_leaves(params)
+  leaves = inventory.model_leaves(cfg.model)
   flops = flops_per_token(cfg.model, cfg.data.seq_len)
   groups = parameter_breakdown(leaves, biases)
   tables = sum(a.rows for a in layer_addresses(cfg.model).values()) * cfg.model.engram_head_dim \

@@ -35,8 +35,7 @@ class FlopsPerToken:
 
 def active_matmul_params(m: ModelConfig) -> int:
   """Weights one token is multiplied with (inventory.matmul_params_per_token of the model)."""
-  params, _ = inventory.abstract_params(m)
-  return inventory.matmul_params_per_token(m, inventory.param_leaves(params))
+  return inventory.matmul_params_per_token(m, inventory.model_leaves(m))
 
 
 def vision_flops_per_image(m: ModelConfig) -> float:
@@ -45,8 +44,7 @@ def vision_flops_per_image(m: ModelConfig) -> float:
   aligner's weights on each merged token. 0 without `model.vision`."""
   if not m.vision:
     return 0.0
-  params, _ = inventory.abstract_params(m)
-  encoder, aligner = inventory.vision_matmul_params(inventory.param_leaves(params))
+  encoder, aligner = inventory.vision_matmul_params(inventory.model_leaves(m))
   tokens = m.vision_max_image_tokens
   patches = m.vision_merge * m.vision_merge * tokens
   attention = 4.0 * m.vision_layers * patches * patches * m.vision_dim
