@@ -40,18 +40,23 @@ def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
   return schedule
 
 
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _mask(params, keep):
+  """tree of bools shaped like params: keep(v) for each variable (or bare array) v."""
+  return jax.tree.map(lambda v: jax.tree.map(lambda _: keep(v), v), params, is_leaf=_is_variable)
+
+
 def decay_mask(params):
   """Weight decay only on matrices: norms, biases, sinks and scales (`const_param`s, marked
   elementwise; most are 1-D, the Engram per-stream norm weights are [n, D]) are left alone."""
   def decays(v):
-    value = v.get_value() if _is_variable(v) else v
-    return jax.tree.map(lambda _: value.ndim >= 2 and not (_is_variable(v) and is_elementwise(v)),
-                        v)
-  return jax.tree.map(decays, params, is_leaf=_is_variable)
-
-
-def _is_variable(x) -> bool:
-  return isinstance(x, nnx.Variable)
+    if _is_variable(v):
+      return v.get_value().ndim >= 2 and not is_elementwise(v)
+    return v.ndim >= 2
+  return _mask(params, decays)
 
 
 def group_mask(params, kind: type[nnx.Variable]):
@@ -59,8 +64,7 @@ def group_mask(params, kind: type[nnx.Variable]):
   if not any(_is_variable(x) for x in jax.tree.leaves(params, is_leaf=_is_variable)):
     raise ValueError('parameter groups are variable types: pass the nnx.State of the model\'s '
                      'parameters, not bare arrays')
-  return jax.tree.map(lambda v: jax.tree.map(lambda _: isinstance(v, kind), v), params,
-                      is_leaf=_is_variable)
+  return _mask(params, lambda v: isinstance(v, kind))
 
 
 def engram_table_mask(params):
