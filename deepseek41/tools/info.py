@@ -159,7 +159,7 @@ def _resolved(config, mesh_sizes: dict[str, int] | None):
 
 def describe(config, mesh_sizes: dict[str, int] | None = None) -> dict:
   cfg = _resolved(config, mesh_sizes)
-  params, biases = inventory.abstract_params(cfg.model)
+  _, biases = inventory.abstract_params(cfg.model)
   leaves = inventory.model_leaves(cfg.model)
   flops = flops_per_token(cfg.model, cfg.data.seq_len)
   groups = parameter_breakdown(leaves, biases)
@@ -167,7 +167,7 @@ def describe(config, mesh_sizes: dict[str, int] | None = None) -> dict:
       if cfg.model.engram else 0
   padding = groups.get('engram.tables', 0) - tables  # rows added for sharding, never addressed
   vision = sum(n for name, n in groups.items() if name.startswith('vision'))
-  total = count_params(params) + count_params(biases)
+  total = sum(groups.values())  # every parameter and router bias, once
   info = {
       'params': {'backbone': total - tables - padding - vision, 'engram_tables': tables,
                  'engram_table_padding': padding, 'vision': vision, 'total': total - padding,
