@@ -148,10 +148,16 @@ class ModelConfig:
   moe_backend: str = _key('auto', choices=('reference', 'capacity_einsum', 'ragged_dot'),
                          auto=_auto_moe_backend)
   capacity_factor: float = _key(1.25)    # capacity_einsum: slots per expert = ceil(cf * N * K / E)
-  attention_impl: str = _key('auto', choices=('reference', 'chunked'),
+  # fused: the GPU kernels (ops/window_kernel.py, ops/sparse_kernel.py, ops/topk_select.py);
+  # the other choices are the plain jnp paths, which every backend runs.
+  attention_impl: str = _key('auto', choices=('reference', 'chunked', 'fused'),
                             auto=lambda m, backend: 'chunked')
-  sparse_impl: str = _key('auto', choices=('reference', 'gathered'),
+  sparse_impl: str = _key('auto', choices=('reference', 'gathered', 'fused'),
                          auto=lambda m, backend: 'gathered')
+  # How the indexer picks its top-k: XLA's top_k (sorts whole rows on the GPU) or the exact
+  # threshold select (ops/topk_select.py); the same entries either way.
+  select_impl: str = _key('auto', choices=('top_k', 'threshold'),
+                         auto=lambda m, backend: 'top_k')
   sparse_chunk: int = _key(1024)         # queries per chunk in the gathered path and the indexer
   # fused: the GPU kernel (ops/index_scores.py), for the shapes index_scores_supported() takes;
   # auto picks it wherever it can run.
@@ -618,6 +624,11 @@ def _check_index_impl(m: ModelConfig, backend: str):
   _req(m.index_impl != 'fused' or (fused_ok and backend == 'gpu'), 'model.index_impl',
        f"'fused' is a GPU kernel for power-of-two index_n_heads and index_head_dim >= 16 "
        f'(got {m.index_n_heads} x {m.index_head_dim} on {backend})')
+  for key in ('attention_impl', 'sparse_impl'):
+    _req(getattr(m, key) != 'fused' or backend == 'gpu', f'model.{key}',
+         f"'fused' is a GPU kernel (Pallas on the Triton backend); this backend is {backend}")
+  _req(m.select_impl != 'threshold' or backend == 'gpu', 'model.select_impl',
+       f"'threshold' is a GPU kernel (Pallas on the Triton backend); this backend is {backend}")
 
 
 MODEL_CHECKS = (_check_model_sizes, _check_layer_wiring, _check_residual, _check_engram,

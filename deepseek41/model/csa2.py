@@ -169,10 +169,12 @@ class CSA2(nnx.Module):
       if blocks is not None:
         shared[_pool_key(role.layer)] = blocks
     sel_idx, sel_valid = shared[_sel_key(role.index_source)]
-    o_bthd, lse_bth, mass_btk = compressed_partial(
+    # Only an index source needs the per-slot mass (its indexer's distillation target).
+    o_bthd, lse_bth, *mass = compressed_partial(
         q_bthd, comp.kv_bnd.astype(q_bthd.dtype), sel_idx, sel_valid, impl=cfg.sparse_impl,
-        chunk=cfg.sparse_chunk, with_mass=True)
+        chunk=cfg.sparse_chunk, with_mass=self.owns_index)
     if self.owns_index:
+      mass_btk, = mass
       student_btk = selected_scores(q_idx, w_bth, k_bnc, sel_idx, sel_valid, cfg.sparse_chunk)
       kl_sum, counted, recall_sum = idx_lib.indexer_distillation(student_btk, mass_btk, sel_valid)
       totals = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 # resolve from 'auto' per backend, so they must not block resuming a GPU checkpoint on the CPU.
 EXECUTION_ONLY_MODEL_KEYS = frozenset({'moe_backend', 'attention_impl', 'compute_dtype',
                                        'capacity_factor', 'sparse_impl', 'sparse_chunk',
-                                       'index_impl', 'vision_attention_impl'})
+                                       'index_impl', 'vision_attention_impl',
+                                       'select_impl'})
 
 MANIFEST = 'checksums.json'
 _CHUNK = 1 << 24
