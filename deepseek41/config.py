@@ -62,6 +62,11 @@ def _auto_index_impl(m: dict[str, Any], backend: str) -> str:
   return 'fused' if backend == 'gpu' and fused_ok else 'reference'
 
 
+def _auto_sparse_impl(m: dict[str, Any], backend: str) -> str:
+  fused_ok = attention_kernel_supported(m['num_heads'], m['head_dim'])
+  return 'fused' if backend == 'gpu' and fused_ok else 'gathered'
+
+
 def _auto_compute_dtype(m: dict[str, Any], backend: str) -> str:
   return 'float32' if backend == 'cpu' else 'bfloat16'
 
@@ -153,7 +158,7 @@ class ModelConfig:
   attention_impl: str = _key('auto', choices=('reference', 'chunked', 'fused'),
                             auto=lambda m, backend: 'chunked')
   sparse_impl: str = _key('auto', choices=('reference', 'gathered', 'fused'),
-                         auto=lambda m, backend: 'gathered')
+                         auto=_auto_sparse_impl)
   # How the indexer picks its top-k: XLA's top_k (sorts whole rows on the GPU) or the exact
   # threshold select (ops/topk_select.py); the same entries either way.
   select_impl: str = _key('auto', choices=('top_k', 'threshold'),
@@ -612,6 +617,11 @@ def _check_vision(m: ModelConfig):
   _req(m.vision_min_pixels >= 0, 'model.vision_min_pixels', 'must be >= 0')
 
 
+def attention_kernel_supported(heads: int, dim: int) -> bool:
+  """Shapes the fused attention kernels take: heads and head width powers of two, >= 16."""
+  return index_scores_supported(heads, dim) and heads >= 16
+
+
 def index_scores_supported(heads: int, dim: int) -> bool:
   """Shapes the fused indexer kernel takes (ops/index_scores.py): powers of two, width >= 16."""
   pow2 = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
@@ -627,6 +637,9 @@ def _check_index_impl(m: ModelConfig, backend: str):
   for key in ('attention_impl', 'sparse_impl'):
     _req(getattr(m, key) != 'fused' or backend == 'gpu', f'model.{key}',
          f"'fused' is a GPU kernel (Pallas on the Triton backend); this backend is {backend}")
+    _req(getattr(m, key) != 'fused' or attention_kernel_supported(m.num_heads, m.head_dim),
+         f'model.{key}', f"'fused' needs power-of-two num_heads and head_dim, both >= 16 "
+         f'(got {m.num_heads} x {m.head_dim})')
   _req(m.select_impl != 'threshold' or backend == 'gpu', 'model.select_impl',
        f"'threshold' is a GPU kernel (Pallas on the Triton backend); this backend is {backend}")
 

@@ -10,6 +10,8 @@ with the window partial and the sink through `swa_attention.combine_with_sink`.
 - `gathered`: per query chunk, gather the k selected latents ([B, C, K, d]) and attend over them
   only; memory is linear in T and no [T, N] array exists. The H heads of a query share each
   gathered latent in one [H, d] x [d, K] matmul.
+- `fused`: the GPU kernel (ops/sparse_kernel.py): the gather happens on chip, nothing of size
+  [T, K, d] or [T, H, K] reaches HBM, forward and backward.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from deepseek41.ops.chunking import map_query_chunks
+from deepseek41.ops.sparse_kernel import sparse_partial_fused
 from deepseek41.ops.swa_attention import _masked_softmax_partial
 
-IMPLS = ('reference', 'gathered')
+IMPLS = ('reference', 'gathered', 'fused')
 
 
 def selection_mask(idx_btk, valid_btk, num_entries: int):
@@ -104,7 +107,7 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
                        with_mass: bool = False):
   """Attention of each query over its selected compressed entries: (o_bthd, lse_bth fp32).
 
-  o_bthd is fp32 from the reference and in kv's dtype from the gathered path.
+  o_bthd is fp32 from the reference and in kv's dtype from the gathered and fused paths.
 
   q_bthd [B, T, H, d]; kv_bnd [B, N, d] (RoPE'd, possibly fake-quantized latents; key = value);
   idx_btk int [B, T, K] selected entries; valid_btk bool [B, T, K] (false for unused slots and
@@ -119,6 +122,10 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
     out = _partial_reference(q_bthd, kv_bnd, idx_btk, valid_btk, scale)
   elif impl == 'gathered':
     out = _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk)
+  elif impl == 'fused':  # on the CPU the kernels run in the Pallas interpreter (tests)
+    out = sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, scale=scale,
+                               with_mass=with_mass,
+                               interpret=jax.default_backend() == 'cpu')
   else:
     raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
   return out if with_mass else out[:2]

@@ -1,0 +1,260 @@
+"""Fused sparse attention over selected latent rows: the GPU kernel of CSA2's compressed branch.
+
+Same contract as `sparse_attention.compressed_partial` (docs/architecture.md section 3.8): query
+t attends to the entries `idx_btk[t]` (valid slots only) of the shared latent `kv_bnd`, which is
+the key and the value of every head, and returns the partial `(o_bthd, lse_bth)` plus, for the
+indexer's distillation, the head-averaged probability of each slot (`mass_btk`).
+
+One program per query (Pallas on the Triton backend). It walks the query's selected slots in
+blocks of `block_k`: the block's rows are gathered from HBM (mostly L2: neighbouring queries
+pick overlapping entries) straight into on-chip memory, and all H heads use the gathered tile
+(one [H, d] x [d, block_k] product), with an online softmax. Nothing of size [T, K, d] or
+[T, H, K] is written to HBM; the loop stops after the query's last valid slot.
+
+- mass: the exact per-head normalisation is only known at the end, so slot masses come from a
+  second walk over the blocks, recomputing the scores against the final log-sum-exp (no PV
+  product). It runs only where it is asked for (index sources).
+- backward: one program per query recomputes P from the saved log-sum-exp, accumulates dq in
+  registers and adds each block's key/value gradient (key = value: dS^T q + P^T dO) into an fp32
+  [B, N, d] buffer with atomics; invalid slots are masked out of the atomics, so unused slots do
+  not serialise on one row. The log-sum-exp's own cotangent enters as
+  dS = P * (dP - delta + dlse), since the caller merges partials by their log-sum-exp.
+
+Shapes it takes (`config.attention_kernel_supported`): heads and head width powers of two, >= 16 (Triton's
+smallest matrix product).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from deepseek41.config import attention_kernel_supported
+
+MIN_DOT = 16  # Triton's smallest matrix product dimension
+
+
+def _masked_scores(q_hd, kv_kd, rows_k, n, scale):
+  s_hk = jax.lax.dot_general(q_hd, kv_kd, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32) * scale
+  return jnp.where((rows_k < n)[None, :], s_hk, -jnp.inf)
+
+
+def _gather(kv_ref, rows_k, d):
+  return kv_ref[rows_k, pl.ds(0, d)]
+
+
+def _fwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, lse_ref, *mass_ref, n, bk, scale):
+  h, d = q_ref.shape
+  q_hd = q_ref[...]
+  nblk = nblk_ref[0]
+
+  def block(j, carry):
+    m_h, l_h, acc_hd = carry
+    rows_k = idx_ref[pl.ds(j * bk, bk)]
+    kv_kd = _gather(kv_ref, rows_k, d)
+    s_hk = _masked_scores(q_hd, kv_kd, rows_k, n, scale)
+    m_new_h = jnp.maximum(m_h, jnp.max(s_hk, axis=1))
+    shift_h = jnp.where(m_new_h == -jnp.inf, 0.0, m_new_h)
+    alpha_h = jnp.exp(m_h - shift_h)
+    p_hk = jnp.exp(s_hk - shift_h[:, None])
+    pv_hd = jax.lax.dot_general(p_hk.astype(kv_kd.dtype), kv_kd, (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+    return m_new_h, l_h * alpha_h + jnp.sum(p_hk, axis=1), acc_hd * alpha_h[:, None] + pv_hd
+
+  init = (jnp.full((h,), -jnp.inf, jnp.float32), jnp.zeros((h,), jnp.float32),
+          jnp.zeros((h, d), jnp.float32))
+  m_h, l_h, acc_hd = jax.lax.fori_loop(0, nblk, block, init)
+  seen_h = l_h > 0
+  o_ref[...] = (acc_hd / jnp.where(seen_h, l_h, 1.0)[:, None]).astype(o_ref.dtype)
+  lse_h = jnp.where(seen_h, m_h + jnp.log(jnp.where(seen_h, l_h, 1.0)), -jnp.inf)
+  lse_ref[...] = lse_h
+
+  if mass_ref:
+    mass_ref, = mass_ref
+    mass_ref[...] = jnp.zeros(mass_ref.shape, jnp.float32)
+    lse_safe_h = jnp.where(seen_h, lse_h, 0.0)
+
+    def mass_block(j, carry):
+      rows_k = idx_ref[pl.ds(j * bk, bk)]
+      s_hk = _masked_scores(q_hd, _gather(kv_ref, rows_k, d), rows_k, n, scale)
+      mass_ref[pl.ds(j * bk, bk)] = jnp.sum(jnp.exp(s_hk - lse_safe_h[:, None]), axis=0) / h
+      return carry
+    jax.lax.fori_loop(0, nblk, mass_block, 0)
+
+
+def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_ref, _dkv_in_ref,
+                dq_ref, dkv_ref, *, n, bk, scale, interpret):
+  h, d = q_ref.shape
+  q_hd, do_hd = q_ref[...], do_ref[...]
+  dt = q_hd.dtype
+  lse_h = lse_ref[...]
+  lse_safe_h = jnp.where(lse_h == -jnp.inf, 0.0, lse_h)  # such a query has no visible slot
+  delta_h = jnp.sum(do_hd.astype(jnp.float32) * o_ref[...].astype(jnp.float32), axis=1) - \
+      dlse_ref[...]
+  cols_d = jnp.arange(d, dtype=jnp.int32)
+
+  def block(j, dq_hd):
+    rows_k = idx_ref[pl.ds(j * bk, bk)]
+    kv_kd = _gather(kv_ref, rows_k, d)
+    p_hk = jnp.exp(_masked_scores(q_hd, kv_kd, rows_k, n, scale) - lse_safe_h[:, None])
+    dp_hk = jax.lax.dot_general(do_hd, kv_kd, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+    ds_hk = p_hk * (dp_hk - delta_h[:, None])
+    dq_hd = dq_hd + jax.lax.dot_general(ds_hk.astype(dt), kv_kd, (((1,), (0,)), ((), ())),
+                                        preferred_element_type=jnp.float32)
+    dkv_kd = (jax.lax.dot_general(ds_hk.astype(dt), q_hd, (((0,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32) * scale +
+              jax.lax.dot_general(p_hk.astype(dt), do_hd, (((0,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32))
+    # Invalid slots all hold the dummy row n: on the GPU they are masked out of the atomics;
+    # the interpreter takes no mask, and the dummy row is cut off by the caller anyway.
+    mask = None if interpret else jnp.broadcast_to((rows_k < n)[:, None], (bk, d))
+    from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
+    plt.atomic_add(dkv_ref, (jnp.broadcast_to(rows_k[:, None], (bk, d)),
+                             jnp.broadcast_to(cols_d[None, :], (bk, d))), dkv_kd, mask=mask)
+    return dq_hd
+
+  dq_hd = jax.lax.fori_loop(0, nblk_ref[0], block, jnp.zeros((h, d), jnp.float32))
+  dq_ref[...] = (dq_hd * scale).astype(dq_ref.dtype)
+
+
+def _prepare(kv_bnd, idx_btk, valid_btk, block_k):
+  """Pad kv with a zero dummy row n (invalid slots point there) and K to whole blocks.
+
+  Returns (kv_bmd, idx_btk int32 with invalid -> n, nblk_bt1 blocks up to the last valid slot, bk).
+  """
+  b, n, d = kv_bnd.shape
+  k = idx_btk.shape[-1]
+  k_pad = max(MIN_DOT, pl.next_power_of_2(k))
+  bk = min(block_k, k_pad)
+  rows = -(-(n + 1) // MIN_DOT) * MIN_DOT
+  kv_bmd = jnp.pad(kv_bnd, ((0, 0), (0, rows - n), (0, 0)))
+  idx_btk = jnp.where(valid_btk, idx_btk, n).astype(jnp.int32)
+  idx_btk = jnp.pad(idx_btk, ((0, 0), (0, 0), (0, k_pad - k)), constant_values=n)
+  last_bt = jnp.max(jnp.where(valid_btk, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=-1)
+  nblk_bt1 = (-(-last_bt // bk))[..., None].astype(jnp.int32)
+  return kv_bmd, idx_btk, nblk_bt1, bk
+
+
+def _specs(b, t, h, d, rows, k_pad):
+  del b, t
+  per_query = lambda shape: pl.BlockSpec((None, None) + shape,  # noqa: E731
+                                         lambda i, j: (j, i) + (0,) * len(shape))
+  return {
+      'nblk': pl.BlockSpec((None, None, 1), lambda i, j: (j, i, 0)),
+      'q': per_query((h, d)),
+      'kv': pl.BlockSpec((None, rows, d), lambda i, j: (j, 0, 0)),
+      'idx': per_query((k_pad,)),
+      'h': per_query((h,)),
+  }
+
+
+def _compiler_params(num_warps, num_stages):
+  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
+  return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, block_k, num_warps,
+             interpret):
+  b, t, h, d = q_bthd.shape
+  k = idx_btk.shape[-1]
+  n = kv_bnd.shape[1]
+  kv_bmd, idx_btk, nblk_bt1, bk = _prepare(kv_bnd, idx_btk, valid_btk, block_k)
+  rows, k_pad = kv_bmd.shape[1], idx_btk.shape[-1]
+  spec = _specs(b, t, h, d, rows, k_pad)
+  out_shape = [jax.ShapeDtypeStruct((b, t, h, d), kv_bnd.dtype),
+               jax.ShapeDtypeStruct((b, t, h), jnp.float32)]
+  out_specs = [spec['q'], spec['h']]
+  if with_mass:
+    out_shape.append(jax.ShapeDtypeStruct((b, t, k_pad), jnp.float32))
+    out_specs.append(spec['idx'])
+  outs = pl.pallas_call(
+      functools.partial(_fwd_kernel, n=n, bk=bk, scale=scale),
+      out_shape=out_shape,
+      grid=(t, b),  # queries fastest: neighbours share selected rows in L2
+      in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx']],
+      out_specs=out_specs,
+      compiler_params=None if interpret else _compiler_params(num_warps, 2),
+      interpret=interpret,
+      name='csa2_sparse_fwd',
+  )(nblk_bt1, q_bthd, kv_bmd, idx_btk)
+  mass_btk = outs[2][..., :k] if with_mass else None
+  return outs[0], outs[1], mass_btk
+
+
+def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse_bth, scale,
+              block_k, num_warps, interpret):
+  b, t, h, d = q_bthd.shape
+  n = kv_bnd.shape[1]
+  kv_bmd, idx_btk, nblk_bt1, bk = _prepare(kv_bnd, idx_btk, valid_btk, block_k)
+  rows, k_pad = kv_bmd.shape[1], idx_btk.shape[-1]
+  spec = _specs(b, t, h, d, rows, k_pad)
+  dkv_spec = pl.BlockSpec((None, rows, d), lambda i, j: (j, 0, 0))
+  dq_bthd, dkv_bmd = pl.pallas_call(
+      functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale, interpret=interpret),
+      out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype),
+                 jax.ShapeDtypeStruct((b, rows, d), jnp.float32)],
+      grid=(t, b),
+      in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx'], spec['q'], spec['q'],
+                spec['h'], spec['h'], dkv_spec],
+      out_specs=[spec['q'], dkv_spec],
+      input_output_aliases={8: 1},
+      compiler_params=None if interpret else _compiler_params(num_warps, 1),
+      interpret=interpret,
+      name='csa2_sparse_bwd',
+  )(nblk_bt1, q_bthd, kv_bmd, idx_btk, o_bthd, do_bthd.astype(q_bthd.dtype),
+    lse_bth.astype(jnp.float32), dlse_bth.astype(jnp.float32),
+    jnp.zeros((b, rows, d), jnp.float32))
+  return dq_bthd, dkv_bmd[:, :n].astype(kv_bnd.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _sparse_partial(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, block_k, num_warps,
+                    interpret):
+  o, lse, mass = _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, block_k,
+                          num_warps, interpret)
+  return o, lse, mass
+
+
+def _sparse_partial_fwd(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, block_k,
+                        num_warps, interpret):
+  o, lse, mass = _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, block_k,
+                          num_warps, interpret)
+  return (o, lse, mass), (q_bthd, kv_bnd, idx_btk, valid_btk, o, lse)
+
+
+def _sparse_partial_bwd(scale, with_mass, block_k, num_warps, interpret, res, cts):
+  del with_mass  # the slot mass is a stop-gradient target: its cotangent is ignored
+  q_bthd, kv_bnd, idx_btk, valid_btk, o, lse = res
+  do_bthd, dlse_bth, _ = cts
+  dq, dkv = _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o, lse, do_bthd, dlse_bth, scale,
+                      block_k, num_warps, interpret)
+  return dq, dkv, None, None
+
+
+_sparse_partial.defvjp(_sparse_partial_fwd, _sparse_partial_bwd)
+
+
+def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
+                         with_mass: bool = False, block_k: int | None = None,
+                         num_warps: int | None = None, interpret: bool = False):
+  """(o_bthd in kv's dtype, lse_bth fp32, mass_btk fp32 or None), as `compressed_partial`.
+
+  The slot mass carries no gradient (it is the indexer's stop-gradient target).
+  block_k: selected rows gathered per step (default 32: a [32, d] tile of a d = 512 latent is
+  32 KB). `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
+  """
+  h, d = q_bthd.shape[-2:]
+  if not attention_kernel_supported(h, d):
+    raise ValueError(f'sparse_partial_fused needs power-of-two heads and head width >= {MIN_DOT}; '
+                     f'got {h} heads x {d}')
+  block_k = block_k or 32
+  num_warps = num_warps or (4 if h <= 16 else 8)
+  o, lse, mass = _sparse_partial(q_bthd, kv_bnd.astype(q_bthd.dtype), idx_btk, valid_btk,
+                                 float(scale), bool(with_mass), int(block_k), int(num_warps),
+                                 bool(interpret))
+  return o, lse, None if mass is None else jax.lax.stop_gradient(mass)

@@ -1,0 +1,116 @@
+"""The fused sparse attention kernel (Pallas interpreter on the CPU) equals the jnp reference."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from deepseek41.model.indexer import select_topk
+from deepseek41.model.transformer import Transformer
+from deepseek41.ops.sparse_attention import compressed_partial
+from deepseek41.ops.sparse_kernel import sparse_partial_fused
+from tests.util import packed_batch, resolved, token_ce
+
+H, D = 16, 32
+
+
+def _selection(key, b, t, n, k, ratio=2, prefix=True):
+  """A causal top-k selection over n entries with two documents per row; some queries see none."""
+  seg_bt = jnp.where(jnp.arange(t) < t // 2, 1, 2)[None].repeat(b, 0)
+  seg_bt = seg_bt.at[:, -3:].set(0)  # padding tail
+  entry_seg_bn = seg_bt[:, ::ratio][:, :n]
+  row_t = jnp.arange(t)
+  visible_btn = ((jnp.arange(n)[None, None, :] < ((row_t + 1) // ratio)[None, :, None]) &
+                 (entry_seg_bn[:, None, :] == seg_bt[:, :, None]) & (seg_bt[:, :, None] > 0))
+  scores_btn = jax.random.normal(key, (b, t, n))
+  idx_btk, valid_btk = select_topk(scores_btn, visible_btn, k)
+  if not prefix:  # valid slots scattered through the row: the kernel must not assume a prefix
+    perm = jax.random.permutation(jax.random.fold_in(key, 1), k)
+    idx_btk, valid_btk = idx_btk[..., perm], valid_btk[..., perm]
+  return idx_btk, valid_btk
+
+
+def _both(q, kv, idx, valid, block_k):
+  """(value, aux, grads) of a loss with nonzero cotangents on o AND lse, for both paths."""
+  scale = q.shape[-1] ** -0.5
+
+  def run(fused):
+    def loss(q, kv):
+      if fused:
+        o, lse, mass = sparse_partial_fused(q, kv, idx, valid, scale=scale, with_mass=True,
+                                            block_k=block_k, interpret=True)
+      else:
+        o, lse, mass = compressed_partial(q, kv, idx, valid, impl='reference', scale=scale,
+                                          with_mass=True)
+      o = o.astype(jnp.float32)
+      lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+      return jnp.sum(o * jnp.cos(3 * o)) + jnp.sum(lse_safe * jnp.sin(lse_safe)), (o, lse, mass)
+    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(q, kv)
+  return run(False), run(True)
+
+
+@pytest.mark.parametrize('dtype,tol', [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize('prefix', [True, False])
+def test_fused_equals_reference_in_outputs_mass_and_gradients(dtype, tol, prefix):
+  b, t, n, k = 2, 20, 10, 20  # k > n: unused slots; 20 slots = two 16-slot blocks, padded
+  ks = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(ks[0], (b, t, H, D)).astype(dtype)
+  kv = jax.random.normal(ks[1], (b, n, D)).astype(dtype)
+  idx, valid = _selection(ks[2], b, t, n, k, prefix=prefix)
+  assert not valid.any(-1).all() and valid.any()  # some queries see nothing, some see entries
+  ((_, (o_r, lse_r, m_r)), g_r), ((_, (o_f, lse_f, m_f)), g_f) = _both(q, kv, idx, valid, 16)
+  np.testing.assert_array_equal(np.isfinite(lse_r), np.isfinite(lse_f))
+  fin = np.isfinite(lse_r)
+  np.testing.assert_allclose(np.asarray(lse_f)[fin], np.asarray(lse_r)[fin], atol=tol, rtol=tol)
+  np.testing.assert_allclose(o_f, o_r, atol=tol, rtol=tol)
+  np.testing.assert_allclose(m_f, m_r, atol=tol, rtol=tol)
+  for a_f, a_r in zip(g_f, g_r):
+    a_f, a_r = np.asarray(a_f, np.float32), np.asarray(a_r, np.float32)
+    scale = np.abs(a_r).max()
+    assert scale > 0
+    np.testing.assert_allclose(a_f / scale, a_r / scale, atol=tol)
+
+
+def test_fused_without_mass_and_through_compressed_partial():
+  b, t, n, k = 1, 16, 8, 16
+  ks = jax.random.split(jax.random.key(1), 3)
+  q = jax.random.normal(ks[0], (b, t, H, D))
+  kv = jax.random.normal(ks[1], (b, n, D))
+  idx, valid = _selection(ks[2], b, t, n, k)
+  o_f, lse_f = compressed_partial(q, kv, idx, valid, impl='fused')  # CPU: interpreted
+  o_r, lse_r = compressed_partial(q, kv, idx, valid, impl='reference')
+  np.testing.assert_allclose(o_f, o_r, atol=2e-5)
+  fin = np.isfinite(np.asarray(lse_r))
+  np.testing.assert_allclose(np.asarray(lse_f)[fin], np.asarray(lse_r)[fin], atol=2e-5)
+
+
+def test_fused_rejects_shapes_triton_cannot_multiply():
+  q = jnp.zeros((1, 4, 4, 16))
+  with pytest.raises(ValueError, match='power-of-two heads'):
+    sparse_partial_fused(q, jnp.zeros((1, 2, 16)), jnp.zeros((1, 4, 2), jnp.int32),
+                         jnp.ones((1, 4, 2), bool), scale=0.25)
+
+
+@pytest.mark.parametrize('kv_quant', ['none', 'fp4_e4m3_16'])
+def test_model_with_the_fused_kernel_equals_the_gathered_path(kv_quant):
+  """Loss and every parameter gradient, documents packed, released KV fake quantization on/off."""
+  cfg = resolved(**{'model.csa2': True, 'model.index_n_heads': 2, 'model.index_head_dim': 8,
+                    'model.sparse_chunk': 16, 'model.num_heads': 16, 'model.o_groups': 2,
+                    'model.kv_quant': kv_quant}).model
+  batch = {k: jnp.asarray(v) for k, v in packed_batch(seed=3, docs_per_row=2, pad=4).items()}
+  batch = {k: v[:2] for k, v in batch.items()}
+
+  def loss_and_grads(impl):
+    model = Transformer(dataclasses.replace(cfg, sparse_impl=impl), nnx.Rngs(params=0))
+
+    def loss(m):
+      return jnp.sum(token_ce(m, batch)) / batch['loss_mask'].sum()
+    return nnx.jit(lambda m: nnx.value_and_grad(loss)(m))(model)
+  l_ref, g_ref = loss_and_grads('gathered')
+  l_f, g_f = loss_and_grads('fused')
+  np.testing.assert_allclose(l_f, l_ref, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_f), jax.tree.leaves(g_ref)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
