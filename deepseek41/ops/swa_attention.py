@@ -11,10 +11,12 @@ own keys only, and the log-sum-exp of its visible scores (-inf where it sees not
 exactly one softmax over the union of the branches' keys plus the sink. Keys that appear in two
 branches count twice, as the architecture intends (section 3.6: no de-duplication).
 
-Two implementations of the window branch, same signature, same results:
+Three implementations of the window branch, same signature, same results:
 - `reference`: dense [B, T, H, T] scores, the ground truth for tests and tiny shapes;
 - `chunked`: queries in blocks of `chunk`, each block against its own block and just enough
   previous blocks to cover the window; memory and FLOPs linear in T, no loop over blocks.
+- `fused`: the Pallas (Triton) kernels of `window_kernel.py`, masks computed on chip, with their
+  own backward; run by the Pallas interpreter on the CPU (tests).
 
 Image spans: with `span_ids_bt` given, keys in the query's own image span are left out of the
 window; `span_attention.span_partial` supplies all of them (both directions) as another partial.
@@ -28,7 +30,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-IMPLS = ('reference', 'chunked')
+from deepseek41.ops.window_kernel import window_partial_fused
+
+IMPLS = ('reference', 'chunked', 'fused')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,6 +224,10 @@ def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chu
   if impl == 'chunked':
     return _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk,
                                 span_ids_bt)
+  if impl == 'fused':  # `chunk` is the chunked impl's; the kernel picks its own blocks
+    return window_partial_fused(q_bthd, kv_btd, segment_ids_bt, window=window, scale=scale,
+                                span_ids_bt=span_ids_bt,
+                                interpret=jax.default_backend() == 'cpu')
   raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
 
 

@@ -1,0 +1,373 @@
+"""Fused sliding-window attention over the shared latent: GPU kernels (Pallas, Triton backend).
+
+Same contract as `swa_attention.swa_partial` (docs/architecture.md sections 3.3, 3.5): query t
+sees key u iff `t - window < u <= t`, both in the same non-padding document and, with span ids,
+not both in one image span; one latent row is the key and the value of every head. Returns the
+partial `(o_bthd in kv's dtype, lse_bth fp32)`, lse -inf (and o 0) where nothing is visible.
+
+Layout: q is viewed as [B, T*H, d], so a block of `block_q` queries is `block_q * H` rows
+(query-major, head-minor) and every key tile loaded serves all heads of those queries (MQA).
+The masks are computed in the kernel from the segment / span ids (no [T, T] or [T, H, W] array
+in HBM); each program walks only the key blocks that cover `[t0 - window + 1, t0 + block_q)`.
+
+- forward: one program per (row, query block), online softmax over its key blocks.
+- dq: one program per query block recomputes P from the saved lse; it also writes
+  `delta - dlse` per row (delta = sum_d dO * o), which the dkv program reads.
+- dkv: one program per key block (key-block-major: no atomics, deterministic) walks the query
+  blocks within `window` after it; key = value, so dkv = dS^T q * scale + P^T dO in fp32.
+  The lse cotangent enters as dS = P * (dP - delta + dlse): downstream merges partials by lse.
+
+d = 512 is wide: the fp32 [rows, d] accumulator (o, dq or dkv) is what limits the block. With
+64 rows it is 128 KB, 128 registers per thread at 8 warps; the QK and dO.V contractions and the
+PV products run over d in `block_d` chunks loaded from the refs, so no [rows, 512] bf16 operand
+has to live in registers next to it. See `window_partial_fused` for the defaults.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+MIN_DOT = 16  # Triton's smallest matrix product dimension
+ROWS = 64     # default query rows (queries x heads) per block
+
+
+class _Static(NamedTuple):
+  heads: int
+  window: int
+  scale: float
+  bq: int       # queries per forward / dq block
+  bk: int       # keys per forward / dq step
+  bq_dkv: int   # queries per dkv step
+  bk_dkv: int   # keys per dkv block
+  bd: int       # d chunk of the contractions
+  spans: bool
+  num_warps: int
+  num_stages: int
+  interpret: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# In-kernel helpers
+
+
+def _dot(a, b, contract=(1, 0)):
+  return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+
+def _row_queries(first_t, rows, heads):
+  """int32 [rows]: the query position of each (query, head) row of a block."""
+  return first_t + jax.lax.div(jnp.arange(rows, dtype=jnp.int32), jnp.int32(heads))
+
+
+def _visible(t_q, seg_q, span_q, u_k, seg_k, span_k, window):
+  """Broadcast visibility of key u_k to query t_q (any shapes that broadcast to the tile)."""
+  vis = (u_k <= t_q) & (u_k > t_q - window) & (seg_k == seg_q) & (seg_q != 0)
+  if span_q is not None:  # the query's own span is span_attention's branch
+    vis = vis & ~((span_k == span_q) & (span_q != 0))
+  return vis
+
+
+def _load_ids(seg_ref, span_ref, idx, spans):
+  return seg_ref[idx], (span_ref[idx] if spans else None)
+
+
+def _sum(terms):
+  return functools.reduce(operator.add, terms)
+
+
+def _chunks(d, bd):
+  return [pl.ds(c * bd, bd) for c in range(d // bd)]
+
+
+def _key_blocks(t0, st: _Static):
+  """First and one-past-last key block covering queries [t0, t0 + bq)."""
+  lo = jax.lax.div(jnp.maximum(t0 - st.window + 1, 0), jnp.int32(st.bk))
+  hi = jax.lax.div(t0 + st.bq - 1, jnp.int32(st.bk)) + 1
+  return lo, hi
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+def _fwd_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, lse_ref, *, st: _Static):
+  # seg/span: [T] of this row; q: [rows, d] of this block; kv: [T, d]; o: [rows, d]; lse: [rows]
+  rows, d = q_ref.shape
+  dt = kv_ref.dtype
+  chunks = _chunks(d, st.bd)
+  t0 = pl.program_id(0) * st.bq
+  t_r = _row_queries(t0, rows, st.heads)
+  seg_r, span_r = _load_ids(seg_ref, span_ref, t_r, st.spans)
+  lo, hi = _key_blocks(t0, st)
+
+  def block(j, carry):
+    m_r, l_r, acc = carry
+    keys = pl.ds(j * st.bk, st.bk)
+    u_k = j * st.bk + jnp.arange(st.bk, dtype=jnp.int32)
+    seg_k, span_k = _load_ids(seg_ref, span_ref, keys, st.spans)
+    s_rk = _sum(_dot(q_ref[:, c], kv_ref[keys, c], (1, 1)) for c in chunks) * st.scale
+    vis_rk = _visible(t_r[:, None], seg_r[:, None], None if span_r is None else span_r[:, None],
+                      u_k[None, :], seg_k[None, :], None if span_k is None else span_k[None, :],
+                      st.window)
+    s_rk = jnp.where(vis_rk, s_rk, -jnp.inf)
+    m_new_r = jnp.maximum(m_r, jnp.max(s_rk, axis=1))
+    shift_r = jnp.where(m_new_r == -jnp.inf, 0.0, m_new_r)  # nothing seen yet: any finite shift
+    alpha_r = jnp.exp(m_r - shift_r)
+    p_rk = jnp.exp(s_rk - shift_r[:, None])
+    l_r = l_r * alpha_r + jnp.sum(p_rk, axis=1)
+    p_rk = p_rk.astype(dt)
+    acc = tuple(a * alpha_r[:, None] + _dot(p_rk, kv_ref[keys, c]) for a, c in zip(acc, chunks))
+    return m_new_r, l_r, acc
+
+  init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+          tuple(jnp.zeros((rows, st.bd), jnp.float32) for _ in chunks))
+  m_r, l_r, acc = jax.lax.fori_loop(lo, hi, block, init)
+  seen_r = l_r > 0
+  inv_r = 1.0 / jnp.where(seen_r, l_r, 1.0)
+  for a, c in zip(acc, chunks):
+    o_ref[:, c] = (a * inv_r[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen_r, m_r + jnp.log(jnp.where(seen_r, l_r, 1.0)), -jnp.inf)
+
+
+def _dq_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, do_ref, lse_ref, dlse_ref, dq_ref,
+               delta_ref, *, st: _Static):
+  # As the forward, plus o/dO: [rows, d], lse/dlse: [rows]; writes dq [rows, d], delta [rows].
+  rows, d = q_ref.shape
+  dt = kv_ref.dtype
+  chunks = _chunks(d, st.bd)
+  t0 = pl.program_id(0) * st.bq
+  t_r = _row_queries(t0, rows, st.heads)
+  seg_r, span_r = _load_ids(seg_ref, span_ref, t_r, st.spans)
+  lo, hi = _key_blocks(t0, st)
+  delta_r = _sum(jnp.sum(do_ref[:, c].astype(jnp.float32) * o_ref[:, c].astype(jnp.float32),
+                        axis=1) for c in chunks) - dlse_ref[...]
+  delta_ref[...] = delta_r
+  lse_r = lse_ref[...]
+  lse_r = jnp.where(lse_r == -jnp.inf, 0.0, lse_r)  # such a row sees nothing: P is all 0
+
+  def block(j, dq):
+    keys = pl.ds(j * st.bk, st.bk)
+    u_k = j * st.bk + jnp.arange(st.bk, dtype=jnp.int32)
+    seg_k, span_k = _load_ids(seg_ref, span_ref, keys, st.spans)
+    s_rk = jnp.zeros((rows, st.bk), jnp.float32)
+    dp_rk = jnp.zeros((rows, st.bk), jnp.float32)
+    for c in chunks:  # one load of each kv chunk serves both contractions
+      kv_kc = kv_ref[keys, c]
+      s_rk += _dot(q_ref[:, c], kv_kc, (1, 1))
+      dp_rk += _dot(do_ref[:, c], kv_kc, (1, 1))
+    vis_rk = _visible(t_r[:, None], seg_r[:, None], None if span_r is None else span_r[:, None],
+                      u_k[None, :], seg_k[None, :], None if span_k is None else span_k[None, :],
+                      st.window)
+    p_rk = jnp.where(vis_rk, jnp.exp(s_rk * st.scale - lse_r[:, None]), 0.0)
+    ds_rk = (p_rk * (dp_rk - delta_r[:, None])).astype(dt)
+    return tuple(a + _dot(ds_rk, kv_ref[keys, c]) for a, c in zip(dq, chunks))
+
+  dq = jax.lax.fori_loop(lo, hi, block,
+                         tuple(jnp.zeros((rows, st.bd), jnp.float32) for _ in chunks))
+  for a, c in zip(dq, chunks):
+    dq_ref[:, c] = (a * st.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(seg_ref, span_ref, q_ref, kv_ref, do_ref, lse_ref, delta_ref, dkv_ref, *,
+                st: _Static):
+  # seg/span: [T]; q/dO: [T*H, d] of this row; kv/dkv: [bk_dkv, d] of this key block;
+  # lse/delta: [T*H] of this row.
+  bk, d = kv_ref.shape
+  rows = st.bq_dkv * st.heads
+  dt = kv_ref.dtype
+  chunks = _chunks(d, st.bd)
+  n_q = seg_ref.shape[0] // st.bq_dkv
+  k0 = pl.program_id(0) * bk
+  u_k = k0 + jnp.arange(bk, dtype=jnp.int32)
+  seg_k, span_k = _load_ids(seg_ref, span_ref, pl.ds(k0, bk), st.spans)
+  # Queries that see this block: [k0, k0 + bk - 1 + window - 1].
+  lo = jax.lax.div(k0, jnp.int32(st.bq_dkv))
+  hi = jnp.minimum(jax.lax.div(k0 + bk + st.window - 2, jnp.int32(st.bq_dkv)) + 1, n_q)
+
+  def block(i, acc):
+    r = pl.ds(i * rows, rows)
+    t_r = _row_queries(i * st.bq_dkv, rows, st.heads)
+    seg_r, span_r = _load_ids(seg_ref, span_ref, t_r, st.spans)
+    s_kr = jnp.zeros((bk, rows), jnp.float32)
+    dp_kr = jnp.zeros((bk, rows), jnp.float32)
+    for c in chunks:
+      kv_kc = kv_ref[:, c]
+      s_kr += _dot(kv_kc, q_ref[r, c], (1, 1))
+      dp_kr += _dot(kv_kc, do_ref[r, c], (1, 1))
+    lse_r = lse_ref[r]
+    lse_r = jnp.where(lse_r == -jnp.inf, 0.0, lse_r)
+    vis_kr = _visible(t_r[None, :], seg_r[None, :], None if span_r is None else span_r[None, :],
+                      u_k[:, None], seg_k[:, None], None if span_k is None else span_k[:, None],
+                      st.window)
+    p_kr = jnp.where(vis_kr, jnp.exp(s_kr * st.scale - lse_r[None, :]), 0.0)
+    ds_kr = (p_kr * (dp_kr - delta_ref[r][None, :]) * st.scale).astype(dt)
+    p_kr = p_kr.astype(dt)
+    return tuple(a + _dot(ds_kr, q_ref[r, c]) + _dot(p_kr, do_ref[r, c])
+                 for a, c in zip(acc, chunks))
+
+  acc = jax.lax.fori_loop(lo, hi, block,
+                          tuple(jnp.zeros((bk, st.bd), jnp.float32) for _ in chunks))
+  for a, c in zip(acc, chunks):
+    dkv_ref[:, c] = a.astype(dkv_ref.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# pallas_call wrappers on padded, flattened arrays: q_brd [B, T*H, d], kv_btd, ids_bt [B, T].
+# Grids are (blocks, B): axis 0 is CUDA's x, the only one allowed more than 65535 programs (T =
+# 131072 at one query per block), and the fastest, so neighbouring blocks (which share keys or
+# queries through L2) run together.
+
+
+def _params(st: _Static):
+  if st.interpret:
+    return None
+  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
+  return plt.CompilerParams(num_warps=st.num_warps, num_stages=st.num_stages)
+
+
+def _row_spec(shape):
+  """The whole of one batch row (the kernels index it themselves)."""
+  return pl.BlockSpec((None,) + shape, lambda i, b: (b,) + (0,) * len(shape))
+
+
+def _block_spec(shape):
+  """Block i of a batch row along the first axis."""
+  return pl.BlockSpec((None,) + shape, lambda i, b: (b, i) + (0,) * (len(shape) - 1))
+
+
+def _forward(st: _Static, q_brd, kv_btd, seg_bt, span_bt):
+  b, n_rows, d = q_brd.shape
+  t = seg_bt.shape[1]
+  rows = st.bq * st.heads
+  return pl.pallas_call(
+      functools.partial(_fwd_kernel, st=st),
+      out_shape=[jax.ShapeDtypeStruct((b, n_rows, d), kv_btd.dtype),
+                 jax.ShapeDtypeStruct((b, n_rows), jnp.float32)],
+      grid=(t // st.bq, b),
+      in_specs=[_row_spec((t,)), _row_spec((t,)), _block_spec((rows, d)), _row_spec((t, d))],
+      out_specs=[_block_spec((rows, d)), _block_spec((rows,))],
+      compiler_params=_params(st),
+      interpret=st.interpret,
+      name='swa_window_fwd',
+  )(seg_bt, span_bt, q_brd, kv_btd)
+
+
+def _backward(st: _Static, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br, do_brd, dlse_br):
+  b, n_rows, d = q_brd.shape
+  t = seg_bt.shape[1]
+  rows = st.bq * st.heads
+  dq_brd, delta_br = pl.pallas_call(
+      functools.partial(_dq_kernel, st=st),
+      out_shape=[jax.ShapeDtypeStruct((b, n_rows, d), q_brd.dtype),
+                 jax.ShapeDtypeStruct((b, n_rows), jnp.float32)],
+      grid=(t // st.bq, b),
+      in_specs=[_row_spec((t,)), _row_spec((t,)), _block_spec((rows, d)), _row_spec((t, d)),
+                _block_spec((rows, d)), _block_spec((rows, d)), _block_spec((rows,)),
+                _block_spec((rows,))],
+      out_specs=[_block_spec((rows, d)), _block_spec((rows,))],
+      compiler_params=_params(st),
+      interpret=st.interpret,
+      name='swa_window_dq',
+  )(seg_bt, span_bt, q_brd, kv_btd, o_brd, do_brd, lse_br, dlse_br)
+  dkv_btd = pl.pallas_call(
+      functools.partial(_dkv_kernel, st=st),
+      out_shape=jax.ShapeDtypeStruct((b, t, d), kv_btd.dtype),
+      grid=(t // st.bk_dkv, b),
+      in_specs=[_row_spec((t,)), _row_spec((t,)), _row_spec((n_rows, d)),
+                _block_spec((st.bk_dkv, d)), _row_spec((n_rows, d)), _row_spec((n_rows,)),
+                _row_spec((n_rows,))],
+      out_specs=_block_spec((st.bk_dkv, d)),
+      compiler_params=_params(st),
+      interpret=st.interpret,
+      name='swa_window_dkv',
+  )(seg_bt, span_bt, q_brd, kv_btd, do_brd, lse_br, delta_br)
+  return dq_brd, dkv_btd
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _window_partial(st, q_brd, kv_btd, seg_bt, span_bt):
+  return tuple(_forward(st, q_brd, kv_btd, seg_bt, span_bt))
+
+
+def _window_partial_fwd(st, q_brd, kv_btd, seg_bt, span_bt):
+  o_brd, lse_br = _forward(st, q_brd, kv_btd, seg_bt, span_bt)
+  return (o_brd, lse_br), (q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br)
+
+
+def _window_partial_bwd(st, res, cts):
+  q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br = res
+  do_brd, dlse_br = cts
+  dq_brd, dkv_btd = _backward(st, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br,
+                              do_brd.astype(q_brd.dtype), dlse_br.astype(jnp.float32))
+  return dq_brd, dkv_btd, None, None
+
+
+_window_partial.defvjp(_window_partial_fwd, _window_partial_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry point
+
+
+def _pow2(x):
+  return x > 0 and x & (x - 1) == 0
+
+
+def _pad_time(x, t_pad):
+  pad = [(0, 0)] * x.ndim
+  pad[1] = (0, t_pad - x.shape[1])
+  return jnp.pad(x, pad)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    'window', 'scale', 'interpret', 'block_q', 'block_k', 'block_q_dkv', 'block_k_dkv',
+    'block_d', 'num_warps', 'num_stages'))
+def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
+                         scale: float | None = None, span_ids_bt=None, interpret: bool = False,
+                         block_q: int | None = None, block_k: int = 32,
+                         block_q_dkv: int | None = None, block_k_dkv: int = 64,
+                         block_d: int = 128, num_warps: int = 8, num_stages: int = 2):
+  """The window branch as a partial: (o_bthd in kv's dtype, lse_bth fp32), differentiable.
+
+  Defaults (H200, d = 512): 64 rows (`block_q = 64 // H` queries: 4 at H = 16, 1 at H = 64) x
+  32 keys per forward / dq step, and a 64-key dkv block stepping over 64 query rows. Every
+  fp32 [64, 512] accumulator is 128 registers per thread at 8 warps, leaving room for the
+  [64, 32] score tiles and the [*, 128] operand chunks (block_d); 4 warps would spill. T is
+  padded (segment id 0) to whole blocks. `interpret=True` runs the Pallas interpreter (CPU).
+  """
+  b, t, h, d = q_bthd.shape
+  scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+  block_q = block_q or max(1, ROWS // h)
+  block_q_dkv = block_q_dkv or max(1, ROWS // h)
+  bd = min(block_d, d)
+  if d % bd or not all(map(_pow2, (h, bd, block_q, block_k, block_q_dkv, block_k_dkv))):
+    raise ValueError(f'window_partial_fused needs power-of-two heads and blocks and d a multiple '
+                     f'of block_d; got H={h}, d={d}, block_d={bd}, blocks {block_q}, {block_k}, '
+                     f'{block_q_dkv}, {block_k_dkv}')
+  if not interpret and min(block_q * h, block_k, block_q_dkv * h, block_k_dkv, bd) < MIN_DOT:
+    raise ValueError(f'Triton matrix products need every dimension >= {MIN_DOT}: rows '
+                     f'{block_q * h} / {block_q_dkv * h}, keys {block_k} / {block_k_dkv}, '
+                     f'd chunk {bd}')
+  block = max(block_q, block_k, block_q_dkv, block_k_dkv)  # all powers of two
+  t_pad = -(-t // block) * block
+  st = _Static(heads=h, window=min(window, t), scale=scale, bq=block_q, bk=block_k,
+               bq_dkv=block_q_dkv, bk_dkv=block_k_dkv, bd=bd, spans=span_ids_bt is not None,
+               num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+  dt = kv_btd.dtype
+  q_brd = _pad_time(q_bthd.astype(dt), t_pad).reshape(b, t_pad * h, d)
+  kv_btd = _pad_time(kv_btd, t_pad)
+  seg_bt = _pad_time(segment_ids_bt.astype(jnp.int32), t_pad)
+  span_bt = (jnp.zeros_like(seg_bt) if span_ids_bt is None else
+             _pad_time(span_ids_bt.astype(jnp.int32), t_pad))
+  o_brd, lse_br = _window_partial(st, q_brd, kv_btd, seg_bt, span_bt)
+  o_bthd = o_brd.reshape(b, t_pad, h, d)[:, :t]
+  lse_bth = lse_br.reshape(b, t_pad, h)[:, :t]
+  return o_bthd, lse_bth
