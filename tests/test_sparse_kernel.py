@@ -41,7 +41,8 @@ def _both(q, kv, idx, valid, block_k):
     def loss(q, kv):
       if fused:
         o, lse, mass = sparse_partial_fused(q, kv, idx, valid, scale=scale, with_mass=True,
-                                            block_k=block_k, interpret=True)
+                                            fwd_tiles=(block_k, 4), bwd_tiles=(block_k, 4, 8),
+                                            interpret=True)
       else:
         o, lse, mass = compressed_partial(q, kv, idx, valid, impl='reference', scale=scale,
                                           with_mass=True)

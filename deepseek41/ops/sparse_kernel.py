@@ -37,6 +37,29 @@ from deepseek41.config import attention_kernel_supported
 MIN_DOT = 16  # Triton's smallest matrix product dimension
 
 
+def _relax_pallas_triton_atomics():
+  """Make Pallas-on-Triton atomics relaxed instead of acquire-release.
+
+  Triton's own `tl.atomic_add` takes `sem=`, but Pallas passes no choice and defaults to
+  acquire-release, which orders every one of the backward's key/value-gradient adds (nothing
+  here synchronises through them). Relaxed adds made the backward at configs/ablation_1b.py's
+  shapes 2.2x faster (docs/performance.md section 9). This sets the default of the lowering's
+  helper, so it holds for every Pallas Triton atomic in the process; the project has no other.
+  Left alone if the helper's signature is not the one this was written against.
+  """
+  try:
+    from jax._src.pallas.triton import lowering  # noqa: PLC0415 (private: guarded below)
+    tt = lowering.tt_dialect
+    defaults = lowering._atomic_rmw.__defaults__
+    if defaults == (None, tt.MemSemantic.ACQUIRE_RELEASE, tt.MemSyncScope.GPU):
+      lowering._atomic_rmw.__defaults__ = (None, tt.MemSemantic.RELAXED, tt.MemSyncScope.GPU)
+  except (ImportError, AttributeError):  # another jax: keep its (correct, slower) default
+    pass
+
+
+_relax_pallas_triton_atomics()
+
+
 def _masked_scores(q_hd, kv_kd, rows_k, n, scale):
   s_hk = jax.lax.dot_general(q_hd, kv_kd, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32) * scale
@@ -140,16 +163,18 @@ def _prepare(kv_bnd, idx_btk, valid_btk, block_k):
   return kv_bmd, idx_btk, nblk_bt1, bk
 
 
-def _specs(b, t, h, d, rows, k_pad):
-  del b, t
-  per_query = lambda shape: pl.BlockSpec((None, None) + shape,  # noqa: E731
-                                         lambda i, j: (j, i) + (0,) * len(shape))
+def _specs(h, d, rows, k_pad):
+  """BlockSpecs of a grid (query, batch[, head group]); `h` is the heads of one program."""
+  def per_query(shape, by_head=False):
+    def index(i, j, g=0):
+      return (j, i) + ((g,) if by_head else (0,)) + (0,) * (len(shape) - 1)
+    return pl.BlockSpec((None, None) + shape, index)
   return {
-      'nblk': pl.BlockSpec((None, None, 1), lambda i, j: (j, i, 0)),
-      'q': per_query((h, d)),
-      'kv': pl.BlockSpec((None, rows, d), lambda i, j: (j, 0, 0)),
+      'nblk': per_query((1,)),
+      'q': per_query((h, d), by_head=True),
+      'kv': pl.BlockSpec((None, rows, d), lambda i, j, g=0: (j, 0, 0)),
       'idx': per_query((k_pad,)),
-      'h': per_query((h,)),
+      'h': per_query((h,), by_head=True),
   }
 
 
@@ -165,7 +190,7 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, block_k, num_
   n = kv_bnd.shape[1]
   kv_bmd, idx_btk, nblk_bt1, bk = _prepare(kv_bnd, idx_btk, valid_btk, block_k)
   rows, k_pad = kv_bmd.shape[1], idx_btk.shape[-1]
-  spec = _specs(b, t, h, d, rows, k_pad)
+  spec = _specs(h, d, rows, k_pad)
   out_shape = [jax.ShapeDtypeStruct((b, t, h, d), kv_bnd.dtype),
                jax.ShapeDtypeStruct((b, t, h), jnp.float32)]
   out_specs = [spec['q'], spec['h']]
@@ -187,18 +212,19 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, block_k, num_
 
 
 def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse_bth, scale,
-              block_k, num_warps, interpret):
+              block_k, num_warps, head_group, interpret):
   b, t, h, d = q_bthd.shape
   n = kv_bnd.shape[1]
+  hg = min(head_group, h)
   kv_bmd, idx_btk, nblk_bt1, bk = _prepare(kv_bnd, idx_btk, valid_btk, block_k)
   rows, k_pad = kv_bmd.shape[1], idx_btk.shape[-1]
-  spec = _specs(b, t, h, d, rows, k_pad)
-  dkv_spec = pl.BlockSpec((None, rows, d), lambda i, j: (j, 0, 0))
+  spec = _specs(hg, d, rows, k_pad)
+  dkv_spec = spec['kv']
   dq_bthd, dkv_bmd = pl.pallas_call(
       functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale, interpret=interpret),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype),
                  jax.ShapeDtypeStruct((b, rows, d), jnp.float32)],
-      grid=(t, b),
+      grid=(t, b, h // hg),  # head groups add into the same rows: fewer heads, more atomics
       in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx'], spec['q'], spec['q'],
                 spec['h'], spec['h'], dkv_spec],
       out_specs=[spec['q'], dkv_spec],
@@ -213,48 +239,62 @@ def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _sparse_partial(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, block_k, num_warps,
+def _sparse_partial(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, fwd_tiles, bwd_tiles,
                     interpret):
-  o, lse, mass = _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, block_k,
-                          num_warps, interpret)
-  return o, lse, mass
+  del bwd_tiles
+  return _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, *fwd_tiles, interpret)
 
 
-def _sparse_partial_fwd(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, block_k,
-                        num_warps, interpret):
-  o, lse, mass = _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, block_k,
-                          num_warps, interpret)
+def _sparse_partial_fwd(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, fwd_tiles,
+                        bwd_tiles, interpret):
+  del bwd_tiles
+  o, lse, mass = _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, *fwd_tiles,
+                          interpret)
   return (o, lse, mass), (q_bthd, kv_bnd, idx_btk, valid_btk, o, lse)
 
 
-def _sparse_partial_bwd(scale, with_mass, block_k, num_warps, interpret, res, cts):
-  del with_mass  # the slot mass is a stop-gradient target: its cotangent is ignored
+def _sparse_partial_bwd(scale, with_mass, fwd_tiles, bwd_tiles, interpret, res, cts):
+  del with_mass, fwd_tiles  # the slot mass is a stop-gradient target: no cotangent
   q_bthd, kv_bnd, idx_btk, valid_btk, o, lse = res
   do_bthd, dlse_bth, _ = cts
   dq, dkv = _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o, lse, do_bthd, dlse_bth, scale,
-                      block_k, num_warps, interpret)
+                      *bwd_tiles, interpret)
   return dq, dkv, None, None
 
 
 _sparse_partial.defvjp(_sparse_partial_fwd, _sparse_partial_bwd)
 
 
+def default_tiles(heads: int):
+  """((block_k, num_warps), (block_k, num_warps, head_group)) of the forward and backward.
+
+  Measured on the H200 (docs/performance.md section 9): the forward gathers 64 rows per step;
+  the backward holds q, dO, the dq accumulator and a [block_k, d] fp32 key/value gradient at
+  once, so it takes 32-row steps, 8 warps, and at most 32 heads per program (64 heads x 512
+  overflow shared memory).
+  """
+  return (64, 4 if heads <= 16 else 8), (32, 8, 32)
+
+
 def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
-                         with_mass: bool = False, block_k: int | None = None,
-                         num_warps: int | None = None, interpret: bool = False):
+                         with_mass: bool = False, fwd_tiles: tuple[int, int] | None = None,
+                         bwd_tiles: tuple[int, int, int] | None = None,
+                         interpret: bool = False):
   """(o_bthd in kv's dtype, lse_bth fp32, mass_btk fp32 or None), as `compressed_partial`.
 
   The slot mass carries no gradient (it is the indexer's stop-gradient target).
-  block_k: selected rows gathered per step (default 32: a [32, d] tile of a d = 512 latent is
-  32 KB). `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
+  fwd_tiles: (selected rows gathered per step, warps per program); bwd_tiles: the same and the
+  heads per program; `default_tiles` by default.
+  `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
   """
   h, d = q_bthd.shape[-2:]
   if not attention_kernel_supported(h, d):
     raise ValueError(f'sparse_partial_fused needs power-of-two heads and head width >= {MIN_DOT}; '
                      f'got {h} heads x {d}')
-  block_k = block_k or 32
-  num_warps = num_warps or (4 if h <= 16 else 8)
+  fwd_default, bwd_default = default_tiles(h)
+  fwd_tiles = tuple(map(int, fwd_tiles or fwd_default))
+  bwd_tiles = tuple(map(int, bwd_tiles or bwd_default))
   o, lse, mass = _sparse_partial(q_bthd, kv_bnd.astype(q_bthd.dtype), idx_btk, valid_btk,
-                                 float(scale), bool(with_mass), int(block_k), int(num_warps),
+                                 float(scale), bool(with_mass), fwd_tiles, bwd_tiles,
                                  bool(interpret))
   return o, lse, None if mass is None else jax.lax.stop_gradient(mass)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 12's measurements on one GPU: the fused CSA2 kernels, alone and in training.
+#   bash benchmarks/gpu_kernels.sh micro        # sparse kernel vs gathered path, 1B + V4.1 shapes
+#   bash benchmarks/gpu_kernels.sh train4k A B  # 8 x 4,096 full structure, runs A B ... (below)
+#   bash benchmarks/gpu_kernels.sh train64k A   # configs/ablation_1b.py as shipped (1 x 65,536)
+#   bash benchmarks/gpu_kernels.sh layers       # one CSA2 layer vs cuDNN dense (bench_csa2.py)
+# Runs (model overrides): xla = the jnp paths (gathered, chunked, top_k); sparse = fused sparse
+# kernel only; fused = every kernel (sparse, window, threshold select); prof = fused + profile.
+set -uo pipefail
+mode=${1:-micro}; shift || true
+source benchmarks/device_env.sh
+SYN="--config.data.synthetic=True --config.checkpoint.every_steps=0 --config.train.eval_every_steps=0 --config.log.progress_bar=False"
+XLA="--config.model.sparse_impl=gathered --config.model.attention_impl=chunked --config.model.select_impl=top_k"
+SPARSE="--config.model.sparse_impl=fused --config.model.attention_impl=chunked --config.model.select_impl=top_k"
+FUSED="--config.model.sparse_impl=fused --config.model.attention_impl=fused --config.model.select_impl=threshold"
+flags() { case "$1" in xla) echo $XLA;; sparse) echo $SPARSE;; fused|prof) echo $FUSED;;
+  *) echo "unknown run $1" >&2; exit 2;; esac; }
+train() {  # shape name run
+  local shape=$1 run=$2 wd=/tmp/k_$1_$2_$$ extra=""
+  [ "$run" = prof ] && extra="--config.log.profile_start_step=18 --config.log.profile_steps=3"
+  if [ "$shape" = 4k ]; then
+    shape_flags="--config.data.seq_len=4096 --config.train.batch_size=8 --config.train.remat=none --config.train.steps=${STEPS:-24} --config.log.every_steps=4"
+  else
+    shape_flags="--config.train.steps=${STEPS:-16} --config.log.every_steps=4"
+  fi
+  XLA_FLAGS=${XLA_FLAGS:-} python3 -m deepseek41.train --config=configs/ablation_1b.py --workdir=$wd \
+    $SYN $shape_flags $(flags $run) $extra > "$OUT/train${shape}_$run.log" 2>&1
+  echo "train${shape} $run exit $?"
+  cp $wd/metrics.jsonl "$OUT/train${shape}_$run.jsonl" 2>/dev/null
+  [ "$run" = prof ] && python3 benchmarks/trace_summary.py $wd/profile --merge-layers --depth 3 \
+    > "$OUT/train${shape}_prof_trace.txt" 2>&1 && head -40 "$OUT/train${shape}_prof_trace.txt"
+  grep -E "took|step [0-9]+:|rror|peak" "$OUT/train${shape}_$run.log" | tail -6 | cut -c1-250
+}
+case "$mode" in
+  micro)
+    python3 benchmarks/bench_sparse_kernel.py --out "$OUT/sparse.jsonl" --block_k 64 --num_warps 4,8 \
+      2>&1 | grep '^{' | cut -c1-230 ;;
+  train4k) for r in "$@"; do
+      if [ "$r" = prof ]; then XLA_FLAGS=--xla_gpu_enable_command_buffer= train 4k prof; else train 4k $r; fi
+    done ;;
+  train64k) for r in "$@"; do train 64k $r; done ;;
+  layers)
+    python3 benchmarks/bench_csa2.py --seq_lens 65536,131072 --layers full2,reuse2 --reps 3 \
+      --out "$OUT/csa2_layers.jsonl" > "$OUT/csa2_layers.log" 2>&1; echo "bench exit $?"
+    python3 benchmarks/summarize_csa2.py "$OUT/csa2_layers.jsonl" ;;
+  *) echo "unknown mode $mode" >&2; exit 2 ;;
+esac
