@@ -35,7 +35,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 MIN_DOT = 16  # Triton's smallest matrix product dimension
-ROWS = 64     # default query rows (queries x heads) per block
+ROWS = 64     # default query rows (queries x heads) per forward / dq block
+ROWS_DKV = 32  # default query rows per dkv step (at least H: one query)
+SMEM_BUDGET = 200 * 1024
 
 
 class _Static(NamedTuple):
@@ -49,7 +51,7 @@ class _Static(NamedTuple):
   bd: int       # d chunk of the contractions
   spans: bool
   num_warps: int
-  num_stages: int
+  stages: tuple[int, int, int]  # software-pipeline depth of the fwd, dq and dkv kernels
   interpret: bool
 
 
@@ -75,6 +77,14 @@ def _visible(t_q, seg_q, span_q, u_k, seg_k, span_k, window):
   return vis
 
 
+def _col(x):
+  return None if x is None else x[:, None]
+
+
+def _row(x):
+  return None if x is None else x[None, :]
+
+
 def _load_ids(seg_ref, span_ref, idx, spans):
   return seg_ref[idx], (span_ref[idx] if spans else None)
 
@@ -98,6 +108,16 @@ def _key_blocks(t0, st: _Static):
 # Kernels
 
 
+def _tiles(ref, rows, chunks):
+  """The [rows, d] tile `ref[rows]` as d chunks, each loaded once (and reused by every dot)."""
+  return [ref[rows, c] for c in chunks]
+
+
+def _contract(a_chunks, b_chunks):
+  """a . b^T over d, summed over the chunks: [m, n] fp32."""
+  return _sum(_dot(a, b, (1, 1)) for a, b in zip(a_chunks, b_chunks))
+
+
 def _fwd_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, lse_ref, *, st: _Static):
   # seg/span: [T] of this row; q: [rows, d] of this block; kv: [T, d]; o: [rows, d]; lse: [rows]
   rows, d = q_ref.shape
@@ -106,25 +126,25 @@ def _fwd_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, lse_ref, *, st: _Static
   t0 = pl.program_id(0) * st.bq
   t_r = _row_queries(t0, rows, st.heads)
   seg_r, span_r = _load_ids(seg_ref, span_ref, t_r, st.spans)
+  q_rc = _tiles(q_ref, slice(None), chunks)  # loop-invariant: loaded once, stays on chip
   lo, hi = _key_blocks(t0, st)
 
   def block(j, carry):
     m_r, l_r, acc = carry
     keys = pl.ds(j * st.bk, st.bk)
-    u_k = j * st.bk + jnp.arange(st.bk, dtype=jnp.int32)
+    kv_kc = _tiles(kv_ref, keys, chunks)  # one load serves QK^T and PV
     seg_k, span_k = _load_ids(seg_ref, span_ref, keys, st.spans)
-    s_rk = _sum(_dot(q_ref[:, c], kv_ref[keys, c], (1, 1)) for c in chunks) * st.scale
-    vis_rk = _visible(t_r[:, None], seg_r[:, None], None if span_r is None else span_r[:, None],
-                      u_k[None, :], seg_k[None, :], None if span_k is None else span_k[None, :],
-                      st.window)
-    s_rk = jnp.where(vis_rk, s_rk, -jnp.inf)
+    vis_rk = _visible(t_r[:, None], seg_r[:, None], _col(span_r),
+                      j * st.bk + jnp.arange(st.bk, dtype=jnp.int32)[None, :], seg_k[None, :],
+                      _row(span_k), st.window)
+    s_rk = jnp.where(vis_rk, _contract(q_rc, kv_kc) * st.scale, -jnp.inf)
     m_new_r = jnp.maximum(m_r, jnp.max(s_rk, axis=1))
     shift_r = jnp.where(m_new_r == -jnp.inf, 0.0, m_new_r)  # nothing seen yet: any finite shift
     alpha_r = jnp.exp(m_r - shift_r)
     p_rk = jnp.exp(s_rk - shift_r[:, None])
     l_r = l_r * alpha_r + jnp.sum(p_rk, axis=1)
     p_rk = p_rk.astype(dt)
-    acc = tuple(a * alpha_r[:, None] + _dot(p_rk, kv_ref[keys, c]) for a, c in zip(acc, chunks))
+    acc = tuple(a * alpha_r[:, None] + _dot(p_rk, kv) for a, kv in zip(acc, kv_kc))
     return m_new_r, l_r, acc
 
   init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
@@ -146,29 +166,25 @@ def _dq_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, do_ref, lse_ref, dlse_re
   t0 = pl.program_id(0) * st.bq
   t_r = _row_queries(t0, rows, st.heads)
   seg_r, span_r = _load_ids(seg_ref, span_ref, t_r, st.spans)
-  lo, hi = _key_blocks(t0, st)
-  delta_r = _sum(jnp.sum(do_ref[:, c].astype(jnp.float32) * o_ref[:, c].astype(jnp.float32),
-                        axis=1) for c in chunks) - dlse_ref[...]
+  q_rc = _tiles(q_ref, slice(None), chunks)
+  do_rc = _tiles(do_ref, slice(None), chunks)
+  delta_r = _sum(jnp.sum(g.astype(jnp.float32) * o_ref[:, c].astype(jnp.float32), axis=1)
+                 for g, c in zip(do_rc, chunks)) - dlse_ref[...]
   delta_ref[...] = delta_r
   lse_r = lse_ref[...]
   lse_r = jnp.where(lse_r == -jnp.inf, 0.0, lse_r)  # such a row sees nothing: P is all 0
+  lo, hi = _key_blocks(t0, st)
 
   def block(j, dq):
     keys = pl.ds(j * st.bk, st.bk)
-    u_k = j * st.bk + jnp.arange(st.bk, dtype=jnp.int32)
+    kv_kc = _tiles(kv_ref, keys, chunks)  # one load serves QK^T, dO V^T and dS V
     seg_k, span_k = _load_ids(seg_ref, span_ref, keys, st.spans)
-    s_rk = jnp.zeros((rows, st.bk), jnp.float32)
-    dp_rk = jnp.zeros((rows, st.bk), jnp.float32)
-    for c in chunks:  # one load of each kv chunk serves both contractions
-      kv_kc = kv_ref[keys, c]
-      s_rk += _dot(q_ref[:, c], kv_kc, (1, 1))
-      dp_rk += _dot(do_ref[:, c], kv_kc, (1, 1))
-    vis_rk = _visible(t_r[:, None], seg_r[:, None], None if span_r is None else span_r[:, None],
-                      u_k[None, :], seg_k[None, :], None if span_k is None else span_k[None, :],
-                      st.window)
-    p_rk = jnp.where(vis_rk, jnp.exp(s_rk * st.scale - lse_r[:, None]), 0.0)
-    ds_rk = (p_rk * (dp_rk - delta_r[:, None])).astype(dt)
-    return tuple(a + _dot(ds_rk, kv_ref[keys, c]) for a, c in zip(dq, chunks))
+    vis_rk = _visible(t_r[:, None], seg_r[:, None], _col(span_r),
+                      j * st.bk + jnp.arange(st.bk, dtype=jnp.int32)[None, :], seg_k[None, :],
+                      _row(span_k), st.window)
+    p_rk = jnp.where(vis_rk, jnp.exp(_contract(q_rc, kv_kc) * st.scale - lse_r[:, None]), 0.0)
+    ds_rk = (p_rk * (_contract(do_rc, kv_kc) - delta_r[:, None])).astype(dt)
+    return tuple(a + _dot(ds_rk, kv) for a, kv in zip(dq, kv_kc))
 
   dq = jax.lax.fori_loop(lo, hi, block,
                          tuple(jnp.zeros((rows, st.bd), jnp.float32) for _ in chunks))
@@ -188,30 +204,24 @@ def _dkv_kernel(seg_ref, span_ref, q_ref, kv_ref, do_ref, lse_ref, delta_ref, dk
   k0 = pl.program_id(0) * bk
   u_k = k0 + jnp.arange(bk, dtype=jnp.int32)
   seg_k, span_k = _load_ids(seg_ref, span_ref, pl.ds(k0, bk), st.spans)
+  kv_kc = _tiles(kv_ref, slice(None), chunks)
   # Queries that see this block: [k0, k0 + bk - 1 + window - 1].
   lo = jax.lax.div(k0, jnp.int32(st.bq_dkv))
   hi = jnp.minimum(jax.lax.div(k0 + bk + st.window - 2, jnp.int32(st.bq_dkv)) + 1, n_q)
 
   def block(i, acc):
     r = pl.ds(i * rows, rows)
+    q_rc, do_rc = _tiles(q_ref, r, chunks), _tiles(do_ref, r, chunks)  # each used twice
     t_r = _row_queries(i * st.bq_dkv, rows, st.heads)
     seg_r, span_r = _load_ids(seg_ref, span_ref, t_r, st.spans)
-    s_kr = jnp.zeros((bk, rows), jnp.float32)
-    dp_kr = jnp.zeros((bk, rows), jnp.float32)
-    for c in chunks:
-      kv_kc = kv_ref[:, c]
-      s_kr += _dot(kv_kc, q_ref[r, c], (1, 1))
-      dp_kr += _dot(kv_kc, do_ref[r, c], (1, 1))
+    vis_kr = _visible(t_r[None, :], seg_r[None, :], _row(span_r), u_k[:, None], seg_k[:, None],
+                      _col(span_k), st.window)
     lse_r = lse_ref[r]
     lse_r = jnp.where(lse_r == -jnp.inf, 0.0, lse_r)
-    vis_kr = _visible(t_r[None, :], seg_r[None, :], None if span_r is None else span_r[None, :],
-                      u_k[:, None], seg_k[:, None], None if span_k is None else span_k[:, None],
-                      st.window)
-    p_kr = jnp.where(vis_kr, jnp.exp(s_kr * st.scale - lse_r[None, :]), 0.0)
-    ds_kr = (p_kr * (dp_kr - delta_ref[r][None, :]) * st.scale).astype(dt)
+    p_kr = jnp.where(vis_kr, jnp.exp(_contract(kv_kc, q_rc) * st.scale - lse_r[None, :]), 0.0)
+    ds_kr = (p_kr * (_contract(kv_kc, do_rc) - delta_ref[r][None, :]) * st.scale).astype(dt)
     p_kr = p_kr.astype(dt)
-    return tuple(a + _dot(ds_kr, q_ref[r, c]) + _dot(p_kr, do_ref[r, c])
-                 for a, c in zip(acc, chunks))
+    return tuple(a + _dot(ds_kr, q) + _dot(p_kr, g) for a, q, g in zip(acc, q_rc, do_rc))
 
   acc = jax.lax.fori_loop(lo, hi, block,
                           tuple(jnp.zeros((bk, st.bd), jnp.float32) for _ in chunks))
@@ -226,11 +236,19 @@ def _dkv_kernel(seg_ref, span_ref, q_ref, kv_ref, do_ref, lse_ref, delta_ref, dk
 # queries through L2) run together.
 
 
-def _params(st: _Static):
+def _params(st: _Static, kernel: int):
   if st.interpret:
     return None
   from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
-  return plt.CompilerParams(num_warps=st.num_warps, num_stages=st.num_stages)
+  return plt.CompilerParams(num_warps=st.num_warps, num_stages=st.stages[kernel])
+
+
+def _auto_stages(resident: int, per_step: int) -> int:
+  """Pipeline depth whose shared memory fits: tiles loaded once plus `stages` per-step copies.
+
+  H200: 227 KB per block; keep ~27 KB for Triton's own scratch (layout conversions).
+  """
+  return 2 if resident + 2 * per_step <= SMEM_BUDGET else 1
 
 
 def _row_spec(shape):
@@ -254,7 +272,7 @@ def _forward(st: _Static, q_brd, kv_btd, seg_bt, span_bt):
       grid=(t // st.bq, b),
       in_specs=[_row_spec((t,)), _row_spec((t,)), _block_spec((rows, d)), _row_spec((t, d))],
       out_specs=[_block_spec((rows, d)), _block_spec((rows,))],
-      compiler_params=_params(st),
+      compiler_params=_params(st, 0),
       interpret=st.interpret,
       name='swa_window_fwd',
   )(seg_bt, span_bt, q_brd, kv_btd)
@@ -273,7 +291,7 @@ def _backward(st: _Static, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br, do_brd
                 _block_spec((rows, d)), _block_spec((rows, d)), _block_spec((rows,)),
                 _block_spec((rows,))],
       out_specs=[_block_spec((rows, d)), _block_spec((rows,))],
-      compiler_params=_params(st),
+      compiler_params=_params(st, 1),
       interpret=st.interpret,
       name='swa_window_dq',
   )(seg_bt, span_bt, q_brd, kv_btd, o_brd, do_brd, lse_br, dlse_br)
@@ -285,7 +303,7 @@ def _backward(st: _Static, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br, do_brd
                 _block_spec((st.bk_dkv, d)), _row_spec((n_rows, d)), _row_spec((n_rows,)),
                 _row_spec((n_rows,))],
       out_specs=_block_spec((st.bk_dkv, d)),
-      compiler_params=_params(st),
+      compiler_params=_params(st, 2),
       interpret=st.interpret,
       name='swa_window_dkv',
   )(seg_bt, span_bt, q_brd, kv_btd, do_brd, lse_br, delta_br)
@@ -334,19 +352,27 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
                          scale: float | None = None, span_ids_bt=None, interpret: bool = False,
                          block_q: int | None = None, block_k: int = 32,
                          block_q_dkv: int | None = None, block_k_dkv: int = 64,
-                         block_d: int = 128, num_warps: int = 8, num_stages: int = 2):
+                         block_d: int = 128, num_warps: int = 8, num_stages: int | None = None):
   """The window branch as a partial: (o_bthd in kv's dtype, lse_bth fp32), differentiable.
 
-  Defaults (H200, d = 512): 64 rows (`block_q = 64 // H` queries: 4 at H = 16, 1 at H = 64) x
-  32 keys per forward / dq step, and a 64-key dkv block stepping over 64 query rows. Every
-  fp32 [64, 512] accumulator is 128 registers per thread at 8 warps, leaving room for the
-  [64, 32] score tiles and the [*, 128] operand chunks (block_d); 4 warps would spill. T is
-  padded (segment id 0) to whole blocks. `interpret=True` runs the Pallas interpreter (CPU).
+  Blocks (powers of two; T is padded with segment id 0 to whole blocks):
+  - forward / dq: `block_q` queries (default 64 // H: 4 at H = 16, 1 at H = 64, so 64 rows)
+    against `block_k` = 32 keys per step;
+  - dkv: `block_k_dkv` = 64 keys against `block_q_dkv` queries per step (default 32 // H, at
+    least 1: 32 rows at H = 16, 64 at H = 64);
+  - `block_d` = 128: the d chunk of every product and accumulator.
+  Registers bound the blocks at d = 512: each fp32 [64, 512] accumulator (o, dq, dkv) is 128
+  registers per thread at `num_warps` = 8 (4 warps would need 256 and spill), leaving room for
+  the [64, 32] score tiles. Shared memory bounds the pipelining: the loop-invariant tiles (q;
+  q and dO; kv) stay on chip and each step's tiles are multi-buffered, so `num_stages` (default
+  per kernel) is 2 where that fits in ~200 KB and 1 otherwise: bf16 d = 512 gives fwd 64 + 2x32
+  KB, dq 128 + 2x32 KB, dkv 64 + 2x64 KB at H = 16, and 64 + 1x128 KB at H = 64.
+  `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
   """
   b, t, h, d = q_bthd.shape
   scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
   block_q = block_q or max(1, ROWS // h)
-  block_q_dkv = block_q_dkv or max(1, ROWS // h)
+  block_q_dkv = block_q_dkv or max(1, ROWS_DKV // h)
   bd = min(block_d, d)
   if d % bd or not all(map(_pow2, (h, bd, block_q, block_k, block_q_dkv, block_k_dkv))):
     raise ValueError(f'window_partial_fused needs power-of-two heads and blocks and d a multiple '
@@ -356,11 +382,16 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
     raise ValueError(f'Triton matrix products need every dimension >= {MIN_DOT}: rows '
                      f'{block_q * h} / {block_q_dkv * h}, keys {block_k} / {block_k_dkv}, '
                      f'd chunk {bd}')
+  row_bytes = d * jnp.dtype(kv_btd.dtype).itemsize
+  stages = (num_stages,) * 3 if num_stages else (
+      _auto_stages(block_q * h * row_bytes, block_k * row_bytes),
+      _auto_stages(2 * block_q * h * row_bytes, block_k * row_bytes),
+      _auto_stages(block_k_dkv * row_bytes, 2 * block_q_dkv * h * row_bytes))
   block = max(block_q, block_k, block_q_dkv, block_k_dkv)  # all powers of two
   t_pad = -(-t // block) * block
   st = _Static(heads=h, window=min(window, t), scale=scale, bq=block_q, bk=block_k,
                bq_dkv=block_q_dkv, bk_dkv=block_k_dkv, bd=bd, spans=span_ids_bt is not None,
-               num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+               num_warps=num_warps, stages=stages, interpret=interpret)
   dt = kv_btd.dtype
   q_brd = _pad_time(q_bthd.astype(dt), t_pad).reshape(b, t_pad * h, d)
   kv_btd = _pad_time(kv_btd, t_pad)
