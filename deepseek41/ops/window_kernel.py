@@ -18,9 +18,15 @@ in HBM); each program walks only the key blocks that cover `[t0 - window + 1, t0
   The lse cotangent enters as dS = P * (dP - delta + dlse): downstream merges partials by lse.
 
 d = 512 is wide: the fp32 [rows, d] accumulator (o, dq or dkv) is what limits the block. With
-64 rows it is 128 KB, 128 registers per thread at 8 warps; the QK and dO.V contractions and the
-PV products run over d in `block_d` chunks loaded from the refs, so no [rows, 512] bf16 operand
-has to live in registers next to it. See `window_partial_fused` for the defaults.
+64 rows it is 128 KB, 128 registers per thread at 8 warps. Every product and accumulator is
+split over d in `block_d` chunks; each tile is loaded once (a loop-invariant one before the
+loop) and feeds all of its products from shared memory, and the pipeline depth is chosen per
+kernel to fit shared memory. See `window_partial_fused` for the defaults.
+
+Costs against the minimum: a query block scores whole key blocks (128-192 keys for the <= 131
+its rows can see at the defaults), the backward recomputes S and dP in both programs (7
+matrix products where a kernel with atomics would do 5), and a dkv block reads the q and dO
+rows of ~(64 + 127) queries.
 """
 
 from __future__ import annotations
