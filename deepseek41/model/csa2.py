@@ -57,12 +57,14 @@ def _pool_key(layer):
 
 def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chunk: int,
                    block_size: int, pool=None, publish_blocks: int = 0, topk_block: int = 0,
-                   scores_fn: Callable = index_scores_reference, row_offset=0):
+                   scores_fn: Callable = index_scores_reference, row_offset=0,
+                   select_impl: str = 'top_k'):
   """Top-k entries per query, processed `chunk` queries at a time.
 
   topk_block > 1: exact two-stage top-k over blocks of that many entries (`select_topk_blocked`).
   scores_fn: the indexer scorer, one of ops/index_scores.py's `SCORERS`.
   row_offset: row index of the first query (the entries cover the whole row from 0).
+  select_impl: 'top_k' or 'threshold' (model.select_impl; the same entries, see model/indexer.py).
 
   pool: (blk_idx_btk, blk_valid_btk) of the candidate source, restricting the choice (Reindex);
   its blocks are numbered within each query's document (indexer.block_scores), whose first
@@ -88,13 +90,13 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
       allowed = idx_lib.pool_entry_mask(c['pool_idx'], c['pool_valid'], c['first'], block_size,
                                         n)
     sel_idx, sel_valid = idx_lib.select_topk_blocked(scores_bcn, vis_bcn, topk, topk_block,
-                                                     allowed)
+                                                     allowed, select_impl=select_impl)
     out = {'idx': sel_idx, 'valid': sel_valid}
     if publish_blocks:
       blocks = idx_lib.block_scores(scores_bcn, vis_bcn, c['first'], block_size)
       newest = idx_lib.newest_visible_bt(vis_bcn)
-      out['blk_idx'], out['blk_valid'] = idx_lib.candidate_blocks(blocks, newest, c['first'],
-                                                                  block_size, publish_blocks)
+      out['blk_idx'], out['blk_valid'] = idx_lib.candidate_blocks(
+          blocks, newest, c['first'], block_size, publish_blocks, select_impl=select_impl)
     return out
 
   out = map_query_chunks(per_chunk, xs, chunk)
@@ -164,7 +166,7 @@ class CSA2(nnx.Module):
           chunk=cfg.sparse_chunk, block_size=cfg.candidate_block_size, pool=pool,
           publish_blocks=cfg.candidate_topk_blocks if role.publishes_candidates else 0,
           topk_block=cfg.index_topk_block, scores_fn=SCORERS[cfg.index_impl],
-          row_offset=row_offset)
+          row_offset=row_offset, select_impl=cfg.select_impl)
       shared[_sel_key(role.layer)] = (sel_idx, sel_valid)
       if blocks is not None:
         shared[_pool_key(role.layer)] = blocks

@@ -25,6 +25,16 @@ values the lower index comes first. Two details make that contract sufficient: i
 get -inf (eligible scores are clipped to finite values, so they always rank above every ineligible
 entry), and -0.0 is rewritten as +0.0 first, because top_k orders floats totally (-0.0 < +0.0),
 and relu makes exact zeros (of either sign, depending on w) common.
+
+select_impl (model.select_impl): 'top_k' runs `jax.lax.top_k` (it sorts whole rows on the GPU);
+'threshold' runs the exact threshold-select kernel (ops/topk_select.py; in the Pallas interpreter
+on the CPU), which picks the same SET, ties included, but fills the slots in ascending entry
+index order instead of descending score. Nothing downstream reads the slot order as a ranking:
+attention, the pool mask and the KL are sums over slots (their float summation order changes,
+so results agree to rounding, not bit for bit). Only `recall_per_query` (a logged diagnostic)
+breaks ties by lowest slot: student scores tied as the selection keys were sit in ascending
+entry order either way, but exact ties of the teacher mass straddling its top quarter can
+resolve differently.
 """
 
 from __future__ import annotations
@@ -40,6 +50,9 @@ from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
 from deepseek41.ops.sparse_attention import selection_mask
+from deepseek41.ops.topk_select import MAX_L, topk_mask_reference, topk_threshold
+
+SELECT_IMPLS = ('top_k', 'threshold')
 
 
 def identity(x):
@@ -65,22 +78,36 @@ def _pad_last(x, k: int, value):
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)], constant_values=value)
 
 
-def select_topk(scores_btn, visible_btn, k: int, allowed_btn=None):
-  """(idx_btk int32, valid_btk bool): the best min(k, #eligible) eligible entries per query.
-
-  eligible = visible (& allowed_btn, the candidate pool, if given). Slots are in descending score
-  order, ties by lowest entry index; slots past the eligible count are invalid with idx 0 (safe to
-  gather, ignore by `valid`). Always k slots, also when N < k. No gradient flows through it.
-  """
-  eligible_btn = visible_btn if allowed_btn is None else visible_btn & allowed_btn
-  key_btn = _ranking_key(jax.lax.stop_gradient(scores_btn), eligible_btn)
+def _top_slots(key_btn, k: int, select_impl: str):
+  """(idx_btk int32, valid_btk bool): the k best keys > -inf per row (ties: lowest index), k slots
+  (also when N < k), invalid slots idx 0. top_k: descending key; threshold: ascending index."""
+  if select_impl == 'threshold' and key_btn.shape[-1] > MAX_L:  # too long to hold on chip
+    return topk_mask_reference(key_btn, k)
+  if select_impl == 'threshold':  # on the CPU the kernel runs in the Pallas interpreter (tests)
+    return topk_threshold(key_btn, k, interpret=jax.default_backend() == 'cpu')
+  if select_impl != 'top_k':
+    raise ValueError(f'select_impl must be one of {SELECT_IMPLS}, got {select_impl!r}')
   vals_btk, idx_btk = jax.lax.top_k(key_btn, min(k, key_btn.shape[-1]))
   valid_btk = vals_btk > -jnp.inf
   idx_btk = jnp.where(valid_btk, idx_btk, 0).astype(jnp.int32)
   return _pad_last(idx_btk, k, 0), _pad_last(valid_btk, k, False)
 
 
-def select_topk_blocked(scores_btn, visible_btn, k: int, block: int, allowed_btn=None):
+def select_topk(scores_btn, visible_btn, k: int, allowed_btn=None, select_impl: str = 'top_k'):
+  """(idx_btk int32, valid_btk bool): the best min(k, #eligible) eligible entries per query.
+
+  eligible = visible (& allowed_btn, the candidate pool, if given). Ties by lowest entry index.
+  Slot order: select_impl 'top_k' descending score, 'threshold' ascending entry index (the same
+  set). Slots past the eligible count are invalid with idx 0 (safe to gather, ignore by
+  `valid`). Always k slots, also when N < k. No gradient flows through it.
+  """
+  eligible_btn = visible_btn if allowed_btn is None else visible_btn & allowed_btn
+  key_btn = _ranking_key(jax.lax.stop_gradient(scores_btn), eligible_btn)
+  return _top_slots(key_btn, k, select_impl)
+
+
+def select_topk_blocked(scores_btn, visible_btn, k: int, block: int, allowed_btn=None,
+                        select_impl: str = 'top_k'):
   """`select_topk` in two exact stages: top-k blocks by their max, then top-k inside them.
 
   The fast path for long rows: `jax.lax.top_k` sorts whole rows on the GPU, so one top-k over N
@@ -88,25 +115,27 @@ def select_topk_blocked(scores_btn, visible_btn, k: int, block: int, allowed_btn
   included: an entry outside the k best blocks (ordered by max, then lowest block) is beaten by
   each of those blocks' first maximum, so it cannot be among the k best entries. The kept blocks
   are put back in ascending order, so ties among entries still resolve by lowest index.
+  select_impl 'threshold' runs both stages with the threshold kernel (ops/topk_select.py), whose
+  slots come out ascending already (so no sort; the entries' slots end up in ascending order).
   """
   eligible_btn = visible_btn if allowed_btn is None else visible_btn & allowed_btn
   n = scores_btn.shape[-1]
   if block <= 1 or k * block >= n:
-    return select_topk(scores_btn, eligible_btn, k)
+    return select_topk(scores_btn, eligible_btn, k, select_impl=select_impl)
   m = -(-n // block)
   key_btn = _pad_last(_ranking_key(jax.lax.stop_gradient(scores_btn), eligible_btn),
                       m * block, -jnp.inf)
   key_btmb = key_btn.reshape(key_btn.shape[:-1] + (m, block))
-  blk_vals_btk, blk_btk = jax.lax.top_k(jnp.max(key_btmb, axis=-1), k)
-  blk_btk = jnp.sort(jnp.where(blk_vals_btk > -jnp.inf, blk_btk, m), axis=-1)  # empty -> last
-  kept_btk = blk_btk < m
-  blk_btk = jnp.minimum(blk_btk, m - 1)
+  blk_btk, kept_btk = _top_slots(jnp.max(key_btmb, axis=-1), k, select_impl)
+  if select_impl == 'top_k':  # put the kept blocks in ascending order, empty ones last
+    blk_btk = jnp.sort(jnp.where(kept_btk, blk_btk, m), axis=-1)
+    kept_btk = blk_btk < m
+    blk_btk = jnp.minimum(blk_btk, m - 1)
   cand_btkb = jnp.take_along_axis(key_btmb, blk_btk[..., None], axis=-2)
   cand_btc = jnp.where(kept_btk[..., None], cand_btkb, -jnp.inf).reshape(
       blk_btk.shape[:-1] + (k * block,))
-  vals_btk, pos_btk = jax.lax.top_k(cand_btc, k)
+  pos_btk, valid_btk = _top_slots(cand_btc, k, select_impl)
   entry_btk = jnp.take_along_axis(blk_btk, pos_btk // block, axis=-1) * block + pos_btk % block
-  valid_btk = vals_btk > -jnp.inf
   return jnp.where(valid_btk, entry_btk, 0).astype(jnp.int32), valid_btk
 
 
@@ -138,13 +167,14 @@ def block_scores(scores_btn, visible_btn, first_bt, block_size: int):
   return jnp.max(shifted_btc.reshape(shifted_btc.shape[:-1] + (m, block_size)), axis=-1)
 
 
-def candidate_blocks(block_scores_btm, newest_bt, first_bt, block_size: int, topk_blocks: int):
+def candidate_blocks(block_scores_btm, newest_bt, first_bt, block_size: int, topk_blocks: int,
+                     select_impl: str = 'top_k'):
   """(blk_idx_btk int32, blk_valid_btk bool), k = topk_blocks slots: the kept blocks per query.
 
   Blocks are numbered within the query's document (`block_scores`). The block holding
   `newest_bt` (the newest visible entry, -1 = none) is forced in (+inf); then the top
   min(topk_blocks, #blocks with score > -inf) blocks, ties by lowest block index. Invalid slots
-  have idx 0.
+  have idx 0. Slot order as `select_topk` (select_impl 'threshold': ascending block index).
   """
   m = block_scores_btm.shape[-1]
   newest_blk_bt = (newest_bt - first_bt) // block_size
@@ -152,10 +182,7 @@ def candidate_blocks(block_scores_btm, newest_bt, first_bt, block_size: int, top
       (newest_bt >= 0)[..., None]
   key_btm = jnp.where(forced_btm, jnp.inf, block_scores_btm)
   key_btm = jnp.where(key_btm == 0, 0.0, key_btm)
-  vals_btk, idx_btk = jax.lax.top_k(jax.lax.stop_gradient(key_btm), min(topk_blocks, m))
-  valid_btk = vals_btk > -jnp.inf
-  idx_btk = jnp.where(valid_btk, idx_btk, 0).astype(jnp.int32)
-  return _pad_last(idx_btk, topk_blocks, 0), _pad_last(valid_btk, topk_blocks, False)
+  return _top_slots(jax.lax.stop_gradient(key_btm), topk_blocks, select_impl)
 
 
 def pool_entry_mask(blk_idx_btk, blk_valid_btk, first_bt, block_size: int, n: int):
