@@ -12,7 +12,7 @@ source benchmarks/device_env.sh
 SYN="--config.data.synthetic=True --config.checkpoint.every_steps=0 --config.train.eval_every_steps=0 --config.log.progress_bar=False"
 XLA="--config.model.sparse_impl=gathered --config.model.attention_impl=chunked --config.model.select_impl=top_k"
 SPARSE="--config.model.sparse_impl=fused --config.model.attention_impl=chunked --config.model.select_impl=top_k"
-FUSED="--config.model.sparse_impl=fused --config.model.attention_impl=fused --config.model.select_impl=threshold"
+FUSED="--config.model.sparse_impl=fused --config.model.attention_impl=${ATT:-fused} --config.model.select_impl=${SEL:-threshold}"
 flags() { case "$1" in xla) echo $XLA;; sparse) echo $SPARSE;; fused|prof) echo $FUSED;;
   *) echo "unknown run $1" >&2; exit 2;; esac; }
 train() {  # shape name run
@@ -32,6 +32,17 @@ train() {  # shape name run
   grep -E "took|step [0-9]+:|rror|peak" "$OUT/train${shape}_$run.log" | tail -6 | cut -c1-250
 }
 case "$mode" in
+  check)  # window + select kernels compiled on the GPU, v41-shape sparse backward; then runs
+    python3 benchmarks/bench_kernels_gpu.py --out "$OUT/kernels.jsonl" 2>&1 | grep '^{' | cut -c1-300
+    python3 benchmarks/bench_sparse_kernel.py --cases v41 --block_k 32 --num_warps 8 --no-check \
+      --no-gathered --modes fwd_bwd --out "$OUT/sparse.jsonl" 2>&1 | grep '^{' | cut -c1-230
+    grep -q '"check": "window".*"ok": true' "$OUT/kernels.jsonl" || export ATT=chunked
+    grep -q '"same_sets": false\|"check": "select".*error' "$OUT/kernels.jsonl" && export SEL=top_k
+    echo "runs use attention_impl=${ATT:-fused} select_impl=${SEL:-threshold}"
+    for r in "$@"; do
+      case $r in 4kprof) XLA_FLAGS=--xla_gpu_enable_command_buffer= train 4k prof;;
+        64k) train 64k fused;; *) train 4k $r;; esac
+    done ;;
   micro)
     python3 benchmarks/bench_sparse_kernel.py --out "$OUT/sparse.jsonl" --block_k 64 --num_warps 4,8 \
       2>&1 | grep '^{' | cut -c1-230 ;;
