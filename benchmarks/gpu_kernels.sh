@@ -13,7 +13,7 @@ SYN="--config.data.synthetic=True --config.checkpoint.every_steps=0 --config.tra
 XLA="--config.model.sparse_impl=gathered --config.model.attention_impl=chunked --config.model.select_impl=top_k"
 SPARSE="--config.model.sparse_impl=fused --config.model.attention_impl=chunked --config.model.select_impl=top_k"
 FUSED="--config.model.sparse_impl=fused --config.model.attention_impl=${ATT:-fused} --config.model.select_impl=${SEL:-threshold}"
-flags() { case "$1" in xla) echo $XLA;; sparse) echo $SPARSE;; fused|prof) echo $FUSED;;
+flags() { case "$1" in auto) echo "";; xla) echo $XLA;; sparse) echo $SPARSE;; fused|prof) echo $FUSED;;
   *) echo "unknown run $1" >&2; exit 2;; esac; }
 train() {  # shape name run
   local shape=$1 run=$2 wd=/tmp/k_$1_$2_$$ extra=""
@@ -41,7 +41,7 @@ case "$mode" in
     echo "runs use attention_impl=${ATT:-fused} select_impl=${SEL:-threshold}"
     for r in "$@"; do
       case $r in 4kprof) XLA_FLAGS=--xla_gpu_enable_command_buffer= train 4k prof;;
-        64k) train 64k fused;; *) train 4k $r;; esac
+        64k) train 64k fused;; 64kauto) train 64k auto;; *) train 4k $r;; esac
     done ;;
   micro)
     python3 benchmarks/bench_sparse_kernel.py --out "$OUT/sparse.jsonl" --block_k 64 --num_warps 4,8 \

@@ -153,8 +153,10 @@ class ModelConfig:
   moe_backend: str = _key('auto', choices=('reference', 'capacity_einsum', 'ragged_dot'),
                          auto=_auto_moe_backend)
   capacity_factor: float = _key(1.25)    # capacity_einsum: slots per expert = ceil(cf * N * K / E)
-  # fused: the GPU kernels (ops/window_kernel.py, ops/sparse_kernel.py, ops/topk_select.py);
-  # the other choices are the plain jnp paths, which every backend runs.
+  # fused: the GPU kernels (ops/window_kernel.py, ops/sparse_kernel.py); the other choices are
+  # the plain jnp paths, which every backend runs. auto picks the fused sparse kernel on the GPU
+  # but keeps the chunked window: the window kernel's backward is still slower than XLA's
+  # (docs/performance.md section 9).
   attention_impl: str = _key('auto', choices=('reference', 'chunked', 'fused'),
                             auto=lambda m, backend: 'chunked')
   sparse_impl: str = _key('auto', choices=('reference', 'gathered', 'fused'),
@@ -162,7 +164,7 @@ class ModelConfig:
   # How the indexer picks its top-k: XLA's top_k (sorts whole rows on the GPU) or the exact
   # threshold select (ops/topk_select.py); the same entries either way.
   select_impl: str = _key('auto', choices=('top_k', 'threshold'),
-                         auto=lambda m, backend: 'top_k')
+                         auto=lambda m, backend: 'threshold' if backend == 'gpu' else 'top_k')
   sparse_chunk: int = _key(1024)         # queries per chunk in the gathered path and the indexer
   # fused: the GPU kernel (ops/index_scores.py), for the shapes index_scores_supported() takes;
   # auto picks it wherever it can run.
