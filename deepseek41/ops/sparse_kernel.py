@@ -43,7 +43,7 @@ def _relax_pallas_triton_atomics():
   Triton's own `tl.atomic_add` takes `sem=`, but Pallas passes no choice and defaults to
   acquire-release, which orders every one of the backward's key/value-gradient adds (nothing
   here synchronises through them). Relaxed adds made the backward at configs/ablation_1b.py's
-  shapes 2.2x faster (docs/performance.md section 9). This sets the default of the lowering's
+  shapes 2.6x faster (docs/performance.md section 9.2). This sets the default of the lowering's
   helper, so it holds for every Pallas Triton atomic in the process; the project has no other.
   Left alone if the helper's signature is not the one this was written against.
   """

@@ -1,0 +1,53 @@
+"""The whole model with every GPU kernel (interpreted on the CPU) equals it on the jnp paths.
+
+Fused sparse attention, fused window attention and the threshold top-k against gathered /
+chunked / top_k: loss and every parameter gradient, with documents packed and the released fake
+quantization on, and with image spans present.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from deepseek41.model.transformer import Transformer
+from tests.test_multimodal_model import VISION, image_batch
+from tests.util import packed_batch, resolved, token_ce
+
+KERNEL_SHAPES = {'model.csa2': True, 'model.num_heads': 16, 'model.o_groups': 2,
+                 'model.index_n_heads': 2, 'model.index_head_dim': 8, 'model.sparse_chunk': 16,
+                 'model.index_topk_block': 2}
+RELEASED_QUANT = {'model.kv_quant': 'fp4_e4m3_16', 'model.index_quant': 'fp4_ue8m0_32',
+                  'model.swa_quant': 'fp8_ue8m0_32',  # blocks of 32: widths of 32
+                  'model.head_dim': 32, 'model.index_head_dim': 32}
+JNP = dict(sparse_impl='gathered', attention_impl='chunked', select_impl='top_k')
+KERNELS = dict(sparse_impl='fused', attention_impl='fused', select_impl='threshold')
+
+
+def _loss_and_grads(cfg, impls, batch):
+  model = Transformer(dataclasses.replace(cfg, **impls), nnx.Rngs(params=0))
+
+  def loss(m):
+    return jnp.sum(token_ce(m, batch)) / batch['loss_mask'].sum()
+  return nnx.jit(lambda m: nnx.value_and_grad(loss)(m))(model)
+
+
+@pytest.mark.parametrize('case', ['documents_released_quant', 'image_spans'])
+def test_kernels_equal_the_jnp_paths(case):
+  if case == 'documents_released_quant':
+    cfg = resolved(**{**KERNEL_SHAPES, **RELEASED_QUANT}).model
+    batch = packed_batch(seed=5, docs_per_row=2, pad=4)
+  else:
+    cfg = resolved(**KERNEL_SHAPES, **VISION).model
+    batch = image_batch(seed=2)
+  batch = {k: jnp.asarray(v)[:2] for k, v in batch.items()}
+  l_ref, g_ref = _loss_and_grads(cfg, JNP, batch)
+  l_k, g_k = _loss_and_grads(cfg, KERNELS, batch)
+  np.testing.assert_allclose(l_k, l_ref, rtol=1e-5)
+  leaves_ref, leaves_k = jax.tree.leaves(g_ref), jax.tree.leaves(g_k)
+  assert len(leaves_ref) == len(leaves_k)
+  for a, b in zip(leaves_k, leaves_ref):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
