@@ -13,7 +13,6 @@ Median of --reps runs after a warm-up (benchmarks/timing.py); one JSON line per 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,7 +22,7 @@ import numpy as np
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
-from timing import time_fn  # noqa: E402  (benchmarks/timing.py)
+from timing import jsonl_emitter, time_fn  # noqa: E402  (benchmarks/timing.py)
 from deepseek41.ops.swa_attention import swa_partial  # noqa: E402
 from deepseek41.ops.topk_select import topk_threshold  # noqa: E402
 
@@ -68,11 +67,7 @@ def main(argv=None):
   p.add_argument('--out')
   args = p.parse_args(argv)
 
-  def emit(rec):
-    print(json.dumps(rec), flush=True)
-    if args.out:
-      with open(args.out, 'a') as f:
-        f.write(json.dumps(rec) + '\n')
+  emit = jsonl_emitter(args.out)
 
   try:
     inputs = window_inputs(0, 2, 4096)

@@ -16,7 +16,6 @@ kernel's outputs and gradients against the dense jnp reference, bf16 and fp32.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -26,7 +25,7 @@ import numpy as np
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
-from timing import time_fn  # noqa: E402  (benchmarks/timing.py)
+from timing import jsonl_emitter, time_fn  # noqa: E402  (benchmarks/timing.py)
 from deepseek41.ops.sparse_attention import compressed_partial  # noqa: E402
 from deepseek41.ops.sparse_kernel import sparse_partial_fused  # noqa: E402
 
@@ -118,11 +117,7 @@ def main(argv=None):
   p.add_argument('--out')
   args = p.parse_args(argv)
 
-  def emit(rec):
-    print(json.dumps(rec), flush=True)
-    if args.out:
-      with open(args.out, 'a') as f:
-        f.write(json.dumps(rec) + '\n')
+  emit = jsonl_emitter(args.out)
 
   set_atomics(args.atomics)
   if args.check:

@@ -1,5 +1,6 @@
 """Shared timing for the benchmarks: warm-up, fresh inputs per repetition, median."""
 
+import json
 import statistics
 import time
 
@@ -18,3 +19,13 @@ def time_fn(fn, make_args, reps):
     jax.block_until_ready(fn(*args))
     times.append((time.perf_counter() - t0) * 1e3)
   return statistics.median(times), compile_s
+
+
+def jsonl_emitter(path):
+  """emit(record): print it as one JSON line and, with a path, append it there at once."""
+  def emit(rec):
+    print(json.dumps(rec), flush=True)
+    if path:
+      with open(path, 'a') as f:
+        f.write(json.dumps(rec) + '\n')
+  return emit

@@ -124,14 +124,19 @@ def _contract(a_chunks, b_chunks):
   return _sum(_dot(a, b, (1, 1)) for a, b in zip(a_chunks, b_chunks))
 
 
-def _fwd_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, lse_ref, *, st: _Static):
-  # seg/span: [T] of this row; q: [rows, d] of this block; kv: [T, d]; o: [rows, d]; lse: [rows]
+def _query_block(seg_ref, span_ref, q_ref, kv_ref, st: _Static):
+  """(rows, dt, chunks, t0, t_r, seg_r, span_r) of this program's query block."""
   rows, d = q_ref.shape
-  dt = kv_ref.dtype
   chunks = _chunks(d, st.bd)
   t0 = pl.program_id(0) * st.bq
   t_r = _row_queries(t0, rows, st.heads)
   seg_r, span_r = _load_ids(seg_ref, span_ref, t_r, st.spans)
+  return rows, kv_ref.dtype, chunks, t0, t_r, seg_r, span_r
+
+
+def _fwd_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, lse_ref, *, st: _Static):
+  # seg/span: [T] of this row; q: [rows, d] of this block; kv: [T, d]; o: [rows, d]; lse: [rows]
+  rows, dt, chunks, t0, t_r, seg_r, span_r = _query_block(seg_ref, span_ref, q_ref, kv_ref, st)
   q_rc = _tiles(q_ref, slice(None), chunks)  # loop-invariant: loaded once, stays on chip
   lo, hi = _key_blocks(t0, st)
 
@@ -166,12 +171,7 @@ def _fwd_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, lse_ref, *, st: _Static
 def _dq_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, do_ref, lse_ref, dlse_ref, dq_ref,
                delta_ref, *, st: _Static):
   # As the forward, plus o/dO: [rows, d], lse/dlse: [rows]; writes dq [rows, d], delta [rows].
-  rows, d = q_ref.shape
-  dt = kv_ref.dtype
-  chunks = _chunks(d, st.bd)
-  t0 = pl.program_id(0) * st.bq
-  t_r = _row_queries(t0, rows, st.heads)
-  seg_r, span_r = _load_ids(seg_ref, span_ref, t_r, st.spans)
+  rows, dt, chunks, t0, t_r, seg_r, span_r = _query_block(seg_ref, span_ref, q_ref, kv_ref, st)
   q_rc = _tiles(q_ref, slice(None), chunks)
   do_rc = _tiles(do_ref, slice(None), chunks)
   delta_r = _sum(jnp.sum(g.astype(jnp.float32) * o_ref[:, c].astype(jnp.float32), axis=1)
