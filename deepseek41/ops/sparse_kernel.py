@@ -20,8 +20,8 @@ pick overlapping entries) straight into on-chip memory, and all H heads use the 
   not serialise on one row. The log-sum-exp's own cotangent enters as
   dS = P * (dP - delta + dlse), since the caller merges partials by their log-sum-exp.
 
-Shapes it takes (`config.attention_kernel_supported`): heads and head width powers of two, >= 16 (Triton's
-smallest matrix product).
+Shapes it takes (`config.attention_kernel_supported`): heads and head width powers of two,
+>= 16 (Triton's smallest matrix product).
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def _fwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, lse_ref, *mass_ref, n, 
 
 def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_ref, _dkv_in_ref,
                 dq_ref, dkv_ref, *, n, bk, scale, interpret):
+  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
   h, d = q_ref.shape
   q_hd, do_hd = q_ref[...], do_ref[...]
   dt = q_hd.dtype
@@ -136,7 +137,6 @@ def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_r
     # Invalid slots all hold the dummy row n: on the GPU they are masked out of the atomics;
     # the interpreter takes no mask, and the dummy row is cut off by the caller anyway.
     mask = None if interpret else jnp.broadcast_to((rows_k < n)[:, None], (bk, d))
-    from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
     plt.atomic_add(dkv_ref, (jnp.broadcast_to(rows_k[:, None], (bk, d)),
                              jnp.broadcast_to(cols_d[None, :], (bk, d))), dkv_kd, mask=mask)
     return dq_hd
