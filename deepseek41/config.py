@@ -63,8 +63,7 @@ def _auto_index_impl(m: dict[str, Any], backend: str) -> str:
 
 
 def _auto_sparse_impl(m: dict[str, Any], backend: str) -> str:
-  fused_ok = attention_kernel_supported(m['num_heads'], m['head_dim'])
-  return 'fused' if backend == 'gpu' and fused_ok else 'gathered'
+  return 'fused' if backend == 'gpu' else 'gathered'
 
 
 def _auto_compute_dtype(m: dict[str, Any], backend: str) -> str:
@@ -620,7 +619,7 @@ def _check_vision(m: ModelConfig):
 
 
 def attention_kernel_supported(heads: int, dim: int) -> bool:
-  """Shapes the fused attention kernels take: heads and head width powers of two, >= 16."""
+  """Shapes the fused window kernel takes: heads and head width powers of two, >= 16."""
   return index_scores_supported(heads, dim) and heads >= 16
 
 
@@ -639,9 +638,9 @@ def _check_index_impl(m: ModelConfig, backend: str):
   for key in ('attention_impl', 'sparse_impl'):
     _req(getattr(m, key) != 'fused' or backend == 'gpu', f'model.{key}',
          f"'fused' is a GPU kernel (Pallas on the Triton backend); this backend is {backend}")
-    _req(getattr(m, key) != 'fused' or attention_kernel_supported(m.num_heads, m.head_dim),
-         f'model.{key}', f"'fused' needs power-of-two num_heads and head_dim, both >= 16 "
-         f'(got {m.num_heads} x {m.head_dim})')
+  _req(m.attention_impl != 'fused' or attention_kernel_supported(m.num_heads, m.head_dim),
+       'model.attention_impl', f"'fused' needs power-of-two num_heads and head_dim, both >= 16 "
+       f'(got {m.num_heads} x {m.head_dim})')
   _req(m.select_impl != 'threshold' or backend == 'gpu', 'model.select_impl',
        f"'threshold' is a GPU kernel (Pallas on the Triton backend); this backend is {backend}")
 

@@ -189,7 +189,26 @@ def test_no_auto_choice_survives_resolution(backend):
   assert 'auto' not in dataclasses.asdict(model).values()
   assert model.index_impl == ('fused' if backend == 'gpu' else 'reference')
   assert model.vision_attention_impl == ('reference' if backend == 'cpu' else 'fused')
-  assert (model.attention_impl, model.sparse_impl) == ('chunked', 'gathered')
+  gpu = backend == 'gpu'
+  assert model.attention_impl == 'chunked'
+  assert model.sparse_impl == ('fused' if gpu else 'gathered')  # any heads: the kernel pads
+  assert model.select_impl == ('threshold' if gpu else 'top_k')
+
+
+@pytest.mark.parametrize('key,value', [('sparse_impl', 'fused'), ('attention_impl', 'fused'),
+                                       ('select_impl', 'threshold')])
+def test_gpu_kernels_are_refused_off_the_gpu(key, value):
+  c = base_config()
+  c.model[key] = value
+  with pytest.raises(ConfigError, match=f'model.{key}'):
+    resolve(c, num_devices=1, backend='cpu')
+
+
+def test_the_window_kernel_refuses_shapes_it_cannot_tile():
+  c = base_config()
+  c.model.attention_impl = 'fused'  # base_config has 4 heads
+  with pytest.raises(ConfigError, match='model.attention_impl.*power-of-two'):
+    resolve(c, num_devices=1, backend='gpu')
 
 
 def test_model_config_has_no_roles_shortcut():

@@ -88,11 +88,20 @@ def test_fused_without_mass_and_through_compressed_partial():
   np.testing.assert_allclose(np.asarray(lse_f)[fin], np.asarray(lse_r)[fin], atol=2e-5)
 
 
-def test_fused_rejects_shapes_triton_cannot_multiply():
-  q = jnp.zeros((1, 4, 4, 16))
-  with pytest.raises(ValueError, match='power-of-two heads'):
-    sparse_partial_fused(q, jnp.zeros((1, 2, 16)), jnp.zeros((1, 4, 2), jnp.int32),
-                         jnp.ones((1, 4, 2), bool), scale=0.25)
+def test_fused_pads_any_heads_and_width_to_what_triton_multiplies():
+  b, t, n, k, h, d = 1, 16, 8, 6, 3, 24  # padded to 16 heads x 32 inside
+  ks = jax.random.split(jax.random.key(2), 3)
+  q = jax.random.normal(ks[0], (b, t, h, d))
+  kv = jax.random.normal(ks[1], (b, n, d))
+  idx, valid = _selection(ks[2], b, t, n, k)
+  ((_, (o_r, lse_r, m_r)), g_r), ((_, (o_f, lse_f, m_f)), g_f) = _both(q, kv, idx, valid, 16)
+  assert o_f.shape == o_r.shape and lse_f.shape == lse_r.shape
+  fin = np.isfinite(np.asarray(lse_r))
+  np.testing.assert_allclose(np.asarray(lse_f)[fin], np.asarray(lse_r)[fin], atol=2e-5)
+  np.testing.assert_allclose(o_f, o_r, atol=2e-5)
+  np.testing.assert_allclose(m_f, m_r, atol=2e-5)  # padding heads carry no mass
+  for a_f, a_r in zip(g_f, g_r):
+    np.testing.assert_allclose(a_f, a_r, atol=2e-5 * np.abs(a_r).max())
 
 
 @pytest.mark.parametrize('kv_quant', ['none', 'fp4_e4m3_16'])

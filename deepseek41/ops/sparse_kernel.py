@@ -20,8 +20,8 @@ pick overlapping entries) straight into on-chip memory, and all H heads use the 
   not serialise on one row. The log-sum-exp's own cotangent enters as
   dS = P * (dP - delta + dlse), since the caller merges partials by their log-sum-exp.
 
-Shapes it takes (`config.attention_kernel_supported`): heads and head width powers of two,
->= 16 (Triton's smallest matrix product).
+Any number of heads and head width: the wrapper pads both with zeros to powers of two >= 16
+(Triton's smallest matrix product), which changes no score, output or gradient.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-
-from deepseek41.config import attention_kernel_supported
 
 MIN_DOT = 16  # Triton's smallest matrix product dimension
 
@@ -70,8 +68,9 @@ def _gather(kv_ref, rows_k, d):
   return kv_ref[rows_k, pl.ds(0, d)]
 
 
-def _fwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, lse_ref, *mass_ref, n, bk, scale):
-  h, d = q_ref.shape
+def _fwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, lse_ref, *mass_ref, n, bk, scale,
+                heads):
+  h, d = q_ref.shape  # h >= heads: zero heads pad to Triton's smallest product
   q_hd = q_ref[...]
   nblk = nblk_ref[0]
 
@@ -104,7 +103,10 @@ def _fwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, lse_ref, *mass_ref, n, 
     def mass_block(j, carry):
       rows_k = idx_ref[pl.ds(j * bk, bk)]
       s_hk = _masked_scores(q_hd, _gather(kv_ref, rows_k, d), rows_k, n, scale)
-      mass_ref[pl.ds(j * bk, bk)] = jnp.sum(jnp.exp(s_hk - lse_safe_h[:, None]), axis=0) / h
+      p_hk = jnp.exp(s_hk - lse_safe_h[:, None])
+      if heads < h:  # padding heads carry no mass
+        p_hk = jnp.where((jnp.arange(h) < heads)[:, None], p_hk, 0.0)
+      mass_ref[pl.ds(j * bk, bk)] = jnp.sum(p_hk, axis=0) / heads
       return carry
     jax.lax.fori_loop(0, nblk, mass_block, 0)
 
@@ -183,7 +185,7 @@ def _compiler_params(num_warps, num_stages):
   return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, block_k, num_warps,
+def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_k, num_warps,
              interpret):
   b, t, h, d = q_bthd.shape
   k = idx_btk.shape[-1]
@@ -198,7 +200,7 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, block_k, num_
     out_shape.append(jax.ShapeDtypeStruct((b, t, k_pad), jnp.float32))
     out_specs.append(spec['idx'])
   outs = pl.pallas_call(
-      functools.partial(_fwd_kernel, n=n, bk=bk, scale=scale),
+      functools.partial(_fwd_kernel, n=n, bk=bk, scale=scale, heads=heads),
       out_shape=out_shape,
       grid=(t, b),  # queries fastest: neighbours share selected rows in L2
       in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx']],
@@ -238,23 +240,26 @@ def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse
   return dq_bthd, dkv_bmd[:, :n].astype(kv_bnd.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _sparse_partial(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, fwd_tiles, bwd_tiles,
-                    interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _sparse_partial(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, fwd_tiles,
+                    bwd_tiles, interpret):
   del bwd_tiles
-  return _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, *fwd_tiles, interpret)
+  return _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, *fwd_tiles,
+                  interpret)
 
 
-def _sparse_partial_fwd(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, fwd_tiles,
+def _sparse_partial_fwd(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, fwd_tiles,
                         bwd_tiles, interpret):
   del bwd_tiles
-  o, lse, mass = _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, *fwd_tiles,
-                          interpret)
+  o, lse, mass = _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads,
+                          *fwd_tiles, interpret)
   return (o, lse, mass), (q_bthd, kv_bnd, idx_btk, valid_btk, o, lse)
 
 
-def _sparse_partial_bwd(scale, with_mass, fwd_tiles, bwd_tiles, interpret, res, cts):
-  del with_mass, fwd_tiles  # the slot mass is a stop-gradient target: no cotangent
+def _sparse_partial_bwd(scale, with_mass, heads, fwd_tiles, bwd_tiles, interpret, res, cts):
+  # The slot mass is a stop-gradient target: no cotangent. Padding heads get a zero dO (their
+  # outputs are cut off), so they add nothing to dkv.
+  del with_mass, heads, fwd_tiles
   q_bthd, kv_bnd, idx_btk, valid_btk, o, lse = res
   do_bthd, dlse_bth, _ = cts
   dq, dkv = _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o, lse, do_bthd, dlse_bth, scale,
@@ -276,6 +281,10 @@ def default_tiles(heads: int):
   return (64, 4 if heads <= 16 else 8), (32, 8, 32)
 
 
+def _kernel_size(x: int) -> int:
+  return max(MIN_DOT, pl.next_power_of_2(x))
+
+
 def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
                          with_mass: bool = False, fwd_tiles: tuple[int, int] | None = None,
                          bwd_tiles: tuple[int, int, int] | None = None,
@@ -288,13 +297,15 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
   `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
   """
   h, d = q_bthd.shape[-2:]
-  if not attention_kernel_supported(h, d):
-    raise ValueError(f'sparse_partial_fused needs power-of-two heads and head width >= {MIN_DOT}; '
-                     f'got {h} heads x {d}')
-  fwd_default, bwd_default = default_tiles(h)
+  h_pad, d_pad = _kernel_size(h), _kernel_size(d)
+  if (h_pad, d_pad) != (h, d):  # zero heads and zero channels change no score, output or grad
+    q_bthd = jnp.pad(q_bthd, ((0, 0), (0, 0), (0, h_pad - h), (0, d_pad - d)))
+    kv_bnd = jnp.pad(kv_bnd, ((0, 0), (0, 0), (0, d_pad - d)))
+  fwd_default, bwd_default = default_tiles(h_pad)
   fwd_tiles = tuple(map(int, fwd_tiles or fwd_default))
   bwd_tiles = tuple(map(int, bwd_tiles or bwd_default))
   o, lse, mass = _sparse_partial(q_bthd, kv_bnd.astype(q_bthd.dtype), idx_btk, valid_btk,
-                                 float(scale), bool(with_mass), fwd_tiles, bwd_tiles,
+                                 float(scale), bool(with_mass), h, fwd_tiles, bwd_tiles,
                                  bool(interpret))
+  o, lse = o[..., :h, :d], lse[..., :h]
   return o, lse, None if mass is None else jax.lax.stop_gradient(mass)
