@@ -13,7 +13,7 @@ import pytest
 from deepseek41.model.indexer import (block_scores, candidate_blocks, newest_visible_bt,
                                       select_topk, select_topk_blocked)
 from deepseek41.ops.sparse_attention import selection_mask
-from deepseek41.ops.topk_select import topk_mask_reference, topk_threshold
+from deepseek41.ops.topk_select import topk_threshold_reference, topk_threshold
 from tests.test_indexer import first_visible, layout
 
 SPECIALS = np.array([-np.inf, -3e38, -1.5, -1e-45, -0.0, 0.0, 1e-45, 1.5, 3e38, np.inf],
@@ -62,7 +62,7 @@ def keys(kind, r, l, seed):
 def test_kernel_equals_top_k(kind, l, k, block_rows):
   x = keys(kind, 6, l, seed=l + k)
   want = np_top_sets(x, k)
-  ref = topk_mask_reference(jnp.asarray(x), k)
+  ref = topk_threshold_reference(jnp.asarray(x), k)
   got = topk_threshold(jnp.asarray(x), k, block_rows=block_rows, interpret=True)
   check_slots(*ref, want, k)
   check_slots(*got, want, k)

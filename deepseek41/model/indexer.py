@@ -50,7 +50,7 @@ from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
 from deepseek41.ops.sparse_attention import selection_mask
-from deepseek41.ops.topk_select import MAX_L, topk_mask_reference, topk_threshold
+from deepseek41.ops.topk_select import MAX_L, topk_threshold_reference, topk_threshold
 
 SELECT_IMPLS = ('top_k', 'threshold')
 
@@ -82,7 +82,7 @@ def _top_slots(key_btn, k: int, select_impl: str):
   """(idx_btk int32, valid_btk bool): the k best keys > -inf per row (ties: lowest index), k slots
   (also when N < k), invalid slots idx 0. top_k: descending key; threshold: ascending index."""
   if select_impl == 'threshold' and key_btn.shape[-1] > MAX_L:  # too long to hold on chip
-    return topk_mask_reference(key_btn, k)
+    return topk_threshold_reference(key_btn, k)
   if select_impl == 'threshold':  # on the CPU the kernel runs in the Pallas interpreter (tests)
     return topk_threshold(key_btn, k, interpret=jax.default_backend() == 'cpu')
   if select_impl != 'top_k':

@@ -61,7 +61,8 @@ def _kernel(lim_ref, q_ref, w_ref, k_ref, o_ref, *, heads, dim, bq, bn, scale):
     o_ref[...] = jnp.zeros((bq, bn), jnp.float32)
 
 
-def _pad_axis(x, axis, multiple):
+def pad_axis(x, axis, multiple):
+  """x zero-padded along `axis` to a multiple of `multiple`."""
   extra = -x.shape[axis] % multiple
   if not extra:
     return x
@@ -88,10 +89,10 @@ def index_scores_fused(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 64, blo
   bq = min(block_q, max(MIN_DOT, pl.next_power_of_2(t)))
   bn = min(block_n, max(MIN_DOT, pl.next_power_of_2(n)))
   dt = q_bthc.dtype
-  q_btf = _pad_axis(q_bthc.reshape(b, t, h * c), 1, bq)
-  w_bth = _pad_axis(w_bth.astype(jnp.float32), 1, bq)
-  lim_bt = _pad_axis(limit_bt.astype(jnp.int32), 1, bq)
-  k_bnc = _pad_axis(k_bnc.astype(dt), 1, bn)
+  q_btf = pad_axis(q_bthc.reshape(b, t, h * c), 1, bq)
+  w_bth = pad_axis(w_bth.astype(jnp.float32), 1, bq)
+  lim_bt = pad_axis(limit_bt.astype(jnp.int32), 1, bq)
+  k_bnc = pad_axis(k_bnc.astype(dt), 1, bn)
   tp, np_ = q_btf.shape[1], k_bnc.shape[1]
   kernel = functools.partial(_kernel, heads=h, dim=c, bq=bq, bn=bn, scale=(h * c) ** -0.5)
   out = pl.pallas_call(

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-MIN_DOT = 16  # Triton's smallest matrix product dimension
+from deepseek41.ops.index_scores import MIN_DOT
 
 
 def _relax_pallas_triton_atomics():

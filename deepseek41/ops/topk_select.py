@@ -53,7 +53,7 @@ def _sortable_int(x):
 NEG_INF_IMAGE = INT_MIN + 0x007FFFFF   # _sortable_int(-inf): 0xFF800000 ^ 0x7FFFFFFF
 
 
-def topk_mask_reference(key_rl, k: int):
+def topk_threshold_reference(key_rl, k: int):
   """(idx_rk int32, valid_rk bool): `jax.lax.top_k`'s set, in the kernel's slot format.
 
   The jnp reference: top_k over each row of key_rl [..., L], keys > -inf only, the selected
@@ -121,10 +121,10 @@ def default_launch(l: int):
 def topk_threshold(key_rl, k: int, *, block_rows: int | None = None, num_warps: int | None = None,
                    interpret: bool = False):
   """(idx_rk int32, valid_rk bool): exact top-k of each row of key_rl [..., L], as
-  `topk_mask_reference` (selected indices ascending, invalid slots idx 0, keys > -inf only).
+  `topk_threshold_reference` (selected indices ascending, invalid slots idx 0, keys > -inf only).
 
   Rows are held on chip: L <= MAX_L, else ValueError (the indexer then takes
-  `topk_mask_reference`, the same output).
+  `topk_threshold_reference`, the same output).
   block_rows: rows per program (a power of two; default `default_launch`). `interpret=True` runs
   the kernel in the Pallas interpreter (CPU).
   """

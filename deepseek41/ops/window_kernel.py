@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-MIN_DOT = 16  # Triton's smallest matrix product dimension
+from deepseek41.ops.index_scores import MIN_DOT, pad_axis
 ROWS = 64     # default query rows (queries x heads) per forward / dq block
 ROWS_DKV = 32  # default query rows per dkv step (at least H: one query)
 SMEM_BUDGET = 200 * 1024
@@ -345,12 +345,6 @@ def _pow2(x):
   return x > 0 and x & (x - 1) == 0
 
 
-def _pad_time(x, t_pad):
-  pad = [(0, 0)] * x.ndim
-  pad[1] = (0, t_pad - x.shape[1])
-  return jnp.pad(x, pad)
-
-
 @functools.partial(jax.jit, static_argnames=(
     'window', 'scale', 'interpret', 'block_q', 'block_k', 'block_q_dkv', 'block_k_dkv',
     'block_d', 'num_warps', 'num_stages'))
@@ -399,11 +393,11 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
                bq_dkv=block_q_dkv, bk_dkv=block_k_dkv, bd=bd, spans=span_ids_bt is not None,
                num_warps=num_warps, stages=stages, interpret=interpret)
   dt = kv_btd.dtype
-  q_brd = _pad_time(q_bthd.astype(dt), t_pad).reshape(b, t_pad * h, d)
-  kv_btd = _pad_time(kv_btd, t_pad)
-  seg_bt = _pad_time(segment_ids_bt.astype(jnp.int32), t_pad)
+  q_brd = pad_axis(q_bthd.astype(dt), 1, block).reshape(b, t_pad * h, d)
+  kv_btd = pad_axis(kv_btd, 1, block)
+  seg_bt = pad_axis(segment_ids_bt.astype(jnp.int32), 1, block)
   span_bt = (jnp.zeros_like(seg_bt) if span_ids_bt is None else
-             _pad_time(span_ids_bt.astype(jnp.int32), t_pad))
+             pad_axis(span_ids_bt.astype(jnp.int32), 1, block))
   o_brd, lse_br = _window_partial(st, q_brd, kv_btd, seg_bt, span_bt)
   o_bthd = o_brd.reshape(b, t_pad, h, d)[:, :t]
   lse_bth = lse_br.reshape(b, t_pad, h)[:, :t]
