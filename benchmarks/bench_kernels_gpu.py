@@ -25,6 +25,7 @@ sys.path.insert(0, ROOT)
 from timing import jsonl_emitter, time_fn  # noqa: E402  (benchmarks/timing.py)
 from deepseek41.ops.swa_attention import swa_partial  # noqa: E402
 from deepseek41.ops.topk_select import topk_threshold  # noqa: E402
+from deepseek41.ops.window_kernel import window_partial_fused  # noqa: E402
 
 
 def window_inputs(seed, b, t, h=16, d=512, spans=True):
@@ -64,6 +65,9 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--reps', type=int, default=5)
   p.add_argument('--seq_len', type=int, default=65536)
+  p.add_argument('--window_tiles', default='',
+                 help='window forward+backward tile sweep: BQ:BK:BQ_DKV:BK_DKV:WARPS specs, '
+                      'comma-separated (window_partial_fused arguments)')
   p.add_argument('--out')
   args = p.parse_args(argv)
 
@@ -91,6 +95,21 @@ def main(argv=None):
       except Exception as e:  # noqa: BLE001
         emit({'bench': 'window', 'impl': impl, 'grad': grad,
               'error': f'{type(e).__name__}: {str(e)[:400]}'})
+
+  for spec in filter(None, args.window_tiles.split(',')):
+    bq, bk, bq_dkv, bk_dkv, nw = map(int, spec.split(':'))
+
+    def loss(q, kv, seg, span, ct, bq=bq, bk=bk, bq_dkv=bq_dkv, bk_dkv=bk_dkv, nw=nw):
+      o, lse = window_partial_fused(q, kv, seg, window=128, block_q=bq, block_k=bk,
+                                    block_q_dkv=bq_dkv, block_k_dkv=bk_dkv, num_warps=nw)
+      return jnp.sum(o.astype(jnp.float32) * ct) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+    try:
+      ms, compile_s = time_fn(jax.jit(jax.grad(loss, argnums=(0, 1))),
+                              lambda s: window_inputs(s, 1, t, spans=False), args.reps)
+      emit({'bench': 'window_tiles', 'tiles': spec, 'mode': 'fwd_bwd', 't': t,
+            'ms': round(ms, 3)})
+    except Exception as e:  # noqa: BLE001
+      emit({'bench': 'window_tiles', 'tiles': spec, 'error': f'{type(e).__name__}: {str(e)[:300]}'})
 
   def keys(seed, rows, length):
     x = jax.random.normal(jax.random.key(seed), (rows, length))
