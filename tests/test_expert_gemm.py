@@ -101,7 +101,7 @@ def test_expert_capacity():
 
 
 @pytest.mark.parametrize('seed', SEEDS)
-@pytest.mark.parametrize('backend', ['capacity_einsum', 'ragged_dot'])
+@pytest.mark.parametrize('backend', ['capacity_einsum', 'ragged_dot', 'grouped'])
 def test_matches_reference_outputs_and_grads(backend, seed):
   inputs = make_inputs(seed)
   ct = jax.random.normal(jax.random.key(100 + seed), (N, D))
@@ -232,7 +232,7 @@ def test_batched_equals_loop_over_groups(backend):
     assert total > 0  # capacity is per group, and the groups do overflow
 
 
-@pytest.mark.parametrize('backend', ['capacity_einsum', 'ragged_dot'])
+@pytest.mark.parametrize('backend', ['capacity_einsum', 'ragged_dot', 'grouped'])
 def test_bf16_keeps_dtype_and_accuracy(backend):
   x, idx, weight, valid, wg, wu, wd = make_inputs(5)
   y, _ = run(x.astype(jnp.bfloat16), idx, weight, valid, wg, wu, wd, backend=backend)

@@ -15,10 +15,15 @@ Backends (docs/performance.md says why there are several):
   * `ragged_dot`: dropless, sorted rows through `jax.lax.ragged_dot`. Exact, but XLA computes every
     group densely on CPU and CUDA (about E times the useful FLOPs); worth it only where a real
     grouped-GEMM kernel exists (TPU).
+  * `grouped`: dropless, sorted rows with each expert's group padded to whole row tiles, through
+    the Pallas grouped-GEMM kernels of ops/grouped_gemm.py (Triton lowering; forward and backward
+    are kernels, the useful FLOPs plus < block_m padding rows per expert). On the CPU the kernels
+    run in the Pallas interpreter.
 
 Padding tokens (`valid_n` false) take no capacity, are never counted as dropped, and output 0.
-All functions are plain jnp: jit-able, differentiable in x, weight_nk and the three expert
-tensors, and indifferent to how the weights are sharded.
+All backends are jit-able and differentiable in x, weight_nk and the three expert tensors; all but
+`grouped` are plain jnp and indifferent to how the weights are sharded (`grouped` computes the
+experts of the weight tensor it is given: shard it by expert under shard_map, not by D or F).
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ('reference', 'capacity_einsum', 'ragged_dot')
+from deepseek41.ops import grouped_gemm
+from deepseek41.ops.grouped_gemm import sort_by_expert as _sort_by_expert
+
+BACKENDS = ('reference', 'capacity_einsum', 'ragged_dot', 'grouped')
 
 
 def expert_capacity(n_tokens: int, k: int, e: int, factor: float) -> int:
@@ -75,26 +83,6 @@ def _reference(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_
   out_ned = jnp.einsum('nef,efd->ned', clipped_swiglu(h_gate_nef, h_up_nef, limit), w_down_efd)
   y_nd = jnp.einsum('ne,ned->nd', combine_ne, out_ned.astype(jnp.float32))
   return y_nd.astype(x_nd.dtype), jnp.zeros((), jnp.int32)
-
-
-# ---- sorting assignments by expert -------------------------------------------------------------
-
-
-def _sort_by_expert(expert_idx_nk, valid_n, n_experts):
-  """Stable order of the N*K assignments (a = n*K + k) by expert, padding tokens last.
-
-  Returns order_a (sorted position -> a), rank_a (a -> sorted position) and counts_e (valid
-  assignments per expert). Stability is what makes capacity first-come-first-served: within an
-  expert, assignments keep token order.
-  """
-  n, k = expert_idx_nk.shape
-  # Padding gets the key E, one past the last expert, so it sorts after every real group.
-  key_a = jnp.where(valid_n[:, None], expert_idx_nk, n_experts).reshape(n * k)
-  order_a = jnp.argsort(key_a, stable=True).astype(jnp.int32)
-  # Inverting a permutation is a scatter of indices (integers, no gradient), not of token data.
-  rank_a = jnp.zeros_like(order_a).at[order_a].set(jnp.arange(n * k, dtype=jnp.int32))
-  counts_e = jnp.bincount(key_a, length=n_experts + 1)[:n_experts].astype(jnp.int32)
-  return order_a, rank_a, counts_e
 
 
 # ---- capacity_einsum ---------------------------------------------------------------------------
@@ -186,11 +174,47 @@ def _ragged_dot(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w
   return _combine(y_nkd, weight_nk, x_nd.dtype), jnp.zeros((), jnp.int32)
 
 
+# ---- grouped -----------------------------------------------------------------------------------
+
+
+def _grouped(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd, limit,
+             tiles):
+  """Dropless: rows sorted by expert, each group padded to whole row tiles, Pallas grouped GEMMs.
+
+  The layout and kernels are ops/grouped_gemm.py. On the CPU the kernels run in the Pallas
+  interpreter (tests) with small tiles.
+  """
+  n, k = expert_idx_nk.shape
+  n_experts = w_gate_edf.shape[0]
+  interpret = jax.default_backend() == 'cpu'
+  if tiles is None:
+    tiles = grouped_gemm.INTERPRET_TILES if interpret else grouped_gemm.GPU_TILES
+  lay = grouped_gemm.make_layout(expert_idx_nk, valid_n, n_experts, tiles.block_m)
+
+  # Used rows and valid assignments are in bijection, so dispatch and combine are gathers whose
+  # transposes are gathers through the other map (no scatter-add in the backward). Group padding
+  # rows stay 0 through all three projections (swiglu(0, 0) = 0), as the kernels require.
+  x_md = _take_rows(x_nd, lay.assign_m // k, lay.used_m, lay.row_a.reshape(n, k),
+                    lay.valid_a.reshape(n, k))
+
+  def proj(a_md, w_edf):
+    return grouped_gemm.grouped_matmul(a_md, w_edf, lay.tile_expert_t, lay.group_tiles_e1, tiles,
+                                       interpret)
+  h_md = clipped_swiglu(proj(x_md, w_gate_edf), proj(x_md, w_up_edf), limit)
+  out_md = proj(h_md, w_down_efd)
+  y_nkd = _take_rows(out_md, lay.row_a, lay.valid_a, lay.assign_m[:, None], lay.used_m[:, None])
+  y_nkd = y_nkd.reshape(n, k, -1)
+
+  weight_nk = jnp.where(valid_n[:, None], weight_nk.astype(jnp.float32), 0.0)
+  return _combine(y_nkd, weight_nk, x_nd.dtype), jnp.zeros((), jnp.int32)
+
+
 # ---- public API --------------------------------------------------------------------------------
 
 
 def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd, *,
-               swiglu_limit: float | None, backend: str, capacity_factor: float = 1.25):
+               swiglu_limit: float | None, backend: str, capacity_factor: float = 1.25,
+               grouped_tiles: grouped_gemm.Tiles | None = None):
   """Routed experts for one group of N tokens.
 
   Args:
@@ -202,11 +226,14 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_
     swiglu_limit: the clamp L of the SwiGLU (None: no clamp).
     backend: one of BACKENDS; a Python string, static under jit.
     capacity_factor: capacity_einsum only; C = expert_capacity(N, K, E, capacity_factor).
+    grouped_tiles: grouped only; kernel tiling (None: grouped_gemm's default for the platform).
 
   Returns:
     (y_nd in x's dtype, dropped): dropped is the int32 count of (valid token, expert) assignments
     left uncomputed, always 0 except for capacity_einsum.
   """
+  if backend not in BACKENDS:
+    raise ValueError(f'unknown expert backend {backend!r}; expected one of {BACKENDS}')
   dtype = x_nd.dtype
   w_gate_edf, w_up_edf, w_down_efd = (w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
   expert_idx_nk = expert_idx_nk.astype(jnp.int32)
@@ -218,20 +245,22 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_
     return _capacity_einsum(*args, capacity_factor)
   if backend == 'ragged_dot':
     return _ragged_dot(*args)
-  raise ValueError(f'unknown expert backend {backend!r}; expected one of {BACKENDS}')
+  return _grouped(*args, grouped_tiles)
 
 
 def expert_ffn_batched(x_bnd, expert_idx_bnk, weight_bnk, valid_bn, w_gate_edf, w_up_edf,
                        w_down_efd, *, swiglu_limit: float | None, backend: str,
-                       capacity_factor: float = 1.25):
+                       capacity_factor: float = 1.25,
+                       grouped_tiles: grouped_gemm.Tiles | None = None):
   """expert_ffn over a leading batch of groups; returns (y_bnd, dropped summed over groups).
 
   reference and capacity_einsum run per group under vmap: capacity is per sequence (GShard), so
-  the sort stays local to a group when the batch is sharded. ragged_dot is dropless, so all groups
-  go through as one and the group boundary does not matter.
+  the sort stays local to a group when the batch is sharded. ragged_dot and grouped are dropless,
+  so all groups go through as one and the group boundary does not matter.
   """
-  kw = dict(swiglu_limit=swiglu_limit, backend=backend, capacity_factor=capacity_factor)
-  if backend == 'ragged_dot':
+  kw = dict(swiglu_limit=swiglu_limit, backend=backend, capacity_factor=capacity_factor,
+            grouped_tiles=grouped_tiles)
+  if backend in ('ragged_dot', 'grouped'):
     b, n, d = x_bnd.shape
     k = expert_idx_bnk.shape[-1]
     y_nd, dropped = expert_ffn(x_bnd.reshape(b * n, d), expert_idx_bnk.reshape(b * n, k),

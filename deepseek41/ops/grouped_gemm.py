@@ -1,0 +1,315 @@
+"""Dropless grouped GEMM for the routed experts: Pallas kernels (Triton lowering) and references.
+
+Layout (docs/architecture.md 3.11, the `grouped` backend of ops/expert_gemm.py): the N*K
+(token, expert) assignments are sorted by expert and each expert's group is padded up to a
+multiple of the row tile `block_m`, so every row tile of the [M_pad, D] operand belongs to exactly
+one expert. M_pad = N*K + E*(block_m - 1) rounded up to block_m is a static bound on the padded
+rows. `tile_expert_t` maps a row tile to its expert (-1 for the tiles past the last used one),
+`group_tiles_e1` holds the tile offsets of the groups (group e is tiles [g[e], g[e+1])). Padding
+rows are zero; the kernels rely on it (a zero row adds nothing to a weight gradient).
+
+  gmm(x_md, w_edf, tile_expert_t)        y_mf = x_m @ W_{e(m)}    grid (row tiles, F/bn)
+  gmm(..., transpose_rhs=True)           y_md = x_m @ W_{e(m)}^T  (dx; W^T is never written)
+  tgmm(x_md, dy_mf, group_tiles_e1)      dW_e = x_e^T @ dy_e      grid (E, D/bd, F/bf)
+
+Each program of gmm loads its expert's weight tiles by a dynamic index into the whole [E, D, F]
+weight and loops over the contraction in block_k steps with a float32 accumulator; each program
+of tgmm loops over its expert's row tiles (a dynamic trip count; zero trips give a zero gradient
+for an expert without rows). `grouped_matmul` ties them into a custom VJP, so forward and
+backward of a grouped projection are all kernels. `grouped_matmul_reference` is the plain jnp
+ground truth (per-row gather of the expert weight).
+
+Only the weights given are assumed local: with expert parallelism a device passes its local
+expert slice and a layout built over local expert ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from deepseek41.ops.index_scores import MIN_DOT, pad_axis
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """Kernel tiling (static). gmm: [block_m, block_n] output tiles, block_k contraction steps.
+
+  tgmm: [block_d, block_f] weight-gradient tiles, contracting over rows in block_m steps. Block
+  sizes are powers of two >= 16; a block larger than its dimension, or not dividing it, is
+  halved until it divides (dimensions are zero-padded to a multiple of 16 first).
+  """
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  num_warps: int = 8
+  num_stages: int = 3
+  block_d: int = 128
+  block_f: int = 128
+  tgmm_warps: int = 8
+  tgmm_stages: int = 3
+
+
+# H200 (Hopper, bf16): 128x128 output tiles with 64-deep steps keep a 128x128 fp32 accumulator in
+# 8 warps' registers (64 regs/thread) and 3 stages of (128x64 + 64x128) bf16 in 96 KB of shared
+# memory. block_m = 128 pads each expert by < 128 rows (about 4% at 1B, 24 rows/expert/tile).
+GPU_TILES = Tiles()
+# Interpret mode (CPU tests): small tiles so that loops over tiles and contraction steps, and
+# groups spanning several tiles, are all exercised at test shapes.
+INTERPRET_TILES = Tiles(block_m=16, block_n=16, block_k=16, block_d=16, block_f=32)
+
+
+# ---- layout ------------------------------------------------------------------------------------
+
+
+def sort_by_expert(expert_idx_nk, valid_n, n_experts):
+  """Stable order of the N*K assignments (a = n*K + k) by expert, padding tokens last.
+
+  Returns order_a (sorted position -> a), rank_a (a -> sorted position) and counts_e (valid
+  assignments per expert). Stability is what makes capacity first-come-first-served: within an
+  expert, assignments keep token order.
+  """
+  n, k = expert_idx_nk.shape
+  # Padding gets the key E, one past the last expert, so it sorts after every real group.
+  key_a = jnp.where(valid_n[:, None], expert_idx_nk, n_experts).reshape(n * k)
+  order_a = jnp.argsort(key_a, stable=True).astype(jnp.int32)
+  # Inverting a permutation is a scatter of indices (integers, no gradient), not of token data.
+  rank_a = jnp.zeros_like(order_a).at[order_a].set(jnp.arange(n * k, dtype=jnp.int32))
+  counts_e = jnp.bincount(key_a, length=n_experts + 1)[:n_experts].astype(jnp.int32)
+  return order_a, rank_a, counts_e
+
+
+def padded_rows(n_assignments: int, n_experts: int, block_m: int) -> int:
+  """Static row bound M_pad: every group rounded up to block_m fits, whatever the routing."""
+  rows = n_assignments + n_experts * (block_m - 1)
+  return -(-rows // block_m) * block_m
+
+
+class GroupLayout(NamedTuple):
+  """Where each assignment sits in the padded expert-sorted layout, and the maps back.
+
+  row_a: int32 [N*K] assignment -> padded row (meaningful where valid_a).
+  valid_a: bool [N*K] the assignment's token is not padding.
+  assign_m: int32 [M_pad] padded row -> assignment (meaningful where used_m).
+  used_m: bool [M_pad] the row holds an assignment (false: group padding or unused tile).
+  tile_expert_t: int32 [M_pad / block_m] tile -> expert, -1 past the last used tile.
+  group_tiles_e1: int32 [E + 1] group e covers tiles [g[e], g[e + 1]).
+  """
+  row_a: jax.Array
+  valid_a: jax.Array
+  assign_m: jax.Array
+  used_m: jax.Array
+  tile_expert_t: jax.Array
+  group_tiles_e1: jax.Array
+
+
+def make_layout(expert_idx_nk, valid_n, n_experts: int, block_m: int) -> GroupLayout:
+  """The padded layout of the valid assignments (integers only: no gradient flows here)."""
+  n, k = expert_idx_nk.shape
+  m_pad = padded_rows(n * k, n_experts, block_m)
+  order_a, rank_a, counts_e = sort_by_expert(expert_idx_nk, valid_n, n_experts)
+  start_e = jnp.cumsum(counts_e) - counts_e
+  tiles_e = (counts_e + block_m - 1) // block_m
+  tile_end_e = jnp.cumsum(tiles_e).astype(jnp.int32)
+  row_start_e = (tile_end_e - tiles_e) * block_m
+
+  valid_a = jnp.repeat(valid_n, k)
+  e_a = expert_idx_nk.reshape(n * k)
+  row_a = jnp.where(valid_a, row_start_e[e_a] + rank_a - start_e[e_a], 0).astype(jnp.int32)
+
+  # Tile t belongs to the first expert whose groups end past it; E (no such expert) is unused.
+  tile_t = jnp.arange(m_pad // block_m, dtype=jnp.int32)
+  expert_t = jnp.searchsorted(tile_end_e, tile_t, side='right').astype(jnp.int32)
+  tile_expert_t = jnp.where(expert_t < n_experts, expert_t, -1)
+  e_m = jnp.minimum(jnp.repeat(expert_t, block_m), n_experts - 1)
+  j_m = jnp.arange(m_pad, dtype=jnp.int32) - row_start_e[e_m]
+  used_m = (jnp.repeat(expert_t, block_m) < n_experts) & (j_m < counts_e[e_m])
+  assign_m = order_a[jnp.clip(start_e[e_m] + j_m, 0, n * k - 1)]
+  assign_m = jnp.where(used_m, assign_m, 0).astype(jnp.int32)
+  group_tiles_e1 = jnp.concatenate([jnp.zeros(1, jnp.int32), tile_end_e])
+  return GroupLayout(row_a, valid_a, assign_m, used_m, tile_expert_t, group_tiles_e1)
+
+
+# ---- kernels -----------------------------------------------------------------------------------
+
+
+def _fit(block: int, dim: int) -> int:
+  """The largest power of two <= block that divides dim (dim a multiple of MIN_DOT)."""
+  b = max(MIN_DOT, block)
+  while dim % b:
+    b //= 2
+  return b
+
+
+def _precision(dtype):
+  # float32 operands: exact products (IEEE), not Triton's TF32 default; bf16 is exact anyway.
+  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _compiler_params(num_warps, num_stages, interpret):
+  if interpret:
+    return None
+  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
+  return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _gmm_kernel(te_ref, x_ref, w_ref, o_ref, *, bn, bk, k_steps, transpose_rhs, precision):
+  # te: [1] this tile's expert; x: [bm, Kdim] the tile's rows; w: the whole [E, ., .] weight;
+  # o: [bm, bn]
+  e = te_ref[0]
+  j = pl.program_id(1)
+
+  @pl.when(e >= 0)
+  def _():
+    def step(s, acc_mn):
+      x_mk = x_ref[:, pl.ds(s * bk, bk)]
+      if transpose_rhs:  # w is [E, N, K]: contract the last dims, no transposed copy in HBM
+        w_nk = w_ref[e, pl.ds(j * bn, bn), pl.ds(s * bk, bk)]
+        dims = (((1,), (1,)), ((), ()))
+        return acc_mn + jax.lax.dot_general(x_mk, w_nk, dims, precision=precision,
+                                            preferred_element_type=jnp.float32)
+      w_kn = w_ref[e, pl.ds(s * bk, bk), pl.ds(j * bn, bn)]
+      return acc_mn + jnp.dot(x_mk, w_kn, precision=precision,
+                              preferred_element_type=jnp.float32)
+    acc_mn = jax.lax.fori_loop(0, k_steps, step, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc_mn.astype(o_ref.dtype)
+
+  @pl.when(e < 0)
+  def _():
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=('transpose_rhs', 'tiles', 'interpret'))
+def gmm(x_md, w_edf, tile_expert_t, *, transpose_rhs: bool = False, tiles: Tiles = GPU_TILES,
+        interpret: bool = False):
+  """y_m = x_m @ W_{e(m)} ([M, F]), or x_m @ W_{e(m)}^T ([M, D]) with transpose_rhs.
+
+  x_md: [M_pad, Kdim] rows in the padded layout (M_pad a multiple of the row tile, which is
+  M_pad / len(tile_expert_t)); rows of tiles marked -1 come out 0. Output in x's dtype.
+  """
+  m_pad, kdim = x_md.shape
+  n_tiles = tile_expert_t.shape[0]
+  bm = m_pad // n_tiles
+  assert bm * n_tiles == m_pad and bm >= MIN_DOT and bm & (bm - 1) == 0, (m_pad, n_tiles)
+  w_edf = w_edf.astype(x_md.dtype)
+  ndim = w_edf.shape[1] if transpose_rhs else w_edf.shape[2]
+  assert (w_edf.shape[2] if transpose_rhs else w_edf.shape[1]) == kdim, (x_md.shape, w_edf.shape)
+  # Odd widths: zero columns of x and zero rows/columns of W add nothing.
+  x_md = pad_axis(x_md, 1, MIN_DOT)
+  w_edf = pad_axis(pad_axis(w_edf, 1, MIN_DOT), 2, MIN_DOT)
+  kp = x_md.shape[1]
+  np_ = w_edf.shape[1] if transpose_rhs else w_edf.shape[2]
+  bk, bn = _fit(tiles.block_k, kp), _fit(tiles.block_n, np_)
+  e, r, c = w_edf.shape
+  kernel = functools.partial(_gmm_kernel, bn=bn, bk=bk, k_steps=kp // bk,
+                             transpose_rhs=transpose_rhs, precision=_precision(x_md.dtype))
+  y = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((m_pad, np_), x_md.dtype),
+      grid=(n_tiles, np_ // bn),
+      in_specs=[pl.BlockSpec((None, 1), lambda i, j: (i, 0)),
+                pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                pl.BlockSpec((e, r, c), lambda i, j: (0, 0, 0))],
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+      compiler_params=_compiler_params(tiles.num_warps, tiles.num_stages, interpret),
+      interpret=interpret,
+      name='moe_gmm_t' if transpose_rhs else 'moe_gmm',
+  )(tile_expert_t.astype(jnp.int32).reshape(n_tiles, 1), x_md, w_edf)
+  return y[:, :ndim]
+
+
+def _tgmm_kernel(lo_ref, hi_ref, x_ref, dy_ref, o_ref, *, bm, bd, bf, precision):
+  # lo, hi: [1] the expert's tile range; x: [M_pad, bd]; dy: [M_pad, bf]; o: [bd, bf]
+  del bd, bf
+
+  def step(t, acc_df):
+    x_md = x_ref[pl.ds(t * bm, bm), :]
+    dy_mf = dy_ref[pl.ds(t * bm, bm), :]
+    return acc_df + jax.lax.dot_general(x_md, dy_mf, (((0,), (0,)), ((), ())),
+                                        precision=precision, preferred_element_type=jnp.float32)
+  acc_df = jax.lax.fori_loop(lo_ref[0], hi_ref[0], step, jnp.zeros(o_ref.shape, jnp.float32))
+  o_ref[...] = acc_df.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=('block_m', 'out_dtype', 'tiles', 'interpret'))
+def tgmm(x_md, dy_mf, group_tiles_e1, *, block_m: int, out_dtype=None, tiles: Tiles = GPU_TILES,
+         interpret: bool = False):
+  """dW_e = x_e^T @ dy_e over each expert's row tiles: [E, D, F] (E = len(group_tiles_e1) - 1).
+
+  Rows outside the groups must be zero in x or dy (the padded layout guarantees it). Experts with
+  no tiles get zeros. Output in out_dtype (default x's dtype), accumulated in float32.
+  """
+  m_pad, d = x_md.shape
+  f = dy_mf.shape[1]
+  n_experts = group_tiles_e1.shape[0] - 1
+  dt = x_md.dtype
+  x_md = pad_axis(x_md, 1, MIN_DOT)
+  dy_mf = pad_axis(dy_mf.astype(dt), 1, MIN_DOT)
+  dp, fp = x_md.shape[1], dy_mf.shape[1]
+  bd, bf = _fit(tiles.block_d, dp), _fit(tiles.block_f, fp)
+  g = group_tiles_e1.astype(jnp.int32)
+  kernel = functools.partial(_tgmm_kernel, bm=block_m, bd=bd, bf=bf, precision=_precision(dt))
+  dw = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((n_experts, dp, fp), out_dtype or dt),
+      grid=(n_experts, dp // bd, fp // bf),
+      in_specs=[pl.BlockSpec((None, 1), lambda e, i, j: (e, 0)),
+                pl.BlockSpec((None, 1), lambda e, i, j: (e, 0)),
+                pl.BlockSpec((m_pad, bd), lambda e, i, j: (0, i)),
+                pl.BlockSpec((m_pad, bf), lambda e, i, j: (0, j))],
+      out_specs=pl.BlockSpec((None, bd, bf), lambda e, i, j: (e, i, j)),
+      compiler_params=_compiler_params(tiles.tgmm_warps, tiles.tgmm_stages, interpret),
+      interpret=interpret,
+      name='moe_tgmm',
+  )(g[:-1].reshape(n_experts, 1), g[1:].reshape(n_experts, 1), x_md, dy_mf)
+  return dw[:, :d, :f]
+
+
+# ---- differentiable grouped projection ---------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def grouped_matmul(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles: Tiles, interpret: bool):
+  """y_m = x_m @ W_{e(m)} in the padded layout; forward and backward are Pallas kernels.
+
+  Padding rows of x must be zero (then they are zero in y, and the weight gradient ignores them).
+  """
+  del group_tiles_e1
+  return gmm(x_md, w_edf, tile_expert_t, tiles=tiles, interpret=interpret)
+
+
+def _grouped_matmul_fwd(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
+  y = gmm(x_md, w_edf, tile_expert_t, tiles=tiles, interpret=interpret)
+  return y, (x_md, w_edf, tile_expert_t, group_tiles_e1)
+
+
+def _grouped_matmul_bwd(tiles, interpret, res, dy_mf):
+  x_md, w_edf, tile_expert_t, group_tiles_e1 = res
+  dy_mf = dy_mf.astype(x_md.dtype)
+  dx_md = gmm(dy_mf, w_edf, tile_expert_t, transpose_rhs=True, tiles=tiles, interpret=interpret)
+  bm = x_md.shape[0] // tile_expert_t.shape[0]
+  dw_edf = tgmm(x_md, dy_mf, group_tiles_e1, block_m=bm, out_dtype=w_edf.dtype, tiles=tiles,
+                interpret=interpret)
+  return dx_md, dw_edf, None, None
+
+
+grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def grouped_matmul_reference(x_md, w_edf, tile_expert_t, group_tiles_e1=None):
+  """Plain jnp: each row times its tile's expert weight (gathered per row), float32 accumulate.
+
+  Rows of unused tiles (-1) are 0. Materialises [M, D, F]: test shapes only.
+  """
+  del group_tiles_e1
+  bm = x_md.shape[0] // tile_expert_t.shape[0]
+  e_m = jnp.repeat(tile_expert_t, bm)
+  w_mdf = w_edf.astype(x_md.dtype)[jnp.maximum(e_m, 0)]
+  y = jnp.einsum('md,mdf->mf', x_md, w_mdf, preferred_element_type=jnp.float32,
+                 precision=jax.lax.Precision.HIGHEST)
+  return jnp.where((e_m >= 0)[:, None], y, 0.0).astype(x_md.dtype)
