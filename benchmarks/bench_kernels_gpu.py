@@ -68,48 +68,59 @@ def main(argv=None):
   p.add_argument('--window_tiles', default='',
                  help='window forward+backward tile sweep: BQ:BK:BQ_DKV:BK_DKV:WARPS specs, '
                       'comma-separated (window_partial_fused arguments)')
+  p.add_argument('--only_tiles', action='store_true', help='skip the checks and default timings')
   p.add_argument('--out')
   args = p.parse_args(argv)
 
   emit = jsonl_emitter(args.out)
 
-  try:
-    inputs = window_inputs(0, 2, 4096)
-    out = {impl: [*window_fn(impl, False)(*inputs), *window_fn(impl, True)(*inputs)]
-           for impl in ('chunked', 'fused')}
-    errs = {name: rel(a, b) for name, a, b in zip(('o', 'lse', 'dq', 'dkv'), out['fused'],
-                                                  out['chunked'])}
-    same_inf = bool(np.array_equal(np.isfinite(out['fused'][1]), np.isfinite(out['chunked'][1])))
-    emit({'check': 'window', 'rel_err': errs, 'same_empty_rows': same_inf,
-          'ok': same_inf and max(errs.values()) < 2e-2})
-  except Exception as e:  # noqa: BLE001 - report, then go on
-    emit({'check': 'window', 'error': f'{type(e).__name__}: {str(e)[:400]}'})
   t = args.seq_len
-  for impl in ('chunked', 'fused'):
-    for grad in (False, True):
-      try:
-        ms, compile_s = time_fn(window_fn(impl, grad),
-                                lambda s: window_inputs(s, 1, t, spans=False), args.reps)
-        emit({'bench': 'window', 'impl': impl, 'mode': 'fwd_bwd' if grad else 'fwd', 't': t,
-              'ms': round(ms, 3), 'compile_s': round(compile_s, 1)})
-      except Exception as e:  # noqa: BLE001
-        emit({'bench': 'window', 'impl': impl, 'grad': grad,
-              'error': f'{type(e).__name__}: {str(e)[:400]}'})
+  if not args.only_tiles:
+    try:
+      inputs = window_inputs(0, 2, 4096)
+      out = {impl: [*window_fn(impl, False)(*inputs), *window_fn(impl, True)(*inputs)]
+             for impl in ('chunked', 'fused')}
+      errs = {name: rel(a, b) for name, a, b in zip(('o', 'lse', 'dq', 'dkv'), out['fused'],
+                                                    out['chunked'])}
+      same_inf = bool(np.array_equal(np.isfinite(out['fused'][1]),
+                                     np.isfinite(out['chunked'][1])))
+      emit({'check': 'window', 'rel_err': errs, 'same_empty_rows': same_inf,
+            'ok': same_inf and max(errs.values()) < 2e-2})
+    except Exception as e:  # noqa: BLE001 - report, then go on
+      emit({'check': 'window', 'error': f'{type(e).__name__}: {str(e)[:400]}'})
+    for impl in ('chunked', 'fused'):
+      for grad in (False, True):
+        try:
+          ms, compile_s = time_fn(window_fn(impl, grad),
+                                  lambda s: window_inputs(s, 1, t, spans=False), args.reps)
+          emit({'bench': 'window', 'impl': impl, 'mode': 'fwd_bwd' if grad else 'fwd', 't': t,
+                'ms': round(ms, 3), 'compile_s': round(compile_s, 1)})
+        except Exception as e:  # noqa: BLE001
+          emit({'bench': 'window', 'impl': impl, 'grad': grad,
+                'error': f'{type(e).__name__}: {str(e)[:400]}'})
 
   for spec in filter(None, args.window_tiles.split(',')):
     bq, bk, bq_dkv, bk_dkv, nw = map(int, spec.split(':'))
 
-    def loss(q, kv, seg, span, ct, bq=bq, bk=bk, bq_dkv=bq_dkv, bk_dkv=bk_dkv, nw=nw):
-      o, lse = window_partial_fused(q, kv, seg, window=128, block_q=bq, block_k=bk,
-                                    block_q_dkv=bq_dkv, block_k_dkv=bk_dkv, num_warps=nw)
+    def partial(q, kv, seg, bq=bq, bk=bk, bq_dkv=bq_dkv, bk_dkv=bk_dkv, nw=nw):
+      return window_partial_fused(q, kv, seg, window=128, block_q=bq, block_k=bk,
+                                  block_q_dkv=bq_dkv, block_k_dkv=bk_dkv, num_warps=nw)
+
+    def loss(q, kv, seg, span, ct, partial=partial):
+      o, lse = partial(q, kv, seg)
       return jnp.sum(o.astype(jnp.float32) * ct) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
-    try:
-      ms, compile_s = time_fn(jax.jit(jax.grad(loss, argnums=(0, 1))),
-                              lambda s: window_inputs(s, 1, t, spans=False), args.reps)
-      emit({'bench': 'window_tiles', 'tiles': spec, 'mode': 'fwd_bwd', 't': t,
-            'ms': round(ms, 3)})
-    except Exception as e:  # noqa: BLE001
-      emit({'bench': 'window_tiles', 'tiles': spec, 'error': f'{type(e).__name__}: {str(e)[:300]}'})
+    runs = {'fwd': jax.jit(lambda q, kv, seg, span, ct, partial=partial: partial(q, kv, seg)),
+            'fwd_bwd': jax.jit(jax.grad(loss, argnums=(0, 1)))}
+    for mode, fn in runs.items():
+      try:
+        ms, _ = time_fn(fn, lambda s: window_inputs(s, 1, t, spans=False), args.reps)
+        emit({'bench': 'window_tiles', 'tiles': spec, 'mode': mode, 't': t, 'ms': round(ms, 3)})
+      except Exception as e:  # noqa: BLE001
+        emit({'bench': 'window_tiles', 'tiles': spec, 'mode': mode,
+              'error': f'{type(e).__name__}: {str(e)[:300]}'})
+
+  if args.only_tiles:
+    return
 
   def keys(seed, rows, length):
     x = jax.random.normal(jax.random.key(seed), (rows, length))

@@ -56,13 +56,12 @@ def make_inputs(seed, t, h, d, ratio, k, dtype):
   return q, kv, idx, valid, ct
 
 
-def partial_fn(impl, with_mass, tiles=None, contention=()):
+def partial_fn(impl, with_mass, tiles=None):
   def fn(q, kv, idx, valid):
     scale = q.shape[-1] ** -0.5
     if impl == 'fused':
       out = sparse_partial_fused(q, kv, idx, valid, scale=scale, with_mass=with_mass,
-                                 fwd_tiles=tiles,
-                                 bwd_tiles=tiles and (*tiles, 32, *contention))
+                                 fwd_tiles=tiles, bwd_tiles=tiles and (*tiles, 32))
       return out if with_mass else out[:2]
     return compressed_partial(q, kv, idx, valid, impl=impl, chunk=1024, scale=scale,
                               with_mass=with_mass)
@@ -112,9 +111,6 @@ def main(argv=None):
   p.add_argument('--atomics', default='relaxed', choices=('acq_rel', 'relaxed', 'none'),
                  help='experiment: the semantics of the backward atomics (none: skip them, '
                       'which gives wrong gradients: a floor for the rest of the kernel)')
-  p.add_argument('--contention', default='1:0',
-                 help='backward sweep: COPIES:ROTATE pairs (key/value-gradient buffers, rotated '
-                      'walk), comma-separated')
   p.add_argument('--reps', type=int, default=5)
   p.add_argument('--no-gathered', dest='gathered', action='store_false')
   p.add_argument('--no-check', dest='check', action='store_false')
@@ -136,36 +132,31 @@ def main(argv=None):
                 for nw in map(int, args.num_warps.split(','))]
     if args.gathered:
       variants.append(('gathered', None, None))
-    runs = [(impl, bk, nw, mode, cont) for impl, bk, nw in variants
-            for mode in args.modes.split(',')
-            for cont in (args.contention.split(',') if impl == 'fused' and mode == 'fwd_bwd'
-                         else ['1:0'])]
-    for impl, bk, nw, mode, cont in runs:
-      contention = tuple(map(int, cont.split(':')))
-      fn = partial_fn(impl, mode == 'fwd_mass', (bk, nw) if impl == 'fused' else None,
-                      contention)
-      if mode == 'fwd_bwd':
-        def step(q, kv, idx, valid, ct, fn=fn):
-          def loss(q, kv):
-            o, lse = fn(q, kv, idx, valid)[:2]
-            return jnp.sum(o.astype(jnp.float32) * ct) + jnp.sum(
-                jnp.where(jnp.isfinite(lse), lse, 0.0))
-          return jax.grad(loss, argnums=(0, 1))(q, kv)
-        run = jax.jit(step)
-      else:
-        run = jax.jit(lambda q, kv, idx, valid, ct, fn=fn: fn(q, kv, idx, valid))
-      try:
-        ms, compile_s = time_fn(run, lambda s: make_inputs(s, t, h, d, ratio, k, jnp.bfloat16),
-                                args.reps)
-      except Exception as e:  # noqa: BLE001 - report and go on to the next variant
-        emit({'case': case, 'impl': impl, 'block_k': bk, 'num_warps': nw, 'mode': mode,
-              'contention': cont, 'error': f'{type(e).__name__}: {str(e)[:300]}'})
-        continue
-      flops = fwd_flops * (3.5 if mode == 'fwd_bwd' else 1.0)
-      emit({'case': case, 'impl': impl, 'block_k': bk, 'num_warps': nw, 'mode': mode, 't': t,
-            'atomics': args.atomics, 'contention': cont,
-            'ms': round(ms, 3), 'compile_s': round(compile_s, 1),
-            'useful_tflops': round(flops / ms / 1e9, 1)})
+    for impl, bk, nw in variants:
+      for mode in args.modes.split(','):
+        fn = partial_fn(impl, mode == 'fwd_mass', (bk, nw) if impl == 'fused' else None)
+        if mode == 'fwd_bwd':
+          def step(q, kv, idx, valid, ct, fn=fn):
+            def loss(q, kv):
+              o, lse = fn(q, kv, idx, valid)[:2]
+              return jnp.sum(o.astype(jnp.float32) * ct) + jnp.sum(
+                  jnp.where(jnp.isfinite(lse), lse, 0.0))
+            return jax.grad(loss, argnums=(0, 1))(q, kv)
+          run = jax.jit(step)
+        else:
+          run = jax.jit(lambda q, kv, idx, valid, ct, fn=fn: fn(q, kv, idx, valid))
+        try:
+          ms, compile_s = time_fn(run, lambda s: make_inputs(s, t, h, d, ratio, k, jnp.bfloat16),
+                                  args.reps)
+        except Exception as e:  # noqa: BLE001 - report and go on to the next variant
+          emit({'case': case, 'impl': impl, 'block_k': bk, 'num_warps': nw, 'mode': mode,
+                'error': f'{type(e).__name__}: {str(e)[:300]}'})
+          continue
+        flops = fwd_flops * (3.5 if mode == 'fwd_bwd' else 1.0)
+        emit({'case': case, 'impl': impl, 'block_k': bk, 'num_warps': nw, 'mode': mode, 't': t,
+              'atomics': args.atomics,
+              'ms': round(ms, 3), 'compile_s': round(compile_s, 1),
+              'useful_tflops': round(flops / ms / 1e9, 1)})
 
 
 if __name__ == '__main__':

@@ -62,6 +62,11 @@ def _auto_index_impl(m: dict[str, Any], backend: str) -> str:
   return 'fused' if backend == 'gpu' and fused_ok else 'reference'
 
 
+def _auto_attention_impl(m: dict[str, Any], backend: str) -> str:
+  fused_ok = attention_kernel_supported(m['num_heads'], m['head_dim'])
+  return 'fused' if backend == 'gpu' and fused_ok else 'chunked'
+
+
 def _auto_sparse_impl(m: dict[str, Any], backend: str) -> str:
   return 'fused' if backend == 'gpu' else 'gathered'
 
@@ -153,11 +158,10 @@ class ModelConfig:
                          auto=_auto_moe_backend)
   capacity_factor: float = _key(1.25)    # capacity_einsum: slots per expert = ceil(cf * N * K / E)
   # fused: the GPU kernels (ops/window_kernel.py, ops/sparse_kernel.py); the other choices are
-  # the plain jnp paths, which every backend runs. auto picks the fused sparse kernel on the GPU
-  # but keeps the chunked window: the window kernel's backward is still slower than XLA's
-  # (docs/performance.md section 9).
+  # the plain jnp paths, which every backend runs. auto picks the kernels on the GPU (the window
+  # kernel where attention_kernel_supported() takes the shapes; docs/performance.md section 9).
   attention_impl: str = _key('auto', choices=('reference', 'chunked', 'fused'),
-                            auto=lambda m, backend: 'chunked')
+                            auto=_auto_attention_impl)
   sparse_impl: str = _key('auto', choices=('reference', 'gathered', 'fused'),
                          auto=_auto_sparse_impl)
   # How the indexer picks its top-k: XLA's top_k (sorts whole rows on the GPU) or the exact

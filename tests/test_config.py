@@ -190,7 +190,7 @@ def test_no_auto_choice_survives_resolution(backend):
   assert model.index_impl == ('fused' if backend == 'gpu' else 'reference')
   assert model.vision_attention_impl == ('reference' if backend == 'cpu' else 'fused')
   gpu = backend == 'gpu'
-  assert model.attention_impl == 'chunked'
+  assert model.attention_impl == 'chunked'  # base_config's 4 heads: the window kernel needs 16
   assert model.sparse_impl == ('fused' if gpu else 'gathered')  # any heads: the kernel pads
   assert model.select_impl == ('threshold' if gpu else 'top_k')
 
@@ -202,6 +202,14 @@ def test_gpu_kernels_are_refused_off_the_gpu(key, value):
   c.model[key] = value
   with pytest.raises(ConfigError, match=f'model.{key}'):
     resolve(c, num_devices=1, backend='cpu')
+
+
+@pytest.mark.parametrize('backend', ['cpu', 'gpu', 'tpu'])
+def test_auto_picks_the_window_kernel_on_the_gpu_where_it_tiles(backend):
+  c = base_config()
+  c.model.num_heads, c.model.head_dim = 16, 32
+  model = resolve(c, num_devices=1, backend=backend).model
+  assert model.attention_impl == ('fused' if backend == 'gpu' else 'chunked')
 
 
 def test_the_window_kernel_refuses_shapes_it_cannot_tile():

@@ -112,16 +112,9 @@ def _fwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, lse_ref, *mass_ref, n, 
 
 
 def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_ref, _dkv_in_ref,
-                dq_ref, dkv_ref, *, n, bk, scale, copies, rotate, interpret):
+                dq_ref, dkv_ref, *, n, bk, scale, interpret):
   from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
   h, d = q_ref.shape
-  t = pl.program_id(0)
-  nblk = nblk_ref[0]
-  # Queries that run together picked overlapping rows and walk them in the same (ascending)
-  # order, so their adds would queue on the same addresses at the same moment. Each query
-  # starts its walk at its own block (`rotate`) and adds into one of `copies` buffers, which
-  # the caller sums.
-  copy_row0 = jax.lax.rem(t, copies) * dkv_ref.shape[0] // copies
   q_hd, do_hd = q_ref[...], do_ref[...]
   dt = q_hd.dtype
   lse_h = lse_ref[...]
@@ -131,8 +124,6 @@ def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_r
   cols_d = jnp.arange(d, dtype=jnp.int32)
 
   def block(j, dq_hd):
-    if rotate:
-      j = jax.lax.rem(j + t, jnp.maximum(nblk, 1))
     rows_k = idx_ref[pl.ds(j * bk, bk)]
     kv_kd = _gather(kv_ref, rows_k, d)
     p_hk = jnp.exp(_masked_scores(q_hd, kv_kd, rows_k, n, scale) - lse_safe_h[:, None])
@@ -148,11 +139,11 @@ def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_r
     # Invalid slots all hold the dummy row n: on the GPU they are masked out of the atomics;
     # the interpreter takes no mask, and the dummy row is cut off by the caller anyway.
     mask = None if interpret else jnp.broadcast_to((rows_k < n)[:, None], (bk, d))
-    plt.atomic_add(dkv_ref, (jnp.broadcast_to(copy_row0 + rows_k[:, None], (bk, d)),
+    plt.atomic_add(dkv_ref, (jnp.broadcast_to(rows_k[:, None], (bk, d)),
                              jnp.broadcast_to(cols_d[None, :], (bk, d))), dkv_kd, mask=mask)
     return dq_hd
 
-  dq_hd = jax.lax.fori_loop(0, nblk, block, jnp.zeros((h, d), jnp.float32))
+  dq_hd = jax.lax.fori_loop(0, nblk_ref[0], block, jnp.zeros((h, d), jnp.float32))
   dq_ref[...] = (dq_hd * scale).astype(dq_ref.dtype)
 
 
@@ -223,19 +214,18 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_
 
 
 def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse_bth, scale,
-              block_k, num_warps, head_group, copies, rotate, interpret):
+              block_k, num_warps, head_group, interpret):
   b, t, h, d = q_bthd.shape
   n = kv_bnd.shape[1]
   hg = min(head_group, h)
   kv_bmd, idx_btk, nblk_bt1, bk = _prepare(kv_bnd, idx_btk, valid_btk, block_k)
   rows, k_pad = kv_bmd.shape[1], idx_btk.shape[-1]
   spec = _specs(hg, d, rows, k_pad)
-  dkv_spec = pl.BlockSpec((None, copies * rows, d), lambda i, j, g=0: (j, 0, 0))
-  dq_bthd, dkv_bcd = pl.pallas_call(
-      functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale, copies=copies, rotate=rotate,
-                        interpret=interpret),
+  dkv_spec = spec['kv']
+  dq_bthd, dkv_bmd = pl.pallas_call(
+      functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale, interpret=interpret),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype),
-                 jax.ShapeDtypeStruct((b, copies * rows, d), jnp.float32)],
+                 jax.ShapeDtypeStruct((b, rows, d), jnp.float32)],
       grid=(t, b, h // hg),  # head groups add into the same rows: fewer heads, more atomics
       in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx'], spec['q'], spec['q'],
                 spec['h'], spec['h'], dkv_spec],
@@ -246,8 +236,7 @@ def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse
       name='csa2_sparse_bwd',
   )(nblk_bt1, q_bthd, kv_bmd, idx_btk, o_bthd, do_bthd.astype(q_bthd.dtype),
     lse_bth.astype(jnp.float32), dlse_bth.astype(jnp.float32),
-    jnp.zeros((b, copies * rows, d), jnp.float32))
-  dkv_bmd = jnp.sum(dkv_bcd.reshape(b, copies, rows, d), axis=1)
+    jnp.zeros((b, rows, d), jnp.float32))
   return dq_bthd, dkv_bmd[:, :n].astype(kv_bnd.dtype)
 
 
@@ -282,14 +271,16 @@ _sparse_partial.defvjp(_sparse_partial_fwd, _sparse_partial_bwd)
 
 
 def default_tiles(heads: int):
-  """((block_k, num_warps), (block_k, num_warps, head_group, copies, rotate)): fwd and bwd.
+  """((block_k, num_warps), (block_k, num_warps, head_group)) of the forward and backward.
 
   Measured on the H200 (docs/performance.md section 9): the forward gathers 64 rows per step;
   the backward holds q, dO, the dq accumulator and a [block_k, d] fp32 key/value gradient at
-  once, so it takes 32-row steps, 8 warps, and at most 32 heads per program (64 heads x 512
-  overflow shared memory).
+  once, so it takes 32-row steps and at most 32 heads per program (64 heads x 512 overflow
+  shared memory). Up to 16 heads one warp group (4 warps) is faster in both passes (backward
+  35 vs 45 ms at configs/ablation_1b.py's shapes); wider programs need 8 warps.
   """
-  return (64, 4 if heads <= 16 else 8), (32, 8, 32, 1, False)
+  warps = 4 if heads <= 16 else 8
+  return (64, warps), (32, warps, 32)
 
 
 def _kernel_size(x: int) -> int:
@@ -298,14 +289,13 @@ def _kernel_size(x: int) -> int:
 
 def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
                          with_mass: bool = False, fwd_tiles: tuple[int, int] | None = None,
-                         bwd_tiles: tuple[int, ...] | None = None,
+                         bwd_tiles: tuple[int, int, int] | None = None,
                          interpret: bool = False):
   """(o_bthd in kv's dtype, lse_bth fp32, mass_btk fp32 or None), as `compressed_partial`.
 
   The slot mass carries no gradient (it is the indexer's stop-gradient target).
-  fwd_tiles: (selected rows gathered per step, warps per program); bwd_tiles: the same, the
-  heads per program, the key/value-gradient copies and whether to rotate the walk (a prefix:
-  the rest from `default_tiles`).
+  fwd_tiles: (selected rows gathered per step, warps per program); bwd_tiles: the same and the
+  heads per program; `default_tiles` by default.
   `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
   """
   h, d = q_bthd.shape[-2:]
@@ -315,7 +305,7 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
     kv_bnd = jnp.pad(kv_bnd, ((0, 0), (0, 0), (0, d_pad - d)))
   fwd_default, bwd_default = default_tiles(h_pad)
   fwd_tiles = tuple(map(int, fwd_tiles or fwd_default))
-  bwd_tiles = tuple(map(int, (tuple(bwd_tiles or ()) + bwd_default[len(bwd_tiles or ()):])))
+  bwd_tiles = tuple(map(int, bwd_tiles or bwd_default))
   o, lse, mass = _sparse_partial(q_bthd, kv_bnd.astype(q_bthd.dtype), idx_btk, valid_btk,
                                  float(scale), bool(with_mass), h, fwd_tiles, bwd_tiles,
                                  bool(interpret))

@@ -18,12 +18,12 @@ in HBM); each program walks only the key blocks that cover `[t0 - window + 1, t0
   The lse cotangent enters as dS = P * (dP - delta + dlse): downstream merges partials by lse.
 
 d = 512 is wide: the fp32 [rows, d] accumulator (o, dq or dkv) is what limits the block. With
-64 rows it is 128 KB, 128 registers per thread at 8 warps. Every product and accumulator is
+32 rows it is 64 KB, 128 registers per thread at 4 warps. Every product and accumulator is
 split over d in `block_d` chunks; each tile is loaded once (a loop-invariant one before the
 loop) and feeds all of its products from shared memory, and the pipeline depth is chosen per
 kernel to fit shared memory. See `window_partial_fused` for the defaults.
 
-Costs against the minimum: a query block scores whole key blocks (128-192 keys for the <= 131
+Costs against the minimum: a query block scores whole key blocks (128-160 keys for the <= 129
 its rows can see at the defaults), the backward recomputes S and dP in both programs (7
 matrix products where a kernel with atomics would do 5), and a dkv block reads the q and dO
 rows of ~(64 + 127) queries.
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepseek41.ops.index_scores import MIN_DOT, pad_axis
-ROWS = 64     # default query rows (queries x heads) per forward / dq block
+ROWS = 32     # default query rows (queries x heads) per forward / dq block (at least H)
 ROWS_DKV = 32  # default query rows per dkv step (at least H: one query)
 SMEM_BUDGET = 200 * 1024
 
@@ -351,28 +351,32 @@ def _pow2(x):
 def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
                          scale: float | None = None, span_ids_bt=None, interpret: bool = False,
                          block_q: int | None = None, block_k: int = 32,
-                         block_q_dkv: int | None = None, block_k_dkv: int = 64,
-                         block_d: int = 128, num_warps: int = 8, num_stages: int | None = None):
+                         block_q_dkv: int | None = None, block_k_dkv: int = 32,
+                         block_d: int = 128, num_warps: int | None = None,
+                         num_stages: int | None = None):
   """The window branch as a partial: (o_bthd in kv's dtype, lse_bth fp32), differentiable.
 
   Blocks (powers of two; T is padded with segment id 0 to whole blocks):
-  - forward / dq: `block_q` queries (default 64 // H: 4 at H = 16, 1 at H = 64, so 64 rows)
-    against `block_k` = 32 keys per step;
-  - dkv: `block_k_dkv` = 64 keys against `block_q_dkv` queries per step (default 32 // H, at
-    least 1: 32 rows at H = 16, 64 at H = 64);
+  - forward / dq: `block_q` queries (default 32 // H, at least 1: 2 at H = 16, so 32 rows; 1 at
+    H = 64) against `block_k` = 32 keys per step;
+  - dkv: `block_k_dkv` = 32 keys against `block_q_dkv` queries per step (default 32 // H, at
+    least 1);
   - `block_d` = 128: the d chunk of every product and accumulator.
-  Registers bound the blocks at d = 512: each fp32 [64, 512] accumulator (o, dq, dkv) is 128
-  registers per thread at `num_warps` = 8 (4 warps would need 256 and spill), leaving room for
-  the [64, 32] score tiles. Shared memory bounds the pipelining: the loop-invariant tiles (q;
-  q and dO; kv) stay on chip and each step's tiles are multi-buffered, so `num_stages` (default
-  per kernel) is 2 where that fits in ~200 KB and 1 otherwise: bf16 d = 512 gives fwd 64 + 2x32
-  KB, dq 128 + 2x32 KB, dkv 64 + 2x64 KB at H = 16, and 64 + 1x128 KB at H = 64.
+  Registers bound the blocks at d = 512: each fp32 [32, 512] accumulator (o, dq, dkv) is 128
+  registers per thread at 4 warps, one warp group; `num_warps` defaults to 4 where the blocks
+  have at most 32 rows and 8 otherwise (64 rows at 4 warps would spill). Measured on the H200
+  at configs/ablation_1b.py's shapes (docs/performance.md section 9), these defaults take the
+  forward+backward at 64K from 20.1 ms (64-row blocks, 8 warps) to 9.5 ms, below XLA's chunked
+  path (11.0 ms). Shared memory bounds the pipelining: the loop-invariant tiles (q; q and dO;
+  kv) stay on chip and each step's tiles are multi-buffered, so `num_stages` (default per
+  kernel) is 2 where that fits in ~200 KB and 1 otherwise.
   `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
   """
   b, t, h, d = q_bthd.shape
   scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
   block_q = block_q or max(1, ROWS // h)
   block_q_dkv = block_q_dkv or max(1, ROWS_DKV // h)
+  num_warps = num_warps or (4 if max(block_q, block_q_dkv) * h <= 32 else 8)
   bd = min(block_d, d)
   if d % bd or not all(map(_pow2, (h, bd, block_q, block_k, block_q_dkv, block_k_dkv))):
     raise ValueError(f'window_partial_fused needs power-of-two heads and blocks and d a multiple '
