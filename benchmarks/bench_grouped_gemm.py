@@ -5,7 +5,7 @@ Usage (GPU):
     python benchmarks/bench_grouped_gemm.py --check                           # numerics only
     python benchmarks/bench_grouped_gemm.py --cases 1b --sweep block_m=64,128 \\
         --sweep block_n=64,128,256 --sweep block_k=32,64 --sweep num_warps=4,8 \\
-        --sweep num_stages=3,4 --sweep block_d=64,128 --sweep block_f=64,128   # tile sweep
+        --sweep num_stages=3,4 --sweep block_d=64,128 --sweep block_f=64,128 --sweep block_r=32,64   # tile sweep
 
 Cases: `1b` = configs/ablation_1b.py (E=64, D=1024, F=384, top-6, N=32768 tokens in groups of
 4096); `rel1k`, `rel4k`, `rel8k` = the released expert shapes (D=5120, F=2304, top-6) for one
@@ -56,7 +56,7 @@ CASES = {
 }
 INTERPRET = jax.default_backend() == 'cpu'  # our kernels in the Pallas interpreter (smoke runs)
 GMM_FIELDS = ('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages')
-TGMM_FIELDS = ('block_m', 'block_d', 'block_f', 'tgmm_warps', 'tgmm_stages')
+TGMM_FIELDS = ('block_m', 'block_d', 'block_f', 'block_r', 'tgmm_warps', 'tgmm_stages')
 
 
 def parse_args(argv=None):

@@ -17,8 +17,8 @@ import pytest
 
 from deepseek41.ops import grouped_gemm as gg
 
-N, K, E, D, F = 48, 2, 8, 24, 40  # D, F not multiples of 16: the kernels pad them
-BM = 16
+N, K, E, D, F = 64, 2, 8, 24, 40  # D, F not multiples of 16: the kernels pad them
+BM = gg.INTERPRET_TILES.block_m  # 32: tgmm takes two 16-row steps per tile
 TILES = gg.INTERPRET_TILES
 RTOL = 1e-5
 
