@@ -5,7 +5,8 @@ Usage (GPU):
     python benchmarks/bench_grouped_gemm.py --check                           # numerics only
     python benchmarks/bench_grouped_gemm.py --cases 1b --sweep block_m=64,128 \\
         --sweep block_n=64,128,256 --sweep block_k=32,64 --sweep num_warps=4,8 \\
-        --sweep num_stages=3,4 --sweep block_d=64,128 --sweep block_f=64,128 --sweep block_r=32,64   # tile sweep
+        --sweep num_stages=3,4 --sweep block_d=64,128 --sweep block_f=64,128 \
+        --sweep block_r=32,64                                                 # tile sweep
 
 Cases: `1b` = configs/ablation_1b.py (E=64, D=1024, F=384, top-6, N=32768 tokens in groups of
 4096); `rel1k`, `rel4k`, `rel8k` = the released expert shapes (D=5120, F=2304, top-6) for one
@@ -72,7 +73,8 @@ def parse_args(argv=None):
   p.add_argument('--ragged_dot_max_tflop', type=float, default=200.0,
                  help='skip ragged_dot where E x the useful fwd+bwd work exceeds this (it is dense '
                  'per group on CUDA: seconds per step)')
-  p.add_argument('--tiles', default='', help='grouped tiles, e.g. block_m=128,block_n=256,num_warps=8')
+  p.add_argument('--tiles', default='',
+                 help='grouped tiles over GPU_TILES, e.g. block_m=128,block_n=256,num_warps=8')
   p.add_argument('--sweep', action='append', default=[],
                  help='FIELD=v1,v2,... (repeatable, Tiles fields): time our kernels per config')
   p.add_argument('--check', action='store_true', help='only the numerical check on the GPU')
@@ -280,7 +282,8 @@ def check(emit, tiles):
 
   def loss(backend, dtype, x, weight, wg, wu, wd):
     y, _ = expert_ffn(x.astype(dtype), idx, weight, valid, wg.astype(dtype), wu.astype(dtype),
-                      wd.astype(dtype), swiglu_limit=SWIGLU_LIMIT, backend=backend, grouped_tiles=tiles)
+                      wd.astype(dtype), swiglu_limit=SWIGLU_LIMIT, backend=backend,
+                      grouped_tiles=tiles)
     return jnp.sum(y.astype(jnp.float32) * ct), y
 
   ok = True
