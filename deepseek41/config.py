@@ -53,8 +53,9 @@ def _keys(cls) -> list[dataclasses.Field]:
 
 
 def _auto_moe_backend(m: dict[str, Any], backend: str) -> str:
-  # Measured on the H200 (docs/performance.md): ragged_dot costs E dense matmuls on GPU/CPU.
-  return 'ragged_dot' if backend == 'tpu' else 'capacity_einsum'
+  # Measured on the H200 (docs/performance.md): ragged_dot costs E dense matmuls on GPU/CPU;
+  # the grouped Pallas GEMM is dropless at about the capacity einsum's speed on the GPU.
+  return {'tpu': 'ragged_dot', 'gpu': 'grouped'}.get(backend, 'capacity_einsum')
 
 
 def _auto_index_impl(m: dict[str, Any], backend: str) -> str:
@@ -154,8 +155,8 @@ class ModelConfig:
   swiglu_limit: float = _key(10.0)
   router_bias_rate: float = _key(0.001)  # gamma of the sign rule, per step, per modality
   balance_loss_weight: float = _key(1e-4)  # alpha of the sequence-wise balance loss [S]; 0 = off
-  moe_backend: str = _key('auto', choices=('reference', 'capacity_einsum', 'ragged_dot'),
-                         auto=_auto_moe_backend)
+  moe_backend: str = _key('auto', auto=_auto_moe_backend,
+                         choices=('reference', 'capacity_einsum', 'ragged_dot', 'grouped'))
   capacity_factor: float = _key(1.25)    # capacity_einsum: slots per expert = ceil(cf * N * K / E)
   # fused: the GPU kernels (ops/window_kernel.py, ops/sparse_kernel.py); the other choices are
   # the plain jnp paths, which every backend runs. auto picks the kernels on the GPU (the window

@@ -11,9 +11,11 @@ pick overlapping entries) straight into on-chip memory, and all H heads use the 
 (one [H, d] x [d, block_k] product), with an online softmax. Nothing of size [T, K, d] or
 [T, H, K] is written to HBM; the loop stops after the query's last valid slot.
 
-- mass: the exact per-head normalisation is only known at the end, so slot masses come from a
-  second walk over the blocks, recomputing the scores against the final log-sum-exp (no PV
-  product). It runs only where it is asked for (index sources).
+- mass: the exact per-head normalisation is only known at the end, so every head's scores of
+  every slot stay in registers through the walk and become masses once the log-sum-exp is
+  known (`MASS_SCORES_ON_CHIP`: up to 16 heads x 512 slots); wider queries take a second walk
+  over the blocks that recomputes the scores (no PV product). Only where it is asked for
+  (index sources).
 - backward: one program per query recomputes P from the saved log-sum-exp, accumulates dq in
   registers and adds each block's key/value gradient (key = value: dS^T q + P^T dO) into an fp32
   [B, N, d] buffer with atomics; invalid slots are masked out of the atomics, so unused slots do
@@ -33,6 +35,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepseek41.ops.index_scores import MIN_DOT
+
+# The slot mass needs every head's score of every slot against the final log-sum-exp. Up to
+# this many fp32 scores per query (16 heads x 512 slots: 64 registers per thread at 4 warps)
+# stay in registers through the walk, so the mass costs no second pass over the keys.
+MASS_SCORES_ON_CHIP = 16 * 512
 
 
 def _relax_pallas_triton_atomics():
@@ -71,11 +78,14 @@ def _gather(kv_ref, rows_k, d):
 def _fwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, lse_ref, *mass_ref, n, bk, scale,
                 heads):
   h, d = q_ref.shape  # h >= heads: zero heads pad to Triton's smallest product
+  k_pad = idx_ref.shape[0]
   q_hd = q_ref[...]
   nblk = nblk_ref[0]
+  keep_scores = bool(mass_ref) and h * k_pad <= MASS_SCORES_ON_CHIP
+  slot_block_k = jax.lax.div(jnp.arange(k_pad, dtype=jnp.int32), jnp.int32(bk))
 
   def block(j, carry):
-    m_h, l_h, acc_hd = carry
+    m_h, l_h, acc_hd, *s_hk_all = carry
     rows_k = idx_ref[pl.ds(j * bk, bk)]
     kv_kd = _gather(kv_ref, rows_k, d)
     s_hk = _masked_scores(q_hd, kv_kd, rows_k, n, scale)
@@ -85,30 +95,45 @@ def _fwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, lse_ref, *mass_ref, n, 
     p_hk = jnp.exp(s_hk - shift_h[:, None])
     pv_hd = jax.lax.dot_general(p_hk.astype(kv_kd.dtype), kv_kd, (((1,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32)
-    return m_new_h, l_h * alpha_h + jnp.sum(p_hk, axis=1), acc_hd * alpha_h[:, None] + pv_hd
+    carry = (m_new_h, l_h * alpha_h + jnp.sum(p_hk, axis=1), acc_hd * alpha_h[:, None] + pv_hd)
+    if keep_scores:  # registers cannot be indexed: the block's scores go in by a select
+      tiled_hk = jnp.broadcast_to(s_hk[:, None, :], (h, k_pad // bk, bk)).reshape(h, k_pad)
+      carry += (jnp.where((slot_block_k == j)[None, :], tiled_hk, s_hk_all[0]),)
+    return carry
 
   init = (jnp.full((h,), -jnp.inf, jnp.float32), jnp.zeros((h,), jnp.float32),
           jnp.zeros((h, d), jnp.float32))
-  m_h, l_h, acc_hd = jax.lax.fori_loop(0, nblk, block, init)
+  if keep_scores:
+    init += (jnp.full((h, k_pad), -jnp.inf, jnp.float32),)
+  m_h, l_h, acc_hd, *s_hk_all = jax.lax.fori_loop(0, nblk, block, init)
   seen_h = l_h > 0
   o_ref[...] = (acc_hd / jnp.where(seen_h, l_h, 1.0)[:, None]).astype(o_ref.dtype)
   lse_h = jnp.where(seen_h, m_h + jnp.log(jnp.where(seen_h, l_h, 1.0)), -jnp.inf)
   lse_ref[...] = lse_h
+  if not mass_ref:
+    return
 
-  if mass_ref:
-    mass_ref, = mass_ref
-    mass_ref[...] = jnp.zeros(mass_ref.shape, jnp.float32)
-    lse_safe_h = jnp.where(seen_h, lse_h, 0.0)
+  mass_ref, = mass_ref
+  lse_safe_h = jnp.where(seen_h, lse_h, 0.0)
 
-    def mass_block(j, carry):
-      rows_k = idx_ref[pl.ds(j * bk, bk)]
-      s_hk = _masked_scores(q_hd, _gather(kv_ref, rows_k, d), rows_k, n, scale)
-      p_hk = jnp.exp(s_hk - lse_safe_h[:, None])
-      if heads < h:  # padding heads carry no mass
-        p_hk = jnp.where((jnp.arange(h) < heads)[:, None], p_hk, 0.0)
-      mass_ref[pl.ds(j * bk, bk)] = jnp.sum(p_hk, axis=0) / heads
-      return carry
-    jax.lax.fori_loop(0, nblk, mass_block, 0)
+  def head_mean(s_hk):
+    p_hk = jnp.exp(s_hk - lse_safe_h[:, None])
+    if heads < h:  # padding heads carry no mass
+      p_hk = jnp.where((jnp.arange(h) < heads)[:, None], p_hk, 0.0)
+    return jnp.sum(p_hk, axis=0) / heads
+
+  if keep_scores:
+    mass_ref[...] = head_mean(s_hk_all[0])
+    return
+  # Too many scores to keep on chip: a second walk recomputes them against the final lse.
+  mass_ref[...] = jnp.zeros(mass_ref.shape, jnp.float32)
+
+  def mass_block(j, carry):
+    rows_k = idx_ref[pl.ds(j * bk, bk)]
+    mass_ref[pl.ds(j * bk, bk)] = head_mean(
+        _masked_scores(q_hd, _gather(kv_ref, rows_k, d), rows_k, n, scale))
+    return carry
+  jax.lax.fori_loop(0, nblk, mass_block, 0)
 
 
 def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_ref, _dkv_in_ref,
