@@ -7,8 +7,17 @@ import dataclasses
 import jax
 import numpy as np
 
+from deepseek41.config import RunConfig
 from deepseek41.data.pipeline import make_dataset
 from deepseek41.train.feed import global_batch
+
+
+def eval_config(cfg: RunConfig) -> RunConfig:
+  """`cfg` with the routed experts computed by `model.eval_moe_backend`, which is dropless: the
+  model the evaluation step is built from (same parameters and state layout, so the training
+  state merges into it unchanged)."""
+  return dataclasses.replace(cfg, model=dataclasses.replace(
+      cfg.model, moe_backend=cfg.model.eval_moe_backend))
 
 
 class Evaluator:

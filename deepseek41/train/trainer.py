@@ -26,7 +26,7 @@ from deepseek41.data.pipeline import make_dataset
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.checkpoint import Checkpointer
-from deepseek41.train.evaluation import Evaluator
+from deepseek41.train.evaluation import Evaluator, eval_config
 from deepseek41.train.feed import global_batch
 from deepseek41.train.flops import device_peak_tflops, flops_per_token
 from deepseek41.train.metrics import MetricsWriter
@@ -151,7 +151,12 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     with jax.set_mesh(mesh):
       train_step = jax.jit(make_train_step(cfg, md), in_shardings=(shardings, bsharding),
                            out_shardings=(shardings, replicated), donate_argnums=(0,))
-      eval_step = jax.jit(make_eval_step(md), in_shardings=(shardings, bsharding),
+      # Evaluation never drops expert assignments, whatever the training backend.
+      eval_md = state_lib.model_def(eval_config(cfg), tx)
+      if cfg.model.eval_moe_backend != cfg.model.moe_backend:
+        log.info('routed experts: %s in training, %s (dropless) in evaluation',
+                 cfg.model.moe_backend, cfg.model.eval_moe_backend)
+      eval_step = jax.jit(make_eval_step(eval_md), in_shardings=(shardings, bsharding),
                           out_shardings=replicated)
 
     # ---- metrics, evaluation, checkpoints ----------------------------------------------------
