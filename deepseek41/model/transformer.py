@@ -164,8 +164,9 @@ class Transformer(nnx.Module):
     return x, pre
 
   def __call__(self, batch):
-    x, pre = self.residual_input(batch)
-    batch = self.with_engram_rows(batch)
+    with jax.named_scope('embed'):  # top-level scopes too, so no kernel of the step is unnamed
+      x, pre = self.residual_input(batch)
+      batch = self.with_engram_rows(batch)
     auxes = []
     shared = {}  # compressed KV and selections published by source layers (CSA2)
     for block in self.blocks:
@@ -175,7 +176,8 @@ class Transformer(nnx.Module):
         else:
           x, pre, aux, shared = block(x, pre, batch, shared)
       auxes.append(aux)
-    logits_btv = self.logits(x, pre)
+    with jax.named_scope('head'):
+      logits_btv = self.logits(x, pre)
     kl_sum, counted, recall_sum = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))
     aux = {
         'indexer_loss': kl_sum / jnp.maximum(counted, 1.0),

@@ -31,7 +31,8 @@ def cross_entropy_sum(logits_btv, targets_bt, mask_bt):
 def forward_loss(md: ModelDef, params, biases, batch):
   model = merge_model(md.graphdef, params, biases)
   logits_btv, aux = model(batch)
-  ce_sum, n = cross_entropy_sum(logits_btv, batch['targets'], batch['loss_mask'])
+  with jax.named_scope('loss'):
+    ce_sum, n = cross_entropy_sum(logits_btv, batch['targets'], batch['loss_mask'])
   return ce_sum, n, aux
 
 
@@ -108,25 +109,26 @@ def make_train_step(cfg: RunConfig, md: ModelDef):
     grads, ce_sum, n, load_lme, balance, dropped, indexer = accumulate_gradients(
         cfg, md, params, biases, batch)
 
-    updates, opt = md.tx.update(grads, state['opt'], params)
-    new_params = optax.apply_updates(params, updates)
-
-    new_biases = _updated_router_biases(biases, load_lme, cfg.model.router_bias_rate)
+    with jax.named_scope('optimizer'):
+      updates, opt = md.tx.update(grads, state['opt'], params)
+      new_params = optax.apply_updates(params, updates)
+      new_biases = _updated_router_biases(biases, load_lme, cfg.model.router_bias_rate)
     new_state = {'params': new_params, 'router_bias': new_biases, 'opt': opt,
                  'step': state['step'] + 1, 'rng': state['rng']}
-    metrics = {
-        'loss': ce_sum / jnp.maximum(n, 1.0),
-        'balance_loss': balance,
-        'grad_norm': optax.tree.norm(grads),
-        'lr': schedule(state['step']),
-        'tokens': n,
-        'routed_tokens': jnp.sum(batch['segment_ids'] > 0),  # every real position routes
-        'dropped': dropped,
-        'load_lme': load_lme,
-        'bias_lme': stacked_router_biases(new_biases),
-        'indexer_loss': indexer[0],
-        'indexer_recall': indexer[1],
-    }
+    with jax.named_scope('metrics'):
+      metrics = {
+          'loss': ce_sum / jnp.maximum(n, 1.0),
+          'balance_loss': balance,
+          'grad_norm': optax.tree.norm(grads),
+          'lr': schedule(state['step']),
+          'tokens': n,
+          'routed_tokens': jnp.sum(batch['segment_ids'] > 0),  # every real position routes
+          'dropped': dropped,
+          'load_lme': load_lme,
+          'bias_lme': stacked_router_biases(new_biases),
+          'indexer_loss': indexer[0],
+          'indexer_recall': indexer[1],
+      }
     return new_state, metrics
 
   return train_step
