@@ -295,6 +295,12 @@ class TrainConfig:
   eval_every_steps: int = _key(50)       # 0 disables evaluation
   eval_batches: int = _key(4)
   peak_tflops: float = _key(0.0)         # per-device peak for MFU; 0 = look up by device kind
+  # JAX's persistent compilation cache: compiled programs are written here and loaded by any
+  # later run of the same program (a restart, a rerun); '' = off. Under the user's cache dir, not
+  # the work directory: all of a user's runs share it (JAX keys entries by program, devices and
+  # versions, and several processes may use one directory), and JAX runs what it finds there,
+  # so it belongs in a directory only its user can write. The trainer expands '~'.
+  compilation_cache_dir: str = _key('~/.cache/deepseek41/jax-compilation-cache')
 
 
 # logical axis -> mesh axis or axes ('' = replicated); see sharding.py. `length -> context` is
