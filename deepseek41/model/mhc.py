@@ -96,3 +96,39 @@ class MHCHead(nnx.Module):
   def __call__(self, x_btnd):
     m = jnp.einsum('btf,cf->btc', _flat_rms(x_btnd, self.norm_eps), self.fn[...].astype(jnp.float32))
     return jax.nn.sigmoid(self.scale[...][0] * m + self.base[...]) + self.eps
+
+
+def site_coefficients(x_btnd, fn, base, scale, iters: int, eps: float, norm_eps: float):
+  """`MHCSite.__call__` as a function of its parameters: (pre_btn, post_btn, comb_btjk), fp32.
+
+  The jnp reference the fused kernels (deepseek41/ops/mhc_kernel.py) are held equal to.
+  """
+  n = x_btnd.shape[2]
+  m = jnp.einsum('btf,cf->btc', _flat_rms(x_btnd, norm_eps), fn.astype(jnp.float32))
+  pre = jax.nn.sigmoid(scale[0] * m[..., :n] + base[:n]) + eps
+  post = 2.0 * jax.nn.sigmoid(scale[1] * m[..., n:2 * n] + base[n:2 * n])
+  comb_logits = scale[2] * m[..., 2 * n:] + base[2 * n:]
+  comb = sinkhorn(comb_logits.reshape(comb_logits.shape[:-1] + (n, n)), iters, eps)
+  return pre, post, comb
+
+
+def _site_args(site: MHCSite):
+  return (site.fn[...], site.base[...], site.scale[...]), dict(
+      iters=site.iters, eps=site.eps, norm_eps=site.norm_eps)
+
+
+def fused_site_collapse(site: MHCSite, x_btnd, pre_btn=None, **knobs):
+  """(u_btd, pre, post, comb) = (collapse(X, pre_btn or the site's pre), *site(X)), fused."""
+  from deepseek41.ops.mhc_kernel import site_collapse
+  params, kw = _site_args(site)
+  return site_collapse(x_btnd, *params, pre_btn, **kw, **knobs)
+
+
+def fused_expand_site_collapse(site: MHCSite, x_btnd, f_btd, post_btn, comb_btjk, pre_btn=None,
+                               **knobs):
+  """(x', u, pre, post, comb): x' = expand(X, F, post, comb), then `fused_site_collapse(site, x',
+  pre_btn)`, in one pass (X' written once, never read back)."""
+  from deepseek41.ops.mhc_kernel import expand_site_collapse
+  params, kw = _site_args(site)
+  return expand_site_collapse(x_btnd, f_btd, post_btn, comb_btjk, *params, pre_btn, **kw,
+                              **knobs)
