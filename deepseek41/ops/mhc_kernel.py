@@ -249,8 +249,8 @@ def _fwd_kernel(*refs, spec: _Spec):
   m_mat = proj * r[:, None]
   col = jax.lax.broadcasted_iota(jnp.int32, m_mat.shape, 1)
   m_ref[...] = jnp.where(col == nc, r[:, None], m_mat)
-  sb = sb_ref[...]
-  a = _columns(m_mat * sb[0:1, :] + sb[1:2, :], nc)
+  srow, brow = sb_ref[pl.ds(0, 1), :], sb_ref[pl.ds(1, 1), :]  # [1, cols] (no register slices)
+  a = _columns(m_mat * srow + brow, nc)
   pre, post_o, comb_o = coefficients_flat(a, n, spec.iters, spec.eps)
   pre_ref[...] = _matrix(pre, n)
   posto_ref[...] = _matrix(post_o, n)
@@ -293,8 +293,8 @@ def _bwd_kernel(*refs, spec: _Spec):
   if spec.site:
     mp = m_ref[...]
     r = _columns(mp, nc + 1)[nc]
-    sb = sb_ref[...]
-    a = _columns(mp * sb[0:1, :] + sb[1:2, :], nc)
+    srow, brow = sb_ref[pl.ds(0, 1), :], sb_ref[pl.ds(1, 1), :]
+    a = _columns(mp * srow + brow, nc)
     dpre = _columns(dpre_ref[...].astype(f32), n)
     if spec.collapse == 'own':
       pre_c = [_sigmoid(v) + spec.eps for v in a[:n]]
@@ -311,7 +311,7 @@ def _bwd_kernel(*refs, spec: _Spec):
                                spec.eps)
     da_mat = _matrix(da, spec.cols)
     da_ref[...] = da_mat
-    dm_mat = da_mat * sb[0:1, :]
+    dm_mat = da_mat * srow
     # d/dX' of m = r * fn . X': r fn^T dm - (r^2 / (n D)) (dm . m) X'
     shrink = r * r * jnp.sum(dm_mat * mp, axis=1) / (n * spec.d)   # mp's r column meets dm 0
     rdm = dm_mat * r[:, None]
