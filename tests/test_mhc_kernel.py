@@ -13,7 +13,7 @@ from deepseek41.ops import mhc_kernel as K
 from tests.util import resolved
 
 N = 4
-KNOBS = dict(block_t=16, block_d=32, interpret=True)
+KNOBS = dict(block_t=16, block_d=16, block_t_bwd=32, block_d_bwd=32, interpret=True)
 
 
 def test_coefficient_math_and_its_vjp_match_sinkhorn():

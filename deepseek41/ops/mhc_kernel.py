@@ -163,8 +163,15 @@ class _Spec(NamedTuple):
   block_t: int
   block_d: int
   num_warps: int
+  block_t_bwd: int
+  block_d_bwd: int
   num_warps_bwd: int
   interpret: bool
+
+  def backward(self):
+    """The spec the backward kernel runs with (its own block sizes)."""
+    return self._replace(block_t=self.block_t_bwd, block_d=self.block_d_bwd,
+                         num_warps=self.num_warps_bwd)
 
   @property
   def cols(self):  # the (2+n)n coefficient columns + r, padded to a power of two >= 16
@@ -191,8 +198,20 @@ def _matrix(vecs, width):
   return out
 
 
+def _cols_of(ref, count, loads=False):
+  """[tb, 1] columns of a small per-token ref. The backward loads them inside its D loop
+  (L1 hits) rather than keeping 20+ per-token vectors live across it (fewer registers: ptxas
+  for sm_90); the forward loads them once before its loop (there that used fewer)."""
+  if ref is None:
+    return None
+  if loads:
+    return [ref[:, pl.ds(i, 1)].astype(jnp.float32) for i in range(count)]
+  return [v[:, None] for v in _columns(ref[...].astype(jnp.float32), count)]
+
+
 def _chunk(spec, x_ref, f_ref, post, comb, d0):
-  """(X chunks fp32, X' chunks fp32 as stored, X' chunks fp32 unrounded, F chunk) at d0."""
+  """(X chunks fp32, X' chunks fp32 as stored, X' chunks fp32 unrounded, F chunk) at d0;
+  post and comb are lists of [tb, 1] columns."""
   n, bd = spec.n, spec.block_d
   xs = [x_ref[:, k, pl.ds(d0, bd)].astype(jnp.float32) for k in range(n)]
   if not spec.expand:
@@ -200,9 +219,9 @@ def _chunk(spec, x_ref, f_ref, post, comb, d0):
   f = f_ref[:, pl.ds(d0, bd)].astype(jnp.float32)
   xp = []
   for k in range(n):
-    acc = post[k][:, None] * f
+    acc = post[k] * f
     for j in range(n):
-      acc = acc + comb[j * n + k][:, None] * xs[j]
+      acc = acc + comb[j * n + k] * xs[j]
     xp.append(acc)
   # The site and the collapse read X' as stored (the reference reads the cast array).
   xq = [v.astype(x_ref.dtype).astype(jnp.float32) for v in xp]
@@ -220,10 +239,9 @@ def _fwd_kernel(*refs, spec: _Spec):
   u_ref = refs.pop(0) if spec.collapse != 'none' else None
   pre_ref, posto_ref, combo_ref, m_ref = refs if spec.site else (None,) * 4
   tb = x_ref.shape[0]
-  post = _columns(post_ref[...].astype(jnp.float32), n) if spec.expand else None
-  comb = _columns(comb_ref[...].astype(jnp.float32), n * n) if spec.expand else None
-  pin = _columns(pin_ref[...].astype(jnp.float32), n) if spec.collapse == 'given' else None
   steps = spec.d // bd
+  post, comb = _cols_of(post_ref, n), _cols_of(comb_ref, n * n)
+  pin = _cols_of(pin_ref, n)
 
   def walk1(ci, carry):
     sumsq, proj = carry
@@ -238,7 +256,7 @@ def _fwd_kernel(*refs, spec: _Spec):
         proj = proj + jnp.dot(xq[k], wt_ref[k, pl.ds(d0, bd), :],
                               preferred_element_type=jnp.float32)
     if spec.collapse == 'given':
-      u = functools.reduce(jnp.add, [pin[k][:, None] * xq[k] for k in range(n)])
+      u = functools.reduce(jnp.add, [pin[k] * xq[k] for k in range(n)])
       u_ref[:, pl.ds(d0, bd)] = u.astype(u_ref.dtype)
     return sumsq, proj
   init = (jnp.zeros((tb,), jnp.float32), jnp.zeros((tb, spec.cols), jnp.float32))
@@ -285,9 +303,7 @@ def _bwd_kernel(*refs, spec: _Spec):
   tb = x_ref.shape[0]
   steps = spec.d // bd
   f32 = jnp.float32
-  post = _columns(post_ref[...].astype(f32), n) if spec.expand else None
-  comb = _columns(comb_ref[...].astype(f32), n * n) if spec.expand else None
-  pre_c = _columns(pin_ref[...].astype(f32), n) if spec.collapse == 'given' else None
+  pre_own = None
   zeros = jnp.zeros((tb,), f32)
 
   if spec.site:
@@ -297,11 +313,12 @@ def _bwd_kernel(*refs, spec: _Spec):
     a = _columns(mp * srow + brow, nc)
     dpre = _columns(dpre_ref[...].astype(f32), n)
     if spec.collapse == 'own':
-      pre_c = [_sigmoid(v) + spec.eps for v in a[:n]]
+      pre_own = [(_sigmoid(v) + spec.eps)[:, None] for v in a[:n]]
 
       def walk0(ci, acc):  # the collapse's share of d pre: <du, X'[k]>
         d0 = pl.multiple_of(ci * bd, bd)
-        _, xq, _, _ = _chunk(spec, x_ref, f_ref, post, comb, d0)
+        _, xq, _, _ = _chunk(spec, x_ref, f_ref, _cols_of(post_ref, n, True),
+                             _cols_of(comb_ref, n * n, True), d0)
         du = du_ref[:, pl.ds(d0, bd)].astype(f32)
         return tuple(acc[k] + jnp.sum(du * xq[k], axis=1) for k in range(n))
       own = jax.lax.fori_loop(0, steps, walk0, (zeros,) * n)
@@ -314,19 +331,21 @@ def _bwd_kernel(*refs, spec: _Spec):
     dm_mat = da_mat * srow
     # d/dX' of m = r * fn . X': r fn^T dm - (r^2 / (n D)) (dm . m) X'
     shrink = r * r * jnp.sum(dm_mat * mp, axis=1) / (n * spec.d)   # mp's r column meets dm 0
-    rdm = dm_mat * r[:, None]
+    rdm = (dm_mat * r[:, None]).astype(w_ref.dtype)  # bf16 streams: a bf16 MMA, fp32 sums
 
   def walk(ci, carry):
     dpin, dpost, dcomb = carry
     d0 = pl.multiple_of(ci * bd, bd)
+    post, comb = _cols_of(post_ref, n, True), _cols_of(comb_ref, n * n, True)
     xs, xq, _, f = _chunk(spec, x_ref, f_ref, post, comb, d0)
+    pre_c = _cols_of(pin_ref, n, True) if spec.collapse == 'given' else pre_own
     if spec.expand:
       g = [dxo_ref[:, k, pl.ds(d0, bd)].astype(f32) for k in range(n)]
     else:
       g = [jnp.zeros_like(xq[0]) for _ in range(n)]
     if spec.collapse != 'none':
       du = du_ref[:, pl.ds(d0, bd)].astype(f32)
-      g = [g[k] + pre_c[k][:, None] * du for k in range(n)]
+      g = [g[k] + pre_c[k] * du for k in range(n)]
       if spec.collapse == 'given':
         dpin = tuple(dpin[k] + jnp.sum(du * xq[k], axis=1) for k in range(n))
     if spec.site:
@@ -336,9 +355,9 @@ def _bwd_kernel(*refs, spec: _Spec):
       dpost = tuple(dpost[k] + jnp.sum(g[k] * f, axis=1) for k in range(n))
       dcomb = tuple(dcomb[i] + jnp.sum(xs[i // n] * g[i % n], axis=1) for i in range(n * n))
       for j in range(n):
-        dxj = functools.reduce(jnp.add, [comb[j * n + k][:, None] * g[k] for k in range(n)])
+        dxj = functools.reduce(jnp.add, [comb[j * n + k] * g[k] for k in range(n)])
         dx_ref[:, j, pl.ds(d0, bd)] = dxj.astype(dx_ref.dtype)
-      df = functools.reduce(jnp.add, [post[k][:, None] * g[k] for k in range(n)])
+      df = functools.reduce(jnp.add, [post[k] * g[k] for k in range(n)])
       df_ref[:, pl.ds(d0, bd)] = df.astype(df_ref.dtype)
     else:
       for k in range(n):
@@ -357,10 +376,9 @@ def _bwd_kernel(*refs, spec: _Spec):
 # pallas_call plumbing and the custom VJP (arrays here: tokens flattened and padded to block_t)
 
 
-def _params(spec, bwd):
+def _params(spec):
   from jax.experimental.pallas import triton as plt  # GPU-only module; imported lazily
-  return plt.CompilerParams(num_warps=spec.num_warps_bwd if bwd else spec.num_warps,
-                            num_stages=1)
+  return plt.CompilerParams(num_warps=spec.num_warps, num_stages=1)
 
 
 def _row_spec(tb, *tail):
@@ -411,7 +429,7 @@ def _forward(spec, x, f, post, comb, pin, fn, base, scale):
       out_specs.append(_row_spec(tb, w))
   outs = list(pl.pallas_call(
       functools.partial(_fwd_kernel, spec=spec), out_shape=out_shape, grid=(rows // tb,),
-      in_specs=in_specs, out_specs=out_specs, compiler_params=_params(spec, False),
+      in_specs=in_specs, out_specs=out_specs, compiler_params=_params(spec),
       interpret=spec.interpret, name='mhc_fused_fwd')(*args))
   xo = outs.pop(0) if spec.expand else None
   u = outs.pop(0) if spec.collapse != 'none' else None
@@ -431,6 +449,7 @@ def _fused_fwd(spec, x, f, post, comb, pin, fn, base, scale):
 
 
 def _fused_bwd(spec, res, cts):
+  spec = spec.backward()
   x, f, post, comb, pin, fn, base, scale, m, site_in = res
   dxo, du, dpre, dpost, dcomb = cts
   n, d, tb, cols, nc = spec.n, spec.d, spec.block_t, spec.cols, spec.nc
@@ -444,7 +463,9 @@ def _fused_bwd(spec, res, cts):
     in_specs.append(_row_spec(tb, n))
   if spec.site:
     _, w_ncd, sb = _site_tables(spec, fn, base, scale)
-    args += [w_ncd, sb, m]
+    # W in the streams' dtype: bf16 streams get a bf16 MMA and half the W bytes per tile (W is
+    # re-read by every token block); its rounding is that of the bf16 dX it feeds.
+    args += [w_ncd.astype(x.dtype), sb, m]
     in_specs += [_whole((n, cols, d)), _whole((2, cols)), _row_spec(tb, cols)]
   if spec.expand:
     args.append(dxo.astype(x.dtype))
@@ -471,7 +492,7 @@ def _fused_bwd(spec, res, cts):
     out_specs.append(_row_spec(tb, w))
   outs = list(pl.pallas_call(
       functools.partial(_bwd_kernel, spec=spec), out_shape=out_shape, grid=(rows // tb,),
-      in_specs=in_specs, out_specs=out_specs, compiler_params=_params(spec, True),
+      in_specs=in_specs, out_specs=out_specs, compiler_params=_params(spec),
       interpret=spec.interpret, name='mhc_fused_bwd')(*args))
   dx = outs.pop(0)
   df, dpost_i, dcomb_i = (outs.pop(0), outs.pop(0), outs.pop(0)) if spec.expand else (None,) * 3
@@ -502,21 +523,25 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _run(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, site, collapse, iters,
-         eps, norm_eps, block_t, block_d, num_warps, num_warps_bwd, interpret):
+         eps, norm_eps, block_t, block_d, num_warps, block_t_bwd, block_d_bwd, num_warps_bwd,
+         interpret):
   b, t, n, d = x_btnd.shape
   if n & (n - 1):
     raise ValueError(f'the fused mHC kernels need a power-of-two hc_mult, got {n}')
-  bd = min(block_d, d)
-  if d % bd or bd < MIN_DOT or bd & (bd - 1):
-    raise ValueError(f'd_model {d} must be a multiple of a power-of-two block_d >= 16 ({bd})')
+  bd, bd_b = min(block_d, d), min(block_d_bwd or block_d, d)
+  for v in (bd, bd_b):
+    if d % v or v < MIN_DOT or v & (v - 1):
+      raise ValueError(f'd_model {d} must be a multiple of a power-of-two block_d >= 16 ({v})')
   if interpret is None:
     interpret = jax.default_backend() != 'gpu'
   rows = b * t
-  tb = min(block_t, max(MIN_DOT, pl.next_power_of_2(rows)))
+  cap = max(MIN_DOT, pl.next_power_of_2(rows))
+  tb, tb_b = min(block_t, cap), min(block_t_bwd or block_t, cap)
   expand = f_btd is not None
   spec = _Spec(n, d, expand, site, collapse, iters, float(eps), float(norm_eps), tb, bd,
-               num_warps, num_warps_bwd, bool(interpret))
-  flat = lambda a, *tail: None if a is None else pad_axis(a.reshape((rows,) + tail), 0, tb)  # noqa: E731,E501
+               num_warps, tb_b, bd_b, num_warps_bwd or num_warps, bool(interpret))
+  pad_to = max(tb, tb_b)
+  flat = lambda a, *tail: None if a is None else pad_axis(a.reshape((rows,) + tail), 0, pad_to)  # noqa: E731,E501
   outs = _fused(spec, flat(x_btnd, n, d), flat(f_btd, d), flat(post_btn, n),
                 flat(comb_btjk, n * n), flat(pre_btn, n), fn, base, scale)
   xo, u, pre, post, comb = outs
@@ -524,8 +549,8 @@ def _run(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, site, 
   return (unflat(xo, n, d), unflat(u, d), unflat(pre, n), unflat(post, n), unflat(comb, n, n))
 
 
-_KNOBS = dict(iters=20, eps=1e-6, norm_eps=1e-6, block_t=32, block_d=128, num_warps=8,
-              num_warps_bwd=8, interpret=None)
+_KNOBS = dict(iters=20, eps=1e-6, norm_eps=1e-6, block_t=64, block_d=16, num_warps=4,
+              block_t_bwd=16, block_d_bwd=32, num_warps_bwd=4, interpret=None)
 
 
 def site_collapse(x_btnd, fn, base, scale, pre_btn=None, **kw):
@@ -534,7 +559,8 @@ def site_collapse(x_btnd, fn, base, scale, pre_btn=None, **kw):
   u = collapse(X, pre_btn) if given (single pass: the previous site's pre), else
   collapse(X, this site's pre) (multi pass: a second walk). fn [(2+n)n, n*D], base, scale as
   `MHCSite` holds them; keyword knobs: iters, eps, norm_eps (the config's hc_sinkhorn_iters,
-  hc_eps, rms_norm_eps), block_t, block_d, num_warps, num_warps_bwd, interpret.
+  hc_eps, rms_norm_eps), block_t, block_d, num_warps (forward) and block_t_bwd, block_d_bwd,
+  num_warps_bwd (backward), interpret (None: on unless the backend is a GPU).
   """
   kw = {**_KNOBS, **kw}
   _, u, pre, post, comb = _run(x_btnd, None, None, None, pre_btn, fn, base, scale, site=True,
