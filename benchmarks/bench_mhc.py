@@ -1,7 +1,8 @@
 """Fused mHC kernels (deepseek41/ops/mhc_kernel.py) against the jnp path (model/mhc.py): time.
 
 Usage (GPU):  python benchmarks/bench_mhc.py [--d 1024,5120] [--check] [--out mhc.jsonl]
-              [--configs 32x128x8,64x64x8]   (block_t x block_d x num_warps, one run each)
+              [--configs 128x16x8/64x16x4,...]  (block_t x block_d x num_warps of the
+              forward / of the backward; one 'BTxBDxNW' sets both; one run each)
 
 Cases, at B x T tokens, n = 4 streams, bf16 streams (the model's compute dtype):
   site_collapse         single-pass layer start: the attention site's coefficients from X and
@@ -140,7 +141,7 @@ def main(argv=None):
   p.add_argument('--dtype', default='bfloat16')
   p.add_argument('--cases', default='site_collapse,expand_site_collapse,expand,layer,layer_multi')
   p.add_argument('--modes', default='fwd,fwd_bwd')
-  p.add_argument('--configs', default='32x128x8')
+  p.add_argument('--configs', default='128x16x8/64x16x4,64x32x8/16x32x4,64x16x4/128x16x8')
   p.add_argument('--reps', type=int, default=10)
   p.add_argument('--check', action='store_true')
   p.add_argument('--skip_jnp', action='store_true')
@@ -152,7 +153,9 @@ def main(argv=None):
   common = dict(date=datetime.datetime.now().isoformat(timespec='seconds'),
                 device=str(jax.devices()[0].device_kind), command=' '.join(sys.argv))
   ref_cases = reference_cases()
-  configs = [tuple(int(v) for v in c.split('x')) for c in args.configs.split(',')]
+  # 'BTxBDxNW' (forward and backward alike) or 'forward/backward'
+  configs = [tuple(tuple(int(v) for v in half.split('x')) for half in (c.split('/') * 2)[:2])
+             for c in args.configs.split(',')]
   for d in (int(v) for v in args.d.split(',')):
     make_args = lambda rep, d=d: (make_params(jax.random.key(rep), b, t, d, dtype),)  # noqa: E731
     x_bytes_unit = b * t * N * d * dtype.itemsize
@@ -167,12 +170,12 @@ def main(argv=None):
           if impl == 'jnp':
             run = ref_cases[case]
           else:
-            bt, bd, nw = cfg
-            run = fused_cases(dict(block_t=bt, block_d=bd, num_warps=nw,
-                                   num_warps_bwd=nw))[case]
+            (bt, bd, nw), (btb, bdb, nwb) = cfg
+            run = fused_cases(dict(block_t=bt, block_d=bd, num_warps=nw, block_t_bwd=btb,
+                                   block_d_bwd=bdb, num_warps_bwd=nwb))[case]
           fn = jax.jit(run) if mode == 'fwd' else fwd_bwd(run)
           rec = dict(case=case, mode=mode, impl=impl, d=d, batch=b, seq=t, dtype=args.dtype,
-                     config=None if cfg is None else 'x'.join(map(str, cfg)))
+                     config=None if cfg is None else '/'.join('x'.join(map(str, h)) for h in cfg))
           try:
             if args.check:
               got = fn(*make_args(123))

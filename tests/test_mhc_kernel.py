@@ -149,3 +149,35 @@ def test_model_site_wrapper_matches_mhc_site():
   for g, w in zip((pre, post, comb), want):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(u, collapse(x, pre_prev), rtol=1e-5, atol=1e-5)
+
+
+def test_kernels_lower_for_triton():
+  """Every kernel (forward and backward, each op) lowers to Triton IR for an H200 on the CPU.
+
+  The interpreter runs jnp semantics, so it cannot see what the Triton lowering refuses (slices
+  of register arrays, say); lowering needs no GPU once the GPU query is answered for it.
+  """
+  gpu_info = pytest.importorskip('jax._src.pallas.triton.gpu_info')
+  registration = pytest.importorskip('jax._src.pallas.triton.pallas_call_registration')
+  pytest.importorskip('jax.experimental.pallas.triton')
+  h200 = gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200, arch_name='sm_90',
+                          compute_capability=90)
+  p, _ = _inputs(jnp.bfloat16, d=64, b=1, t=64)
+  kw = dict(block_t=32, block_d=16, block_t_bwd=16, block_d_bwd=32, interpret=False, iters=3)
+  s = (p['fn'], p['base'], p['scale'])
+  ops = [lambda x, f: K.site_collapse(x, *s, p['pre'], **kw),
+         lambda x, f: K.site_collapse(x, *s, None, **kw),
+         lambda x, f: K.expand_site_collapse(x, f, p['post'], p['comb'], *s, p['pre'], **kw),
+         lambda x, f: K.expand_site_collapse(x, f, p['post'], p['comb'], *s, None, **kw),
+         lambda x, f: (K.expand_fused(x, f, p['post'], p['comb'], **kw),),
+         lambda x, f: (K.collapse_fused(x, p['pre'], **kw),)]
+  original = registration.gpu_info_lib.get_gpu_info
+  registration.gpu_info_lib.get_gpu_info = lambda *a, **k: h200
+  try:
+    for op in ops:
+      loss = lambda x, f, op=op: sum(jnp.sum(o.astype(jnp.float32)) for o in op(x, f))  # noqa: E731,E501
+      text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(p['x'], p['f']).lower(
+          lowering_platforms=('cuda',)).as_text()
+      assert 'triton' in text
+  finally:
+    registration.gpu_info_lib.get_gpu_info = original

@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from deepseek41.ops.index_scores import pad_axis
 
 MIN_DOT = 16  # Triton's smallest matmul dimension
+_COEF_BLOCK = 128  # tokens per program of the per-token coefficient backward
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,52 +284,66 @@ def _fwd_kernel(*refs, spec: _Spec):
     jax.lax.fori_loop(0, steps, walk2, 0)
 
 
+def _coef_bwd_kernel(m_ref, sb_ref, dpre_ref, dpost_ref, dcomb_ref, da_ref, *, spec: _Spec):
+  """Per token: d(pre-activations) from d(pre, post, comb), the Sinkhorn backward included.
+
+  Its own small kernel (one token per thread): inside the streaming kernel the Sinkhorn
+  backward's ~60 live per-token values pushed it into spills (ptxas, sm_90).
+  """
+  # [tb, 1] column loads: a layout with one token per thread (the columns of a loaded [tb, 32]
+  # tile are replicated over the threads of a row group: 8 registers a value at 128 x 32).
+  n, nc = spec.n, spec.nc
+  a = [m_ref[:, pl.ds(c, 1)] * sb_ref[pl.ds(0, 1), pl.ds(c, 1)] + sb_ref[pl.ds(1, 1), pl.ds(c, 1)]
+       for c in range(nc)]
+  da = coefficients_flat_vjp(a, _cols_of(dpre_ref, n, True), _cols_of(dpost_ref, n, True),
+                             _cols_of(dcomb_ref, n * n, True), n, spec.iters, spec.eps)
+  for c in range(spec.cols):
+    da_ref[:, pl.ds(c, 1)] = da[c] if c < nc else jnp.zeros_like(da[0])
+
+
+def _own_kernel(*refs, spec: _Spec):
+  """Multi pass: the collapse's share of d pre, <du, X'[k]> per token (X' recomputed)."""
+  n, bd = spec.n, spec.block_d
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  f_ref, post_ref, comb_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if spec.expand else (None,) * 3
+  du_ref, o_ref = refs
+
+  def walk0(ci, acc):
+    d0 = pl.multiple_of(ci * bd, bd)
+    _, xq, _, _ = _chunk(spec, x_ref, f_ref, _cols_of(post_ref, n, True),
+                         _cols_of(comb_ref, n * n, True), d0)
+    du = du_ref[:, pl.ds(d0, bd)].astype(jnp.float32)
+    return tuple(acc[k] + jnp.sum(du * xq[k], axis=1) for k in range(n))
+  zeros = jnp.zeros((x_ref.shape[0],), jnp.float32)
+  own = jax.lax.fori_loop(0, spec.d // bd, walk0, (zeros,) * n)
+  o_ref[...] = _matrix(list(own), n)
+
+
 def _bwd_kernel(*refs, spec: _Spec):
   n, bd, nc = spec.n, spec.block_d, spec.nc
   refs = list(refs)
   x_ref = refs.pop(0)
   f_ref, post_ref, comb_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if spec.expand else (None,) * 3
-  pin_ref = refs.pop(0) if spec.collapse == 'given' else None
-  w_ref, sb_ref, m_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if spec.site else (None,) * 3
+  pin_ref = refs.pop(0) if spec.collapse != 'none' else None   # 'own': the site's forward pre
+  w_ref, sb_ref, m_ref, da_ref = (refs.pop(0), refs.pop(0), refs.pop(0), refs.pop(0)) \
+      if spec.site else (None,) * 4
   dxo_ref = refs.pop(0) if spec.expand else None
   du_ref = refs.pop(0) if spec.collapse != 'none' else None
-  dpre_ref, dpost_ref, dcomb_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if spec.site \
-      else (None,) * 3
   dx_ref = refs.pop(0)
   df_ref, dposti_ref, dcombi_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if spec.expand \
       else (None,) * 3
   dpin_ref = refs.pop(0) if spec.collapse == 'given' else None
-  da_ref = refs.pop(0) if spec.site else None
   assert not refs
   tb = x_ref.shape[0]
   steps = spec.d // bd
   f32 = jnp.float32
-  pre_own = None
   zeros = jnp.zeros((tb,), f32)
 
   if spec.site:
     mp = m_ref[...]
     r = _columns(mp, nc + 1)[nc]
-    srow, brow = sb_ref[pl.ds(0, 1), :], sb_ref[pl.ds(1, 1), :]
-    a = _columns(mp * srow + brow, nc)
-    dpre = _columns(dpre_ref[...].astype(f32), n)
-    if spec.collapse == 'own':
-      pre_own = [(_sigmoid(v) + spec.eps)[:, None] for v in a[:n]]
-
-      def walk0(ci, acc):  # the collapse's share of d pre: <du, X'[k]>
-        d0 = pl.multiple_of(ci * bd, bd)
-        _, xq, _, _ = _chunk(spec, x_ref, f_ref, _cols_of(post_ref, n, True),
-                             _cols_of(comb_ref, n * n, True), d0)
-        du = du_ref[:, pl.ds(d0, bd)].astype(f32)
-        return tuple(acc[k] + jnp.sum(du * xq[k], axis=1) for k in range(n))
-      own = jax.lax.fori_loop(0, steps, walk0, (zeros,) * n)
-      dpre = [dpre[k] + own[k] for k in range(n)]
-    da = coefficients_flat_vjp(a, dpre, _columns(dpost_ref[...].astype(f32), n),
-                               _columns(dcomb_ref[...].astype(f32), n * n), n, spec.iters,
-                               spec.eps)
-    da_mat = _matrix(da, spec.cols)
-    da_ref[...] = da_mat
-    dm_mat = da_mat * srow
+    dm_mat = da_ref[...] * sb_ref[pl.ds(0, 1), :]
     # d/dX' of m = r * fn . X': r fn^T dm - (r^2 / (n D)) (dm . m) X'
     shrink = r * r * jnp.sum(dm_mat * mp, axis=1) / (n * spec.d)   # mp's r column meets dm 0
     rdm = (dm_mat * r[:, None]).astype(w_ref.dtype)  # bf16 streams: a bf16 MMA, fp32 sums
@@ -338,7 +353,7 @@ def _bwd_kernel(*refs, spec: _Spec):
     d0 = pl.multiple_of(ci * bd, bd)
     post, comb = _cols_of(post_ref, n, True), _cols_of(comb_ref, n * n, True)
     xs, xq, _, f = _chunk(spec, x_ref, f_ref, post, comb, d0)
-    pre_c = _cols_of(pin_ref, n, True) if spec.collapse == 'given' else pre_own
+    pre_c = _cols_of(pin_ref, n, True) if spec.collapse != 'none' else None
     if spec.expand:
       g = [dxo_ref[:, k, pl.ds(d0, bd)].astype(f32) for k in range(n)]
     else:
@@ -445,7 +460,8 @@ def _fused(spec, x, f, post, comb, pin, fn, base, scale):
 def _fused_fwd(spec, x, f, post, comb, pin, fn, base, scale):
   outs, m = _forward(spec, x, f, post, comb, pin, fn, base, scale)
   site_in = outs[0] if spec.expand else x
-  return outs, (x, f, post, comb, pin, fn, base, scale, m, site_in if spec.site else None)
+  pin_res = outs[2] if spec.collapse == 'own' else pin   # the own collapse read the site's pre
+  return outs, (x, f, post, comb, pin_res, fn, base, scale, m, site_in if spec.site else None)
 
 
 def _fused_bwd(spec, res, cts):
@@ -454,28 +470,44 @@ def _fused_bwd(spec, res, cts):
   dxo, du, dpre, dpost, dcomb = cts
   n, d, tb, cols, nc = spec.n, spec.d, spec.block_t, spec.cols, spec.nc
   rows = x.shape[0]
-  args, in_specs = [x], [_row_spec(tb, n, d)]
+  stream_args, stream_specs = [x], [_row_spec(tb, n, d)]
   if spec.expand:
-    args += [f, post, comb]
-    in_specs += [_row_spec(tb, d), _row_spec(tb, n), _row_spec(tb, n * n)]
-  if spec.collapse == 'given':
+    stream_args += [f, post, comb]
+    stream_specs += [_row_spec(tb, d), _row_spec(tb, n), _row_spec(tb, n * n)]
+  da = None
+  if spec.site:
+    _, w_ncd, sb = _site_tables(spec, fn, base, scale)
+    if spec.collapse == 'own':  # fold the collapse's d pre in before the coefficient backward
+      dpre = dpre + pl.pallas_call(
+          functools.partial(_own_kernel, spec=spec),
+          out_shape=jax.ShapeDtypeStruct((rows, n), jnp.float32), grid=(rows // tb,),
+          in_specs=stream_specs + [_row_spec(tb, d)], out_specs=_row_spec(tb, n),
+          compiler_params=_params(spec), interpret=spec.interpret,
+          name='mhc_fused_own')(*stream_args, du.astype(x.dtype))
+    tc = min(_COEF_BLOCK, rows)
+    da = pl.pallas_call(
+        functools.partial(_coef_bwd_kernel, spec=spec),
+        out_shape=jax.ShapeDtypeStruct((rows, cols), jnp.float32), grid=(rows // tc,),
+        in_specs=[_row_spec(tc, cols), _whole((2, cols)), _row_spec(tc, n), _row_spec(tc, n),
+                  _row_spec(tc, n * n)],
+        out_specs=_row_spec(tc, cols), compiler_params=_params(spec._replace(num_warps=4)),
+        interpret=spec.interpret, name='mhc_fused_coef_bwd')(m, sb, dpre, dpost, dcomb)
+  args, in_specs = list(stream_args), list(stream_specs)
+  if spec.collapse != 'none':
     args.append(pin)
     in_specs.append(_row_spec(tb, n))
   if spec.site:
-    _, w_ncd, sb = _site_tables(spec, fn, base, scale)
     # W in the streams' dtype: bf16 streams get a bf16 MMA and half the W bytes per tile (W is
     # re-read by every token block); its rounding is that of the bf16 dX it feeds.
-    args += [w_ncd.astype(x.dtype), sb, m]
-    in_specs += [_whole((n, cols, d)), _whole((2, cols)), _row_spec(tb, cols)]
+    args += [w_ncd.astype(x.dtype), sb, m, da]
+    in_specs += [_whole((n, cols, d)), _whole((2, cols)), _row_spec(tb, cols),
+                 _row_spec(tb, cols)]
   if spec.expand:
     args.append(dxo.astype(x.dtype))
     in_specs.append(_row_spec(tb, n, d))
   if spec.collapse != 'none':
     args.append(du.astype(x.dtype))
     in_specs.append(_row_spec(tb, d))
-  if spec.site:
-    args += [dpre, dpost, dcomb]
-    in_specs += [_row_spec(tb, n), _row_spec(tb, n), _row_spec(tb, n * n)]
   out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
   out_specs = [_row_spec(tb, n, d)]
   widths = []
@@ -485,8 +517,6 @@ def _fused_bwd(spec, res, cts):
     widths += [n, n * n]
   if spec.collapse == 'given':
     widths.append(n)
-  if spec.site:
-    widths.append(cols)
   for w in widths:
     out_shape.append(jax.ShapeDtypeStruct((rows, w), jnp.float32))
     out_specs.append(_row_spec(tb, w))
@@ -499,8 +529,7 @@ def _fused_bwd(spec, res, cts):
   dpin = outs.pop(0) if spec.collapse == 'given' else None
   dfn = dbase = dscale = None
   if spec.site:
-    da = outs.pop(0)[:, :nc]
-    _, _, sb = _site_tables(spec, fn, base, scale)
+    da = da[:, :nc]
     r = m[:, nc]
     dm_r = da * sb[0, :nc] * r[:, None]
     dfn = jnp.einsum('rc,rf->cf', dm_r, site_in.reshape(rows, n * d),
@@ -540,7 +569,7 @@ def _run(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, site, 
   expand = f_btd is not None
   spec = _Spec(n, d, expand, site, collapse, iters, float(eps), float(norm_eps), tb, bd,
                num_warps, tb_b, bd_b, num_warps_bwd or num_warps, bool(interpret))
-  pad_to = max(tb, tb_b)
+  pad_to = max(tb, tb_b, min(_COEF_BLOCK, cap))
   flat = lambda a, *tail: None if a is None else pad_axis(a.reshape((rows,) + tail), 0, pad_to)  # noqa: E731,E501
   outs = _fused(spec, flat(x_btnd, n, d), flat(f_btd, d), flat(post_btn, n),
                 flat(comb_btjk, n * n), flat(pre_btn, n), fn, base, scale)
@@ -549,8 +578,13 @@ def _run(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, site, 
   return (unflat(xo, n, d), unflat(u, d), unflat(pre, n), unflat(post, n), unflat(comb, n, n))
 
 
-_KNOBS = dict(iters=20, eps=1e-6, norm_eps=1e-6, block_t=64, block_d=16, num_warps=4,
-              block_t_bwd=16, block_d_bwd=32, num_warps_bwd=4, interpret=None)
+# Block sizes from ptxas (sm_90) register counts of the lowered kernels, not yet from GPU timings
+# (benchmarks/bench_mhc.py sweeps them). fn's tile [32 cols, block_d] is re-read by every token
+# block, so block_t sets its L2 traffic relative to X's: fp32 W in the forward at 128 tokens is
+# 0.5x, bf16 W in the backward at 64 tokens 0.5x. Forward 128 x 16 x 8 warps: 80-140 registers;
+# backward 64 x 16 x 4 warps: the expand + site + collapse kernel at 254, no spills.
+_KNOBS = dict(iters=20, eps=1e-6, norm_eps=1e-6, block_t=128, block_d=16, num_warps=8,
+              block_t_bwd=64, block_d_bwd=16, num_warps_bwd=4, interpret=None)
 
 
 def site_collapse(x_btnd, fn, base, scale, pre_btn=None, **kw):
