@@ -50,7 +50,8 @@ def _inputs(dtype, d=64, b=2, t=20):
 
 
 def _reference(kind, given, iters, eps, norm_eps):
-  site = lambda x, fn, base, scale: site_coefficients(x, fn, base, scale, iters, eps, norm_eps)  # noqa: E731,E501
+  def site(x, fn, base, scale):
+    return site_coefficients(x, fn, base, scale, iters, eps, norm_eps)
 
   def run(p):
     if kind == 'expand':
@@ -102,8 +103,9 @@ def _check(kind, given, dtype, iters=5, eps=1e-6, norm_eps=1e-6, d=64):
                                atol=tol)
   cts = [jax.random.normal(jax.random.fold_in(key, i), w.shape).astype(w.dtype)
          for i, w in enumerate(want)]
-  loss = lambda run: lambda p: sum(jnp.sum(o.astype(jnp.float32) * c.astype(jnp.float32))  # noqa: E731,E501
-                                   for o, c in zip(run(p), cts))
+  def loss(run):
+    return lambda p: sum(jnp.sum(o.astype(jnp.float32) * c.astype(jnp.float32))
+                         for o, c in zip(run(p), cts))
   g_want = jax.grad(loss(ref))(p)
   g_got = jax.grad(loss(fused))(p)
   for k in names:
@@ -175,7 +177,8 @@ def test_kernels_lower_for_triton():
   registration.gpu_info_lib.get_gpu_info = lambda *a, **k: h200
   try:
     for op in ops:
-      loss = lambda x, f, op=op: sum(jnp.sum(o.astype(jnp.float32)) for o in op(x, f))  # noqa: E731,E501
+      def loss(x, f, op=op):
+        return sum(jnp.sum(o.astype(jnp.float32)) for o in op(x, f))
       text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(p['x'], p['f']).lower(
           lowering_platforms=('cuda',)).as_text()
       assert 'triton' in text

@@ -20,12 +20,18 @@ Which parts run is static (`_Spec`); the model's orders map onto it (transformer
 (The layer-end expand and the next layer's site_collapse are one `expand_site_collapse` when
 no Engram layer sits between them; the model does not fuse across blocks yet.)
 
-Backward (`jax.custom_vjp`): one kernel per op recomputes X' from X and F, rebuilds the per-token
-coefficients from the saved projection m [tokens, 32] (the Sinkhorn backward recomputes the
-forward iterations in registers: O(iters^2) tiny 4x4 steps, no saved iterations), and writes
-dX, dF and the per-token reductions (dpre, dpost, dC) in one walk (two for the multi-pass own
-collapse). fn's gradient, a [24, n*D] sum over all tokens, is an XLA matmul over the site's
-input (one more read of X per site in the backward).
+Backward (`jax.custom_vjp`, nothing big saved: X' is the op's own output, kept anyway as the
+next op's input): a per-token kernel turns d(pre, post, C) into d(pre-activations), the Sinkhorn
+backward recomputing the forward rounds in registers (O(iters^2) tiny 4x4 steps, no saved
+iterations); then one streaming kernel per op recomputes X' from X and F and writes dX, dF and
+the per-token reductions (d pre of the given collapse, d post, dC) in one walk. The multi-pass
+own collapse adds one reduction walk (<du, X'[k]>) before the coefficient backward. fn's
+gradient, a [24, n*D] sum over every token, is an XLA matmul over the site's input (one more
+read of X per site). The backward's W term runs as a matmul in the streams' dtype (bf16 MMA for
+bf16 streams: the rounding of the bf16 dX it feeds).
+
+Checked on the CPU only (tests/test_mhc_kernel.py: the interpreter against mhc.py, and every
+kernel lowered for Triton); block sizes come from ptxas register counts for sm_90, not timings.
 """
 
 from __future__ import annotations
@@ -210,6 +216,10 @@ def _cols_of(ref, count, loads=False):
   return [v[:, None] for v in _columns(ref[...].astype(jnp.float32), count)]
 
 
+def _pop(refs, count):
+  return tuple(refs.pop(0) for _ in range(count))
+
+
 def _chunk(spec, x_ref, f_ref, post, comb, d0):
   """(X chunks fp32, X' chunks fp32 as stored, X' chunks fp32 unrounded, F chunk) at d0;
   post and comb are lists of [tb, 1] columns."""
@@ -233,7 +243,7 @@ def _fwd_kernel(*refs, spec: _Spec):
   n, bd, nc = spec.n, spec.block_d, spec.nc
   refs = list(refs)
   x_ref = refs.pop(0)
-  f_ref, post_ref, comb_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if spec.expand else (None,) * 3
+  f_ref, post_ref, comb_ref = _pop(refs, 3) if spec.expand else (None,) * 3
   pin_ref = refs.pop(0) if spec.collapse == 'given' else None
   wt_ref, sb_ref = (refs.pop(0), refs.pop(0)) if spec.site else (None, None)
   xo_ref = refs.pop(0) if spec.expand else None
@@ -306,7 +316,7 @@ def _own_kernel(*refs, spec: _Spec):
   n, bd = spec.n, spec.block_d
   refs = list(refs)
   x_ref = refs.pop(0)
-  f_ref, post_ref, comb_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if spec.expand else (None,) * 3
+  f_ref, post_ref, comb_ref = _pop(refs, 3) if spec.expand else (None,) * 3
   du_ref, o_ref = refs
 
   def walk0(ci, acc):
@@ -324,7 +334,7 @@ def _bwd_kernel(*refs, spec: _Spec):
   n, bd, nc = spec.n, spec.block_d, spec.nc
   refs = list(refs)
   x_ref = refs.pop(0)
-  f_ref, post_ref, comb_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if spec.expand else (None,) * 3
+  f_ref, post_ref, comb_ref = _pop(refs, 3) if spec.expand else (None,) * 3
   pin_ref = refs.pop(0) if spec.collapse != 'none' else None   # 'own': the site's forward pre
   w_ref, sb_ref, m_ref, da_ref = (refs.pop(0), refs.pop(0), refs.pop(0), refs.pop(0)) \
       if spec.site else (None,) * 4
@@ -570,7 +580,8 @@ def _run(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, site, 
   spec = _Spec(n, d, expand, site, collapse, iters, float(eps), float(norm_eps), tb, bd,
                num_warps, tb_b, bd_b, num_warps_bwd or num_warps, bool(interpret))
   pad_to = max(tb, tb_b, min(_COEF_BLOCK, cap))
-  flat = lambda a, *tail: None if a is None else pad_axis(a.reshape((rows,) + tail), 0, pad_to)  # noqa: E731,E501
+  def flat(a, *tail):
+    return None if a is None else pad_axis(a.reshape((rows,) + tail), 0, pad_to)
   outs = _fused(spec, flat(x_btnd, n, d), flat(f_btd, d), flat(post_btn, n),
                 flat(comb_btjk, n * n), flat(pre_btn, n), fn, base, scale)
   xo, u, pre, post, comb = outs
