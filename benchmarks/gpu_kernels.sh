@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_kernels.sh layers       # one CSA2 layer vs cuDNN dense (bench_csa2.py)
 # Runs (model overrides): xla = the jnp paths (gathered, chunked, top_k); sparse = fused sparse
 # kernel only; fused = every kernel (sparse, window, threshold select); prof = fused + profile;
-# grouped = the defaults with the dropless grouped-GEMM experts.
+# grouped = the defaults with the dropless grouped-GEMM experts; mhc = the fused mHC kernels.
 set -uo pipefail
 mode=${1:-micro}; shift || true
 source benchmarks/device_env.sh
@@ -15,7 +15,7 @@ XLA="--config.model.sparse_impl=gathered --config.model.attention_impl=chunked -
 SPARSE="--config.model.sparse_impl=fused --config.model.attention_impl=chunked --config.model.select_impl=top_k"
 FUSED="--config.model.sparse_impl=fused --config.model.attention_impl=${ATT:-fused} --config.model.select_impl=${SEL:-threshold}"
 flags() { case "$1" in auto) echo "";; xla) echo $XLA;; sparse) echo $SPARSE;; fused|prof) echo $FUSED;;
-  grouped) echo "--config.model.moe_backend=grouped";;
+  grouped) echo "--config.model.moe_backend=grouped";; mhc) echo "--config.model.mhc_impl=fused";;
   *) echo "unknown run $1" >&2; exit 2;; esac; }
 train() {  # shape name run
   local shape=$1 run=$2 wd=/tmp/k_$1_$2_$$ extra=""

@@ -118,6 +118,10 @@ class ModelConfig:
   # or a plain pre-norm residual (ablation).
   residual: str = _key('mhc_single_pass', choices=('mhc_single_pass', 'mhc_multi_pass', 'plain'))
   hc_mult: int = _key(4)                 # [hc_mult] residual streams
+  # How the mHC sites run: `reference` (jnp, model/mhc.py) or `fused` (ops/mhc_kernel.py, GPU
+  # Pallas kernels that read and write the streams once per site). auto stays `reference` until
+  # the kernels are measured on the GPU (docs/performance.md section 9.10).
+  mhc_impl: str = _key('auto', choices=('reference', 'fused'), auto=lambda m, backend: 'reference')
   hc_sinkhorn_iters: int = _key(20)      # [hc_sinkhorn_iters]
   hc_eps: float = _key(1e-6)             # [hc_eps]
   hc_init_std: float = _key(0.02)        # std of the coefficient projections [S: HF's init]
@@ -587,6 +591,10 @@ def _check_layer_wiring(m: ModelConfig):
 
 def _check_residual(m: ModelConfig):
   _req(m.hc_mult >= 1, 'model.hc_mult', f'must be >= 1, got {m.hc_mult}')
+  pow2 = m.hc_mult & (m.hc_mult - 1) == 0
+  _req(m.mhc_impl != 'fused' or m.residual == 'plain' or (pow2 and m.d_model % 16 == 0),
+       'model.mhc_impl', f"'fused' needs a power-of-two hc_mult and d_model a multiple of 16 "
+       f'(got {m.hc_mult} and {m.d_model})')
   _req(m.hc_sinkhorn_iters >= 1, 'model.hc_sinkhorn_iters', 'must be >= 1')
   _req(m.hc_eps >= 0, 'model.hc_eps', 'must be >= 0')
 
@@ -665,7 +673,7 @@ def _check_index_impl(m: ModelConfig, backend: str):
   _req(m.index_impl != 'fused' or (fused_ok and backend == 'gpu'), 'model.index_impl',
        f"'fused' is a GPU kernel for power-of-two index_n_heads and index_head_dim >= 16 "
        f'(got {m.index_n_heads} x {m.index_head_dim} on {backend})')
-  for key in ('attention_impl', 'sparse_impl'):
+  for key in ('attention_impl', 'sparse_impl', 'mhc_impl'):
     _req(getattr(m, key) != 'fused' or backend == 'gpu', f'model.{key}',
          f"'fused' is a GPU kernel (Pallas on the Triton backend); this backend is {backend}")
   _req(m.attention_impl != 'fused' or attention_kernel_supported(m.num_heads, m.head_dim),

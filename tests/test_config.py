@@ -193,10 +193,11 @@ def test_no_auto_choice_survives_resolution(backend):
   assert model.attention_impl == 'chunked'  # base_config's 4 heads: the window kernel needs 16
   assert model.sparse_impl == ('fused' if gpu else 'gathered')  # any heads: the kernel pads
   assert model.select_impl == ('threshold' if gpu else 'top_k')
+  assert model.mhc_impl == 'reference'  # the fused mHC kernels are not measured yet
 
 
 @pytest.mark.parametrize('key,value', [('sparse_impl', 'fused'), ('attention_impl', 'fused'),
-                                       ('select_impl', 'threshold')])
+                                       ('select_impl', 'threshold'), ('mhc_impl', 'fused')])
 def test_gpu_kernels_are_refused_off_the_gpu(key, value):
   c = base_config()
   c.model[key] = value

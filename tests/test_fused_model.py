@@ -51,3 +51,17 @@ def test_kernels_equal_the_jnp_paths(case):
   assert len(leaves_ref) == len(leaves_k)
   for a, b in zip(leaves_k, leaves_ref):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize('residual', ['mhc_single_pass', 'mhc_multi_pass'])
+def test_fused_mhc_equals_the_jnp_sites(residual):
+  # The whole model (CSA2, Engram, CED) with the fused mHC kernels against model/mhc.py.
+  cfg = resolved(**{'model.residual': residual, 'model.engram': True}).model
+  batch = {k: jnp.asarray(v)[:2] for k, v in packed_batch(seed=3, docs_per_row=2, pad=4).items()}
+  l_ref, g_ref = _loss_and_grads(cfg, dict(mhc_impl='reference'), batch)
+  l_k, g_k = _loss_and_grads(cfg, dict(mhc_impl='fused'), batch)
+  np.testing.assert_allclose(l_k, l_ref, rtol=1e-5)
+  leaves_ref, leaves_k = jax.tree.leaves(g_ref), jax.tree.leaves(g_k)
+  assert len(leaves_ref) == len(leaves_k)
+  for a, b in zip(leaves_k, leaves_ref):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)

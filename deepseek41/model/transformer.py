@@ -22,17 +22,20 @@ from deepseek41.config import LayerRole, ModelConfig, layer_roles
 from deepseek41.model.attention import Attention
 from deepseek41.model.csa2 import INDEXER_TOTALS
 from deepseek41.model.engram import Engram, dead_tokens, layer_addresses, row_ids
-from deepseek41.model.mhc import MHCHead, MHCSite, collapse, expand
+from deepseek41.model.mhc import (MHCHead, MHCSite, collapse, expand, fused_expand_site_collapse,
+                                  fused_site_collapse)
 from deepseek41.model.moe import MoE
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import dtype_of, normal_param
 from deepseek41.model.vision import VisionEncoder
+from deepseek41.ops.mhc_kernel import expand_fused
 
 
 class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, role: LayerRole, rngs: nnx.Rngs, engram_rows: int = 0):
     self.residual = cfg.residual
+    self.mhc_impl = cfg.mhc_impl
     self.layer = role.layer
     self.engram = Engram(cfg, engram_rows, rngs) if engram_rows else None
     self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
@@ -64,6 +67,16 @@ class Block(nnx.Module):
       y_btd, aux = ffn(h_btd)
       return (h_btd + y_btd).astype(x.dtype), None, aux, shared
     mhc = jax.named_scope('mhc')  # the residual mixing: sites, reads and writes
+    single = self.residual == 'mhc_single_pass'
+    if self.mhc_impl == 'fused':  # the same sites, each one pass over the streams
+      u_btd, pre_a, post_a, comb_a = mhc(fused_site_collapse)(
+          self.attn_site, x, pre_prev if single else None)
+      attn_btd, shared = attention(u_btd, shared)
+      x, u_btd, pre_f, post_f, comb_f = mhc(fused_expand_site_collapse)(
+          self.ffn_site, x, attn_btd, post_a, comb_a, pre_a if single else None)
+      y_btd, aux = ffn(u_btd)
+      x = mhc(expand_fused)(x, y_btd, post_f, comb_f)
+      return x, (pre_f if single else None), aux, shared
     pre_a, post_a, comb_a = mhc(self.attn_site)(x)
     attn_btd, shared = attention(mhc(collapse)(x, pre_prev if self.residual == 'mhc_single_pass'
                                                else pre_a), shared)
