@@ -42,9 +42,10 @@ import numpy as np
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
+from bench_moe import build  # noqa: E402  (benchmarks/bench_moe.py)
 from timing import jsonl_emitter, time_fn  # noqa: E402  (benchmarks/timing.py)
 from deepseek41.ops import grouped_gemm as gg  # noqa: E402
-from deepseek41.ops.expert_gemm import expert_ffn, expert_ffn_batched  # noqa: E402
+from deepseek41.ops.expert_gemm import expert_ffn  # noqa: E402
 
 SWIGLU_LIMIT = 10.0
 _REL = dict(d=5120, f=2304, experts=48, k=6, group=4096)
@@ -119,20 +120,9 @@ def bench_block(emit, case, c, backend, args, dtype, tiles):
   if backend == 'ragged_dot' and e * 3 * flops_fwd / 1e12 > args.ragged_dot_max_tflop:
     emit(dict(kind='block', case=case, backend=backend, skipped='over --ragged_dot_max_tflop'))
     return
-  kw = dict(swiglu_limit=SWIGLU_LIMIT, backend=backend, capacity_factor=args.capacity_factor,
-            grouped_tiles=tiles if backend == 'grouped' else None)
   experts = make_experts(jax.random.key(0), e, d, f, dtype)
-
-  @jax.jit
-  def fwd(x, idx, weight, valid, wg, wu, wd):
-    return expert_ffn_batched(x, idx, weight, valid, wg, wu, wd, **kw)
-
-  @jax.jit
-  def fwd_bwd(x, idx, weight, valid, wg, wu, wd, ct):
-    def loss(x, weight, wg, wu, wd):
-      y, dropped = expert_ffn_batched(x, idx, weight, valid, wg, wu, wd, **kw)
-      return jnp.sum(y.astype(jnp.float32) * ct), dropped
-    return jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(x, weight, wg, wu, wd)
+  fwd, fwd_bwd = build(backend, args.capacity_factor,
+                       grouped_tiles=tiles if backend == 'grouped' else None)
 
   def make_args(rep, with_ct=False):
     key = jax.random.fold_in(jax.random.key(1), rep)

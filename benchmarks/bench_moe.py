@@ -83,9 +83,12 @@ def make_experts(key, args, dtype):
   return w_gate, w_up, w_down
 
 
-def build(backend, capacity_factor):
-  """Jitted forward and forward+backward (grads w.r.t. x, router weights and all experts)."""
-  kw = dict(swiglu_limit=SWIGLU_LIMIT, backend=backend, capacity_factor=capacity_factor)
+def build(backend, capacity_factor, **extra):
+  """Jitted forward and forward+backward (grads w.r.t. x, router weights and all experts).
+
+  extra: more keyword arguments of expert_ffn_batched (e.g. grouped_tiles).
+  """
+  kw = dict(swiglu_limit=SWIGLU_LIMIT, backend=backend, capacity_factor=capacity_factor, **extra)
 
   @jax.jit
   def fwd(x, idx, weight, valid, wg, wu, wd):
