@@ -52,10 +52,14 @@ def _keys(cls) -> list[dataclasses.Field]:
 # `auto` choices of the model: how, not what, is computed (docs/architecture.md section 2).
 
 
+# The fast dropless expert path of each accelerator (ops/expert_gemm.py).
+_DROPLESS_MOE_BACKENDS = {'tpu': 'ragged_dot', 'gpu': 'grouped'}
+
+
 def _auto_moe_backend(m: dict[str, Any], backend: str) -> str:
   # Measured on the H200 (docs/performance.md): ragged_dot costs E dense matmuls on GPU/CPU;
   # the grouped Pallas GEMM is dropless at about the capacity einsum's speed on the GPU.
-  return {'tpu': 'ragged_dot', 'gpu': 'grouped'}.get(backend, 'capacity_einsum')
+  return _DROPLESS_MOE_BACKENDS.get(backend, 'capacity_einsum')
 
 
 def _auto_eval_moe_backend(m: dict[str, Any], backend: str) -> str:
@@ -67,7 +71,7 @@ def _auto_eval_moe_backend(m: dict[str, Any], backend: str) -> str:
   # K=6: 630 ms against 235 ms per call).
   if m['moe_backend'] != 'capacity_einsum':
     return m['moe_backend']
-  return {'tpu': 'ragged_dot', 'gpu': 'grouped'}.get(backend, 'reference')
+  return _DROPLESS_MOE_BACKENDS.get(backend, 'reference')
 
 
 def _auto_index_impl(m: dict[str, Any], backend: str) -> str:
