@@ -193,7 +193,16 @@ def test_no_auto_choice_survives_resolution(backend):
   assert model.attention_impl == 'chunked'  # base_config's 4 heads: the window kernel needs 16
   assert model.sparse_impl == ('fused' if gpu else 'gathered')  # any heads: the kernel pads
   assert model.select_impl == ('threshold' if gpu else 'top_k')
-  assert model.mhc_impl == 'reference'  # the fused mHC kernels are not measured yet
+  assert model.mhc_impl == ('fused' if gpu else 'reference')
+
+
+@pytest.mark.parametrize('override,want', [({}, 'fused'), ({'residual': 'plain'}, 'reference'),
+                                           ({'hc_mult': 3}, 'reference'),
+                                           ({'d_model': 72, 'num_heads': 4}, 'reference')])
+def test_auto_picks_the_fused_mhc_only_where_it_tiles(override, want):
+  c = base_config()
+  c.model.update(override)
+  assert resolve(c, num_devices=1, backend='gpu').model.mhc_impl == want
 
 
 @pytest.mark.parametrize('key,value', [('sparse_impl', 'fused'), ('attention_impl', 'fused'),
