@@ -331,7 +331,14 @@ def _initial_state(cfg, ckpt: Checkpointer, tx, mesh, abstract, shardings, layou
   """(state, step): restored from the newest checkpoint after checking it, or initialised."""
   start = ckpt.latest_step()
   if start is None:
+    t0 = time.perf_counter()
     state, _ = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
+    jax.block_until_ready(state)
+    # One program draws every parameter: its compile grows with the parameter count (about 50 s
+    # for configs/ablation_1b.py on the H200; docs/performance.md section 10.3), and the
+    # persistent compilation cache keeps it for the next fresh start.
+    log.info('initialised the parameters and optimizer state in %.1f s (compilation included)',
+             time.perf_counter() - t0)
     return state, 0
   if not ckpt.verify(start):
     log.warning('checkpoint %s has no checksums (written before they were recorded, or the run '
