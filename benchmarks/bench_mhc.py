@@ -2,7 +2,8 @@
 
 Usage (GPU):  python benchmarks/bench_mhc.py [--d 1024,5120] [--check] [--out mhc.jsonl]
               [--configs 128x16x8/64x16x4,...]  (block_t x block_d x num_warps of the
-              forward / of the backward; one 'BTxBDxNW' sets both; one run each)
+              forward / of the backward; one 'BTxBDxNW' sets both; one run each; a fourth
+              number on the forward's, e.g. 128x16x8x3, sets Triton's num_stages for both)
 
 Cases, at B x T tokens, n = 4 streams, bf16 streams (the model's compute dtype):
   site_collapse         single-pass layer start: the attention site's coefficients from X and
@@ -155,7 +156,7 @@ def main(argv=None):
   ref_cases = reference_cases()
   # 'BTxBDxNW' (forward and backward alike) or 'forward/backward'
   configs = [tuple(tuple(int(v) for v in half.split('x')) for half in (c.split('/') * 2)[:2])
-             for c in args.configs.split(',')]
+             for c in args.configs.split(',')]  # each half BTxBDxNW, the forward's may add xNS
   for d in (int(v) for v in args.d.split(',')):
     make_args = lambda rep, d=d: (make_params(jax.random.key(rep), b, t, d, dtype),)  # noqa: E731
     x_bytes_unit = b * t * N * d * dtype.itemsize
@@ -170,9 +171,10 @@ def main(argv=None):
           if impl == 'jnp':
             run = ref_cases[case]
           else:
-            (bt, bd, nw), (btb, bdb, nwb) = cfg
+            (bt, bd, nw, *ns), (btb, bdb, nwb, *_) = cfg
             run = fused_cases(dict(block_t=bt, block_d=bd, num_warps=nw, block_t_bwd=btb,
-                                   block_d_bwd=bdb, num_warps_bwd=nwb))[case]
+                                   block_d_bwd=bdb, num_warps_bwd=nwb,
+                                   num_stages=ns[0] if ns else 1))[case]
           fn = jax.jit(run) if mode == 'fwd' else fwd_bwd(run)
           rec = dict(case=case, mode=mode, impl=impl, d=d, batch=b, seq=t, dtype=args.dtype,
                      config=None if cfg is None else '/'.join('x'.join(map(str, h)) for h in cfg))

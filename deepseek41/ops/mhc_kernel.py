@@ -30,8 +30,8 @@ gradient, a [24, n*D] sum over every token, is an XLA matmul over the site's inp
 read of X per site). The backward's W term runs as a matmul in the streams' dtype (bf16 MMA for
 bf16 streams: the rounding of the bf16 dX it feeds).
 
-Checked on the CPU only (tests/test_mhc_kernel.py: the interpreter against mhc.py, and every
-kernel lowered for Triton); block sizes come from ptxas register counts for sm_90, not timings.
+Held equal to mhc.py on the CPU (tests/test_mhc_kernel.py: the interpreter, and every kernel
+lowered for Triton) and on the H200 (benchmarks/bench_mhc.py --check; docs/performance.md 10.1).
 """
 
 from __future__ import annotations
@@ -173,6 +173,7 @@ class _Spec(NamedTuple):
   block_t_bwd: int
   block_d_bwd: int
   num_warps_bwd: int
+  num_stages: int          # Triton software pipelining of the walks' loads (1 = none)
   interpret: bool
 
   def backward(self):
@@ -403,7 +404,7 @@ def _bwd_kernel(*refs, spec: _Spec):
 
 def _params(spec):
   from jax.experimental.pallas import triton as plt  # GPU-only module; imported lazily
-  return plt.CompilerParams(num_warps=spec.num_warps, num_stages=1)
+  return plt.CompilerParams(num_warps=spec.num_warps, num_stages=spec.num_stages)
 
 
 def _row_spec(tb, *tail):
@@ -563,7 +564,7 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 def _run(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, site, collapse, iters,
          eps, norm_eps, block_t, block_d, num_warps, block_t_bwd, block_d_bwd, num_warps_bwd,
-         interpret):
+         num_stages, interpret):
   b, t, n, d = x_btnd.shape
   if n & (n - 1):
     raise ValueError(f'the fused mHC kernels need a power-of-two hc_mult, got {n}')
@@ -578,7 +579,7 @@ def _run(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, site, 
   tb, tb_b = min(block_t, cap), min(block_t_bwd or block_t, cap)
   expand = f_btd is not None
   spec = _Spec(n, d, expand, site, collapse, iters, float(eps), float(norm_eps), tb, bd,
-               num_warps, tb_b, bd_b, num_warps_bwd or num_warps, bool(interpret))
+               num_warps, tb_b, bd_b, num_warps_bwd or num_warps, num_stages, bool(interpret))
   pad_to = max(tb, tb_b, min(_COEF_BLOCK, cap))
   def flat(a, *tail):
     return None if a is None else pad_axis(a.reshape((rows,) + tail), 0, pad_to)
@@ -595,7 +596,7 @@ def _run(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, site, 
 # 0.5x, bf16 W in the backward at 64 tokens 0.5x. Forward 128 x 16 x 8 warps: 80-140 registers;
 # backward 64 x 16 x 4 warps: the expand + site + collapse kernel at 254, no spills.
 _KNOBS = dict(iters=20, eps=1e-6, norm_eps=1e-6, block_t=128, block_d=16, num_warps=8,
-              block_t_bwd=64, block_d_bwd=16, num_warps_bwd=4, interpret=None)
+              block_t_bwd=64, block_d_bwd=16, num_warps_bwd=4, num_stages=1, interpret=None)
 
 
 def site_collapse(x_btnd, fn, base, scale, pre_btn=None, **kw):
@@ -605,7 +606,7 @@ def site_collapse(x_btnd, fn, base, scale, pre_btn=None, **kw):
   collapse(X, this site's pre) (multi pass: a second walk). fn [(2+n)n, n*D], base, scale as
   `MHCSite` holds them; keyword knobs: iters, eps, norm_eps (the config's hc_sinkhorn_iters,
   hc_eps, rms_norm_eps), block_t, block_d, num_warps (forward) and block_t_bwd, block_d_bwd,
-  num_warps_bwd (backward), interpret (None: on unless the backend is a GPU).
+  num_warps_bwd (backward), num_stages (both), interpret (None: on unless the backend is a GPU).
   """
   kw = {**_KNOBS, **kw}
   _, u, pre, post, comb = _run(x_btnd, None, None, None, pre_btn, fn, base, scale, site=True,
