@@ -215,6 +215,12 @@ class ModelConfig:
   # auto: bf16 on GPU/TPU, f32 on CPU.
   compute_dtype: str = _key('auto', choices=('float32', 'bfloat16'), auto=_auto_compute_dtype)
   param_dtype: str = _key('float32', choices=('float32', 'bfloat16'))  # master weights
+  # [I] FP8 training GEMMs (ops/fp8_matmul.py): 'rowwise' runs the attention projections, the
+  # shared and the routed experts in e4m3 with per-row power-of-two scales and float32
+  # accumulation, forward and backward (not V3's 128-tiles: cuBLAS FP8 takes row scales only).
+  # Master weights and optimizer stay in param_dtype; embedding, LM head, router, norms, mHC,
+  # attention core, indexer and compressor stay in compute_dtype.
+  fp8: str = _key('off', choices=('off', 'rowwise'))
   # Vision (section 3.15): DeepSeek-ViT + 3x3 merge aligner, image spans in the token stream.
   # Defaults are the tiny test dims; configs/v41_flash.py holds the released ones.
   vision: bool = _key(False)

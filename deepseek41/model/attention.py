@@ -24,6 +24,7 @@ from deepseek41.model.csa2 import CSA2
 from deepseek41.model.norms import RMSNorm, rms_normalize
 from deepseek41.model.params import const_param, normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
+from deepseek41.ops.fp8_matmul import batched_fp8_matmul, dense
 from deepseek41.ops.span_attention import span_partial
 from deepseek41.ops.swa_attention import combine_with_sink, swa_partial
 from deepseek41.quant import get_fake_quant
@@ -58,11 +59,16 @@ class Attention(nnx.Module):
     cfg = self.cfg
     dt = x_btd.dtype
     inv_freq = rope_for_role(cfg, self.role.rope)
-    q_r_btr = self.q_norm(x_btd @ self.wq_a[...].astype(dt))
-    q_bthd = jnp.einsum('btr,rhd->bthd', q_r_btr, self.wq_b[...].astype(dt))
+    q_r_btr = self.q_norm(dense(x_btd, self.wq_a[...], cfg.fp8))
+    if cfg.fp8 == 'off':
+      q_bthd = jnp.einsum('btr,rhd->bthd', q_r_btr, self.wq_b[...].astype(dt))
+    else:  # heads x head_dim as one output axis: a plain 2-D GEMM
+      wq_b_rhd = self.wq_b[...]
+      q_bthd = dense(q_r_btr, wq_b_rhd.reshape(wq_b_rhd.shape[0], -1), cfg.fp8)
+      q_bthd = q_bthd.reshape(*q_r_btr.shape[:2], *wq_b_rhd.shape[1:])
     if cfg.q_head_norm:
       q_bthd = rms_normalize(q_bthd, cfg.rms_norm_eps).astype(dt)
-    kv_btd = self.kv_norm(x_btd @ self.wkv[...].astype(dt))
+    kv_btd = self.kv_norm(dense(x_btd, self.wkv[...], cfg.fp8))
     q_bthd = apply_rope(q_bthd, positions_bt, inv_freq)
     kv_btd = get_fake_quant(cfg.swa_quant)(apply_rope(kv_btd, positions_bt, inv_freq))
     return q_r_btr, q_bthd, kv_btd
@@ -97,5 +103,10 @@ class Attention(nnx.Module):
     b, t = o_bthd.shape[:2]
     dt = o_bthd.dtype
     o_btgf = o_bthd.reshape(b, t, cfg.o_groups, -1)
-    low_btgr = jnp.einsum('btgf,gfr->btgr', o_btgf, self.wo_a[...].astype(dt))
-    return low_btgr.reshape(b, t, -1) @ self.wo_b[...].astype(dt)
+    if cfg.fp8 == 'off':
+      low_btgr = jnp.einsum('btgf,gfr->btgr', o_btgf, self.wo_a[...].astype(dt))
+    else:  # one fp8 GEMM per group, each with its own row scales
+      o_gmf = jnp.moveaxis(o_btgf, 2, 0).reshape(cfg.o_groups, b * t, -1)
+      low_gmr = batched_fp8_matmul(o_gmf, self.wo_a[...].astype(dt))
+      low_btgr = jnp.moveaxis(low_gmr.reshape(cfg.o_groups, b, t, -1), 0, 2)
+    return dense(low_btgr.reshape(b, t, -1), self.wo_b[...], cfg.fp8)

@@ -16,6 +16,7 @@ from flax import nnx
 from deepseek41.config import ModelConfig
 from deepseek41.model.params import RouterBias, normal_param
 from deepseek41.ops.expert_gemm import clipped_swiglu, expert_ffn_batched
+from deepseek41.ops.fp8_matmul import dense
 
 NUM_MODALITIES = 2  # 0 = text, 1 = image (batch field `modality`)
 
@@ -84,10 +85,10 @@ class MoE(nnx.Module):
 
   def shared_experts(self, x_btd):
     """The shared experts: one clipped SwiGLU of width n_shared * F, the routed experts' math."""
-    dt = x_btd.dtype
-    h_btf = clipped_swiglu(x_btd @ self.shared_gate[...].astype(dt),
-                           x_btd @ self.shared_up[...].astype(dt), self.cfg.swiglu_limit)
-    return h_btf @ self.shared_down[...].astype(dt)
+    fp8 = self.cfg.fp8
+    h_btf = clipped_swiglu(dense(x_btd, self.shared_gate[...], fp8),
+                           dense(x_btd, self.shared_up[...], fp8), self.cfg.swiglu_limit)
+    return dense(h_btf, self.shared_down[...], fp8)
 
   def __call__(self, x_btd, modality_bt, valid_bt):
     cfg = self.cfg
@@ -99,7 +100,7 @@ class MoE(nnx.Module):
         x_btd, idx_btk, weights_btk, valid_bt.astype(bool),
         self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt),
         swiglu_limit=cfg.swiglu_limit, backend=cfg.moe_backend,
-        capacity_factor=cfg.capacity_factor)
+        capacity_factor=cfg.capacity_factor, fp8=cfg.fp8)
     if cfg.n_shared_experts:
       y_btd = y_btd + self.shared_experts(x_btd)
     aux = {

@@ -20,6 +20,13 @@ Backends (docs/performance.md says why there are several):
     are kernels, the useful FLOPs plus < block_m padding rows per expert). On the CPU the kernels
     run in the Pallas interpreter.
 
+FP8 (`fp8='rowwise'`, model.fp8; ops/fp8_matmul.py): `reference` and `capacity_einsum` run
+each expert's three GEMMs as row-wise scaled e4m3 GEMMs, forward, dgrad and wgrad (a vmap of
+fp8_matmul over the experts). `grouped` runs the forward and dgrad in e4m3 inside the Pallas
+kernels and keeps the weight gradient in the compute dtype (ops/grouped_gemm.py). `ragged_dot`
+cannot take per-(expert, column) scales, so it reproduces the grouped numerics by quantize-
+dequantize: the same e4m3 values and scales, a compute-dtype ragged_dot.
+
 Padding tokens (`valid_n` false) take no capacity, are never counted as dropped, and output 0.
 All backends are jit-able and differentiable in x, weight_nk and the three expert tensors; all but
 `grouped` are plain jnp and indifferent to how the weights are sharded (`grouped` computes the
@@ -35,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from deepseek41.ops import grouped_gemm
+from deepseek41.ops.fp8_matmul import batched_fp8_matmul, check_fp8, qdq_rowwise
 from deepseek41.ops.grouped_gemm import sort_by_expert as _sort_by_expert
 
 BACKENDS = ('reference', 'capacity_einsum', 'ragged_dot', 'grouped')
@@ -72,15 +80,22 @@ def _combine(y_nkd, weight_nk, dtype):
 # ---- reference ---------------------------------------------------------------------------------
 
 
-def _reference(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd, limit):
+def _reference(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd,
+               limit, fp8='off'):
   """Every expert on every token; a dense [N, E] combine matrix picks and weights the chosen ones."""
   n_experts = w_gate_edf.shape[0]
   onehot_nke = jax.nn.one_hot(expert_idx_nk, n_experts, dtype=jnp.float32)
   weight_nk = jnp.where(valid_n[:, None], weight_nk.astype(jnp.float32), 0.0)
   combine_ne = jnp.einsum('nke,nk->ne', onehot_nke, weight_nk)
-  h_gate_nef = jnp.einsum('nd,edf->nef', x_nd, w_gate_edf)
-  h_up_nef = jnp.einsum('nd,edf->nef', x_nd, w_up_edf)
-  out_ned = jnp.einsum('nef,efd->ned', clipped_swiglu(h_gate_nef, h_up_nef, limit), w_down_efd)
+  if fp8 == 'off':
+    h_gate_nef = jnp.einsum('nd,edf->nef', x_nd, w_gate_edf)
+    h_up_nef = jnp.einsum('nd,edf->nef', x_nd, w_up_edf)
+    out_ned = jnp.einsum('nef,efd->ned', clipped_swiglu(h_gate_nef, h_up_nef, limit), w_down_efd)
+  else:
+    x_end = jnp.broadcast_to(x_nd, (n_experts, *x_nd.shape))
+    h_enf = clipped_swiglu(batched_fp8_matmul(x_end, w_gate_edf),
+                           batched_fp8_matmul(x_end, w_up_edf), limit)
+    out_ned = jnp.swapaxes(batched_fp8_matmul(h_enf, w_down_efd), 0, 1)
   y_nd = jnp.einsum('ne,ned->nd', combine_ne, out_ned.astype(jnp.float32))
   return y_nd.astype(x_nd.dtype), jnp.zeros((), jnp.int32)
 
@@ -113,7 +128,7 @@ _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def _capacity_einsum(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd,
-                     limit, capacity_factor):
+                     limit, capacity_factor, fp8='off'):
   """GShard-style capacity buffer filled by gathers, then batched matmuls over experts."""
   n, k = expert_idx_nk.shape
   n_experts, d, _ = w_gate_edf.shape
@@ -137,9 +152,14 @@ def _capacity_einsum(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_e
   buf_ecd = _take_rows(x_nd, assign_s // k, filled_s, slot_a.reshape(n, k),
                        kept_a.reshape(n, k)).reshape(n_experts, cap, d)
 
-  h_gate_ecf = jnp.einsum('ecd,edf->ecf', buf_ecd, w_gate_edf)
-  h_up_ecf = jnp.einsum('ecd,edf->ecf', buf_ecd, w_up_edf)
-  out_ecd = jnp.einsum('ecf,efd->ecd', clipped_swiglu(h_gate_ecf, h_up_ecf, limit), w_down_efd)
+  if fp8 == 'off':
+    h_gate_ecf = jnp.einsum('ecd,edf->ecf', buf_ecd, w_gate_edf)
+    h_up_ecf = jnp.einsum('ecd,edf->ecf', buf_ecd, w_up_edf)
+    out_ecd = jnp.einsum('ecf,efd->ecd', clipped_swiglu(h_gate_ecf, h_up_ecf, limit), w_down_efd)
+  else:  # empty slots are zero rows: they quantize to zeros
+    h_ecf = clipped_swiglu(batched_fp8_matmul(buf_ecd, w_gate_edf),
+                           batched_fp8_matmul(buf_ecd, w_up_edf), limit)
+    out_ecd = batched_fp8_matmul(h_ecf, w_down_efd)
 
   y_nkd = _take_rows(out_ecd.reshape(n_experts * cap, d), slot_a, kept_a, assign_s[:, None],
                      filled_s[:, None]).reshape(n, k, d)
@@ -152,7 +172,40 @@ def _capacity_einsum(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_e
 # ---- ragged_dot --------------------------------------------------------------------------------
 
 
-def _ragged_dot(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd, limit):
+@jax.custom_vjp
+def _ragged_dot_qdq(x_ad, w_edf, counts_e):
+  """ragged_dot with the grouped backend's fp8 numerics as quantize-dequantize (float32 math):
+  x per row and W per (expert, output column) in the forward, dy per row and W per (expert,
+  input row) in the dgrad; the weight gradient unquantized, as in the grouped kernels."""
+  return _ragged_qdq_dot(x_ad, w_edf, counts_e, 1)
+
+
+def _ragged_qdq_dot(a_ak, w_edf, counts_e, w_axis):
+  a_ak_q = qdq_rowwise(a_ak, 1).astype(a_ak.dtype)  # e4m3 times a power of two: exact in bf16
+  w_q = qdq_rowwise(w_edf, w_axis).astype(w_edf.dtype)
+  if w_axis == 2:
+    w_q = jnp.swapaxes(w_q, 1, 2)
+  return jax.lax.ragged_dot(a_ak_q, w_q, counts_e,
+                            preferred_element_type=jnp.float32).astype(a_ak.dtype)
+
+
+def _ragged_dot_qdq_fwd(x_ad, w_edf, counts_e):
+  return _ragged_dot_qdq(x_ad, w_edf, counts_e), (x_ad, w_edf, counts_e)
+
+
+def _ragged_dot_qdq_bwd(res, dy_af):
+  x_ad, w_edf, counts_e = res
+  dy_af = dy_af.astype(x_ad.dtype)
+  dx_ad = _ragged_qdq_dot(dy_af, w_edf, counts_e, 2)
+  _, w_vjp = jax.vjp(lambda w: jax.lax.ragged_dot(x_ad, w, counts_e), w_edf)
+  return dx_ad, w_vjp(dy_af)[0], None
+
+
+_ragged_dot_qdq.defvjp(_ragged_dot_qdq_fwd, _ragged_dot_qdq_bwd)
+
+
+def _ragged_dot(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd, limit,
+                fp8='off'):
   """Dropless: expert-sorted rows through lax.ragged_dot with per-expert group sizes."""
   n, k = expert_idx_nk.shape
   n_experts = w_gate_edf.shape[0]
@@ -164,9 +217,10 @@ def _ragged_dot(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w
   valid_a = valid_n.repeat(k)
   in_group_a = jnp.arange(n * k) < jnp.sum(counts_e)
   x_ad = _take_rows(x_nd, order_a // k, in_group_a, rank_a.reshape(n, k), valid_a.reshape(n, k))
-  h_gate_af = jax.lax.ragged_dot(x_ad, w_gate_edf, counts_e)
-  h_up_af = jax.lax.ragged_dot(x_ad, w_up_edf, counts_e)
-  out_ad = jax.lax.ragged_dot(clipped_swiglu(h_gate_af, h_up_af, limit), w_down_efd, counts_e)
+  dot = jax.lax.ragged_dot if fp8 == 'off' else _ragged_dot_qdq
+  h_gate_af = dot(x_ad, w_gate_edf, counts_e)
+  h_up_af = dot(x_ad, w_up_edf, counts_e)
+  out_ad = dot(clipped_swiglu(h_gate_af, h_up_af, limit), w_down_efd, counts_e)
   y_nkd = _take_rows(out_ad, rank_a, valid_a, order_a[:, None], in_group_a[:, None])
   y_nkd = y_nkd.reshape(n, k, -1)
 
@@ -178,7 +232,7 @@ def _ragged_dot(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w
 
 
 def _grouped(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd, limit,
-             tiles):
+             tiles, fp8='off'):
   """Dropless: rows sorted by expert, each group padded to whole row tiles, Pallas grouped GEMMs.
 
   The layout and kernels are ops/grouped_gemm.py. On the CPU the kernels run in the Pallas
@@ -197,9 +251,10 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_do
   x_md = _take_rows(x_nd, lay.assign_m // k, lay.used_m, lay.row_a.reshape(n, k),
                     lay.valid_a.reshape(n, k))
 
+  matmul = grouped_gemm.grouped_matmul if fp8 == 'off' else grouped_gemm.grouped_matmul_fp8
+
   def proj(a_md, w_edf):
-    return grouped_gemm.grouped_matmul(a_md, w_edf, lay.tile_expert_t, lay.group_tiles_e1, tiles,
-                                       interpret)
+    return matmul(a_md, w_edf, lay.tile_expert_t, lay.group_tiles_e1, tiles, interpret)
   h_md = clipped_swiglu(proj(x_md, w_gate_edf), proj(x_md, w_up_edf), limit)
   out_md = proj(h_md, w_down_efd)
   y_nkd = _take_rows(out_md, lay.row_a, lay.valid_a, lay.assign_m[:, None], lay.used_m[:, None])
@@ -214,7 +269,7 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_do
 
 def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd, *,
                swiglu_limit: float | None, backend: str, capacity_factor: float = 1.25,
-               grouped_tiles: grouped_gemm.Tiles | None = None):
+               grouped_tiles: grouped_gemm.Tiles | None = None, fp8: str = 'off'):
   """Routed experts for one group of N tokens.
 
   Args:
@@ -227,6 +282,7 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_
     backend: one of BACKENDS; a Python string, static under jit.
     capacity_factor: capacity_einsum only; C = expert_capacity(N, K, E, capacity_factor).
     grouped_tiles: grouped only; kernel tiling (None: grouped_gemm's default for the platform).
+    fp8: 'off' or 'rowwise' (model.fp8): the expert GEMMs in e4m3 (module docstring).
 
   Returns:
     (y_nd in x's dtype, dropped): dropped is the int32 count of (valid token, expert) assignments
@@ -234,24 +290,25 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_
   """
   if backend not in BACKENDS:
     raise ValueError(f'unknown expert backend {backend!r}; expected one of {BACKENDS}')
+  check_fp8(fp8)
   dtype = x_nd.dtype
   w_gate_edf, w_up_edf, w_down_efd = (w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
   expert_idx_nk = expert_idx_nk.astype(jnp.int32)
   valid_n = valid_n.astype(bool)
   args = (x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd, swiglu_limit)
   if backend == 'reference':
-    return _reference(*args)
+    return _reference(*args, fp8=fp8)
   if backend == 'capacity_einsum':
-    return _capacity_einsum(*args, capacity_factor)
+    return _capacity_einsum(*args, capacity_factor, fp8=fp8)
   if backend == 'ragged_dot':
-    return _ragged_dot(*args)
-  return _grouped(*args, grouped_tiles)
+    return _ragged_dot(*args, fp8=fp8)
+  return _grouped(*args, grouped_tiles, fp8=fp8)
 
 
 def expert_ffn_batched(x_bnd, expert_idx_bnk, weight_bnk, valid_bn, w_gate_edf, w_up_edf,
                        w_down_efd, *, swiglu_limit: float | None, backend: str,
                        capacity_factor: float = 1.25,
-                       grouped_tiles: grouped_gemm.Tiles | None = None):
+                       grouped_tiles: grouped_gemm.Tiles | None = None, fp8: str = 'off'):
   """expert_ffn over a leading batch of groups; returns (y_bnd, dropped summed over groups).
 
   reference and capacity_einsum run per group under vmap: capacity is per sequence (GShard), so
@@ -259,7 +316,7 @@ def expert_ffn_batched(x_bnd, expert_idx_bnk, weight_bnk, valid_bn, w_gate_edf, 
   so all groups go through as one and the group boundary does not matter.
   """
   kw = dict(swiglu_limit=swiglu_limit, backend=backend, capacity_factor=capacity_factor,
-            grouped_tiles=grouped_tiles)
+            grouped_tiles=grouped_tiles, fp8=fp8)
   if backend in ('ragged_dot', 'grouped'):
     b, n, d = x_bnd.shape
     k = expert_idx_bnk.shape[-1]

@@ -12,6 +12,12 @@ rows are zero; the kernels rely on it (a zero row adds nothing to a weight gradi
   gmm(..., transpose_rhs=True)           y_md = x_m @ W_{e(m)}^T  (dx; W^T is never written)
   tgmm(x_md, dy_mf, group_tiles_e1)      dW_e = x_e^T @ dy_e      grid (E, D/bd, F/bf)
 
+FP8 (`grouped_matmul_fp8`, model.fp8 = 'rowwise'): gmm also takes e4m3 operands with float32
+scales per row of x and per (expert, output column) of W, applied in the epilogue to the float32
+accumulator (acc * sx[:, None] * sw[e, None, :]); the output is x's compute dtype, not fp8. The
+forward and dgrad run so; the weight gradient tgmm stays in the compute dtype: its contraction
+runs over each group's tokens, and per-group column scales would need a segment reduction.
+
 Each program of gmm loads its expert's weight tiles by a dynamic index into the whole [E, D, F]
 weight and loops over the contraction in block_k steps with a float32 accumulator; each program
 of tgmm loops over its expert's row tiles (a dynamic trip count; zero trips give a zero gradient
@@ -33,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from deepseek41.ops.fp8_matmul import qdq_rowwise, quantize_rowwise
 from deepseek41.ops.index_scores import MIN_DOT, pad_axis
 
 
@@ -161,9 +168,11 @@ def _compiler_params(num_warps, num_stages, interpret):
   return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _gmm_kernel(te_ref, x_ref, w_ref, o_ref, *, bn, bk, k_steps, transpose_rhs, precision):
+def _gmm_kernel(te_ref, x_ref, w_ref, *refs, bn, bk, k_steps, transpose_rhs, precision,
+                scaled):
   # te: [1] this tile's expert; x: [bm, Kdim] the tile's rows; w: the whole [E, ., .] weight;
-  # o: [bm, bn]
+  # scaled (fp8): sx [bm] the rows' scales, sw the whole [E, N] column scales; o: [bm, bn]
+  sx_ref, sw_ref, o_ref = refs if scaled else (None, None, refs[0])
   e = te_ref[0]
   j = pl.program_id(1)
 
@@ -180,6 +189,8 @@ def _gmm_kernel(te_ref, x_ref, w_ref, o_ref, *, bn, bk, k_steps, transpose_rhs, 
       return acc_mn + jnp.dot(x_mk, w_kn, precision=precision,
                               preferred_element_type=jnp.float32)
     acc_mn = jax.lax.fori_loop(0, k_steps, step, jnp.zeros(o_ref.shape, jnp.float32))
+    if scaled:
+      acc_mn = acc_mn * sx_ref[...][:, None] * sw_ref[e, pl.ds(j * bn, bn)][None, :]
     o_ref[...] = acc_mn.astype(o_ref.dtype)
 
   @pl.when(e < 0)
@@ -187,18 +198,24 @@ def _gmm_kernel(te_ref, x_ref, w_ref, o_ref, *, bn, bk, k_steps, transpose_rhs, 
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=('transpose_rhs', 'tiles', 'interpret'))
-def gmm(x_md, w_edf, tile_expert_t, *, transpose_rhs: bool = False, tiles: Tiles = GPU_TILES,
-        interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=('transpose_rhs', 'tiles', 'interpret', 'out_dtype'))
+def gmm(x_md, w_edf, tile_expert_t, scale_x_m=None, scale_w_en=None, *,
+        transpose_rhs: bool = False, tiles: Tiles = GPU_TILES, interpret: bool = False,
+        out_dtype=None):
   """y_m = x_m @ W_{e(m)} ([M, F]), or x_m @ W_{e(m)}^T ([M, D]) with transpose_rhs.
 
   x_md: [M_pad, Kdim] rows in the padded layout (M_pad a multiple of the row tile, which is
-  M_pad / len(tile_expert_t)); rows of tiles marked -1 come out 0. Output in x's dtype.
+  M_pad / len(tile_expert_t)); rows of tiles marked -1 come out 0. Output in out_dtype (default
+  x's dtype). FP8: x and W in e4m3 with float32 scale_x_m [M_pad] and scale_w_en [E, N] (N the
+  output columns: F, or D with transpose_rhs), multiplied into the float32 accumulator.
   """
   m_pad, kdim = x_md.shape
   n_tiles = tile_expert_t.shape[0]
   bm = m_pad // n_tiles
   assert bm * n_tiles == m_pad and bm >= MIN_DOT and bm & (bm - 1) == 0, (m_pad, n_tiles)
+  scaled = scale_x_m is not None
+  assert scaled == (scale_w_en is not None), 'fp8 gmm takes both scales'
+  out_dtype = out_dtype or x_md.dtype
   w_edf = w_edf.astype(x_md.dtype)
   ndim = w_edf.shape[1] if transpose_rhs else w_edf.shape[2]
   assert (w_edf.shape[2] if transpose_rhs else w_edf.shape[1]) == kdim, (x_md.shape, w_edf.shape)
@@ -210,19 +227,27 @@ def gmm(x_md, w_edf, tile_expert_t, *, transpose_rhs: bool = False, tiles: Tiles
   bk, bn = _fit(tiles.block_k, kp), _fit(tiles.block_n, np_)
   e, r, c = w_edf.shape
   kernel = functools.partial(_gmm_kernel, bn=bn, bk=bk, k_steps=kp // bk,
-                             transpose_rhs=transpose_rhs, precision=_precision(x_md.dtype))
+                             transpose_rhs=transpose_rhs, precision=_precision(x_md.dtype),
+                             scaled=scaled)
+  in_specs = [pl.BlockSpec((None, 1), lambda i, j: (i, 0)),
+              pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+              pl.BlockSpec((e, r, c), lambda i, j: (0, 0, 0))]
+  operands = [tile_expert_t.astype(jnp.int32).reshape(n_tiles, 1), x_md, w_edf]
+  if scaled:
+    scale_w_en = pad_axis(scale_w_en.astype(jnp.float32), 1, MIN_DOT)
+    in_specs += [pl.BlockSpec((bm,), lambda i, j: (i,)),
+                 pl.BlockSpec((e, np_), lambda i, j: (0, 0))]
+    operands += [scale_x_m.astype(jnp.float32), scale_w_en]
   y = pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((m_pad, np_), x_md.dtype),
+      out_shape=jax.ShapeDtypeStruct((m_pad, np_), out_dtype),
       grid=(n_tiles, np_ // bn),
-      in_specs=[pl.BlockSpec((None, 1), lambda i, j: (i, 0)),
-                pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-                pl.BlockSpec((e, r, c), lambda i, j: (0, 0, 0))],
+      in_specs=in_specs,
       out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
       compiler_params=_compiler_params(tiles.num_warps, tiles.num_stages, interpret),
       interpret=interpret,
-      name='moe_gmm_t' if transpose_rhs else 'moe_gmm',
-  )(tile_expert_t.astype(jnp.int32).reshape(n_tiles, 1), x_md, w_edf)
+      name=('moe_gmm_t' if transpose_rhs else 'moe_gmm') + ('_fp8' if scaled else ''),
+  )(*operands)
   return y[:, :ndim]
 
 
@@ -303,6 +328,54 @@ def _grouped_matmul_bwd(tiles, interpret, res, dy_mf):
 
 
 grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def grouped_matmul_fp8(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles: Tiles, interpret: bool):
+  """grouped_matmul with the forward and dgrad in e4m3 (row-wise power-of-two scales, float32
+  accumulation); the weight gradient stays in the compute dtype (module docstring).
+
+  x per row over its contraction, W per (expert, output column); padding rows quantize to 0.
+  """
+  del group_tiles_e1
+  return _gmm_fp8(x_md, w_edf, tile_expert_t, False, tiles, interpret).astype(x_md.dtype)
+
+
+def _gmm_fp8(a_mk, w_edf, tile_expert_t, transpose_rhs, tiles, interpret, out_dtype=None):
+  """gmm of a_mk in e4m3 per row, W quantized along the contraction (d, or f transposed)."""
+  aq_mk, sa_m1 = quantize_rowwise(a_mk, axis=1)
+  wq_edf, sw_e = quantize_rowwise(w_edf, axis=2 if transpose_rhs else 1)
+  sw_en = sw_e[:, :, 0] if transpose_rhs else sw_e[:, 0, :]
+  return gmm(aq_mk, wq_edf, tile_expert_t, sa_m1[:, 0], sw_en, transpose_rhs=transpose_rhs,
+             tiles=tiles, interpret=interpret, out_dtype=out_dtype or a_mk.dtype)
+
+
+def _grouped_matmul_fp8_fwd(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
+  y = grouped_matmul_fp8(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret)
+  return y, (x_md, w_edf, tile_expert_t, group_tiles_e1)
+
+
+def _grouped_matmul_fp8_bwd(tiles, interpret, res, dy_mf):
+  x_md, w_edf, tile_expert_t, group_tiles_e1 = res
+  dy_mf = dy_mf.astype(x_md.dtype)
+  dx_md = _gmm_fp8(dy_mf, w_edf, tile_expert_t, True, tiles, interpret, out_dtype=x_md.dtype)
+  bm = x_md.shape[0] // tile_expert_t.shape[0]
+  dw_edf = tgmm(x_md, dy_mf, group_tiles_e1, block_m=bm, out_dtype=w_edf.dtype, tiles=tiles,
+                interpret=interpret)
+  return dx_md, dw_edf, None, None
+
+
+grouped_matmul_fp8.defvjp(_grouped_matmul_fp8_fwd, _grouped_matmul_fp8_bwd)
+
+
+def grouped_matmul_fp8_reference(x_md, w_edf, tile_expert_t, transpose_rhs: bool = False):
+  """Plain jnp numerics of the fp8 gmm: float32 quantize-dequantize, then the reference GEMM."""
+  if transpose_rhs:
+    w_edf = jnp.swapaxes(qdq_rowwise(w_edf, 2), 1, 2)
+  else:
+    w_edf = qdq_rowwise(w_edf, 1)
+  y = grouped_matmul_reference(qdq_rowwise(x_md, 1), w_edf, tile_expert_t)
+  return y.astype(x_md.dtype)
 
 
 def grouped_matmul_reference(x_md, w_edf, tile_expert_t, group_tiles_e1=None):
