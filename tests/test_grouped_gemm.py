@@ -8,6 +8,7 @@ several row tiles, empty experts, padding tokens, widths that are not multiples 
 
 from __future__ import annotations
 
+import functools
 import types
 
 import jax
@@ -160,11 +161,19 @@ def test_kernels_lower_to_triton_at_h200_shapes():
     dy = jax.ShapeDtypeStruct((m, f), bf16)
     te = jax.ShapeDtypeStruct((m // bm,), jnp.int32)
     g = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
+    fp8 = functools.partial(gg.grouped_matmul_fp8, tiles=gg.GPU_TILES, interpret=False)
+
+    def fp8_fwd_bwd(x, w, te, g, dy):
+      y, vjp = jax.vjp(lambda x, w: fp8(x, w, te, g), x, w)
+      return y, vjp(dy)
     cases = [(lambda x, w, te: gg.gmm(x, w, te), (x, w, te)),
              (lambda dy, w, te: gg.gmm(dy, w, te, transpose_rhs=True), (dy, w, te)),
-             (lambda x, dy, g: gg.tgmm(x, dy, g, block_m=bm), (x, dy, g))]
+             (lambda x, dy, g: gg.tgmm(x, dy, g, block_m=bm), (x, dy, g)),
+             # model.fp8: e4m3 operands, scaled epilogue, forward and dgrad (+ bf16 tgmm)
+             (fp8_fwd_bwd, (x, w, te, g, dy))]
     for fn, args in cases:
       text = jax.jit(fn).trace(*args).lower(lowering_platforms=('cuda',)).as_text()
       assert 'triton' in text
+    assert 'moe_gmm_fp8' in text and 'moe_gmm_t_fp8' in text and 'f8E4M3FN' in text
   finally:
     pcr.gpu_info_lib.get_gpu_info = saved
