@@ -59,22 +59,24 @@ def qdq_rowwise(x, axis: int):
   return round_e4m3(jnp.clip(x32 * _pow2(-k), -E4M3_MAX, E4M3_MAX)) * _pow2(k)
 
 
-def scaled_dot_nt(a_mk, b_nk):
-  """a_mk @ b_nk^T in e4m3 with row-wise scales over k, accumulated and returned in float32.
+def scaled_dot_nt(a_mk, b_nk, out_dtype):
+  """a_mk @ b_nk^T in e4m3 with row-wise scales over k, float32 accumulation, out_dtype result.
 
   The "NT" layout (both operands contract their last axis) is the one cuBLASLt's FP8 GEMM takes;
-  the transposes the callers pass in fuse into the quantization.
+  the transposes the callers pass in fuse into the quantization. The GEMM writes out_dtype
+  directly (half the bytes of float32 for bf16) and the scales apply afterwards: they are powers
+  of two, so scaling after the rounding equals rounding after the scaling.
   """
   aq_mk, sa_m1 = quantize_rowwise(a_mk, axis=1)
   bq_nk, sb_n1 = quantize_rowwise(b_nk, axis=1)
-  acc_mn = jax.lax.dot_general(aq_mk, bq_nk, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-  return acc_mn * sa_m1 * sb_n1.T
+  y_mn = jax.lax.dot_general(aq_mk, bq_nk, (((1,), (1,)), ((), ())),
+                             preferred_element_type=out_dtype)
+  return y_mn * sa_m1.astype(out_dtype) * sb_n1.T.astype(out_dtype)
 
 
 @jax.custom_vjp
 def _fp8_matmul_2d(x_mk, w_kn):
-  return scaled_dot_nt(x_mk, w_kn.T).astype(x_mk.dtype)
+  return scaled_dot_nt(x_mk, w_kn.T, x_mk.dtype)
 
 
 def _fp8_matmul_fwd(x_mk, w_kn):
@@ -84,8 +86,8 @@ def _fp8_matmul_fwd(x_mk, w_kn):
 
 def _fp8_matmul_bwd(res, dy_mn):
   x_mk, w_kn = res
-  dx_mk = scaled_dot_nt(dy_mn, w_kn).astype(x_mk.dtype)
-  dw_kn = scaled_dot_nt(x_mk.T, dy_mn.T).astype(w_kn.dtype)
+  dx_mk = scaled_dot_nt(dy_mn, w_kn, x_mk.dtype)
+  dw_kn = scaled_dot_nt(x_mk.T, dy_mn.T, w_kn.dtype)
   return dx_mk, dw_kn
 
 
