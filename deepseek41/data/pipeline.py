@@ -432,3 +432,60 @@ def make_dataset(cfg: DataConfig, *, split: str, batch_size: int, seed: int,
   elif cfg.prefetch > 0:
     it_ds = grain.experimental.ThreadPrefetchIterDataset(it_ds, prefetch_buffer_size=cfg.prefetch)
   return it_ds
+
+
+# ---------------------------------------------------------------------------------------------
+# Input streams: the global batch independent of the process count.
+
+
+class DataStreams:
+  """This process's part of the global batch: streams [first, first + n) of `total`, each a
+  make_dataset() pipeline of batch_size / total rows over documents stream::total, concatenated
+  row-wise in stream order.
+
+  The global batch of step s is streams 0..total-1's batch s, whichever processes read them, so
+  a run split into the same number of streams sees the same batches on 1 process or on several,
+  and resumes from each stream's saved position on any process count that divides `total`. With
+  total = 1 on one process this is make_dataset() itself (the same batches and iterator state).
+  """
+
+  def __init__(self, cfg: DataConfig, *, split: str, batch_size: int, seed: int, total: int,
+               process_index: int, process_count: int, synthetic_vocab_size: int = 512):
+    if total < 1 or total % process_count:
+      raise DataError(f'{total} data stream(s) cannot be split evenly over {process_count} '
+                      'processes; use a process count that divides the stream count')
+    if batch_size % total:
+      raise DataError(f'train.batch_size {batch_size} is not a multiple of the {total} data '
+                      'streams')
+    self.total = total
+    per_process = total // process_count
+    self.first = process_index * per_process
+    self.streams = list(range(self.first, self.first + per_process))
+    self._iters = [iter(make_dataset(cfg, split=split, batch_size=batch_size // total, seed=seed,
+                                     process_index=k, process_count=total,
+                                     synthetic_vocab_size=synthetic_vocab_size))
+                   for k in self.streams]
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    parts = [next(it) for it in self._iters]
+    if len(parts) == 1:
+      return parts[0]
+    return {k: np.concatenate([np.asarray(p[k]) for p in parts]) for k in parts[0]}
+
+  def stream_states(self) -> dict[int, dict]:
+    """{stream index: its Grain iterator state}."""
+    return {k: it.get_state() for k, it in zip(self.streams, self._iters)}
+
+  def set_stream_states(self, states: dict[int, dict]) -> None:
+    for k, it in zip(self.streams, self._iters):
+      it.set_state(states[k])
+      if hasattr(it, 'start_prefetch'):  # as Grain's own checkpoint handler does after a restore
+        it.start_prefetch()
+
+  def close(self) -> None:
+    for it in self._iters:
+      if hasattr(it, 'close'):
+        it.close()

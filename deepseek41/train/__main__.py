@@ -2,7 +2,10 @@
 
 Starts or resumes the run in --workdir (it resumes from the newest complete checkpoint there).
 Multi-host: pass --coordinator_address, --num_processes and --process_id on every host (or rely
-on jax.distributed's auto-detection on TPU / SLURM with --distributed).
+on jax.distributed's auto-detection on TPU / SLURM with --distributed). Several processes on one
+host: `launch/local.sh NPROC --config=... --workdir=...` (README, "Several processes on one host").
+`--dry_run` builds the mesh against the visible devices, logs the process / device / mesh banner
+and the per-device bytes of the state, and exits 0 before compiling anything.
 
 Exit status (sysexits.h values where one fits):
   0   finished (train.steps, or --stop_at_step), with a checkpoint of the last step
@@ -32,6 +35,13 @@ _DISTRIBUTED = flags.DEFINE_bool('distributed', False, 'Call jax.distributed.ini
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of process 0.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Number of processes.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process index.')
+_DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Resolve the config, build the mesh, log the '
+                             'process/device/mesh banner and per-device state bytes; exit 0 '
+                             'without compiling.')
+_DATA_STREAMS = flags.DEFINE_integer(
+    'data_streams', None, 'Input streams the global batch is split into (a fresh run only; '
+    'default: the process count). Each process reads data_streams / process_count of them; a '
+    'resumed run keeps the checkpoint\'s count (README, "Several processes on one host").')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -44,28 +54,67 @@ def main(argv):
   logging.getLogger('deepseek41').setLevel(logging.INFO)
   logging.getLogger('absl').setLevel(logging.WARNING)
   import jax
-  if _DISTRIBUTED.value or _COORDINATOR.value:
+  distributed = bool(_DISTRIBUTED.value or _COORDINATOR.value)
+  if distributed:
+    if _cpu_only(jax):
+      # Cross-process collectives on the CPU need an implementation (the default has none); it
+      # is read when the backend starts, so before initialize() and any device query.
+      jax.config.update('jax_cpu_collectives_implementation', 'gloo')
     jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
                                num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
   from deepseek41.config import ConfigError
   from deepseek41.data.shards import DataError
   from deepseek41.train.checkpoint import CheckpointError, CheckpointSaveError
-  from deepseek41.train.trainer import TrainingDiverged, train
+  from deepseek41.train.trainer import TrainingDiverged, dry_run, train
   from deepseek41.train.workdir import WorkdirError
   try:
-    result = train(_CONFIG.value, _WORKDIR.value, stop_at_step=_STOP_AT.value)
+    if _DRY_RUN.value:
+      dry_run(_CONFIG.value, data_streams=_DATA_STREAMS.value)
+      return
+    result = train(_CONFIG.value, _WORKDIR.value, stop_at_step=_STOP_AT.value,
+                   data_streams=_DATA_STREAMS.value)
   except CheckpointSaveError as e:
     logging.error('%s', e)
-    sys.exit(EXIT_SAVE_FAILED)
+    _exit(EXIT_SAVE_FAILED, distributed)
   except (ConfigError, DataError, CheckpointError, WorkdirError, TrainingDiverged,
           FileNotFoundError) as e:
     logging.error('%s', e)
-    sys.exit(EXIT_BAD_INPUT)
+    _exit(EXIT_BAD_INPUT, distributed)
+  except Exception:  # noqa: BLE001
+    if not distributed:
+      raise  # absl prints the traceback and exits 1
+    logging.exception('unexpected error in process %d', jax.process_index())
+    _exit(1, distributed)
   logging.getLogger('deepseek41').info(
       'finished at step %d (loss %s, eval loss %s)%s', result.step, result.last_loss,
       result.last_eval_loss, ' after a stop signal' if result.stopped_by_signal else '')
   if result.stopped_by_signal:
     sys.exit(EXIT_STOPPED)
+
+
+def _exit(code: int, distributed: bool):
+  """Exit with `code`. A failed process of a multi-process run leaves at once: jax.distributed's
+  exit-time shutdown would wait at a barrier for the others, which wait for it in their next
+  collective, so the launcher would see a timeout instead of this failure."""
+  if not distributed:
+    sys.exit(code)
+  logging.shutdown()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
+def _cpu_only(jax) -> bool:
+  """True when the run will use the CPU backend, judged without starting a backend."""
+  platforms = jax.config.jax_platforms or os.environ.get('JAX_PLATFORMS', '')
+  if platforms:
+    return platforms.split(',')[0].strip() == 'cpu'
+  try:  # no platform asked for: the CPU unless a CUDA or TPU plugin is installed
+    import importlib.util
+    return not any(importlib.util.find_spec(m) for m in ('jax_cuda12_plugin', 'jax_cuda13_plugin',
+                                                         'libtpu'))
+  except (ImportError, ValueError):
+    return True
 
 
 EXIT_STOPPED = 75       # EX_TEMPFAIL: saved after a signal, resumable

@@ -2,7 +2,11 @@
 
 - `state`: the train state pytree (params, optimizer state, step, router biases, RNG), saved
   sharded and restored onto whatever mesh the current run uses.
-- `data`: the Grain iterator position (one JSON per process).
+- `data`: the Grain iterator positions, one JSON per input stream, `process_<k>-of-<S>.json`
+  for stream k of S (the file names of Grain's own handler: with one stream per process, the
+  default, stream k is process k's). Each process writes the streams it reads, so the item holds
+  every process's position, and a restore reads the streams the restoring process reads, which
+  need not be the ones it wrote (pipeline.DataStreams; README, "Several processes on one host").
 - `config`: the resolved run config; `meta`: the layout version and every leaf's shape/dtype.
 
 - `checksums.json`: size and CRC-32 of every other file of the step, written by the primary
@@ -22,6 +26,7 @@ CheckpointSaveError (naming the directory) as soon as it is seen, and removes th
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import logging
@@ -50,6 +55,67 @@ EXECUTION_ONLY_MODEL_KEYS = frozenset({'moe_backend', 'attention_impl', 'compute
 
 MANIFEST = 'checksums.json'
 _CHUNK = 1 << 24
+
+
+class DataStreamsHandler(grain.checkpoint.CheckpointHandler):
+  """Orbax handler of the `data` item: one Grain iterator state per input stream."""
+
+  def save(self, directory, item=None, args=None):
+    item = item if item is not None else args.item
+    if not hasattr(item, 'stream_states'):  # a plain Grain iterator: Grain's own layout
+      return super().save(directory, item=item)
+    for k, state in item.stream_states().items():
+      (directory / f'process_{k}-of-{item.total}.json').write_text(json.dumps(state, indent=4))
+
+  def restore(self, directory, item=None, args=None):
+    item = item if item is not None else args.item
+    if not hasattr(item, 'stream_states'):
+      return super().restore(directory, item=item)
+    states = {}
+    for k in item.streams:
+      path = directory / f'process_{k}-of-{item.total}.json'
+      if not path.exists():
+        raise CheckpointError(f'{path} is missing: the data position of stream {k} of '
+                              f'{item.total} was not saved')
+      states[k] = json.loads(path.read_text())
+    item.set_stream_states(states)
+    return item
+
+
+@ocp.args.register_with_handler(DataStreamsHandler, for_save=True)
+@dataclasses.dataclass
+class DataStreamsSave(ocp.args.CheckpointArgs):
+  item: Any
+
+
+@ocp.args.register_with_handler(DataStreamsHandler, for_restore=True)
+@dataclasses.dataclass
+class DataStreamsRestore(ocp.args.CheckpointArgs):
+  item: Any
+
+
+def saved_stream_count(data_dir: str) -> int | None:
+  """S of the `process_<k>-of-<S>.json` files in a checkpoint's data item (None: no files);
+  raises CheckpointError if the files disagree or some stream is missing."""
+  if not os.path.isdir(data_dir):
+    return None
+  found = {}
+  for name in os.listdir(data_dir):
+    m = re.fullmatch(r'process_(\d+)-of-(\d+)\.json', name)
+    if m:
+      found.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+  if not found:
+    return None
+  if len(found) > 1:
+    raise CheckpointError(f'{data_dir} holds data positions of different stream counts '
+                          f'{sorted(found)}; it is not a checkpoint of one run')
+  (total, streams), = found.items()
+  missing = sorted(set(range(total)) - streams)
+  if missing:
+    raise CheckpointError(f'{data_dir} lacks the data position of stream(s) {missing} of {total} '
+                          '(a process did not save its part). Move that checkpoint aside to '
+                          'resume from the previous one.')
+  return total
 
 
 class CheckpointError(RuntimeError):
@@ -174,7 +240,7 @@ class Checkpointer:
                                    'layout': layout}),
     }
     if data_iter is not None:
-      args['data'] = grain.checkpoint.CheckpointSave(data_iter)
+      args['data'] = DataStreamsSave(data_iter)
     try:
       saved = self.manager.save(step, args=ocp.args.Composite(**args), force=force)
     except Exception as e:  # noqa: BLE001 - any failure of the save is reported the same way
@@ -362,7 +428,7 @@ class Checkpointer:
     if data_iter is not None:
       if not os.path.isdir(os.path.join(self.step_dir(step), 'data')):
         raise CheckpointError(f'checkpoint {self.step_dir(step)} has no data iterator state')
-      args['data'] = grain.checkpoint.CheckpointRestore(data_iter)
+      args['data'] = DataStreamsRestore(data_iter)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(**args))
     except CheckpointError:

@@ -22,10 +22,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from deepseek41.config import RunConfig, engram_compresses, format_role_table, resolve
-from deepseek41.data.pipeline import make_dataset
+from deepseek41.data.pipeline import DataStreams
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.train import state as state_lib
-from deepseek41.train.checkpoint import Checkpointer
+from deepseek41.train.checkpoint import CheckpointError, Checkpointer, saved_stream_count
 from deepseek41.train.evaluation import Evaluator, eval_config
 from deepseek41.train.feed import global_batch
 from deepseek41.train.flops import device_peak_tflops, flops_per_token
@@ -38,7 +38,7 @@ from deepseek41.train.workdir import WorkdirLock, prepare_workdir
 
 log = logging.getLogger('deepseek41')
 
-__all__ = ['TrainResult', 'TrainingDiverged', 'train']
+__all__ = ['TrainResult', 'TrainingDiverged', 'dry_run', 'train']
 
 
 @dataclasses.dataclass
@@ -85,20 +85,64 @@ class _StopFlag:
       signal.signal(sig, old)
 
 
-def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResult:
+def train(config, workdir: str, *, stop_at_step: int | None = None,
+          data_streams: int | None = None) -> TrainResult:
   """Run (or resume) training as configured; `config` is an ml_collections.ConfigDict.
 
   `stop_at_step` ends this invocation early (with a checkpoint) at that step, without changing
-  the schedule: the run continues from there when started again. Raises WorkdirError if the
-  work directory is unusable or another trainer holds it.
+  the schedule: the run continues from there when started again. `data_streams` splits a fresh
+  run's global batch into that many input streams (default: the process count; a resumed run
+  keeps its checkpoint's). Raises WorkdirError if the work directory is unusable or another
+  trainer holds it.
   """
   cfg: RunConfig = resolve(config, with_data=True)  # tokenizer checks too, before anything runs
   primary = jax.process_index() == 0
   workdir = prepare_workdir(workdir)
-  # Processes of one multi-host run share the directory: the primary holds the lock for all.
-  with WorkdirLock(workdir) if primary else contextlib.nullcontext(), \
+  # Every process of a run locks its own file (process 0: .lock), so a second run started on
+  # the directory is refused in each of its processes instead of some of them training on.
+  with WorkdirLock(workdir, jax.process_index()), \
       CompilationCache(cfg.train.compilation_cache_dir) as compile_cache:
-    return _train(cfg, workdir, stop_at_step, primary, compile_cache)
+    return _train(cfg, workdir, stop_at_step, primary, compile_cache, data_streams)
+
+
+def dry_run(config, *, data_streams: int | None = None) -> dict:
+  """Resolve the config and build the mesh against the visible devices; log the process /
+  device / mesh banner and the per-device bytes of parameters + optimizer state from the
+  abstract state and its shardings. Compiles and allocates nothing; returns the numbers."""
+  cfg: RunConfig = resolve(config)
+  mesh = make_mesh(cfg.mesh)
+  tx = make_optimizer(cfg.train)
+  abstract = state_lib.abstract_state(cfg, tx)
+  shardings = state_lib.state_shardings(abstract, mesh, cfg.mesh.rules)
+  n_proc, local = jax.process_count(), jax.local_devices()
+  streams = data_streams or n_proc
+  per_device = {'params': 0, 'opt': 0, 'other': 0}
+  for (path, a), s in zip(jax.tree_util.tree_flatten_with_path(abstract)[0],
+                          jax.tree.leaves(shardings)):
+    shard = s.shard_shape(a.shape)
+    part = str(getattr(path[0], 'key', path[0])) if path else ''
+    per_device[part if part in per_device else 'other'] += \
+        int(np.prod(shard, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+  kinds = sorted({d.device_kind for d in jax.devices()})
+  info = {
+      'process_index': jax.process_index(), 'process_count': n_proc,
+      'local_devices': len(local), 'global_devices': jax.device_count(), 'device_kinds': kinds,
+      'mesh': dict(mesh.shape), 'params': state_lib.count_params(abstract['params']),
+      'per_device_bytes': per_device, 'data_streams': streams,
+      'local_batch': cfg.train.batch_size // n_proc,
+  }
+  gib = 1 << 30
+  log.info('dry run: process %d of %d; %d local / %d global device(s) (%s); mesh %s; '
+           '%s parameters; per device: %.3f GiB parameters + %.3f GiB optimizer state + '
+           '%.3f GiB other = %.3f GiB; %d data stream(s), %d rows per process; not compiled',
+           info['process_index'], n_proc, len(local), jax.device_count(), ', '.join(kinds),
+           info['mesh'], f'{info["params"]:,}', per_device['params'] / gib,
+           per_device['opt'] / gib, per_device['other'] / gib, sum(per_device.values()) / gib,
+           streams, info['local_batch'])
+  if streams % n_proc or cfg.train.batch_size % streams:
+    log.warning('%d data stream(s) do not split over %d processes and a batch of %d rows',
+                streams, n_proc, cfg.train.batch_size)
+  return info
 
 
 class CompilationCache:
@@ -173,12 +217,14 @@ class CompilationCache:
 
 
 def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool,
-           compile_cache: CompilationCache) -> TrainResult:
+           compile_cache: CompilationCache, data_streams: int | None) -> TrainResult:
   # ---- mesh --------------------------------------------------------------------------------
   mesh = make_mesh(cfg.mesh)
   rules = cfg.mesh.rules
-  log.info('mesh %s over %d %s device(s)', dict(mesh.shape), jax.device_count(),
-           jax.devices()[0].device_kind)
+  log.info('mesh %s over %d %s device(s)%s', dict(mesh.shape), jax.device_count(),
+           jax.devices()[0].device_kind,
+           f'; process {jax.process_index()} of {jax.process_count()} with '
+           f'{jax.local_device_count()}' if jax.process_count() > 1 else '')
   log.info('layer roles (%s):\n%s',
            'CSA2 on: ratio>0 layers add their selected compressed entries to the window'
            if cfg.model.csa2 else 'CSA2 off: every layer attends over its sliding window only',
@@ -188,10 +234,6 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
   engram_map = _engram_compression(cfg)
   n_proc = jax.process_count()
   local_batch = cfg.train.batch_size // n_proc
-  train_ds = make_dataset(cfg.data, split='train', batch_size=local_batch, seed=cfg.train.seed,
-                          process_index=jax.process_index(), process_count=n_proc,
-                          synthetic_vocab_size=cfg.model.vocab_size)
-  train_iter = iter(train_ds)
   bsharding = batch_sharding(mesh, rules)
 
   # ---- model and optimizer -----------------------------------------------------------------
@@ -210,10 +252,17 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
 
   # Closed in reverse order however the run ends: profiler, writer, checkpoints, input.
   with contextlib.ExitStack() as cleanup:
-    if hasattr(train_iter, 'close'):
-      cleanup.callback(train_iter.close)
     ckpt = Checkpointer(workdir, cfg.checkpoint, primary=primary)
     cleanup.callback(ckpt.close)
+    streams = _stream_count(ckpt, data_streams, n_proc)
+    train_iter = DataStreams(cfg.data, split='train', batch_size=cfg.train.batch_size,
+                             seed=cfg.train.seed, total=streams,
+                             process_index=jax.process_index(), process_count=n_proc,
+                             synthetic_vocab_size=cfg.model.vocab_size)
+    cleanup.callback(train_iter.close)
+    if streams != n_proc:
+      log.info('input: %d data streams, %d per process (streams %d-%d here)', streams,
+               streams // n_proc, train_iter.first, train_iter.first + streams // n_proc - 1)
     state, start = _initial_state(cfg, ckpt, tx, mesh, abstract, shardings, layout, train_iter)
     if primary:  # only now: a start rejected by the checkpoint leaves the old config.json
       with open(os.path.join(workdir, 'config.json'), 'w') as f:
@@ -325,6 +374,34 @@ def _evaluate(evaluate: Evaluator, step_log: StepLog, throughput: Throughput, st
   t0 = time.perf_counter()
   step_log.add_eval(step, evaluate(state))
   throughput.exclude(time.perf_counter() - t0)  # evaluation is not training time
+
+
+def _stream_count(ckpt: Checkpointer, requested: int | None, n_proc: int) -> int:
+  """The number of input streams: the newest checkpoint's, else `requested`, else n_proc.
+
+  The data-position rule: a resumed run continues every stream where the checkpoint left it,
+  on any process count that divides the stream count (each process reads streams / processes
+  of them); another count is refused, naming the counts that fit.
+  """
+  step = ckpt.latest_step()
+  saved = saved_stream_count(os.path.join(ckpt.step_dir(step), 'data')) \
+      if step is not None else None
+  if saved is None:
+    streams = requested or n_proc
+    if streams % n_proc:
+      raise CheckpointError(f'--data_streams={streams} cannot be split evenly over {n_proc} '
+                            'processes; use a multiple of the process count')
+    return streams
+  if requested and requested != saved:
+    raise CheckpointError(f'--data_streams={requested}, but checkpoint {ckpt.step_dir(step)} '
+                          f'holds the data position of {saved} streams; the stream count of a '
+                          'run is fixed at its first start (drop the flag)')
+  if saved % n_proc:
+    fits = [d for d in range(1, saved + 1) if saved % d == 0]
+    raise CheckpointError(f'checkpoint {ckpt.step_dir(step)} holds the data position of '
+                          f'{saved} streams, which {n_proc} processes cannot split evenly; '
+                          f'resume on {", ".join(map(str, fits))} process(es)')
+  return saved
 
 
 def _initial_state(cfg, ckpt: Checkpointer, tx, mesh, abstract, shardings, layout, train_iter):

@@ -1,6 +1,8 @@
 """The work directory: checked at start-up, and locked so that only one trainer writes to it.
 
-The lock is `fcntl.flock` on WORKDIR/.lock, which holds the owner's pid, host and start time.
+The lock is `fcntl.flock` on WORKDIR/.lock, which holds the owner's pid, host and start time;
+process i > 0 of a multi-process run locks WORKDIR/.lock.<i> (every process of a second run on
+the directory is then refused, not just its process 0).
 The kernel releases a flock when its process exits, however it exits (kill -9 included), so the
 lock of a dead process never blocks a new start; the stale text in the file is just overwritten.
 flock is advisory and per open file: it does not protect a work directory on a network file
@@ -39,8 +41,9 @@ def prepare_workdir(workdir: str) -> str:
 class WorkdirLock:
   """Exclusive lock of a work directory for the lifetime of one run (a context manager)."""
 
-  def __init__(self, workdir: str):
-    self.path = os.path.join(workdir, LOCK_NAME)
+  def __init__(self, workdir: str, process_index: int = 0):
+    self.path = os.path.join(workdir, LOCK_NAME if process_index == 0 else
+                             f'{LOCK_NAME}.{process_index}')
     self._fd: int | None = None
 
   def acquire(self) -> None:
