@@ -244,3 +244,8 @@ def test_bf16_keeps_dtype_and_accuracy(backend):
 def test_unknown_backend():
   with pytest.raises(ValueError, match='unknown expert backend'):
     expert_ffn(*make_inputs(0), swiglu_limit=LIMIT, backend='megablox')
+
+
+def test_unknown_fp8_mode():
+  with pytest.raises(ValueError, match='unknown fp8 mode'):
+    expert_ffn(*make_inputs(0), swiglu_limit=LIMIT, backend='capacity_einsum', fp8='e5m2')
