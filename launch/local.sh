@@ -78,7 +78,7 @@ while ((${#live[@]} > 0)); do
   rc=0
   done_pid=
   wait -n -p done_pid "${live[@]}" || rc=$?
-  if [[ -z $done_pid ]]; then continue; fi  # a trapped signal interrupted the wait
+  if [[ -z ${done_pid:-} ]]; then continue; fi  # a trapped signal interrupted the wait
   rest=()
   for p in "${live[@]}"; do [[ $p == "$done_pid" ]] || rest+=("$p"); done
   live=("${rest[@]}")
@@ -97,7 +97,10 @@ while ((${#live[@]} > 0)); do
 done
 if [[ -n ${killer:-} ]]; then kill "$killer" 2>/dev/null || true; fi
 
-if ((status != 0)); then
+if ((status == 75)); then
+  echo "$0: stopped by a signal after saving a checkpoint (status 75); run the same command" \
+    "again to resume" >&2
+elif ((status != 0)); then
   echo "$0: process $failed failed with status $status; the end of $logs/process_$failed.log:" >&2
   tail -n 30 "$logs/process_$failed.log" >&2
 fi

@@ -1,6 +1,6 @@
 """Several trainer processes on one host (launch/local.sh): 2 processes x 2 fake CPU devices train
-the losses of 1 process x 4 devices, and a run resumes across that change; --dry_run; a failing
-process ends the launch.
+the losses of 1 process x 4 devices, and a run resumes across that change; SIGTERM to the
+launcher; --dry_run; a failing process ends the launch.
 
 The runs are subprocesses with their own XLA_FLAGS (the suite's 8 devices do not apply), on the
 suite's persistent compilation cache. Tolerance: rtol 1e-5 on the losses. The global batches and
@@ -11,6 +11,7 @@ one), whose summation order can move the last bit or two of a float32 loss (seen
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -25,14 +26,16 @@ from deepseek41.train.workdir import WorkdirLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, 'launch', 'local.sh')
-STEPS = 4
+STEPS = 4  # compared; every run has the schedule of 1000 steps and stops early
 RTOL = 1e-5
 # configs/tiny.py cut down to compile in seconds: 4 layers at width 32, sliding-window attention
-# only, plain residual, no Engram; synthetic data; a checkpoint every 2 steps; mesh data=2 x
-# fsdp=2, so the batch and the parameters are both split across the two processes.
+# only, plain residual, no Engram; synthetic data; a checkpoint every 2 steps, all kept; mesh
+# data=2 x fsdp=2, so the batch and the parameters are both split across the two processes.
+# Process 1 of a run compiles on its own (JAX's persistent cache is written by process 0 only,
+# and process 1 never finds its programs there): the 2 x 2 runs are the slow part.
 FLAGS = [
     '--config=configs/tiny.py',
-    f'--config.train.steps={STEPS}', '--config.train.batch_size=8',
+    '--config.train.steps=1000', '--config.train.batch_size=8',
     '--config.train.eval_every_steps=0',
     f'--config.train.compilation_cache_dir={jax.config.jax_compilation_cache_dir or ""}',
     '--config.data.synthetic=True', '--config.data.seq_len=32',
@@ -45,7 +48,8 @@ FLAGS = [
     '--config.model.candidate_source_layer_id=2', '--config.model.engram_layer_ids=(1,)',
     '--config.model.moe_intermediate_size=16', '--config.model.residual=plain',
     '--config.model.engram=False', '--config.model.csa2=False',
-    '--config.checkpoint.every_steps=2', '--config.checkpoint.async_save=False',
+    '--config.checkpoint.every_steps=2', '--config.checkpoint.keep_period=2',
+    '--config.checkpoint.async_save=False',
     '--config.log.every_steps=1', '--config.log.progress_bar=False',
     '--config.log.tensorboard=False',
     '--config.mesh.data=2', '--config.mesh.fsdp=2',
@@ -68,20 +72,42 @@ def _one_process(workdir, *extra, timeout=240):
                         capture_output=True, text=True, timeout=timeout)
 
 
-def _two_processes(workdir, *extra, flags=FLAGS, timeout=240):
+def _two_processes(workdir, *extra, timeout=240):
   """2 processes x 2 devices through launch/local.sh."""
-  return subprocess.run(['timeout', str(timeout), LAUNCH, '2', *flags, f'--workdir={workdir}',
+  return subprocess.run(['timeout', str(timeout), LAUNCH, '2', *FLAGS, f'--workdir={workdir}',
                          *extra], cwd=ROOT, env={**_env(), 'DEVICES_PER_PROC': '2'},
                         capture_output=True, text=True)
 
 
-def _check(result, workdir=None):
+def _two_processes_until_sigterm(workdir, after_step: int, timeout=240):
+  """2 x 2 through launch/local.sh, sent SIGTERM once process 0 logged `after_step`."""
+  launcher = subprocess.Popen([LAUNCH, '2', *FLAGS, f'--workdir={workdir}'], cwd=ROOT,
+                              env={**_env(), 'DEVICES_PER_PROC': '2'}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+  log0 = os.path.join(workdir, 'logs', 'process_0.log')
+  try:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and launcher.poll() is None:
+      if os.path.exists(log0):
+        with open(log0) as f:
+          if f'step {after_step}:' in f.read():
+            break
+      time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=120)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+  return subprocess.CompletedProcess(launcher.args, launcher.returncode, out, err)
+
+
+def _check(result, workdir=None, status=0):
   logs = ''
   if workdir is not None and os.path.isdir(os.path.join(workdir, 'logs')):
     for name in sorted(os.listdir(os.path.join(workdir, 'logs'))):
       with open(os.path.join(workdir, 'logs', name)) as f:
         logs += f'\n== {name}\n' + f.read()[-3000:]
-  assert result.returncode == 0, result.stderr[-3000:] + logs
+  assert result.returncode == status, result.stderr[-3000:] + logs
 
 
 def _losses(workdir) -> dict[int, float]:
@@ -105,8 +131,9 @@ def _data_files(workdir, step) -> dict[str, dict]:
   return out
 
 
-def _assert_losses_match(got: dict, want: dict):
-  assert sorted(got) == sorted(want)
+def _assert_losses_match(got: dict, want: dict, steps):
+  got = {s: got[s] for s in steps}
+  want = {s: want[s] for s in steps}
   np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)],
                              rtol=RTOL)
 
@@ -120,18 +147,20 @@ def _resume_copy(src, dst, step):
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-  """The straight runs: 1 process x 4 devices in 2 data streams, and 2 processes x 2 devices."""
+  """The straight runs: 1 process x 4 devices in 2 data streams to step 4, and 2 processes x 2
+  devices until SIGTERM to the launcher after step 4."""
   one = str(tmp_path_factory.mktemp('one'))
-  _check(_one_process(one, '--data_streams=2'))
+  _check(_one_process(one, '--data_streams=2', f'--stop_at_step={STEPS}'))
   two = str(tmp_path_factory.mktemp('two'))
-  _check(_two_processes(two), two)
+  _check(_two_processes_until_sigterm(two, STEPS), two, status=75)
   return one, two
 
 
 def test_two_processes_match_one(runs):
   one, two = runs
-  _assert_losses_match(_losses(two), _losses(one))
-  assert sorted(_losses(two)) == list(range(1, STEPS + 1))  # process 0 alone writes metrics
+  _assert_losses_match(_losses(two), _losses(one), range(1, STEPS + 1))
+  last = max(_losses(two))  # process 0 alone writes metrics: every step once
+  assert sorted(_losses(two)) == list(range(1, last + 1))
   for step in (2, STEPS):  # every stream's position saved, the same on both layouts
     files = _data_files(two, step)
     assert sorted(files) == ['process_0-of-2.json', 'process_1-of-2.json']
@@ -149,11 +178,11 @@ def test_resume_two_processes_on_one(runs, tmp_path):
   one, two = runs
   work = str(tmp_path / 'resumed')
   _resume_copy(two, work, 2)
-  result = _one_process(work)  # no --data_streams: the checkpoint's 2 streams
+  result = _one_process(work, f'--stop_at_step={STEPS}')  # no --data_streams: the checkpoint's
   _check(result)
   assert 'resumed from' in result.stderr
-  want = {s: loss for s, loss in _losses(one).items() if s > 2}
-  _assert_losses_match(_losses(work), want)
+  assert sorted(_losses(work)) == [3, 4]
+  _assert_losses_match(_losses(work), _losses(one), [3, 4])
   assert _data_files(work, STEPS) == _data_files(one, STEPS)
 
 
@@ -161,8 +190,9 @@ def test_resume_one_process_on_two(runs, tmp_path):
   one, _ = runs
   work = str(tmp_path / 'resumed')
   _resume_copy(one, work, 2)
-  _check(_two_processes(work), work)
-  _assert_losses_match(_losses(work), {s: loss for s, loss in _losses(one).items() if s > 2})
+  _check(_two_processes(work, f'--stop_at_step={STEPS}'), work)
+  _assert_losses_match(_losses(work), _losses(one), [3, 4])
+  assert _data_files(work, STEPS) == _data_files(one, STEPS)
 
 
 def test_stream_count_rule(tmp_path):
@@ -232,3 +262,17 @@ def test_a_locked_workdir_stops_every_process(tmp_path):
   assert result.returncode == 2, result.stderr
   assert 'is in use by another trainer' in result.stderr
   assert time.perf_counter() - t0 < 100
+
+
+
+def test_sigterm_to_the_launcher_saves_and_exits_75(runs):
+  """The launcher forwarded SIGTERM (the `runs` fixture checked its status 75): both processes
+  saved the same step, past the periodic saves, with both streams' positions."""
+  _, two = runs
+  steps = sorted(int(n) for n in os.listdir(os.path.join(two, 'checkpoints')) if n.isdigit())
+  last = max(_losses(two))
+  assert steps[-1] == last >= STEPS and steps[:2] == [2, 4]
+  assert sorted(_data_files(two, last)) == ['process_0-of-2.json', 'process_1-of-2.json']
+  for i in (0, 1):
+    with open(os.path.join(two, 'logs', f'process_{i}.log')) as f:
+      assert f'saved checkpoint {last} after SIGTERM' in f.read()
