@@ -193,14 +193,16 @@ def bench_kernel(emit, case, c, args):
   kw = dict(tiles=tiles, interpret=INTERPRET)
   wq_fwd, sw_fwd = quantize_rowwise(w_edf, axis=1)
   wq_t, sw_t = quantize_rowwise(w_edf, axis=2)
+  weights = {'bf16': (w_edf, w_edf), 'fp8': ((wq_fwd, sw_fwd[:, 0, :]), (wq_t, sw_t[:, :, 0]))}
+  # Weights are arguments, not closed-over constants (a GB constant would bloat the program).
   fns = {
-      ('gmm', 'bf16'): lambda lay, x, dy: gg.gmm(x, w_edf, lay.tile_expert_t, **kw),
-      ('gmm_t', 'bf16'): lambda lay, x, dy: gg.gmm(dy, w_edf, lay.tile_expert_t,
-                                                   transpose_rhs=True, **kw),
-      ('gmm', 'fp8'): lambda lay, x, dy: gg.gmm(
-          x[0], wq_fwd, lay.tile_expert_t, x[1], sw_fwd[:, 0, :], out_dtype=jnp.bfloat16, **kw),
-      ('gmm_t', 'fp8'): lambda lay, x, dy: gg.gmm(
-          dy[0], wq_t, lay.tile_expert_t, dy[1], sw_t[:, :, 0], transpose_rhs=True,
+      ('gmm', 'bf16'): lambda lay, x, dy, w: gg.gmm(x, w[0], lay.tile_expert_t, **kw),
+      ('gmm_t', 'bf16'): lambda lay, x, dy, w: gg.gmm(dy, w[1], lay.tile_expert_t,
+                                                      transpose_rhs=True, **kw),
+      ('gmm', 'fp8'): lambda lay, x, dy, w: gg.gmm(
+          x[0], w[0][0], lay.tile_expert_t, x[1], w[0][1], out_dtype=jnp.bfloat16, **kw),
+      ('gmm_t', 'fp8'): lambda lay, x, dy, w: gg.gmm(
+          dy[0], w[1][0], lay.tile_expert_t, dy[1], w[1][1], transpose_rhs=True,
           out_dtype=jnp.bfloat16, **kw),
   }
   for (name, impl), fn in fns.items():
@@ -209,7 +211,7 @@ def bench_kernel(emit, case, c, args):
       if impl == 'fp8':  # pre-quantized: the kernel alone
         (xq, sx), (dyq, sdy) = quantize_rowwise(x, 1), quantize_rowwise(dy, 1)
         x, dy = (xq, sx[:, 0]), (dyq, sdy[:, 0])
-      return lay, x, dy
+      return lay, x, dy, weights[impl]
     rec = dict(kind='kernel', case=case, kernel=name, impl=impl)
     try:
       ms, _ = time_fn(jax.jit(fn), make_args, args.reps)
