@@ -252,14 +252,16 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
 
   # Closed in reverse order however the run ends: profiler, writer, checkpoints, input.
   with contextlib.ExitStack() as cleanup:
+    inputs = cleanup.enter_context(contextlib.ExitStack())  # closed last, after a pending save
     ckpt = Checkpointer(workdir, cfg.checkpoint, primary=primary)
     cleanup.callback(ckpt.close)
+    # The checkpoint decides how the input is split (its stream count), so the input comes second.
     streams = _stream_count(ckpt, data_streams, n_proc)
     train_iter = DataStreams(cfg.data, split='train', batch_size=cfg.train.batch_size,
                              seed=cfg.train.seed, total=streams,
                              process_index=jax.process_index(), process_count=n_proc,
                              synthetic_vocab_size=cfg.model.vocab_size)
-    cleanup.callback(train_iter.close)
+    inputs.callback(train_iter.close)
     if streams != n_proc:
       log.info('input: %d data streams, %d per process (streams %d-%d here)', streams,
                streams // n_proc, train_iter.first, train_iter.first + streams // n_proc - 1)
