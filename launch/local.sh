@@ -49,7 +49,16 @@ fi
 # The device count is ours to set: drop one inherited from the caller's XLA_FLAGS.
 xla_flags=$(sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g' <<<"${XLA_FLAGS:-}")
 pids=()
-for ((i = 0; i < nproc; i++)); do
+stopping=0
+forward() {
+  stopping=$2  # our status if no process was started yet
+  echo "$0: forwarding SIG$1 to every process" >&2
+  if ((${#pids[@]} > 0)); then kill -s "$1" "${pids[@]}" 2>/dev/null || true; fi
+}
+trap 'forward TERM 143' TERM
+trap 'forward INT 130' INT
+
+for ((i = 0; i < nproc && !stopping; i++)); do
   log=$logs/process_$i.log
   if ((gpus > 0)); then
     env=(CUDA_VISIBLE_DEVICES=$i)
@@ -61,14 +70,8 @@ for ((i = 0; i < nproc; i++)); do
     --num_processes="$nproc" --process_id="$i" >"$log" 2>&1 &
   pids+=($!)
 done
+if ((${#pids[@]} == 0)); then exit "$stopping"; fi
 echo "launched $nproc process(es) (pids ${pids[*]}), coordinator localhost:$port, logs in $logs" >&2
-
-forward() {
-  echo "$0: forwarding SIG$1 to every process" >&2
-  kill -s "$1" "${pids[@]}" 2>/dev/null || true
-}
-trap 'forward TERM' TERM
-trap 'forward INT' INT
 
 # Wait for the processes in the order they end; the first failure stops the rest.
 status=0

@@ -276,3 +276,20 @@ def test_sigterm_to_the_launcher_saves_and_exits_75(runs):
   for i in (0, 1):
     with open(os.path.join(two, 'logs', f'process_{i}.log')) as f:
       assert f'saved checkpoint {last} after SIGTERM' in f.read()
+
+
+def test_a_process_stuck_after_a_failure_is_killed(tmp_path):
+  """Process 1 fails; process 0 ignores SIGTERM (as one blocked in a collective may): the launcher
+  kills it after KILL_AFTER seconds and exits with process 1's status. (A stand-in trainer.)"""
+  fake = tmp_path / 'python'
+  fake.write_text('#!/usr/bin/env bash\n'
+                  'for a in "$@"; do [[ $a == --process_id=1 ]] && { echo boom; exit 3; }; done\n'
+                  "trap '' TERM\nwhile :; do sleep 0.05; done\n")
+  fake.chmod(0o755)
+  t0 = time.perf_counter()
+  result = subprocess.run(['timeout', '60', LAUNCH, '2', f'--workdir={tmp_path / "w"}'],
+                          env={**_env(), 'PYTHON': str(fake), 'PORT': '1', 'KILL_AFTER': '1'},
+                          capture_output=True, text=True)
+  assert result.returncode == 3, result.stderr
+  assert 'process 1 failed with status 3' in result.stderr and 'boom' in result.stderr
+  assert time.perf_counter() - t0 < 20
