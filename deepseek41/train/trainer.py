@@ -282,6 +282,9 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
                  cfg.model.moe_backend, cfg.model.eval_moe_backend)
       eval_step = jax.jit(make_eval_step(eval_md), in_shardings=(shardings, bsharding),
                           out_shardings=replicated)
+    if n_proc > 1:
+      train_step = _CompiledTogether(train_step, 'train_step')
+      eval_step = _CompiledTogether(eval_step, 'eval_step')
 
     # ---- metrics, evaluation, checkpoints ----------------------------------------------------
     writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard,
@@ -351,6 +354,37 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
   return TrainResult(step=step, last_loss=step_log.last_loss,
                      last_eval_loss=step_log.last_eval_loss,
                      stopped_by_signal=stopped)
+
+
+class _CompiledTogether:
+  """A jitted step of a multi-process run: compiled at its first call, then run once every
+  process has compiled it (a barrier of the jax.distributed coordination service).
+
+  Process 0 may load a program from the persistent compilation cache in seconds that another
+  process compiles for a minute (JAX writes the cache from process 0 only, and the others do not
+  find their programs there), and on the CPU a gloo collective gives its peers 30 s to join:
+  run at once, the first step failed with 'Gloo context initialization failed:
+  DEADLINE_EXCEEDED'.
+  """
+
+  BARRIER_TIMEOUT_S = 3600  # one process compiling a large model while the others wait
+  _count = 0
+
+  def __init__(self, fn, name: str):
+    self.fn, self.name, self.compiled = fn, name, None
+
+  def __call__(self, *args):
+    if self.compiled is None:
+      self.compiled = self.fn.lower(*args).compile()
+      from jax._src import distributed  # the client's barrier: no collective, its own timeout
+      _CompiledTogether._count += 1
+      t0 = time.perf_counter()
+      distributed.global_state.client.wait_at_barrier(
+          f'deepseek41-compiled-{self.name}-{_CompiledTogether._count}',
+          self.BARRIER_TIMEOUT_S * 1000)
+      log.info('%s compiled; waited %.1f s for the other processes', self.name,
+               time.perf_counter() - t0)
+    return self.compiled(*args)
 
 
 class _Saver:
