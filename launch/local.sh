@@ -8,8 +8,9 @@
 # Logs: WORKDIR/logs/process_<i>.log. PYTHON picks the interpreter (default .venv/bin/python
 # if present, else python3); PORT the coordinator port (default: a free one).
 # Exit status: 0 when every process succeeded; otherwise the first failure's status (the rest
-# are stopped, and the tail of the failed process's log is printed). SIGTERM / SIGINT are
-# forwarded to every process (the trainer saves a checkpoint and exits 75).
+# are stopped: SIGTERM, then SIGKILL after KILL_AFTER seconds, default 30; the tail of the
+# failed process's log is printed). SIGTERM / SIGINT are forwarded to every process (the
+# trainer saves a checkpoint and exits 75).
 set -euo pipefail
 
 usage() { echo "usage: $0 NPROC --config=FILE --workdir=DIR [train flags...]" >&2; exit 2; }
@@ -66,7 +67,9 @@ for ((i = 0; i < nproc && !stopping; i++)); do
     env=(JAX_PLATFORMS=cpu
          "XLA_FLAGS=$xla_flags --xla_force_host_platform_device_count=${DEVICES_PER_PROC:-1}")
   fi
-  env "${env[@]}" "$PYTHON" -m deepseek41.train "$@" --coordinator_address="localhost:$port" \
+  # PYTHONPATH: the package from this checkout, run from any directory.
+  env "${env[@]}" PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PYTHON" -m deepseek41.train "$@" --coordinator_address="localhost:$port" \
     --num_processes="$nproc" --process_id="$i" >"$log" 2>&1 &
   pids+=($!)
 done
