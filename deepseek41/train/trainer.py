@@ -371,11 +371,13 @@ class _CompiledTogether:
   _count = 0
 
   def __init__(self, fn, name: str):
-    self.fn, self.name, self.compiled = fn, name, None
+    self.fn, self.name, self.compiled = fn, name, {}
 
   def __call__(self, *args):
-    if self.compiled is None:
-      self.compiled = self.fn.lower(*args).compile()
+    # One executable per argument signature, as jit keeps (every process sees the same ones).
+    key = str(jax.tree.map(lambda x: (np.shape(x), str(getattr(x, 'dtype', type(x)))), args))
+    if key not in self.compiled:
+      self.compiled[key] = self.fn.lower(*args).compile()
       from jax._src import distributed  # the client's barrier: no collective, its own timeout
       _CompiledTogether._count += 1
       t0 = time.perf_counter()
@@ -384,7 +386,7 @@ class _CompiledTogether:
           self.BARRIER_TIMEOUT_S * 1000)
       log.info('%s compiled; waited %.1f s for the other processes', self.name,
                time.perf_counter() - t0)
-    return self.compiled(*args)
+    return self.compiled[key](*args)
 
 
 class _Saver:
