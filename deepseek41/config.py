@@ -52,23 +52,24 @@ def _keys(cls) -> list[dataclasses.Field]:
 # `auto` choices of the model: how, not what, is computed (docs/architecture.md section 2).
 
 
-# The fast dropless expert path of each accelerator (ops/expert_gemm.py).
-_DROPLESS_MOE_BACKENDS = {'tpu': 'ragged_dot', 'gpu': 'grouped'}
+# The fastest dropless expert path of each platform (ops/expert_gemm.py): `auto` never drops.
+# GPU: the grouped Pallas GEMM, dropless at about the capacity einsum's speed (measured on the
+# H200, docs/performance.md 9.7). CPU: `reference`, every expert on every token (E/K times the
+# useful FLOPs; about half the tiny config's step rate of the dropping capacity einsum), since
+# ragged_dot computes every group densely there (E times). TPU: ragged_dot's real grouped GEMM.
+_DROPLESS_MOE_BACKENDS = {'tpu': 'ragged_dot', 'gpu': 'grouped', 'cpu': 'reference'}
 
 
 def _auto_moe_backend(m: dict[str, Any], backend: str) -> str:
-  # Measured on the H200 (docs/performance.md): ragged_dot costs E dense matmuls on GPU/CPU;
-  # the grouped Pallas GEMM is dropless at about the capacity einsum's speed on the GPU.
-  return _DROPLESS_MOE_BACKENDS.get(backend, 'capacity_einsum')
+  return _DROPLESS_MOE_BACKENDS.get(backend, 'reference')
 
 
 def _auto_eval_moe_backend(m: dict[str, Any], backend: str) -> str:
   # Evaluation is dropless whatever the training backend (a capacity drop moves a toy model's
   # logits by up to 5.7): a dropless training backend is kept, the capacity einsum replaced by
-  # the fastest dropless path here. On the CPU that is `reference` (every expert on every token,
-  # E/K times the useful FLOPs): ragged_dot computes every group densely there (E times) and, at
-  # the tiny config's expert shapes, compiles in 0.8 s against 0.4 s and runs no faster (E=64,
-  # K=6: 630 ms against 235 ms per call).
+  # the fastest dropless path here. On the CPU ragged_dot, at the tiny config's expert shapes,
+  # compiles in 0.8 s against reference's 0.4 s and runs slower (E=64, K=6: 630 ms against 235
+  # ms per call).
   if m['moe_backend'] != 'capacity_einsum':
     return m['moe_backend']
   return _DROPLESS_MOE_BACKENDS.get(backend, 'reference')
