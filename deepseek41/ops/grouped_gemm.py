@@ -317,13 +317,17 @@ def _grouped_matmul_fwd(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, inter
   return y, (x_md, w_edf, tile_expert_t, group_tiles_e1)
 
 
+def _weight_grad(x_md, dy_mf, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
+  bm = x_md.shape[0] // tile_expert_t.shape[0]
+  return tgmm(x_md, dy_mf, group_tiles_e1, block_m=bm, out_dtype=w_edf.dtype, tiles=tiles,
+              interpret=interpret)
+
+
 def _grouped_matmul_bwd(tiles, interpret, res, dy_mf):
   x_md, w_edf, tile_expert_t, group_tiles_e1 = res
   dy_mf = dy_mf.astype(x_md.dtype)
   dx_md = gmm(dy_mf, w_edf, tile_expert_t, transpose_rhs=True, tiles=tiles, interpret=interpret)
-  bm = x_md.shape[0] // tile_expert_t.shape[0]
-  dw_edf = tgmm(x_md, dy_mf, group_tiles_e1, block_m=bm, out_dtype=w_edf.dtype, tiles=tiles,
-                interpret=interpret)
+  dw_edf = _weight_grad(x_md, dy_mf, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret)
   return dx_md, dw_edf, None, None
 
 
@@ -359,9 +363,7 @@ def _grouped_matmul_fp8_bwd(tiles, interpret, res, dy_mf):
   x_md, w_edf, tile_expert_t, group_tiles_e1 = res
   dy_mf = dy_mf.astype(x_md.dtype)
   dx_md = _gmm_fp8(dy_mf, w_edf, tile_expert_t, True, tiles, interpret, out_dtype=x_md.dtype)
-  bm = x_md.shape[0] // tile_expert_t.shape[0]
-  dw_edf = tgmm(x_md, dy_mf, group_tiles_e1, block_m=bm, out_dtype=w_edf.dtype, tiles=tiles,
-                interpret=interpret)
+  dw_edf = _weight_grad(x_md, dy_mf, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret)
   return dx_md, dw_edf, None, None
 
 

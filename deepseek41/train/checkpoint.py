@@ -57,6 +57,10 @@ MANIFEST = 'checksums.json'
 _CHUNK = 1 << 24
 
 
+def _stream_file(stream: int, total: int) -> str:
+  return f'process_{stream}-of-{total}.json'  # Grain's own handler's name for process k of S
+
+
 class DataStreamsHandler(grain.checkpoint.CheckpointHandler):
   """Orbax handler of the `data` item: one Grain iterator state per input stream."""
 
@@ -65,7 +69,7 @@ class DataStreamsHandler(grain.checkpoint.CheckpointHandler):
     if not hasattr(item, 'stream_states'):  # a plain Grain iterator: Grain's own layout
       return super().save(directory, item=item)
     for k, state in item.stream_states().items():
-      (directory / f'process_{k}-of-{item.total}.json').write_text(json.dumps(state, indent=4))
+      (directory / _stream_file(k, item.total)).write_text(json.dumps(state, indent=4))
 
   def restore(self, directory, item=None, args=None):
     item = item if item is not None else args.item
@@ -73,7 +77,7 @@ class DataStreamsHandler(grain.checkpoint.CheckpointHandler):
       return super().restore(directory, item=item)
     states = {}
     for k in item.streams:
-      path = directory / f'process_{k}-of-{item.total}.json'
+      path = directory / _stream_file(k, item.total)
       if not path.exists():
         raise CheckpointError(f'{path} is missing: the data position of stream {k} of '
                               f'{item.total} was not saved')
