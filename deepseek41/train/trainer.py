@@ -375,7 +375,8 @@ class _CompiledTogether:
 
   def __call__(self, *args):
     # One executable per argument signature, as jit keeps (every process sees the same ones).
-    key = str(jax.tree.map(lambda x: (np.shape(x), str(getattr(x, 'dtype', type(x)))), args))
+    leaves, treedef = jax.tree.flatten(args)
+    key = (treedef, tuple((np.shape(x), getattr(x, 'dtype', type(x))) for x in leaves))
     if key not in self.compiled:
       self.compiled[key] = self.fn.lower(*args).compile()
       from jax._src import distributed  # the client's barrier: no collective, its own timeout
@@ -449,7 +450,7 @@ def _initial_state(cfg, ckpt: Checkpointer, tx, mesh, abstract, shardings, layou
     t0 = time.perf_counter()
     state, _ = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
     jax.block_until_ready(state)
-    # One program draws every parameter: its compile grows with the parameter count (about 50 s
+    # One program draws every parameter: its compile grows with the parameter count (50-70 s
     # for configs/ablation_1b.py on the H200; docs/performance.md section 10.3), and the
     # persistent compilation cache keeps it for the next fresh start.
     log.info('initialised the parameters and optimizer state in %.1f s (compilation included)',
