@@ -56,8 +56,8 @@ def _keys(cls) -> list[dataclasses.Field]:
 # GPU: the grouped Pallas GEMM, dropless at about the capacity einsum's speed (measured on the
 # H200, docs/performance.md 9.7). CPU: `reference`, every expert on every token (E/K times the
 # useful FLOPs; the README's tiny quick start took 7m24s against 4m36s with the dropping
-# capacity einsum, setup included), since
-# ragged_dot computes every group densely there (E times). TPU: ragged_dot's real grouped GEMM.
+# capacity einsum, setup included), since ragged_dot computes every group densely there (E
+# times). TPU: ragged_dot's real grouped GEMM.
 _DROPLESS_MOE_BACKENDS = {'tpu': 'ragged_dot', 'gpu': 'grouped', 'cpu': 'reference'}
 
 
