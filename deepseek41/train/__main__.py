@@ -2,8 +2,9 @@
 
 Starts or resumes the run in --workdir (it resumes from the newest complete checkpoint there).
 Multi-host: pass --coordinator_address, --num_processes and --process_id on every host (or rely
-on jax.distributed's auto-detection on TPU / SLURM with --distributed). Several processes on one
-host: `launch/local.sh NPROC --config=... --workdir=...` (README, "Several processes on one host").
+on jax.distributed's auto-detection on TPU / SLURM with --distributed; with neither, --distributed
+exits 2). Launchers: `launch/local.sh NPROC` (one host), `launch/slurm.sbatch`,
+`launch/tpu_pod.sh`, `launch/k8s/jobset.yaml` (README, "Several GPUs and hosts").
 `--dry_run` builds the mesh against the visible devices, logs the process / device / mesh banner
 and the per-device bytes of the state, and exits 0 before compiling anything.
 
@@ -41,7 +42,7 @@ _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Resolve the config, build the me
 _DATA_STREAMS = flags.DEFINE_integer(
     'data_streams', None, 'Input streams the global batch is split into (a fresh run only; '
     'default: the process count). Each process reads data_streams / process_count of them; a '
-    'resumed run keeps the checkpoint\'s count (README, "Several processes on one host").')
+    'resumed run keeps the checkpoint\'s count (README, "Several GPUs and hosts").')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -60,8 +61,23 @@ def main(argv):
       # Cross-process collectives on the CPU need an implementation (the default has none); it
       # is read when the backend starts, so before initialize() and any device query.
       jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
-                               num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
+    try:
+      jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                                 num_processes=_NUM_PROCESSES.value,
+                                 process_id=_PROCESS_ID.value)
+    except ValueError as e:  # values missing or out of range, before any connection
+      if 'defined' in str(e):
+        # Auto-detection found no cluster and left a value unset; jax's own message
+        # ("coordinator_address should be defined.") does not say why.
+        logging.error('--distributed: %s jax.distributed found no cluster environment to read '
+                      'it from (it detects SLURM job steps (srun), Cloud TPU VMs and GKE TPU '
+                      'pods, Open MPI, and Kubernetes Jobs when the `kubernetes` package is '
+                      'installed); pass --coordinator_address, --num_processes and '
+                      '--process_id, or use launch/local.sh on one host (README, "Several GPUs '
+                      'and hosts")', e)
+      else:
+        logging.error('jax.distributed.initialize: %s', e)
+      sys.exit(EXIT_BAD_INPUT)
   from deepseek41.config import ConfigError
   from deepseek41.data.shards import DataError
   from deepseek41.train.checkpoint import CheckpointError, CheckpointSaveError
