@@ -189,6 +189,14 @@ class ModelConfig:
   moe_backend: str = _key('auto', auto=_auto_moe_backend,
                          choices=('reference', 'capacity_einsum', 'ragged_dot', 'grouped'))
   capacity_factor: float = _key(1.25)    # capacity_einsum: slots per expert = ceil(cf * N * K / E)
+  # Expert parallelism (mesh.expert > 1; ops/expert_parallel.py). The dropless backends send each
+  # assignment to its expert's shard; a shard's receive buffer holds expert_buffer_factor x its
+  # own assignments, 0 = mesh.expert x them, which never overflows (rows past a smaller buffer
+  # are dropped and counted in dropped_frac). expert_exchange: ragged = ragged_all_to_all (GPU,
+  # TPU), padded = a dense all_to_all of chunks padded to the largest (what the CPU can run).
+  expert_buffer_factor: float = _key(0.0)
+  expert_exchange: str = _key('auto', choices=('ragged', 'padded'),
+                              auto=lambda m, backend: 'padded' if backend == 'cpu' else 'ragged')
   # The routed experts of held-out evaluation, dropless: auto keeps a dropless moe_backend and
   # replaces capacity_einsum (grouped on the GPU, ragged_dot on the TPU, reference on the CPU).
   eval_moe_backend: str = _key('auto', auto=_auto_eval_moe_backend,
@@ -656,6 +664,8 @@ def _check_moe(m: ModelConfig):
   _req(m.num_experts_per_tok <= m.n_routed_experts, 'model.num_experts_per_tok',
        f'top-{m.num_experts_per_tok} of {m.n_routed_experts} experts is impossible')
   _req(m.capacity_factor > 0, 'model.capacity_factor', 'must be > 0')
+  _req(m.expert_buffer_factor >= 0, 'model.expert_buffer_factor',
+       f'must be >= 0 (0: never overflow), got {m.expert_buffer_factor}')
   _req(m.eval_moe_backend != 'capacity_einsum', 'model.eval_moe_backend',
        "'capacity_einsum' drops assignments past capacity and evaluation must not: use auto, "
        'reference, ragged_dot or grouped')
@@ -898,6 +908,12 @@ def _check_batch_split(t: TrainConfig, mesh: MeshConfig):
        f'{shards} devices the batch is sharded over (mesh rules for "batch")')
 
 
+def _check_expert_split(m: ModelConfig, mesh: MeshConfig):
+  _req(m.n_routed_experts % mesh.expert == 0, 'mesh.expert',
+       f'{mesh.expert} expert shards cannot split model.n_routed_experts={m.n_routed_experts} '
+       'evenly (each shard holds a contiguous block of experts)')
+
+
 def _check_checkpoint(ck: CheckpointConfig):
   _req(ck.every_steps >= 0, 'checkpoint.every_steps', 'must be >= 0')
   _req(ck.max_to_keep >= 1, 'checkpoint.max_to_keep', 'must be >= 1')
@@ -939,6 +955,7 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
   train = TrainConfig(**_read_section(TrainConfig, cfg.train, 'train'))
   _check_train(train)
   _check_batch_split(train, mesh)
+  _check_expert_split(model, mesh)
   checkpoint = CheckpointConfig(**_read_section(CheckpointConfig, cfg.checkpoint, 'checkpoint'))
   _check_checkpoint(checkpoint)
   log = LogConfig(**_read_section(LogConfig, cfg.log, 'log'))

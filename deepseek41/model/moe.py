@@ -15,7 +15,8 @@ from flax import nnx
 
 from deepseek41.config import ModelConfig
 from deepseek41.model.params import RouterBias, normal_param
-from deepseek41.ops.expert_gemm import clipped_swiglu, expert_ffn_batched
+from deepseek41.ops.expert_gemm import clipped_swiglu
+from deepseek41.ops.expert_parallel import routed_experts
 from deepseek41.ops.fp8_matmul import dense
 
 NUM_MODALITIES = 2  # 0 = text, 1 = image (batch field `modality`)
@@ -96,11 +97,12 @@ class MoE(nnx.Module):
     scores_bte = router_scores(x_btd, self.w_router[...])
     idx_btk, weights_btk = route(scores_bte, self.router_bias[...], modality_bt,
                                  cfg.num_experts_per_tok, cfg.route_scale)
-    y_btd, dropped = expert_ffn_batched(
+    y_btd, dropped = routed_experts(
         x_btd, idx_btk, weights_btk, valid_bt.astype(bool),
         self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt),
         swiglu_limit=cfg.swiglu_limit, backend=cfg.moe_backend,
-        capacity_factor=cfg.capacity_factor, fp8=cfg.fp8)
+        capacity_factor=cfg.capacity_factor, fp8=cfg.fp8,
+        buffer_factor=cfg.expert_buffer_factor, exchange=cfg.expert_exchange)
     if cfg.n_shared_experts:
       y_btd = y_btd + self.shared_experts(x_btd)
     aux = {

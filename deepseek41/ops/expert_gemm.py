@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -104,7 +105,7 @@ def _reference(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_
 
 
 @jax.custom_vjp
-def _take_rows(src_md, idx_r, ok_r, inv_idx_mj, inv_ok_mj):
+def take_rows(src_md, idx_r, ok_r, inv_idx_mj, inv_ok_mj):
   """out_rd = src_md[idx_r] where ok_r, else 0; a gather whose transpose is a gather too.
 
   Requires that (inv_idx_mj, inv_ok_mj) lists, for each source row m, the ok output rows that
@@ -115,7 +116,7 @@ def _take_rows(src_md, idx_r, ok_r, inv_idx_mj, inv_ok_mj):
 
 
 def _take_rows_fwd(src_md, idx_r, ok_r, inv_idx_mj, inv_ok_mj):
-  return _take_rows(src_md, idx_r, ok_r, inv_idx_mj, inv_ok_mj), (inv_idx_mj, inv_ok_mj)
+  return take_rows(src_md, idx_r, ok_r, inv_idx_mj, inv_ok_mj), (inv_idx_mj, inv_ok_mj)
 
 
 def _take_rows_bwd(res, d_out_rd):
@@ -124,7 +125,63 @@ def _take_rows_bwd(res, d_out_rd):
   return d_mjd.sum(axis=1).astype(d_out_rd.dtype), None, None, None, None
 
 
-_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+class CapacityRoute(NamedTuple):
+  """Where each (token, expert) assignment sits in the [E, C] capacity buffer, and back."""
+  assign_s: jax.Array   # int32 [E*C] slot -> assignment a = n*K + k (meaningful where filled)
+  filled_s: jax.Array   # bool [E*C] the slot holds an assignment
+  slot_a: jax.Array     # int32 [N*K] assignment -> slot (meaningful where kept)
+  kept_a: jax.Array     # bool [N*K] the assignment got a slot (valid token, within capacity)
+  dropped: jax.Array    # int32 [] valid assignments past capacity
+
+
+def capacity_route(expert_idx_nk, valid_n, n_experts: int, capacity: int) -> CapacityRoute:
+  """GShard-style slots: expert e's c-th assignment (in token order) takes slot (e, c) if c < C."""
+  n, k = expert_idx_nk.shape
+  order_a, rank_a, counts_e = _sort_by_expert(expert_idx_nk, valid_n, n_experts)
+  start_e = jnp.cumsum(counts_e) - counts_e
+  # Stability of the sort makes the served assignments the earliest tokens.
+  slot_c = jnp.arange(capacity, dtype=jnp.int32)
+  filled_s = (slot_c[None, :] < counts_e[:, None]).reshape(n_experts * capacity)
+  assign_s = order_a[jnp.minimum(start_e[:, None] + slot_c[None, :], n * k - 1)].reshape(-1)
+  e_a = expert_idx_nk.reshape(n * k)
+  pos_a = rank_a - start_e[e_a]
+  kept_a = valid_n.repeat(k) & (pos_a < capacity)
+  slot_a = e_a * capacity + jnp.minimum(pos_a, capacity - 1)
+  dropped = jnp.sum(jnp.maximum(counts_e - capacity, 0)).astype(jnp.int32)
+  return CapacityRoute(assign_s, filled_s, slot_a, kept_a, dropped)
+
+
+def capacity_dispatch(x_nd, route: CapacityRoute, k: int):
+  """[E*C, D] buffer of the tokens in their slots (empty slots 0)."""
+  n = x_nd.shape[0]
+  # Kept assignments and filled slots are in bijection, so dispatch and combine are both gathers
+  # whose transposes are gathers through the other map (no scatter in the backward either).
+  return take_rows(x_nd, route.assign_s // k, route.filled_s, route.slot_a.reshape(n, k),
+                    route.kept_a.reshape(n, k))
+
+
+def capacity_combine(out_sd, route: CapacityRoute, weight_nk, dtype):
+  """sum_k weight_nk * out[slot(n, k)] over the kept assignments."""
+  n, k = weight_nk.shape
+  y_nkd = take_rows(out_sd, route.slot_a, route.kept_a, route.assign_s[:, None],
+                     route.filled_s[:, None]).reshape(n, k, -1)
+  weight_nk = jnp.where(route.kept_a.reshape(n, k), weight_nk.astype(jnp.float32), 0.0)
+  return _combine(y_nkd, weight_nk, dtype)
+
+
+def experts_on_buffer(buf_ecd, w_gate_edf, w_up_edf, w_down_efd, limit, fp8='off'):
+  """Each expert's SwiGLU on its [C, D] rows: batched matmuls over E (empty rows stay 0)."""
+  if fp8 == 'off':
+    h_gate_ecf = jnp.einsum('ecd,edf->ecf', buf_ecd, w_gate_edf)
+    h_up_ecf = jnp.einsum('ecd,edf->ecf', buf_ecd, w_up_edf)
+    return jnp.einsum('ecf,efd->ecd', clipped_swiglu(h_gate_ecf, h_up_ecf, limit), w_down_efd)
+  # empty slots are zero rows: they quantize to zeros
+  h_ecf = clipped_swiglu(batched_fp8_matmul(buf_ecd, w_gate_edf),
+                         batched_fp8_matmul(buf_ecd, w_up_edf), limit)
+  return batched_fp8_matmul(h_ecf, w_down_efd)
 
 
 def _capacity_einsum(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd,
@@ -133,40 +190,11 @@ def _capacity_einsum(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_e
   n, k = expert_idx_nk.shape
   n_experts, d, _ = w_gate_edf.shape
   cap = expert_capacity(n, k, n_experts, capacity_factor)
-  order_a, rank_a, counts_e = _sort_by_expert(expert_idx_nk, valid_n, n_experts)
-  start_e = jnp.cumsum(counts_e) - counts_e
-
-  # Slot s = (e, c) holds expert e's c-th assignment in sorted order, if it has that many.
-  # Stability of the sort makes these the earliest tokens.
-  slot_c = jnp.arange(cap, dtype=jnp.int32)
-  filled_s = (slot_c[None, :] < counts_e[:, None]).reshape(n_experts * cap)
-  assign_s = order_a[jnp.minimum(start_e[:, None] + slot_c[None, :], n * k - 1)].reshape(-1)
-  # Assignment a sits at slot (e_a, its rank within e_a), kept if that rank is below C.
-  e_a = expert_idx_nk.reshape(n * k)
-  pos_a = rank_a - start_e[e_a]
-  kept_a = valid_n.repeat(k) & (pos_a < cap)
-  slot_a = e_a * cap + jnp.minimum(pos_a, cap - 1)
-
-  # Kept assignments and filled slots are in bijection, so dispatch and combine are both gathers
-  # whose transposes are gathers through the other map (no scatter in the backward either).
-  buf_ecd = _take_rows(x_nd, assign_s // k, filled_s, slot_a.reshape(n, k),
-                       kept_a.reshape(n, k)).reshape(n_experts, cap, d)
-
-  if fp8 == 'off':
-    h_gate_ecf = jnp.einsum('ecd,edf->ecf', buf_ecd, w_gate_edf)
-    h_up_ecf = jnp.einsum('ecd,edf->ecf', buf_ecd, w_up_edf)
-    out_ecd = jnp.einsum('ecf,efd->ecd', clipped_swiglu(h_gate_ecf, h_up_ecf, limit), w_down_efd)
-  else:  # empty slots are zero rows: they quantize to zeros
-    h_ecf = clipped_swiglu(batched_fp8_matmul(buf_ecd, w_gate_edf),
-                           batched_fp8_matmul(buf_ecd, w_up_edf), limit)
-    out_ecd = batched_fp8_matmul(h_ecf, w_down_efd)
-
-  y_nkd = _take_rows(out_ecd.reshape(n_experts * cap, d), slot_a, kept_a, assign_s[:, None],
-                     filled_s[:, None]).reshape(n, k, d)
-  weight_nk = jnp.where(kept_a.reshape(n, k), weight_nk.astype(jnp.float32), 0.0)
-
-  dropped = jnp.sum(jnp.maximum(counts_e - cap, 0)).astype(jnp.int32)
-  return _combine(y_nkd, weight_nk, x_nd.dtype), dropped
+  route = capacity_route(expert_idx_nk, valid_n, n_experts, cap)
+  buf_ecd = capacity_dispatch(x_nd, route, k).reshape(n_experts, cap, d)
+  out_ecd = experts_on_buffer(buf_ecd, w_gate_edf, w_up_edf, w_down_efd, limit, fp8)
+  return capacity_combine(out_ecd.reshape(n_experts * cap, d), route, weight_nk,
+                          x_nd.dtype), route.dropped
 
 
 # ---- ragged_dot --------------------------------------------------------------------------------
@@ -216,12 +244,12 @@ def _ragged_dot(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w
   # transposes, as in capacity_einsum; here the sorted rows are the slots.
   valid_a = valid_n.repeat(k)
   in_group_a = jnp.arange(n * k) < jnp.sum(counts_e)
-  x_ad = _take_rows(x_nd, order_a // k, in_group_a, rank_a.reshape(n, k), valid_a.reshape(n, k))
+  x_ad = take_rows(x_nd, order_a // k, in_group_a, rank_a.reshape(n, k), valid_a.reshape(n, k))
   dot = jax.lax.ragged_dot if fp8 == 'off' else _ragged_dot_qdq
   h_gate_af = dot(x_ad, w_gate_edf, counts_e)
   h_up_af = dot(x_ad, w_up_edf, counts_e)
   out_ad = dot(clipped_swiglu(h_gate_af, h_up_af, limit), w_down_efd, counts_e)
-  y_nkd = _take_rows(out_ad, rank_a, valid_a, order_a[:, None], in_group_a[:, None])
+  y_nkd = take_rows(out_ad, rank_a, valid_a, order_a[:, None], in_group_a[:, None])
   y_nkd = y_nkd.reshape(n, k, -1)
 
   weight_nk = jnp.where(valid_n[:, None], weight_nk.astype(jnp.float32), 0.0)
@@ -248,7 +276,7 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_do
   # Used rows and valid assignments are in bijection, so dispatch and combine are gathers whose
   # transposes are gathers through the other map (no scatter-add in the backward). Group padding
   # rows stay 0 through all three projections (swiglu(0, 0) = 0), as the kernels require.
-  x_md = _take_rows(x_nd, lay.assign_m // k, lay.used_m, lay.row_a.reshape(n, k),
+  x_md = take_rows(x_nd, lay.assign_m // k, lay.used_m, lay.row_a.reshape(n, k),
                     lay.valid_a.reshape(n, k))
 
   matmul = grouped_gemm.grouped_matmul if fp8 == 'off' else grouped_gemm.grouped_matmul_fp8
@@ -257,7 +285,7 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_do
     return matmul(a_md, w_edf, lay.tile_expert_t, lay.group_tiles_e1, tiles, interpret)
   h_md = clipped_swiglu(proj(x_md, w_gate_edf), proj(x_md, w_up_edf), limit)
   out_md = proj(h_md, w_down_efd)
-  y_nkd = _take_rows(out_md, lay.row_a, lay.valid_a, lay.assign_m[:, None], lay.used_m[:, None])
+  y_nkd = take_rows(out_md, lay.row_a, lay.valid_a, lay.assign_m[:, None], lay.used_m[:, None])
   y_nkd = y_nkd.reshape(n, k, -1)
 
   weight_nk = jnp.where(valid_n[:, None], weight_nk.astype(jnp.float32), 0.0)
