@@ -3,8 +3,8 @@
 - launch/slurm.sbatch under a faked SLURM job: a stand-in `srun` starts SLURM_NTASKS local tasks
   with the step's variables (SLURM_PROCID, SLURM_LOCALID, SLURM_STEP_NODELIST, ...); the real
   trainer's `--distributed` then joins 2 processes through jax's SLURM auto-detection (gloo on
-  the CPU) and prints its --dry_run banner. With a stand-in trainer: SIGTERM to the batch script
-  reaches every task, status 75 requeues the job (`scontrol requeue`, also a stand-in), the
+  the CPU) and prints its --dry_run banner. With a stand-in trainer: the time-limit signal to the
+  batch script reaches every task as one SIGTERM, status 75 requeues the job (`scontrol requeue`, also a stand-in), the
   per-task GPU choice (JAX_LOCAL_DEVICE_IDS).
 - launch/tpu_pod.sh with DRY=1: the gcloud commands; the command it sends the workers is run
   here (one worker, explicit coordinator flags) and starts the trainer.
@@ -62,15 +62,18 @@ done
 exit "$status"
 '''
 FAKE_SCONTROL = '#!/usr/bin/env bash\necho "$@" >>"$FAKE_SCONTROL_LOG"\n'
-# A trainer that reports what it was given, then runs until SIGTERM, which it answers with 75
-# (FAKE_STATUS: exit with that status at once instead).
+# A trainer that reports what it was given, then runs until SIGTERM, counts the SIGTERMs of the
+# next half second and exits 75 (FAKE_STATUS: exit with that status at once instead).
 FAKE_TRAINER = r'''#!/usr/bin/env bash
 echo "argv: $*"
 echo "task ${SLURM_PROCID:-?} local_device_ids=${JAX_LOCAL_DEVICE_IDS-unset} cwd=$PWD"
 if [[ -n ${FAKE_STATUS:-} ]]; then exit "$FAKE_STATUS"; fi
-trap 'echo "got SIGTERM"; exit 75' TERM
+n=0
+trap 'n=$((n + 1)); echo "got SIGTERM $n"' TERM
 echo ready
-while :; do sleep 0.05; done
+while ((n == 0)); do sleep 0.05; done
+sleep 0.5
+exit 75
 '''
 
 
@@ -112,7 +115,7 @@ def test_scripts_parse():
     assert os.access(script, os.X_OK), script
   text = _read(SBATCH)
   assert 'set -euo pipefail' in text
-  for directive in ('--requeue', '--signal=B:TERM@120', '--gpus-per-task=1'):
+  for directive in ('--requeue', '--signal=B:USR1@120', '--gpus-per-task=1'):
     assert f'#SBATCH {directive}' in text
   # sbatch stops reading #SBATCH lines at the first command
   first_command = next(i for i, line in enumerate(text.splitlines())
@@ -171,9 +174,11 @@ def test_slurm_two_tasks_join_through_auto_detection(slurm):
   assert not (tmp / 'scontrol.log').exists()
 
 
-def test_slurm_sigterm_saves_and_requeues(slurm):
-  """SIGTERM to the batch script (--signal=B:TERM) reaches every task through srun; their 75
-  requeues the job. One GPU visible per task (--gpus-per-task=1): JAX's device 0."""
+def test_slurm_time_limit_signal_saves_and_requeues(slurm):
+  """SIGUSR1 to the batch script (--signal=B:USR1@120) becomes one SIGTERM to every task through
+  srun, however often it comes; their 75 requeues the job. A SIGTERM to the script (SLURM ending
+  the job signals the tasks itself) is not passed on. One GPU visible per task
+  (--gpus-per-task=1): JAX's device 0."""
   env, work, tmp = slurm
   env.update(PYTHON=_executable(tmp / 'python', FAKE_TRAINER), CUDA_VISIBLE_DEVICES='5',
              CONFIG='configs/ablation_1b.py')
@@ -187,6 +192,12 @@ def test_slurm_sigterm_saves_and_requeues(slurm):
         break
       time.sleep(0.05)
     job.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert job.poll() is None
+    for t in (0, 1):
+      assert 'got SIGTERM' not in _task_log(work, t)
+    job.send_signal(signal.SIGUSR1)
+    job.send_signal(signal.SIGUSR1)
     _, err = job.communicate(timeout=30)
   finally:
     if job.poll() is None:
@@ -196,7 +207,7 @@ def test_slurm_sigterm_saves_and_requeues(slurm):
   assert 'requeued job 4242' in err
   for t in (0, 1):
     text = _task_log(work, t)
-    assert 'got SIGTERM' in text
+    assert 'got SIGTERM 1' in text and 'got SIGTERM 2' not in text
     assert (f'argv: -m deepseek41.train --distributed --config=configs/ablation_1b.py '
             f'--workdir={work} --config.train.steps=7') in text
     assert f'task {t} local_device_ids=0 cwd={ROOT}' in text
@@ -223,12 +234,15 @@ def test_slurm_one_process_per_node_and_no_requeue(slurm, status, restarts, requ
     assert 'failed with status 3' in result.stderr
 
 
-def test_slurm_needs_a_workdir(slurm):
+def test_slurm_needs_a_job_and_a_workdir(slurm):
   env, _, tmp = slurm
   del env['WORKDIR']
   result = subprocess.run(['bash', SBATCH], cwd=tmp, env=env, capture_output=True, text=True,
                           timeout=30)
   assert result.returncode != 0 and 'set WORKDIR' in result.stderr
+  result = subprocess.run(['bash', SBATCH], cwd=tmp, env=_env(WORKDIR=tmp), capture_output=True,
+                          text=True, timeout=30)
+  assert result.returncode != 0 and 'submit this script with sbatch' in result.stderr
 
 
 def _tpu_dry(*args, **env):
