@@ -39,6 +39,7 @@ resolve differently.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -49,6 +50,7 @@ from deepseek41.config import ModelConfig
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
+from deepseek41.ops.per_device import batch_local
 from deepseek41.ops.sparse_attention import selection_mask
 from deepseek41.ops.topk_select import MAX_L, topk_threshold_reference, topk_threshold
 
@@ -84,7 +86,8 @@ def _top_slots(key_btn, k: int, select_impl: str):
   if select_impl == 'threshold' and key_btn.shape[-1] > MAX_L:  # too long to hold on chip
     return topk_threshold_reference(key_btn, k)
   if select_impl == 'threshold':  # on the CPU the kernel runs in the Pallas interpreter (tests)
-    return topk_threshold(key_btn, k, interpret=jax.default_backend() == 'cpu')
+    return batch_local(functools.partial(topk_threshold, k=k,
+                                         interpret=jax.default_backend() == 'cpu'), key_btn)
   if select_impl != 'top_k':
     raise ValueError(f'select_impl must be one of {SELECT_IMPLS}, got {select_impl!r}')
   vals_btk, idx_btk = jax.lax.top_k(key_btn, min(k, key_btn.shape[-1]))

@@ -36,9 +36,10 @@ from jax.sharding import PartitionSpec as P
 
 from deepseek41.ops import expert_gemm
 from deepseek41.ops.grouped_gemm import sort_by_expert
+from deepseek41.ops.per_device import BATCH_AXES, axis_size as _size, dividing_axes as _dividing
 
 # The mesh axes of the expert layout (sharding.py builds the mesh with these names).
-TOKEN_AXES = ('data', 'fsdp', 'expert')
+TOKEN_AXES = BATCH_AXES
 EXPERT_AXIS = 'expert'
 WIDTH_AXIS = 'tensor'
 EXCHANGES = ('auto', 'ragged', 'padded')
@@ -85,21 +86,6 @@ def routed_experts(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up
   return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, tok, w_in, w_in, w_out),
                        out_specs=(tok, P()), check_vma=False)(
       x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd)
-
-
-def _size(mesh, axis):
-  return mesh.shape[axis] if axis in mesh.axis_names else 1
-
-
-def _dividing(mesh, axes, dim):
-  """The axes (in order, size > 1) whose product still divides dim."""
-  out, size = [], 1
-  for a in axes:
-    n = _size(mesh, a)
-    if n > 1 and dim % (size * n) == 0:
-      out.append(a)
-      size *= n
-  return tuple(out)
 
 
 def _local(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd, *,

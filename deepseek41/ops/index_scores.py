@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepseek41.config import index_scores_supported
+from deepseek41.ops.per_device import batch_local
 
 MIN_DOT = 16  # Triton's smallest matmul dimension
 
@@ -111,4 +112,10 @@ def index_scores_fused(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 64, blo
   return out[:, :t, :n]
 
 
-SCORERS = {'reference': index_scores_reference, 'fused': index_scores_fused}  # model.index_impl
+def index_scores_per_device(q_bthc, w_bth, k_bnc, limit_bt):
+  """index_scores_fused on each device's batch rows (ops/per_device.py)."""
+  kernel = functools.partial(index_scores_fused, interpret=jax.default_backend() == 'cpu')
+  return batch_local(kernel, q_bthc, w_bth, k_bnc, limit_bt)
+
+
+SCORERS = {'reference': index_scores_reference, 'fused': index_scores_per_device}  # model.index_impl

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepseek41.ops.index_scores import pad_axis
+from deepseek41.ops.per_device import batch_local
 
 MIN_DOT = 16  # Triton's smallest matmul dimension
 _COEF_BLOCK = 128  # tokens per program of the per-token coefficient backward
@@ -562,9 +563,15 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 # Public entry points ([B, T, ...] shapes, as mhc.py and transformer.py use them)
 
 
-def _run(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, site, collapse, iters,
-         eps, norm_eps, block_t, block_d, num_warps, block_t_bwd, block_d_bwd, num_warps_bwd,
-         num_stages, interpret):
+def _run(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, **kw):
+  """The kernels on each device's batch rows (ops/per_device.py); fn, base, scale replicated."""
+  return batch_local(functools.partial(_run_local, **kw), x_btnd, f_btd, post_btn, comb_btjk,
+                     pre_btn, fn, base, scale, replicated=(5, 6, 7))
+
+
+def _run_local(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, site, collapse,
+               iters, eps, norm_eps, block_t, block_d, num_warps, block_t_bwd, block_d_bwd,
+               num_warps_bwd, num_stages, interpret):
   b, t, n, d = x_btnd.shape
   if n & (n - 1):
     raise ValueError(f'the fused mHC kernels need a power-of-two hc_mult, got {n}')

@@ -16,12 +16,14 @@ with the window partial and the sink through `swa_attention.combine_with_sink`.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from deepseek41.ops.chunking import map_query_chunks
+from deepseek41.ops.per_device import batch_local
 from deepseek41.ops.sparse_kernel import sparse_partial_fused
 from deepseek41.ops.swa_attention import _masked_softmax_partial
 
@@ -123,9 +125,9 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
   elif impl == 'gathered':
     out = _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk)
   elif impl == 'fused':  # on the CPU the kernels run in the Pallas interpreter (tests)
-    out = sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, scale=scale,
-                               with_mass=with_mass,
+    kernel = functools.partial(sparse_partial_fused, scale=scale, with_mass=with_mass,
                                interpret=jax.default_backend() == 'cpu')
+    out = batch_local(kernel, q_bthd, kv_bnd, idx_btk, valid_btk)
   else:
     raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
   return out if with_mass else out[:2]

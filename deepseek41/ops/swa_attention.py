@@ -25,12 +25,14 @@ Not handled here: DSpark's in-block bidirectional attention.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from deepseek41.ops.window_kernel import window_partial_fused
+from deepseek41.ops.per_device import batch_local
 
 IMPLS = ('reference', 'chunked', 'fused')
 
@@ -202,6 +204,10 @@ def _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk, s
 # Public entry points
 
 
+def _window_fused(q_bthd, kv_btd, segment_ids_bt, span_ids_bt, **kw):
+  return window_partial_fused(q_bthd, kv_btd, segment_ids_bt, span_ids_bt=span_ids_bt, **kw)
+
+
 def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chunked',
                 chunk: int | None = None, scale: float | None = None, span_ids_bt=None):
   """The window branch as a partial: (o_bthd normalised over the window, lse_bth fp32).
@@ -225,9 +231,9 @@ def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chu
     return _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk,
                                 span_ids_bt)
   if impl == 'fused':  # `chunk` is the chunked impl's; the kernel picks its own blocks
-    return window_partial_fused(q_bthd, kv_btd, segment_ids_bt, window=window, scale=scale,
-                                span_ids_bt=span_ids_bt,
-                                interpret=jax.default_backend() == 'cpu')
+    kernel = functools.partial(_window_fused, window=window, scale=scale,
+                               interpret=jax.default_backend() == 'cpu')
+    return batch_local(kernel, q_bthd, kv_btd, segment_ids_bt, span_ids_bt)
   raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
 
 

@@ -1,0 +1,115 @@
+"""Every Pallas kernel of the model runs on each device's own batch rows under a mesh.
+
+GSPMD cannot split a pallas_call (it would gather the batch onto every device), so each kernel
+sits inside a shard_map (ops/per_device.py, ops/expert_parallel.py). Checked twice on 8 fake CPU
+devices, the kernels in the Pallas interpreter: structurally (no pallas_call outside a
+shard_map in the traced train loss) and numerically (loss and gradients equal to 1 device).
+The indexer-score kernel is a GPU-only config choice, so it is checked on its own.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from deepseek41.ops.index_scores import index_scores_per_device, index_scores_reference
+
+from deepseek41.sharding import batch_sharding, make_mesh
+from deepseek41.train import state as state_lib
+from deepseek41.train.optimizer import make_optimizer
+from deepseek41.train.step import forward_loss
+from tests.test_fused_model import KERNEL_SHAPES
+from tests.util import packed_batch, resolved
+
+SHAPES = {**KERNEL_SHAPES, 'model.residual': 'mhc_single_pass', 'model.engram': True}
+# GPU-only choices for the config, so set past its checks (as tests/test_fused_model.py does).
+EVERY_KERNEL = dict(sparse_impl='fused', attention_impl='fused', select_impl='threshold',
+                    mhc_impl='fused', moe_backend='grouped')
+MESH8 = {'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.expert': 2}
+
+
+def _loss_fn(cfg, tx):
+  md = state_lib.model_def(cfg, tx)
+
+  def loss_fn(params, biases, b):
+    ce, cnt, _ = forward_loss(md, params, biases, b)
+    return ce / cnt
+  return loss_fn
+
+
+def _setup(n, sizes):
+  cfg = resolved(num_devices=n, **sizes, **SHAPES)
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **EVERY_KERNEL))
+  tx = make_optimizer(cfg.train)
+  mesh = make_mesh(cfg.mesh, jax.devices()[:n])
+  state, _ = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
+  batch = {k: jax.device_put(v, batch_sharding(mesh, cfg.mesh.rules))
+           for k, v in packed_batch(seed=4, docs_per_row=2, pad=4).items()}
+  return cfg, tx, mesh, state, batch
+
+
+def _kernels_outside_shard_map(jaxpr, inside=False):
+  """Names of pallas_calls not nested in a shard_map, walking every sub-jaxpr."""
+  found = []
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == 'pallas_call' and not inside:
+      found.append(eqn.params.get('name_and_src_info', name))
+    for sub in _sub_jaxprs(eqn.params.values()):
+      found += _kernels_outside_shard_map(sub, inside or name == 'shard_map')
+  return found
+
+
+def _sub_jaxprs(values):
+  for v in values:
+    if hasattr(v, 'eqns'):
+      yield v
+    elif hasattr(getattr(v, 'jaxpr', None), 'eqns'):  # a closed jaxpr
+      yield v.jaxpr
+    elif isinstance(v, (tuple, list)):
+      yield from _sub_jaxprs(v)
+
+
+def test_no_kernel_runs_on_the_whole_batch():
+  cfg, tx, mesh, state, batch = _setup(8, MESH8)
+  with jax.set_mesh(mesh):
+    closed = jax.make_jaxpr(jax.value_and_grad(_loss_fn(cfg, tx)))(
+        state['params'], state['router_bias'], batch)
+  kernels = _kernels_outside_shard_map(closed.jaxpr)
+  assert not kernels, f'pallas_calls GSPMD would run on the whole batch: {kernels[:5]}'
+  # ... and the walk does see kernels: without a mesh nothing is wrapped.
+  closed = jax.make_jaxpr(jax.value_and_grad(_loss_fn(cfg, tx)))(
+      state['params'], state['router_bias'], batch)
+  assert len(_kernels_outside_shard_map(closed.jaxpr)) >= 5
+
+
+def test_every_kernel_sharded_matches_one_device():
+  out = []
+  for n, sizes in ((1, {'mesh.data': 1}), (8, MESH8)):
+    cfg, tx, mesh, state, batch = _setup(n, sizes)
+    with jax.set_mesh(mesh):
+      out.append(jax.jit(jax.value_and_grad(_loss_fn(cfg, tx)))(
+          state['params'], state['router_bias'], batch))
+  (l1, g1), (l8, g8) = out
+  # f32; sums reordered across devices and kernel tiles (the grouped weight gradient sums other
+  # row tiles per device): a few Engram-table gradients of ~6e-4 move by ~1.5e-7.
+  np.testing.assert_allclose(l8, l1, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_index_scores_per_device():
+  cfg, _, mesh, _, _ = _setup(8, MESH8)
+  kq, kw, kk = jax.random.split(jax.random.key(0), 3)
+  q, w = jax.random.normal(kq, (8, 32, 2, 16)), jax.random.normal(kw, (8, 32, 2))
+  k = jax.random.normal(kk, (8, 32, 16))
+  limit = jnp.full((8, 32), 32, jnp.int32)
+  split = NamedSharding(mesh, P(('data', 'fsdp', 'expert')))
+  args = [jax.device_put(a, split) for a in (q, w, k, limit)]
+  with jax.set_mesh(mesh):
+    got = jax.jit(index_scores_per_device)(*args)
+    assert not _kernels_outside_shard_map(jax.make_jaxpr(index_scores_per_device)(*args).jaxpr)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(index_scores_reference(q, w, k)),
+                             rtol=1e-5, atol=1e-5)
