@@ -34,10 +34,12 @@ from deepseek41.train.flops import attention_flops_per_layer, flops_per_token
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.state import abstract_state, count_params
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a get_config() file.')
-_JSON = flags.DEFINE_bool('json', False, 'Print one JSON object instead of the report.')
-_MESH = flags.DEFINE_string('mesh', '', 'Mesh sizes for per-device bytes, e.g. fsdp=64,expert=8 '
-                            '(axes: ' + ', '.join(MeshConfig.AXES) + ').')
+# Public: tools/plan.py takes the same --config, --json and --mesh (absl refuses a second
+# definition of a flag name in one process).
+CONFIG_FLAG = config_flags.DEFINE_config_file('config', None, 'Path to a get_config() file.')
+JSON_FLAG = flags.DEFINE_bool('json', False, 'Print one JSON object instead of the report.')
+MESH_FLAG = flags.DEFINE_string('mesh', '', 'Mesh sizes for per-device bytes, e.g. '
+                                'fsdp=64,expert=8 (axes: ' + ', '.join(MeshConfig.AXES) + ').')
 
 # Bytes per stored value of a cache format: payload + block scales (docs/architecture.md 3.9,
 # 3.16).
@@ -137,7 +139,7 @@ def bytes_per_device(abstract, rules, mesh_sizes: dict[str, int]) -> dict[str, f
   return dict(out)
 
 
-def _parse_mesh(text: str) -> dict[str, int]:
+def parse_mesh(text: str) -> dict[str, int]:
   sizes = {}
   for item in filter(None, text.split(',')):
     name, _, value = item.partition('=')
@@ -211,9 +213,9 @@ def report(config, info: dict) -> str:
 
 def main(argv):
   del argv
-  mesh_sizes = _parse_mesh(_MESH.value)
-  info = describe(_CONFIG.value, mesh_sizes)
-  print(json.dumps(info, default=float) if _JSON.value else report(_CONFIG.value, info))
+  mesh_sizes = parse_mesh(MESH_FLAG.value)
+  info = describe(CONFIG_FLAG.value, mesh_sizes)
+  print(json.dumps(info, default=float) if JSON_FLAG.value else report(CONFIG_FLAG.value, info))
 
 
 def run():
