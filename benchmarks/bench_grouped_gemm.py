@@ -87,7 +87,7 @@ def parse_tiles(spec: str) -> gg.Tiles:
   kw = {}
   for item in filter(None, spec.split(',')):
     key, value = item.split('=')
-    kw[key] = int(value)
+    kw[key] = value if key == 'wgrad' else int(value)
   return dataclasses.replace(gg.GPU_TILES, **kw)
 
 

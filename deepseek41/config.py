@@ -192,11 +192,14 @@ class ModelConfig:
   # Expert parallelism (mesh.expert > 1; ops/expert_parallel.py). The dropless backends send each
   # assignment to its expert's shard; a shard's receive buffer holds expert_buffer_factor x its
   # own assignments, 0 = mesh.expert x them, which never overflows (rows past a smaller buffer
-  # are dropped and counted in dropped_frac). expert_exchange: ragged = ragged_all_to_all (GPU,
-  # TPU), padded = a dense all_to_all of chunks padded to the largest (what the CPU can run).
+  # are dropped and counted in dropped_frac). expert_exchange: ragged = ragged_all_to_all, padded
+  # = a dense all_to_all of chunks padded to the largest (mesh.expert x the bytes, but the
+  # collective every backend runs well). auto: ragged on the TPU; padded elsewhere (the CPU has
+  # no ragged collective; on the H200 XLA's ragged_all_to_all took 644 ms where the padded
+  # exchange took 12.8 ms, one device, 32K tokens: docs/performance.md 11.1).
   expert_buffer_factor: float = _key(0.0)
   expert_exchange: str = _key('auto', choices=('ragged', 'padded'),
-                              auto=lambda m, backend: 'padded' if backend == 'cpu' else 'ragged')
+                              auto=lambda m, backend: 'ragged' if backend == 'tpu' else 'padded')
   # The routed experts of held-out evaluation, dropless: auto keeps a dropless moe_backend and
   # replaces capacity_einsum (grouped on the GPU, ragged_dot on the TPU, reference on the CPU).
   eval_moe_backend: str = _key('auto', auto=_auto_eval_moe_backend,

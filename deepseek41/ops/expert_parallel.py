@@ -11,8 +11,8 @@ Over S > 1 expert shards the assignments travel to the shard that holds their ex
 
   * dropless backends (grouped, ragged_dot, reference): each device sorts its N*K assignments by
     expert, so each destination's rows are contiguous, and sends them with a ragged all-to-all
-    (`jax.lax.ragged_all_to_all` on GPU and TPU; the CPU has no ragged collective, so there a
-    dense all_to_all carries each chunk padded to the largest possible one). The receiver runs
+    (`jax.lax.ragged_all_to_all`, or a dense all_to_all that carries each chunk padded to the
+    largest possible one: model.expert_exchange says which runs where). The receiver runs
     the local backend on what arrived (one assignment per row, weight 1), the outputs go back
     along the same route, and the sender combines them with the router weights in float32.
     The receive buffer holds `expert_buffer_factor * N * K` rows (default S: every assignment
@@ -239,7 +239,7 @@ def _use_ragged(exchange: str) -> bool:
   if exchange not in EXCHANGES:
     raise ValueError(f'unknown expert exchange {exchange!r}; expected one of {EXCHANGES}')
   if exchange == 'auto':
-    return jax.default_backend() != 'cpu'  # XLA:CPU has no ragged-all-to-all
+    return jax.default_backend() == 'tpu'  # model.expert_exchange says why
   return exchange == 'ragged'
 
 

@@ -62,13 +62,17 @@ class Tiles:
   block_r: int = 64
   tgmm_warps: int = 8
   tgmm_stages: int = 3
+  # The weight gradient's kernel: 'triton' (tgmm below) or 'mosaic' (jax's Hopper Mosaic GPU
+  # transposed ragged dot, 1.4-2.2x faster in docs/performance.md 9.7; GPU only, sm_90, D and F
+  # multiples of 128), falling back to tgmm where it cannot run.
+  wgrad: str = 'triton'
 
 
 # H200 (Hopper, bf16): 128x128 output tiles with 64-deep steps keep a 128x128 fp32 accumulator in
 # 8 warps' registers (64 regs/thread) and 3 stages of (128x64 + 64x128) bf16 in 96 KB of shared
 # memory (of 227 KB); tgmm the same with 64-row steps. block_m = 128 pads each expert by < 128
 # rows: at 1B (3072 rows per expert) about 2%.
-GPU_TILES = Tiles()
+GPU_TILES = Tiles(wgrad='mosaic')
 # Interpret mode (CPU tests): small tiles so that loops over tiles and contraction steps, and
 # groups spanning several tiles, are all exercised at test shapes.
 INTERPRET_TILES = Tiles(block_m=32, block_n=16, block_k=16, block_d=16, block_f=32, block_r=16)
@@ -317,8 +321,32 @@ def _grouped_matmul_fwd(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, inter
   return y, (x_md, w_edf, tile_expert_t, group_tiles_e1)
 
 
+def mosaic_wgrad_supported(d: int, f: int, dtype) -> bool:
+  """Where jax's Mosaic GPU transposed ragged dot takes the weight gradient: a Hopper GPU,
+  16-bit operands, D and F whole 128-blocks."""
+  if jax.default_backend() != 'gpu' or jnp.dtype(dtype).itemsize != 2 or d % 128 or f % 128:
+    return False
+  return getattr(jax.devices()[0], 'compute_capability', '') == '9.0'
+
+
+_MOSAIC_WGRAD = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+
+
+def tgmm_mosaic(x_md, dy_mf, group_tiles_e1, *, block_m: int, out_dtype=None):
+  """tgmm through jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu: each expert's
+  group is its whole row tiles (the zero padding rows add nothing)."""
+  from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu  # noqa: PLC0415 (GPU)
+  rows_e = (group_tiles_e1[1:] - group_tiles_e1[:-1]) * block_m
+  dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(
+      x_md, dy_mf.astype(x_md.dtype), group_sizes=rows_e.astype(jnp.int32), **_MOSAIC_WGRAD)
+  return dw.astype(out_dtype or x_md.dtype)
+
+
 def _weight_grad(x_md, dy_mf, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
   bm = x_md.shape[0] // tile_expert_t.shape[0]
+  if tiles.wgrad == 'mosaic' and not interpret and mosaic_wgrad_supported(
+      x_md.shape[1], dy_mf.shape[1], x_md.dtype):
+    return tgmm_mosaic(x_md, dy_mf, group_tiles_e1, block_m=bm, out_dtype=w_edf.dtype)
   return tgmm(x_md, dy_mf, group_tiles_e1, block_m=bm, out_dtype=w_edf.dtype, tiles=tiles,
               interpret=interpret)
 
