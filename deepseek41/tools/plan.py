@@ -1,0 +1,622 @@
+"""`python -m deepseek41.tools.plan --config=configs/v41_flash.py --devices=256 --mesh=fsdp=32,expert=8 --batch=256 --seq_len=4096 --device_kind=h200 [--search] [--json]`
+
+The per-device memory of one training step on a mesh, and whether it fits the device:
+
+  parameters, optimizer state, gradients  exact: every leaf of the abstract train state (the real
+                                          optax state of train/optimizer.py) divided by the mesh
+                                          axes its fitted PartitionSpec shards it over
+                                          (tools/info.bytes_per_device); gradients are
+                                          param-shaped, in the param dtype, sharded like params
+  activations and temporaries             compiled: one layer of each distinct role
+                                          (`layer_signature`) at the per-device batch and
+                                          sequence, forward + backward on the CPU backend over
+                                          the requested mesh of fake devices, read from
+                                          `compiled.memory_analysis()`; the embedding (+ vision)
+                                          and the LM head + loss compiled once each
+
+Assembly (`assemble`), train.remat = 'block' (each block a `jax.checkpoint` saving nothing):
+every layer's outputs (the residual streams, the single-pass pre-mix and the CSA2 entries it
+publishes) stay live from its forward to its backward, so
+
+  backward phase = params + optimizer + gradients + batch + sum over layers of the kept bytes
+                   (their shard sizes) + the largest stage: a layer's fwd+bwd temp (its
+                   recompute and backward) plus the cotangents it takes and makes, or the head +
+                   loss, or the embedding
+  optimizer phase = params + optimizer + gradients + the AdamW update's compiled temp
+  total = the larger of the two
+
+train.remat = 'none': each layer keeps the residuals a `jax.vjp` of it returns (compiled)
+instead of its outputs. The state is donated (as the trainer jits the step) and all gradients
+are live at once. Checked against the compiled whole step (`full_step_memory`,
+`--check_full_step`; tests/test_plan.py): the assembly comes out 12-13% under it (the 4-layer
+tiny model and ablation_1b on 8 devices), about one parameter-sized buffer the whole program
+keeps that no single-layer program shows.
+
+The production kernels (Pallas on the GPU, the TPU grouped GEMM) cannot be compiled on the CPU,
+so the compiled programs use the plain-jnp paths of the same math (`cpu_stand_ins`): chunked
+window attention, gathered sparse attention, reference mHC and indexer, and the routed experts
+through the capacity einsum at the config's capacity factor (ceil(cf N K / E) slots per expert
+and sequence) in place of the dropless grouped GEMM / ragged_dot, whose expert-parallel receive
+buffer holds up to mesh.expert x N K rows by default (model.expert_buffer_factor = 0). XLA's CPU
+buffer assignment is not the GPU's or the TPU's either: the numbers are the CPU compiler's, at
+the target's dtypes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from absl import app, flags, logging
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from deepseek41.batch import batch_keys
+from deepseek41.config import MeshConfig, RunConfig, layer_roles, resolve
+from deepseek41.model.csa2 import INDEXER_TOTALS
+from deepseek41.model.params import RouterBias
+from deepseek41.sharding import batch_sharding, make_mesh
+from deepseek41.tools import info
+from deepseek41.tools.info import bytes_per_device, parse_mesh
+from deepseek41.train.optimizer import make_optimizer
+from deepseek41.train.state import abstract_state, build_model, model_def, state_shardings
+from deepseek41.train.step import cross_entropy_sum, make_train_step
+
+# Device memory (bytes, as sold: decimal GB) and the backend whose `auto` choices the plan takes.
+DEVICE_KINDS = {
+    'h200': (141e9, 'gpu'), 'h100': (80e9, 'gpu'), 'v5p': (95e9, 'tpu'), 'v5e': (16e9, 'tpu'),
+    'v6e': (32e9, 'tpu'), 'cpu': (0.0, 'cpu'),
+}
+
+# --config, --mesh and --json are tools.info's flags (absl refuses a second definition).
+_CONFIG, _MESH, _JSON = info.CONFIG_FLAG, info.MESH_FLAG, info.JSON_FLAG
+_DEVICES = flags.DEFINE_integer('devices', None, 'Device count (default: the mesh product).')
+_BATCH = flags.DEFINE_integer('batch', None, 'Global batch in sequences (default: the config).')
+_SEQ_LEN = flags.DEFINE_integer('seq_len', None, 'Sequence length (default: the config).')
+_KIND = flags.DEFINE_enum('device_kind', 'h200', list(DEVICE_KINDS), 'Device preset: HBM and '
+                          'the backend the auto choices (dtypes) resolve for.')
+_HBM = flags.DEFINE_float('hbm_gib', None, 'Device memory in GiB (overrides the preset).')
+_CHECK = flags.DEFINE_bool('check_full_step', False, 'Also compile the whole train step on the '
+                           'same mesh and compare (small models: it is the whole program).')
+_SEARCH = flags.DEFINE_bool('search', False, 'Plan every fsdp x expert x tensor mesh of the '
+                            'device count (data = 1) and rank those that fit.')
+
+GIB = 2**30
+_WORKER_ENV = 'DS41_PLAN_WORKER'
+
+
+# ---------------------------------------------------------------------------------------------
+# The config planned.
+
+
+def cpu_stand_ins(model: ml_collections.ConfigDict, backend: str) -> list[str]:
+  """Replace what only compiles on the target (Pallas kernels, TPU grouped GEMM) by the plain-jnp
+  path of the same math; returns what was replaced, for the report."""
+  if backend == 'cpu':
+    return []
+  notes = []
+  for key, plain in (('attention_impl', 'chunked'), ('sparse_impl', 'gathered'),
+                     ('mhc_impl', 'reference'), ('index_impl', 'reference'),
+                     ('select_impl', 'top_k'), ('vision_attention_impl', 'reference')):
+    if model[key] in ('auto', 'fused', 'threshold'):
+      notes.append(f'{key}: {model[key]} -> {plain}')
+      model[key] = plain
+  if model.moe_backend in ('auto', 'grouped', 'ragged_dot'):
+    notes.append(f'moe_backend: {model.moe_backend} -> capacity_einsum (capacity factor '
+                 f'{model.capacity_factor})')
+    model.moe_backend = 'capacity_einsum'
+  if model.compute_dtype == 'auto':
+    model.compute_dtype = 'bfloat16'  # the GPU/TPU resolution of `auto`
+  return notes
+
+
+def planned_config(config, mesh_sizes: dict[str, int], *, batch: int | None = None,
+                   seq_len: int | None = None, backend: str = 'cpu') -> tuple[RunConfig, list]:
+  """The config on this mesh at this batch and length, compile-able on the CPU for `backend`."""
+  config = config.copy_and_resolve_references()
+  for axis in MeshConfig.AXES:
+    config.mesh[axis] = mesh_sizes.get(axis, 1)
+  if batch is not None:
+    config.train.batch_size = batch
+  if seq_len is not None:
+    config.data.seq_len = seq_len
+  notes = cpu_stand_ins(config.model, backend)
+  return resolve(config, num_devices=math.prod(mesh_sizes.values()), backend='cpu'), notes
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact parts.
+
+
+def state_bytes(cfg: RunConfig) -> dict[str, float]:
+  """params / optimizer / router_bias from the abstract state; gradients = params (same shapes,
+  dtype and specs: jax.grad of the param tree, accumulated in a param-shaped buffer)."""
+  sizes = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
+  out = bytes_per_device(abstract_state(cfg, make_optimizer(cfg.train)), cfg.mesh.rules, sizes)
+  return {**out, 'gradients': out['params']}
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled parts.
+
+
+def abstract_batch(cfg: RunConfig) -> dict[str, jax.ShapeDtypeStruct]:
+  """The training batch's global shapes (deepseek41/batch.py)."""
+  m, b, t = cfg.model, cfg.train.batch_size // cfg.train.grad_accum_steps, cfg.data.seq_len
+  out = {k: jax.ShapeDtypeStruct((b, t), jnp.int32) for k in batch_keys(m.vision)}
+  if m.vision:
+    n, p = cfg.data.max_images_per_row, m.vision_merge**2 * m.vision_max_image_tokens
+    out['image_patches'] = jax.ShapeDtypeStruct((b, n, p, m.vision_patch**2 * 3), jnp.uint8)
+    out['image_grid'] = jax.ShapeDtypeStruct((b, n, 2), jnp.int32)
+  return out
+
+
+def layer_signature(role) -> tuple:
+  """What makes two layers' programs the same: everything of the role but its layer ids."""
+  return (role.ratio, role.mode,
+          role.kv_source == role.layer, role.index_source == role.layer,
+          role.publishes_candidates, role.uses_candidates, role.engram)
+
+
+def role_table(cfg: RunConfig) -> dict[tuple, list[int]]:
+  """signature -> the layers that have it (the first is the one compiled)."""
+  table: dict[tuple, list[int]] = {}
+  for role in layer_roles(cfg.model):
+    table.setdefault(layer_signature(role), []).append(role.layer)
+  return table
+
+
+def _batch_spec(mesh, rules, x, b: int):
+  """Arrays with the batch leading are sharded like the batch; anything else is replicated."""
+  if x.ndim and x.shape[0] == b:
+    return batch_sharding(mesh, rules, x.ndim)
+  return NamedSharding(mesh, P())
+
+
+def _memory(compiled) -> dict[str, int]:
+  m = compiled.memory_analysis()
+  return {'temp': int(m.temp_size_in_bytes), 'argument': int(m.argument_size_in_bytes),
+          'output': int(m.output_size_in_bytes), 'alias': int(m.alias_size_in_bytes)}
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _split_float(tree):
+  """(float leaves, int leaves, rebuild(float, int) -> tree)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  is_f = [_is_float(x) for x in leaves]
+
+  def rebuild(fl, il):
+    fi, ii = iter(fl), iter(il)
+    return jax.tree.unflatten(treedef, [next(fi) if f else next(ii) for f in is_f])
+  return [x for x, f in zip(leaves, is_f) if f], [x for x, f in zip(leaves, is_f) if not f], \
+      rebuild
+
+
+def _dot(outs, cts):
+  """A scalar whose gradient sends `cts` back through `outs` (the real step's cotangents)."""
+  return sum(jnp.sum(o.astype(jnp.float32) * c.astype(jnp.float32)) for o, c in zip(outs, cts))
+
+
+# LLVM's optimisation of the CPU code is skipped: buffer assignment (all memory_analysis reads)
+# runs on the optimised HLO before it, and the 4-layer test model's step compiles in 41 s
+# instead of 88 s with the same memory numbers to the byte.
+FAST_CPU_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expensive_passes': True}
+
+
+def _compile(fn, args, shardings, out_shardings=None, name=''):
+  t0 = time.perf_counter()
+  jitted = jax.jit(fn, in_shardings=shardings, out_shardings=out_shardings)
+  compiled = jitted.lower(*args).compile(FAST_CPU_COMPILE)
+  seconds = time.perf_counter() - t0
+  logging.info('plan: compiled %s in %.1f s', name or fn.__name__, seconds)
+  return _memory(compiled), seconds
+
+
+def full_step_memory(cfg: RunConfig, devices=None) -> dict:
+  """memory_analysis() of the whole train step, jitted as the trainer does (state donated):
+  the check of the per-layer assembly, affordable for small models only."""
+  mesh = make_mesh(cfg.mesh, devices)
+  tx = make_optimizer(cfg.train)
+  md = model_def(cfg, tx)
+  abstract = abstract_state(cfg, tx)
+  shardings = state_shardings(abstract, mesh, cfg.mesh.rules)
+  batch = abstract_batch(cfg)
+  bsh = jax.tree.map(lambda x: batch_sharding(mesh, cfg.mesh.rules, x.ndim), batch)
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):
+    step = jax.jit(make_train_step(cfg, md), in_shardings=(shardings, bsh),
+                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,))
+    mem = _memory(step.lower(abstract, batch).compile(FAST_CPU_COMPILE))
+  mem['peak'] = mem['argument'] + mem['temp'] + mem['output'] - mem['alias']
+  mem['compile_seconds'] = time.perf_counter() - t0
+  return mem
+
+
+def _sharded_bytes(tree, shardings) -> int:
+  """Bytes one device holds of `tree` under `shardings` (the largest shard)."""
+  leaves = [x.get_value() if isinstance(x, nnx.Variable) else x for x in
+            jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, nnx.Variable))]
+  specs = [s.get_value() if isinstance(s, nnx.Variable) else s for s in
+           jax.tree.leaves(shardings, is_leaf=lambda v: isinstance(v, nnx.Variable))]
+  return int(sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                 for x, s in zip(leaves, specs)))
+
+
+def compile_programs(cfg: RunConfig, devices=None) -> dict:
+  """Compile, on the config's mesh, the forward + backward of one layer of each role, of the
+  embedding (+ vision) and of the LM head + loss, and the optimizer update; return their
+  memory_analysis() per device and the bytes that live between them (`assemble` adds it up)."""
+  t_start = time.perf_counter()
+  mesh = make_mesh(cfg.mesh, devices)
+  rules = cfg.mesh.rules
+  model = nnx.eval_shape(lambda: build_model(cfg))
+  graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+  batch = abstract_batch(cfg)
+  b = next(iter(batch.values())).shape[0]
+
+  def spec(tree):
+    return jax.tree.map(lambda x: _batch_spec(mesh, rules, x, b), tree)
+
+  # One abstract pass learns every layer's inputs (the residual, pre and CSA2's `shared`).
+  def trace(params, biases, batch):
+    mdl = nnx.merge(graphdef, params, biases)
+    x, pre = mdl.residual_input(batch)
+    batch = mdl.with_engram_rows(batch)
+    ins, shared = [], {}
+    for block in mdl.blocks:
+      ins.append((x, pre, shared))
+      x, pre, _, shared = block(x, pre, batch, shared)
+    return ins, (x, pre), batch
+  layer_in, top, full_batch = jax.eval_shape(trace, params, biases, batch)
+
+  out = {'roles': {}}
+  with jax.set_mesh(mesh):
+    for layers in role_table(cfg).values():
+      l = layers[0]
+      out['roles'][str(l)] = {'layers': layers, **_compile_layer(
+          cfg, mesh, model.blocks[l], layer_in[l], full_batch, spec)}
+    out['head'] = _compile_head(cfg, mesh, model, top, batch, spec)
+    out['embed'] = _compile_embed(cfg, mesh, model, batch, spec)
+    out['optimizer'] = _compile_optimizer(cfg, mesh, params)
+  out['batch_bytes'] = _sharded_bytes(batch, spec(batch))
+  out['compile_seconds'] = time.perf_counter() - t_start
+  out['devices'] = mesh.size
+  out['mesh'] = dict(mesh.shape)
+  return out
+
+
+def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
+  """One block, forward + backward: the recompute and backward of one layer under block remat,
+  with the cotangents of its outputs as arguments (what the layers above send back)."""
+  rules = cfg.mesh.rules
+  gd, p, rb = nnx.split(block, nnx.Param, RouterBias)
+  x, pre, shared = inputs
+  s_float, s_int, rebuild = _split_float(shared)
+  p_sh, rb_sh = state_shardings(p, mesh, rules), state_shardings(rb, mesh, rules)
+
+  def forward(p, rb, x, pre, s_float, s_int, batch):
+    """(x, pre, what this layer adds to `shared`: entries, selections, indexer totals), aux."""
+    x2, pre2, aux, shared2 = nnx.merge(gd, p, rb)(x, pre, batch, rebuild(s_float, s_int))
+    new = {k: v for k, v in shared2.items() if k not in shared or k == INDEXER_TOTALS}
+    return (x2, pre2, new), aux
+
+  args = (p, rb, x, pre, s_float, s_int, batch)
+  shardings = (p_sh, rb_sh, spec(x), spec(pre), spec(s_float), spec(s_int), spec(batch))
+  outs = jax.eval_shape(lambda *a: forward(*a)[0], *args)
+  o_float, o_int, _ = _split_float(outs)
+
+  def fwd_bwd(p, rb, x, pre, s_float, s_int, batch, cts):
+    def objective(p, x, pre, s_float):
+      kept, aux = forward(p, rb, x, pre, s_float, s_int, batch)
+      return _dot(_split_float(kept)[0], cts) + aux['balance']
+    return jax.grad(objective, argnums=(0, 1, 2, 3))(p, x, pre, s_float)
+
+  in_ct_sh = (spec(x), spec(pre), spec(s_float))
+  mem, seconds = _compile(fwd_bwd, args + (o_float,), shardings + (spec(o_float),),
+                          (p_sh,) + in_ct_sh, name=f'layer {block.layer} forward + backward')
+  result = {
+      'fwd_bwd': mem, 'compile_seconds': seconds,
+      # Under block remat a layer keeps exactly its outputs until its backward.
+      'kept_bytes': _sharded_bytes(outs, spec(outs)),
+      'cotangent_in_bytes': _sharded_bytes(o_float, spec(o_float)),
+      'cotangent_out_bytes': _sharded_bytes((x, pre, s_float), in_ct_sh),
+      'grad_bytes': _sharded_bytes(p, p_sh),
+  }
+  if cfg.train.remat == 'none':  # every layer keeps its vjp residuals instead
+    def residuals(p, rb, x, pre, s_float, s_int, batch):
+      return jax.vjp(lambda p, x, pre, s: forward(p, rb, x, pre, s, s_int, batch)[0],
+                     p, x, pre, s_float)[1]
+    res, t_res = _compile(residuals, args, shardings, name=f'layer {block.layer} residuals')
+    result['kept_bytes'] = res['output'] + _sharded_bytes(o_int, spec(o_int))
+    result['compile_seconds'] += t_res
+  return result
+
+
+def _compile_optimizer(cfg, mesh, params) -> dict:
+  """AdamW (train/optimizer.py) on the sharded parameters, state donated as the trainer does."""
+  tx = make_optimizer(cfg.train)
+  opt = jax.eval_shape(tx.init, params)
+  rules = cfg.mesh.rules
+  p_sh = state_shardings(params, mesh, rules)
+  o_sh = state_shardings(opt, mesh, rules)
+
+  def update(params, opt, grads):
+    updates, opt = tx.update(grads, opt, params)
+    return optax.apply_updates(params, updates), opt
+
+  t0 = time.perf_counter()
+  compiled = jax.jit(update, in_shardings=(p_sh, o_sh, p_sh), out_shardings=(p_sh, o_sh),
+                     donate_argnums=(0, 1)).lower(params, opt, params).compile(FAST_CPU_COMPILE)
+  return {'update': _memory(compiled), 'compile_seconds': time.perf_counter() - t0}
+
+
+class _View:
+  """The Transformer methods around the blocks, on just the parameters they read (the compiled
+  programs then take only those as arguments)."""
+  from deepseek41.model.transformer import Transformer as _T
+  logits = _T.logits
+  embed_inputs = _T.embed_inputs
+  residual_input = _T.residual_input
+  with_engram_rows = _T.with_engram_rows
+  _engram_addresses = _T._engram_addresses
+
+  def __init__(self, cfg, parts: dict):
+    if cfg.residual == 'mhc_multi_pass':
+      raise NotImplementedError('plan: the multi-pass mHC head is not planned yet')
+    self.cfg = cfg
+    self.vision = None
+    self.__dict__.update(parts)
+
+
+def _submodule(model, name):
+  """(graphdef, params) of a submodule, or of a bare parameter (graphdef None)."""
+  sub = getattr(model, name)
+  if isinstance(sub, nnx.Variable):
+    return None, sub
+  return nnx.graphdef(sub), nnx.state(sub, nnx.Param)
+
+
+def _merged(defs, state):
+  return {k: state[k] if defs[k] is None else nnx.merge(defs[k], state[k]) for k in defs}
+
+
+def _compile_head(cfg, mesh, model, top, batch, spec) -> dict:
+  """Final read + norm + LM head + cross-entropy, forward + backward, from the last residual."""
+  rules = cfg.mesh.rules
+  x, pre = top
+  defs, part = {}, {}
+  for name in ('head', 'final_norm'):
+    defs[name], part[name] = _submodule(model, name)
+
+  def loss(part, x, pre, targets, mask):
+    logits = _View(cfg.model, _merged(defs, part)).logits(x, pre)
+    return cross_entropy_sum(logits, targets, mask)[0]
+
+  def fwd_bwd(part, x, pre, targets, mask):
+    return jax.grad(loss, argnums=(0, 1, 2))(part, x, pre, targets, mask)
+
+  part_sh = state_shardings(part, mesh, rules)
+  args = (part, x, pre, batch['targets'], batch['loss_mask'])
+  shardings = (part_sh, spec(x), spec(pre), spec(batch['targets']), spec(batch['loss_mask']))
+  mem, t = _compile(fwd_bwd, args, shardings, (part_sh, spec(x), spec(pre)), name='head + loss')
+  return {'fwd_bwd': mem, 'compile_seconds': t, 'grad_bytes': _sharded_bytes(part, part_sh),
+          'cotangent_out_bytes': _sharded_bytes((x, pre), (spec(x), spec(pre)))}
+
+
+def _compile_embed(cfg, mesh, model, batch, spec) -> dict:
+  """Embedding (+ vision encoder and aligner) and the Engram row ids, forward + backward, to the
+  residual entering layer 0."""
+  rules = cfg.mesh.rules
+  defs, part = {}, {}
+  for name in ('embed',) + (('vision',) if cfg.model.vision else ()):
+    defs[name], part[name] = _submodule(model, name)
+
+  def inputs(part, batch):
+    view = _View(cfg.model, _merged(defs, part))
+    x, _ = view.residual_input(batch)
+    return x, view.with_engram_rows(batch).get('engram_row_ids')
+
+  x0, _ = jax.eval_shape(inputs, part, batch)
+
+  def fwd_bwd(part, batch, ct):
+    def objective(part):
+      x, rows = inputs(part, batch)
+      return _dot([x], [ct]), rows
+    return jax.grad(objective, has_aux=True)(part)
+
+  part_sh = state_shardings(part, mesh, rules)
+  mem, t = _compile(fwd_bwd, (part, batch, x0), (part_sh, spec(batch), spec(x0)), name='embed')
+  return {'fwd_bwd': mem, 'compile_seconds': t, 'grad_bytes': _sharded_bytes(part, part_sh),
+          'cotangent_in_bytes': _sharded_bytes(x0, spec(x0))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Assembly and report.
+
+
+def assemble(state: dict[str, float], programs: dict) -> dict:
+  """Per-device bytes of one step from the exact state and the compiled programs.
+
+  Backward phase: every layer's kept bytes (all of them: the peak is near the top of the
+  backward, where nearly all are still live) + the batch + the largest stage transient, a
+  stage being one program's temp plus the cotangents it takes and makes (its parameter
+  gradients are in `gradients` already). Optimizer phase: AdamW's temp (the activations are
+  gone by then). Both phases hold params + optimizer + gradients.
+  """
+  roles = programs['roles']
+  kept = sum(r['kept_bytes'] * len(r['layers']) for r in roles.values())
+  stages = {f'layer {l}': r['fwd_bwd']['temp'] + r['cotangent_in_bytes'] +
+            r['cotangent_out_bytes'] for l, r in roles.items()}
+  stages['head'] = programs['head']['fwd_bwd']['temp'] + programs['head']['cotangent_out_bytes']
+  stages['embed'] = programs['embed']['fwd_bwd']['temp'] + \
+      programs['embed']['cotangent_in_bytes']
+  peak = max(stages, key=stages.get)
+  activations = programs['batch_bytes'] + kept + stages[peak]
+  update_temp = programs['optimizer']['update']['temp']
+  exact = state['params'] + state['optimizer'] + state.get('router_bias', 0) + state['gradients']
+  return {**state, 'activations': activations, 'kept_by_layers': kept, 'peak_stage': peak,
+          'peak_stage_bytes': stages[peak], 'stages': stages, 'optimizer_update_temp': update_temp,
+          'total': exact + max(activations, update_temp)}
+
+
+def plan(config, mesh_sizes: dict[str, int], *, batch: int | None = None,
+         seq_len: int | None = None, device_kind: str = 'h200', hbm_bytes: float | None = None,
+         devices=None, check_full_step: bool = False) -> dict:
+  """The plan of one config on one mesh: exact state, compiled activations, fit; with
+  `check_full_step`, also the compiled whole step's memory (small models)."""
+  hbm, backend = DEVICE_KINDS[device_kind]
+  hbm = hbm if hbm_bytes is None else hbm_bytes
+  cfg, notes = planned_config(config, mesh_sizes, batch=batch, seq_len=seq_len, backend=backend)
+  state = state_bytes(cfg)
+  programs = compile_programs(cfg, devices)
+  per_device = assemble(state, programs)
+  n = math.prod(mesh_sizes.values())
+  batch_shards = math.prod(getattr(cfg.mesh, a) for name, axes in cfg.mesh.rules
+                           if name == 'batch' for a in axes)
+  return {
+      'mesh': mesh_sizes, 'devices': n, 'device_kind': device_kind, 'hbm_bytes': hbm,
+      'batch': cfg.train.batch_size, 'seq_len': cfg.data.seq_len,
+      'per_device_batch': cfg.train.batch_size // cfg.train.grad_accum_steps // batch_shards,
+      'remat': cfg.train.remat, 'compute_dtype': cfg.model.compute_dtype,
+      'param_dtype': cfg.model.param_dtype, 'moe_backend': cfg.model.moe_backend,
+      'stand_ins': notes, 'per_device': per_device,
+      'fits': bool(hbm and per_device['total'] <= hbm),
+      'headroom_bytes': hbm - per_device['total'] if hbm else None,
+      'compile_seconds': programs['compile_seconds'], 'programs': programs,
+      'full_step': full_step_memory(cfg, devices) if check_full_step else None,
+  }
+
+
+def report(p: dict) -> str:
+  d = p['per_device']
+  g = lambda x: f'{x / GIB:9.2f} GiB'  # noqa: E731
+  mesh = ','.join(f'{k}={v}' for k, v in p['mesh'].items())
+  roles = p['programs']['roles']
+  lines = [
+      f"mesh {mesh} ({p['devices']} x {p['device_kind']}, {p['hbm_bytes'] / 1e9:g} GB); batch "
+      f"{p['batch']} x {p['seq_len']} tokens ({p['per_device_batch']} sequence(s) per device); "
+      f"remat {p['remat']}; compute {p['compute_dtype']}, params {p['param_dtype']}",
+      f"  parameters   {g(d['params'])}   exact (abstract state, fitted specs)",
+      f"  optimizer    {g(d['optimizer'])}   exact (AdamW moments + counts)",
+      f"  gradients    {g(d['gradients'])}   exact (param-shaped, param dtype)",
+      f"  router bias  {g(d.get('router_bias', 0))}",
+      f"  activations  {g(d['activations'])}   compiled: {len(roles)} role program(s) for "
+      f"{sum(len(r['layers']) for r in roles.values())} layers; kept by layers "
+      f"{d['kept_by_layers'] / GIB:.2f} GiB + peak stage ({d['peak_stage']}) "
+      f"{d['peak_stage_bytes'] / GIB:.2f} GiB",
+      f"  total        {g(d['total'])}   of {p['hbm_bytes'] / GIB:.2f} GiB: " +
+      (('fits, headroom ' if p['fits'] else 'DOES NOT FIT, short by ') +
+       f"{abs(p['headroom_bytes']) / GIB:.2f} GiB" if p['hbm_bytes'] else 'no HBM given'),
+      f"  compiled in {p['compile_seconds']:.0f} s on {p['programs']['devices']} fake CPU "
+      f"devices" + (f"; CPU stand-ins: {'; '.join(p['stand_ins'])}" if p['stand_ins'] else ''),
+  ]
+  if p.get('full_step'):
+    f = p['full_step']
+    lines.append(f"  full step compiled: {g(f['peak'])} (argument {f['argument'] / GIB:.2f} + temp "
+                 f"{f['temp'] / GIB:.2f} + output {f['output'] / GIB:.2f} - aliased "
+                 f"{f['alias'] / GIB:.2f} GiB) in {f['compile_seconds']:.0f} s; plan "
+                 f"{d['total'] / f['peak'] - 1:+.1%}")
+  return '\n'.join(lines)
+
+
+def candidate_meshes(devices: int, cfg_model) -> list[dict[str, int]]:
+  """fsdp x expert x tensor factorisations of the device count with data = 1: expert divides the
+  routed experts, tensor divides the heads (and is at most 8: one host's NVLink domain)."""
+  out = []
+  for expert in range(1, devices + 1):
+    if devices % expert or cfg_model.n_routed_experts % expert:
+      continue
+    for tensor in (1, 2, 4, 8):
+      if (devices // expert) % tensor or cfg_model.num_heads % tensor:
+        continue
+      out.append({'fsdp': devices // expert // tensor, 'expert': expert, 'tensor': tensor})
+  return out
+
+
+def _in_subprocess(config, kwargs: dict, devices: int) -> dict:
+  """Run `plan` where jax can see `devices` fake CPU devices (set before jax starts)."""
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', _WORKER_ENV: '1',
+         'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}'}
+  payload = json.dumps({'config': config.to_json(), 'kwargs': kwargs})
+  out = subprocess.run([sys.executable, '-m', 'deepseek41.tools.plan'], input=payload,
+                       capture_output=True, text=True, env=env)
+  if out.returncode:
+    raise RuntimeError(f'plan worker failed:\n{out.stderr[-4000:]}')
+  return json.loads(out.stdout.splitlines()[-1])
+
+
+def plan_anywhere(config, mesh_sizes, **kwargs) -> dict:
+  """`plan` in this process if jax has the devices, else in a worker process that has them."""
+  n = math.prod(mesh_sizes.values())
+  if jax.device_count() >= n and jax.default_backend() == 'cpu':
+    return plan(config, mesh_sizes, devices=jax.devices()[:n], **kwargs)
+  return _in_subprocess(config, {'mesh_sizes': mesh_sizes, **kwargs}, n)
+
+
+def _worker():
+  spec = json.loads(sys.stdin.read())
+  config = ml_collections.ConfigDict(json.loads(spec['config']))
+  kw = spec['kwargs']
+  result = plan(config, kw.pop('mesh_sizes'), **kw)
+  print(json.dumps(result, default=float))
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  devices = _DEVICES.value
+  mesh = parse_mesh(_MESH.value)
+  if devices is None and not mesh:
+    raise app.UsageError('give --devices, --mesh or both')
+  devices = devices or math.prod(mesh.values())
+  if not mesh and not _SEARCH.value:
+    mesh = {'fsdp': devices}  # every device on fsdp
+  if mesh and math.prod(mesh.values()) != devices:
+    raise app.UsageError(f'--mesh {mesh} has {math.prod(mesh.values())} devices, --devices '
+                         f'{devices}')
+  kwargs = {'batch': _BATCH.value, 'seq_len': _SEQ_LEN.value, 'device_kind': _KIND.value,
+            'hbm_bytes': _HBM.value * GIB if _HBM.value else None,
+            'check_full_step': _CHECK.value}
+  if _SEARCH.value:
+    meshes = candidate_meshes(devices, config.model)
+    results = []
+    for sizes in meshes:
+      try:
+        results.append(plan_anywhere(config, sizes, **kwargs))
+      except Exception as e:  # noqa: BLE001 - a mesh the config cannot take is reported, not fatal
+        results.append({'mesh': sizes, 'error': str(e).splitlines()[-1]})
+    ok = sorted((r for r in results if 'error' not in r), key=lambda r: r['per_device']['total'])
+    if _JSON.value:
+      print(json.dumps(results, default=float))
+      return
+    for r in ok:
+      print(report(r))
+    for r in results:
+      if 'error' in r:
+        print(f"mesh {r['mesh']}: {r['error']}")
+    return
+  result = plan_anywhere(config, mesh, **kwargs)
+  print(json.dumps(result, default=float) if _JSON.value else report(result))
+
+
+def run():
+  """Console-script entry point (`ds41-plan`)."""
+  app.run(main)
+
+
+if __name__ == '__main__':
+  if os.environ.get(_WORKER_ENV):
+    _worker()
+  else:
+    run()
