@@ -339,8 +339,9 @@ class TrainConfig:
   compilation_cache_dir: str = _key('~/.cache/deepseek41/jax-compilation-cache')
 
 
-# logical axis -> mesh axis or axes ('' = replicated); see sharding.py. `length -> context` is
-# where context parallelism will shard; mesh.context must be 1 until it exists.
+# logical axis -> mesh axis or axes ('' = replicated); see sharding.py. Activations are split
+# over `batch` and, with context parallelism, over `context` along the sequence (ops/per_device.py:
+# the mesh axis names there are these rules' defaults).
 DEFAULT_RULES = (
     ('batch', 'data,fsdp,expert'),
     ('length', 'context'),
@@ -378,7 +379,7 @@ class MeshConfig:
   fsdp: int = _key(1)
   expert: int = _key(1)
   tensor: int = _key(1)
-  context: int = _key(1)                 # must be 1: context parallelism does not exist yet
+  context: int = _key(1)                 # sequence shards (context parallelism)
   # Resolved to ((logical_axis, (mesh_axis, ...)), ...).
   rules: tuple[tuple[str, tuple[str, ...]], ...] = _key(DEFAULT_RULES)
 
@@ -879,9 +880,7 @@ def _mesh_rules(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
 def _resolve_mesh(section: ml_collections.ConfigDict, num_devices: int | None) -> MeshConfig:
   values = _read_section(MeshConfig, section, 'mesh')
   sizes = _mesh_sizes({a: values[a] for a in MeshConfig.AXES}, num_devices)
-  # No tensor is sharded over `length` yet: a context axis > 1 would only replicate the work.
-  _req(sizes['context'] == 1, 'mesh.context',
-       f'must be 1 (context parallelism is not implemented yet), got {sizes["context"]}')
+
   return MeshConfig(**sizes, rules=_mesh_rules(values['rules']))
 
 
@@ -909,6 +908,16 @@ def _check_batch_split(t: TrainConfig, mesh: MeshConfig):
   _req(micro % shards == 0, 'train.batch_size',
        f'the microbatch ({micro} = batch_size / grad_accum_steps) must be divisible by the '
        f'{shards} devices the batch is sharded over (mesh rules for "batch")')
+
+
+def _check_context_split(d: DataConfig, m: ModelConfig, mesh: MeshConfig):
+  if mesh.context == 1:
+    return
+  _req(d.seq_len % mesh.context == 0, 'mesh.context',
+       f'{mesh.context} sequence shards cannot split data.seq_len={d.seq_len} evenly')
+  _req(d.seq_len // mesh.context >= m.sliding_window, 'mesh.context',
+       f'{d.seq_len // mesh.context} tokens per sequence shard cannot hold the window halo of '
+       f'model.sliding_window={m.sliding_window} tokens')
 
 
 def _check_expert_split(m: ModelConfig, mesh: MeshConfig):
@@ -959,6 +968,7 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
   _check_train(train)
   _check_batch_split(train, mesh)
   _check_expert_split(model, mesh)
+  _check_context_split(data, model, mesh)
   checkpoint = CheckpointConfig(**_read_section(CheckpointConfig, cfg.checkpoint, 'checkpoint'))
   _check_checkpoint(checkpoint)
   log = LogConfig(**_read_section(LogConfig, cfg.log, 'log'))

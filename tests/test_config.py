@@ -238,13 +238,20 @@ def test_model_config_has_no_roles_shortcut():
 # Knobs that would do nothing, and bad data sources.
 
 
-@pytest.mark.parametrize('mesh', [{'mesh.data': 4, 'mesh.context': 2},
-                                  {'mesh.data': 1, 'mesh.context': -1}])
-def test_context_parallelism_is_rejected_until_it_exists(mesh):
-  with pytest.raises(ConfigError, match=r'mesh\.context: must be 1'):
-    resolve(small_config(**mesh), num_devices=8, backend='cpu')
-  one = {'mesh.data': 1, 'mesh.context': -1}
-  assert resolve(small_config(**one), num_devices=1, backend='cpu').mesh.context == 1
+def test_context_split_must_divide_the_sequence_and_hold_the_window_halo():
+  assert resolve(small_config(**{'mesh.data': 4, 'mesh.context': 2}), num_devices=8,
+                 backend='cpu').mesh.context == 2
+  with pytest.raises(ConfigError, match=r'mesh\.context: 5 sequence shards cannot split'):
+    resolve(small_config(**{'mesh.data': 1, 'mesh.context': 5}), num_devices=5, backend='cpu')
+  with pytest.raises(ConfigError, match=r'mesh\.context: .* window halo'):
+    resolve(small_config(**{'mesh.data': 1, 'mesh.context': 8, 'model.sliding_window': 8}),
+            num_devices=8, backend='cpu')
+
+
+def test_experts_must_split_evenly_over_expert_shards():
+  with pytest.raises(ConfigError, match=r'mesh\.expert: 3 expert shards cannot split'):
+    resolve(small_config(**{'mesh.data': 1, 'mesh.expert': 3, 'train.batch_size': 6}),
+            num_devices=3, backend='cpu')
 
 
 @pytest.mark.parametrize('spec, message', [

@@ -29,6 +29,7 @@ from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import dtype_of, normal_param
 from deepseek41.model.vision import VisionEncoder
 from deepseek41.ops.mhc_kernel import expand_fused
+from deepseek41.ops.per_device import constrain_tokens
 
 
 class Block(nnx.Module):
@@ -179,6 +180,7 @@ class Transformer(nnx.Module):
   def __call__(self, batch):
     with jax.named_scope('embed'):  # top-level scopes too, so no kernel of the step is unnamed
       x, pre = self.residual_input(batch)
+      x = constrain_tokens(x)  # context parallelism: each shard holds its stretch of tokens
       batch = self.with_engram_rows(batch)
     auxes = []
     shared = {}  # compressed KV and selections published by source layers (CSA2)
@@ -188,6 +190,7 @@ class Transformer(nnx.Module):
           x, pre, aux, shared = _rematerialized(block, x, pre, batch, shared)
         else:
           x, pre, aux, shared = block(x, pre, batch, shared)
+        x = constrain_tokens(x)
       auxes.append(aux)
     with jax.named_scope('head'):
       logits_btv = self.logits(x, pre)

@@ -115,7 +115,7 @@ def index_scores_fused(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 64, blo
 def index_scores_per_device(q_bthc, w_bth, k_bnc, limit_bt):
   """index_scores_fused on each device's batch rows (ops/per_device.py)."""
   kernel = functools.partial(index_scores_fused, interpret=jax.default_backend() == 'cpu')
-  return batch_local(kernel, q_bthc, w_bth, k_bnc, limit_bt)
+  return batch_local(kernel, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
 
 
 SCORERS = {'reference': index_scores_reference, 'fused': index_scores_per_device}  # model.index_impl

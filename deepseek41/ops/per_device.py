@@ -1,19 +1,25 @@
-"""Pallas kernels on a mesh: each device runs the kernel on its own rows of the batch.
+"""Pallas kernels on a mesh: each device runs the kernel on its own tokens.
 
-GSPMD cannot partition a `pallas_call`: under jit with batch-sharded operands it gathers them
-and every device runs the whole batch. `batch_local` runs the kernel inside a `shard_map` that
+GSPMD cannot partition a `pallas_call`: under jit with sharded operands it gathers them and
+every device runs the whole batch. `batch_local` runs the kernel inside a `shard_map` that
 splits the leading (batch) dimension over the mesh axes that split the batch (data, fsdp,
-expert), so each device computes its own rows only; the other axes see replicated operands
-(tensor shards compute the same rows, which is correct but not yet split by head). Without a
-mesh in context, or when no such axis divides the batch, the kernel runs as it is.
+expert) and the sequence dimension over `context` (context parallelism), so each device computes
+its own queries only; operands that every query needs whole (the compressed KV entries, the
+indexer keys) arrive gathered over `context`, weights replicated. The `tensor` axis sees
+replicated operands (tensor shards compute the same rows: correct, not yet split by head).
+Without a mesh in context, or when no axis divides the batch or sequence, the kernel runs as it
+is. `constrain_tokens` keeps the residual stream split the same way between layers.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 from jax.sharding import PartitionSpec as P
 
 BATCH_AXES = ('data', 'fsdp', 'expert')   # sharding.py's mesh axes that the batch rules use
+CONTEXT_AXIS = 'context'                  # ... and the one the `length` rule uses
 
 
 def axis_size(mesh, axis: str) -> int:
@@ -31,19 +37,45 @@ def dividing_axes(mesh, axes, dim: int) -> tuple[str, ...]:
   return tuple(out)
 
 
-def batch_local(fn, *args, replicated: tuple[int, ...] = ()):
-  """fn(*args) with every array argument split along its leading dimension over the batch axes,
-  except the positions in `replicated` (weights), and every output split the same way.
+def token_split(mesh, b: int, t: int | None):
+  """(batch axes, context axis or None) that split a [B, T, ...] activation on this mesh."""
+  axes = dividing_axes(mesh, BATCH_AXES, b)
+  n_ctx = axis_size(mesh, CONTEXT_AXIS)
+  ctx = CONTEXT_AXIS if t is not None and n_ctx > 1 and t % n_ctx == 0 else None
+  return axes, ctx
+
+
+def constrain_tokens(x_bt):
+  """The residual stream [B, T, ...] split over the batch axes and, with context parallelism,
+  over `context`; unchanged without a mesh or a context axis (GSPMD propagates the batch split)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or axis_size(mesh, CONTEXT_AXIS) == 1:
+    return x_bt
+  axes, ctx = token_split(mesh, x_bt.shape[0], x_bt.shape[1])
+  return jax.lax.with_sharding_constraint(x_bt, P(axes or None, ctx))
+
+
+def batch_local(fn, *args, replicated: tuple[int, ...] = (), whole_seq: tuple[int, ...] = (),
+                context_kw: str | None = None):
+  """fn(*args) on each device's tokens: array arguments split along their leading (batch) and
+  second (sequence) dimensions, except `replicated` positions (weights: whole) and `whole_seq`
+  positions (split by batch only: every query of the row needs them); every output split as
+  [B, T, ...]. With `context_kw`, fn also gets the context axis name (or None) under that
+  keyword, for kernels that exchange a halo with their neighbours.
 
   None arguments pass through. fn may be differentiable (a custom_vjp kernel): the replicated
   arguments' gradients are summed over the batch axes by shard_map's transpose.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  batched = [a for i, a in enumerate(args) if a is not None and i not in replicated]
-  if mesh.empty or not batched:
-    return fn(*args)
-  axes = dividing_axes(mesh, BATCH_AXES, batched[0].shape[0])
-  if not axes:
+  batched = [a for i, a in enumerate(args)
+             if a is not None and i not in replicated and i not in whole_seq]
+  axes, ctx = (), None
+  if not mesh.empty and batched:
+    lead = batched[0]
+    axes, ctx = token_split(mesh, lead.shape[0], lead.shape[1] if lead.ndim > 1 else None)
+  if context_kw is not None:
+    fn = functools.partial(fn, **{context_kw: ctx})
+  if not axes and not ctx:
     return fn(*args)
   present = [i for i, a in enumerate(args) if a is not None]
 
@@ -52,7 +84,9 @@ def batch_local(fn, *args, replicated: tuple[int, ...] = ()):
     for i, x in zip(present, xs):
       full[i] = x
     return fn(*full)
-  specs = tuple(P() if i in replicated else P(axes) for i in present)
+  split, whole = P(axes or None, ctx), P(axes or None)
+  specs = tuple(P() if i in replicated else whole if i in whole_seq else split for i in present)
   # check_vma=False: pallas_call has no replication rule.
-  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(axes), check_vma=False)(
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=split, check_vma=False)(
       *(args[i] for i in present))
+

@@ -127,7 +127,7 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
   elif impl == 'fused':  # on the CPU the kernels run in the Pallas interpreter (tests)
     kernel = functools.partial(sparse_partial_fused, scale=scale, with_mass=with_mass,
                                interpret=jax.default_backend() == 'cpu')
-    out = batch_local(kernel, q_bthd, kv_bnd, idx_btk, valid_btk)
+    out = batch_local(kernel, q_bthd, kv_bnd, idx_btk, valid_btk, whole_seq=(1,))
   else:
     raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
   return out if with_mass else out[:2]

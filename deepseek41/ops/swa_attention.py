@@ -204,8 +204,29 @@ def _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk, s
 # Public entry points
 
 
-def _window_fused(q_bthd, kv_btd, segment_ids_bt, span_ids_bt, **kw):
-  return window_partial_fused(q_bthd, kv_btd, segment_ids_bt, span_ids_bt=span_ids_bt, **kw)
+def _window_fused(q_bthd, kv_btd, segment_ids_bt, span_ids_bt, *, window, context_axis, **kw):
+  """The window kernel on this device's tokens. With the sequence split over `context_axis`,
+  the window - 1 keys before the first local query live on the previous shard: they arrive as a
+  halo (a ppermute; shard 0 gets padding, segment 0) and the kernel runs on halo + local
+  queries, the halo's outputs discarded."""
+  if context_axis is None:
+    return window_partial_fused(q_bthd, kv_btd, segment_ids_bt, span_ids_bt=span_ids_bt,
+                                window=window, **kw)
+  shards = jax.lax.axis_size(context_axis)
+  halo, t_local = window - 1, q_bthd.shape[1]
+  if halo > t_local:
+    raise ValueError(f'context parallelism: {t_local} tokens per shard cannot hold the '
+                     f'{halo}-token window halo (model.sliding_window)')
+  forward = [(i, i + 1) for i in range(shards - 1)]
+
+  def with_halo(x):
+    if x is None:
+      return None
+    return jnp.concatenate([jax.lax.ppermute(x[:, t_local - halo:], context_axis, forward), x], 1)
+  q_x = jnp.concatenate([jnp.zeros_like(q_bthd[:, :halo]), q_bthd], 1)
+  o_bthd, lse_bth = window_partial_fused(q_x, with_halo(kv_btd), with_halo(segment_ids_bt),
+                                         span_ids_bt=with_halo(span_ids_bt), window=window, **kw)
+  return o_bthd[:, halo:], lse_bth[:, halo:]
 
 
 def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chunked',
@@ -233,7 +254,8 @@ def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chu
   if impl == 'fused':  # `chunk` is the chunked impl's; the kernel picks its own blocks
     kernel = functools.partial(_window_fused, window=window, scale=scale,
                                interpret=jax.default_backend() == 'cpu')
-    return batch_local(kernel, q_bthd, kv_btd, segment_ids_bt, span_ids_bt)
+    return batch_local(kernel, q_bthd, kv_btd, segment_ids_bt, span_ids_bt,
+                       context_kw='context_axis')
   raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
 
 
