@@ -1,6 +1,7 @@
-"""Context parallelism on 8 fake CPU devices: the sequence split over `context`, against 1 device.
+"""Every parallel axis on 8 fake CPU devices against 1 device, context parallelism above all.
 
-The tiny model with CSA2 (compressed entries, indexer, top-k, sparse and window branches),
+(data x fsdp x expert is tests/test_sharding.py's mesh; expert parallelism's exchanges per backend
+are tests/test_expert_parallel.py.) The tiny model with CSA2 (compressed entries, indexer, top-k, sparse and window branches),
 Engram and single-pass mHC, packed documents and padding: loss and every gradient. Once on the
 jnp paths (GSPMD partitions them) and once with every Pallas kernel (interpreted; each runs on
 its own stretch of queries, the window kernel with its halo from the previous shard). f32; the
@@ -22,7 +23,11 @@ from deepseek41.train import state as state_lib
 from deepseek41.train.optimizer import make_optimizer
 
 MESHES = {'context8': {'mesh.data': 1, 'mesh.context': 8},
-          'data2_expert2_context2': {'mesh.data': 2, 'mesh.expert': 2, 'mesh.context': 2}}
+          'data2_expert2_context2': {'mesh.data': 2, 'mesh.expert': 2, 'mesh.context': 2},
+          'fsdp8': {'mesh.data': 1, 'mesh.fsdp': 8},
+          'data4_tensor2': {'mesh.data': 4, 'mesh.tensor': 2},
+          'fsdp2_tensor2_context2': {'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.tensor': 2,
+                                     'mesh.context': 2}}
 
 
 @functools.lru_cache(maxsize=None)  # the 1-device runs serve every mesh
@@ -48,11 +53,13 @@ def _grads(n, sizes, kernels):
     return jax.jit(fn)(state['params'], state['router_bias'], batch)
 
 
-@pytest.mark.parametrize('kernels', [False, True], ids=['jnp', 'kernels'])
-@pytest.mark.parametrize('mesh', list(MESHES))
-def test_context_parallel_matches_one_device(mesh, kernels):
-  if kernels and mesh == 'data2_expert2_context2':
-    pytest.skip('the kernels are exercised at context=8, their hardest split')
+# The kernels run per device on every mesh (tests/test_per_device.py); here at context=8, the
+# split that needs the window halo.
+CASES = [(m, False) for m in MESHES] + [('context8', True)]
+
+
+@pytest.mark.parametrize('mesh,kernels', CASES)
+def test_parallel_axes_match_one_device(mesh, kernels):
   l1, g1 = _one_device(kernels)
   l8, g8 = _grads(8, MESHES[mesh], kernels)
   np.testing.assert_allclose(l8, l1, rtol=1e-6)
