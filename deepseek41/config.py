@@ -65,6 +65,10 @@ def _auto_moe_backend(m: dict[str, Any], backend: str) -> str:
   return _DROPLESS_MOE_BACKENDS.get(backend, 'reference')
 
 
+def _auto_grouped_wgrad(m: dict[str, Any], backend: str) -> str:
+  return 'mosaic' if backend == 'gpu' and m['d_model'] >= 4096 else 'triton'
+
+
 def _auto_eval_moe_backend(m: dict[str, Any], backend: str) -> str:
   # Evaluation is dropless whatever the training backend (a capacity drop moves a toy model's
   # logits by up to 5.7): a dropless training backend is kept, the capacity einsum replaced by
@@ -198,6 +202,12 @@ class ModelConfig:
   # no ragged collective; on the H200 XLA's ragged_all_to_all took 644 ms where the padded
   # exchange took 12.8 ms, one device, 32K tokens: docs/performance.md 11.1).
   expert_buffer_factor: float = _key(0.0)
+  # The grouped experts' weight-gradient kernel (ops/grouped_gemm.py): our Triton tgmm, or jax's
+  # Mosaic GPU transposed ragged dot (Hopper only; elsewhere it falls back to tgmm). On the H200
+  # mosaic makes the expert block's forward+backward 21% faster at the released shapes (d 5120)
+  # but only 9% at the 1B ones, where the training step does not move and its compile takes 36 s
+  # longer (docs/performance.md 11.1). auto: mosaic on the GPU from d_model 4096 up.
+  grouped_wgrad: str = _key('auto', choices=('triton', 'mosaic'), auto=_auto_grouped_wgrad)
   expert_exchange: str = _key('auto', choices=('ragged', 'padded'),
                               auto=lambda m, backend: 'ragged' if backend == 'tpu' else 'padded')
   # The routed experts of held-out evaluation, dropless: auto keeps a dropless moe_backend and

@@ -18,6 +18,7 @@ from deepseek41.model.params import RouterBias, normal_param
 from deepseek41.ops.expert_gemm import clipped_swiglu
 from deepseek41.ops.expert_parallel import routed_experts
 from deepseek41.ops.fp8_matmul import dense
+from deepseek41.ops.grouped_gemm import default_tiles
 
 NUM_MODALITIES = 2  # 0 = text, 1 = image (batch field `modality`)
 
@@ -102,7 +103,8 @@ class MoE(nnx.Module):
         self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt),
         swiglu_limit=cfg.swiglu_limit, backend=cfg.moe_backend,
         capacity_factor=cfg.capacity_factor, fp8=cfg.fp8,
-        buffer_factor=cfg.expert_buffer_factor, exchange=cfg.expert_exchange)
+        buffer_factor=cfg.expert_buffer_factor, exchange=cfg.expert_exchange,
+        grouped_tiles=default_tiles(cfg.grouped_wgrad) if cfg.moe_backend == 'grouped' else None)
     if cfg.n_shared_experts:
       y_btd = y_btd + self.shared_experts(x_btd)
     aux = {

@@ -47,11 +47,12 @@ EXCHANGES = ('auto', 'ragged', 'padded')
 
 def routed_experts(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
                    w_down_efd, *, swiglu_limit, backend: str, capacity_factor: float,
-                   fp8: str = 'off', buffer_factor: float = 0.0, exchange: str = 'auto'):
+                   fp8: str = 'off', buffer_factor: float = 0.0, exchange: str = 'auto',
+                   grouped_tiles=None):
   """The routed experts' output [B, T, D] and the count of dropped assignments (int32 [])."""
   mesh = jax.sharding.get_abstract_mesh()
   kw = dict(swiglu_limit=swiglu_limit, backend=backend, capacity_factor=capacity_factor, fp8=fp8,
-            buffer_factor=buffer_factor, exchange=exchange)
+            buffer_factor=buffer_factor, exchange=exchange, grouped_tiles=grouped_tiles)
   if mesh.empty:
     return _local(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd,
                   experts_axis=None, width_axis=None, **kw)
@@ -90,7 +91,7 @@ def routed_experts(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up
 
 def _local(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd, *,
            experts_axis, width_axis, swiglu_limit, backend, capacity_factor, fp8, buffer_factor,
-           exchange):
+           exchange, grouped_tiles):
   """One device's tokens against its experts (all of them when experts_axis is None)."""
   dtype = x_btd.dtype
   w_gate_edf, w_up_edf, w_down_efd = (w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
@@ -98,7 +99,8 @@ def _local(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_
   if shards == 1:  # the exchange would be the identity
     y_btd, dropped = expert_gemm.expert_ffn_batched(
         x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd,
-        swiglu_limit=swiglu_limit, backend=backend, capacity_factor=capacity_factor, fp8=fp8)
+        swiglu_limit=swiglu_limit, backend=backend, capacity_factor=capacity_factor, fp8=fp8,
+        grouped_tiles=grouped_tiles)
     return _sum_width(y_btd, width_axis, dtype), dropped
   if backend == 'capacity_einsum':
     return _capacity_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
@@ -106,7 +108,7 @@ def _local(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_
                               capacity_factor, fp8)
   return _dropless_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
                             w_down_efd, experts_axis, width_axis, swiglu_limit, backend, fp8,
-                            buffer_factor, exchange)
+                            buffer_factor, exchange, grouped_tiles)
 
 
 def _sum_width(y, width_axis, dtype):
@@ -155,7 +157,7 @@ def _capacity_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, 
 
 def _dropless_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
                        w_down_efd, axis, width_axis, limit, backend, fp8, buffer_factor,
-                       exchange):
+                       exchange, grouped_tiles=None):
   b, t, d = x_btd.shape
   k = expert_idx_btk.shape[-1]
   n, a = b * t, b * t * k
@@ -180,7 +182,8 @@ def _dropless_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, 
 
   y_rd, _ = expert_gemm.expert_ffn(
       x_rd, plan.expert_r[:, None], jnp.ones((rows, 1), jnp.float32), plan.valid_r, w_gate_edf,
-      w_up_edf, w_down_efd, swiglu_limit=limit, backend=backend, fp8=fp8)
+      w_up_edf, w_down_efd, swiglu_limit=limit, backend=backend, fp8=fp8,
+      grouped_tiles=grouped_tiles)
 
   # Back along the same route: each source's rows from where they sit here to where they left.
   y_ad = move(y_rd, a, plan.recv_offset_s, plan.recv_s, plan.source_offset_s, plan.send_s, axis)

@@ -78,6 +78,13 @@ GPU_TILES = Tiles(wgrad='mosaic')
 INTERPRET_TILES = Tiles(block_m=32, block_n=16, block_k=16, block_d=16, block_f=32, block_r=16)
 
 
+def default_tiles(wgrad: str | None = None) -> Tiles:
+  """The platform's tiles (the interpreter's on the CPU), with the weight-gradient kernel
+  `wgrad` if given (model.grouped_wgrad)."""
+  tiles = INTERPRET_TILES if jax.default_backend() == 'cpu' else GPU_TILES
+  return tiles if wgrad is None else dataclasses.replace(tiles, wgrad=wgrad)
+
+
 # ---- layout ------------------------------------------------------------------------------------
 
 
