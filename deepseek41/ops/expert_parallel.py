@@ -1,4 +1,4 @@
-"""Routed experts across devices (docs/design.md "Expert parallelism").
+"""Routed experts across devices (docs/design.md "Parallelism").
 
 `routed_experts` runs the MoE's routed experts inside a `shard_map` over the mesh in context:
 each device takes its own tokens (the batch split over `data`, `fsdp` and `expert`), the experts
