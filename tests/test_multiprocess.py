@@ -293,3 +293,15 @@ def test_a_process_stuck_after_a_failure_is_killed(tmp_path):
   assert result.returncode == 3, result.stderr
   assert 'process 1 failed with status 3' in result.stderr and 'boom' in result.stderr
   assert time.perf_counter() - t0 < 20
+
+
+def test_experts_split_across_processes(tmp_path):
+  """expert=4 over 2 processes x 2 devices: the all-to-all of the expert exchange crosses the
+  process boundary (gloo on the CPU) and the losses match 1 process x 4 devices."""
+  ep = ['--config.mesh.fsdp=1', '--config.mesh.data=1', '--config.mesh.expert=4',
+        '--config.model.moe_backend=reference', f'--stop_at_step={STEPS // 2}',
+        '--config.checkpoint.every_steps=0']
+  one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
+  _check(_one_process(one, *ep, '--data_streams=2'))  # the 2-process run's input streams
+  _check(_two_processes(two, *ep), two)
+  _assert_losses_match(_losses(two), _losses(one), range(1, STEPS // 2 + 1))
