@@ -8,10 +8,12 @@ The indexer-score kernel is a GPU-only config choice, so it is checked on its ow
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from deepseek41.ops.index_scores import index_scores_per_device, index_scores_reference
@@ -113,3 +115,38 @@ def test_index_scores_per_device():
     assert not _kernels_outside_shard_map(jax.make_jaxpr(index_scores_per_device)(*args).jaxpr)
   np.testing.assert_allclose(np.asarray(got), np.asarray(index_scores_reference(q, w, k)),
                              rtol=1e-5, atol=1e-5)
+
+
+def _ops_outside_shard_map(jaxpr, names, inside=False):
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in names and not inside:
+      found.append(eqn.primitive.name)
+    for sub in _sub_jaxprs(eqn.params.values()):
+      found += _ops_outside_shard_map(sub, names, inside or eqn.primitive.name == 'shard_map')
+  return found
+
+
+@pytest.mark.parametrize('sizes', [dict(data=2, fsdp=2, expert=2), dict(data=4, context=2)])
+def test_span_attention_per_device(sizes):
+  """The gathered image-span attention indexes rows explicitly, which GSPMD cannot split by
+  batch: it runs per device on whole rows (spans cut by a context split included)."""
+  from deepseek41.ops.span_attention import span_partial
+  axes = ('data', 'fsdp', 'expert', 'tensor', 'context')
+  mesh = jax.make_mesh(tuple(sizes.get(a, 1) for a in axes), axes,
+                       axis_types=(jax.sharding.AxisType.Auto,) * 5)
+  kq, kk = jax.random.split(jax.random.key(1))
+  q, kv = jax.random.normal(kq, (8, 32, 2, 16)), jax.random.normal(kk, (8, 32, 16))
+  span = np.zeros((8, 32), np.int32)
+  span[:, 10:22] = 1        # crosses the middle, where context=2 cuts
+  span[::2, 24:30] = 2
+  fn = functools.partial(span_partial, num_spans=2, max_span=16, impl='gathered')
+  want = jax.jit(fn)(q, kv, span)
+  with jax.set_mesh(mesh):
+    split = NamedSharding(mesh, P(('data', 'fsdp', 'expert'), 'context' if 'context' in sizes
+                                  else None))
+    args = [jax.device_put(a, split) for a in (q, kv, span)]
+    got = jax.jit(fn)(*args)
+    assert not _ops_outside_shard_map(jax.make_jaxpr(fn)(*args).jaxpr, ('gather', 'scatter'))
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)

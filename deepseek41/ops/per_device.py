@@ -56,12 +56,13 @@ def constrain_tokens(x_bt):
 
 
 def batch_local(fn, *args, replicated: tuple[int, ...] = (), whole_seq: tuple[int, ...] = (),
-                context_kw: str | None = None):
+                context_kw: str | None = None, split_seq: bool = True):
   """fn(*args) on each device's tokens: array arguments split along their leading (batch) and
   second (sequence) dimensions, except `replicated` positions (weights: whole) and `whole_seq`
   positions (split by batch only: every query of the row needs them); every output split as
   [B, T, ...]. With `context_kw`, fn also gets the context axis name (or None) under that
-  keyword, for kernels that exchange a halo with their neighbours.
+  keyword, for kernels that exchange a halo with their neighbours. `split_seq=False` keeps every
+  argument and output whole along the sequence (ops whose queries need their whole row).
 
   None arguments pass through. fn may be differentiable (a custom_vjp kernel): the replicated
   arguments' gradients are summed over the batch axes by shard_map's transpose.
@@ -72,7 +73,8 @@ def batch_local(fn, *args, replicated: tuple[int, ...] = (), whole_seq: tuple[in
   axes, ctx = (), None
   if not mesh.empty and batched:
     lead = batched[0]
-    axes, ctx = token_split(mesh, lead.shape[0], lead.shape[1] if lead.ndim > 1 else None)
+    axes, ctx = token_split(mesh, lead.shape[0],
+                            lead.shape[1] if lead.ndim > 1 and split_seq else None)
   if context_kw is not None:
     fn = functools.partial(fn, **{context_kw: ctx})
   if not axes and not ctx:

@@ -16,10 +16,12 @@ Two implementations, same signature, same results:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
 
+from deepseek41.ops.per_device import batch_local
 from deepseek41.ops.swa_attention import _masked_softmax_partial, same_span_mask_btu
 
 IMPLS = ('reference', 'gathered')
@@ -79,6 +81,11 @@ def span_partial(q_bthd, kv_btd, span_ids_bt, *, num_spans: int, max_span: int,
   if impl == 'reference':
     return _span_partial_reference(q_bthd, kv_btd, span_ids_bt, scale)
   if impl == 'gathered':
+    # Per device and whole rows: GSPMD cannot split the row-indexed gathers and scatters by
+    # batch (it would run them over the global batch on every device), and a span's queries
+    # need the whole span, wherever context parallelism cuts the row.
     max_span = min(max_span, q_bthd.shape[1])
-    return _span_partial_gathered(q_bthd, kv_btd, span_ids_bt, scale, num_spans, max_span)
+    gathered = functools.partial(_span_partial_gathered, scale=scale, num_spans=num_spans,
+                                 max_span=max_span)
+    return batch_local(gathered, q_bthd, kv_btd, span_ids_bt, split_seq=False)
   raise ValueError(f'span attention impl must be one of {IMPLS}, got {impl!r}')
