@@ -312,6 +312,10 @@ class DataConfig:
   max_images_per_row: int = _key(4)      # image slots per packed row (static shape)
   image_heldout_fraction: float = _key(0.02)  # records of each image source held out for eval
   shapes_image_size: int = _key(48)      # side in pixels of the embedded task's images
+  # Input streams the global batch is split into; each process reads streams / processes of them
+  # and the checkpoint holds each stream's position. 0: the process count. Fixed at a run's
+  # first start: a resumed run keeps its checkpoint's count (README, "Several GPUs and hosts").
+  streams: int = _key(0)
   images: ImageGeometry | None           # derived from the model; None when model.vision is off
 
 
@@ -785,6 +789,7 @@ def _check_data(d: DataConfig, m: ModelConfig):
   _req(d.num_workers >= 0, 'data.num_workers', 'must be >= 0')
   _req(d.prefetch >= 0, 'data.prefetch', 'must be >= 0')
   _req(d.packing_bins >= 1, 'data.packing_bins', 'must be >= 1')
+  _req(d.streams >= 0, 'data.streams', f'must be >= 0 (0: the process count), got {d.streams}')
   _req(d.document_align >= 1 and d.seq_len % d.document_align == 0, 'data.document_align',
        f'must be >= 1 and divide data.seq_len={d.seq_len}, got {d.document_align}')
   if m.csa2 and 2 in m.compress_ratios:

@@ -150,7 +150,7 @@ def runs(tmp_path_factory):
   """The straight runs: 1 process x 4 devices in 2 data streams to step 4, and 2 processes x 2
   devices until SIGTERM to the launcher after step 4."""
   one = str(tmp_path_factory.mktemp('one'))
-  _check(_one_process(one, '--data_streams=2', f'--stop_at_step={STEPS}'))
+  _check(_one_process(one, '--config.data.streams=2', f'--stop_at_step={STEPS}'))
   two = str(tmp_path_factory.mktemp('two'))
   _check(_two_processes_until_sigterm(two, STEPS), two, status=75)
   return one, two
@@ -178,7 +178,7 @@ def test_resume_two_processes_on_one(runs, tmp_path):
   one, two = runs
   work = str(tmp_path / 'resumed')
   _resume_copy(two, work, 2)
-  result = _one_process(work, f'--stop_at_step={STEPS}')  # no --data_streams: the checkpoint's
+  result = _one_process(work, f'--stop_at_step={STEPS}')  # no data.streams: the checkpoint's
   _check(result)
   assert 'resumed from' in result.stderr
   assert sorted(_losses(work)) == [3, 4]
@@ -197,7 +197,7 @@ def test_resume_one_process_on_two(runs, tmp_path):
 
 def test_stream_count_rule(tmp_path):
   """A resumed run keeps the checkpoint's stream count; a process count that does not divide
-  it, or a different --data_streams, is refused with the counts that fit."""
+  it, or a different data.streams, is refused with the counts that fit."""
   data = tmp_path / 'checkpoints' / '6' / 'data'
   data.mkdir(parents=True)
   for k in range(4):
@@ -210,22 +210,22 @@ def test_stream_count_rule(tmp_path):
     def step_dir(self, step):
       return str(tmp_path / 'checkpoints' / str(step))
 
-  assert _stream_count(Ckpt(), None, 2) == 4
+  assert _stream_count(Ckpt(), 0, 2) == 4
   assert _stream_count(Ckpt(), 4, 1) == 4
   with pytest.raises(CheckpointError, match='resume on 1, 2, 4 process'):
-    _stream_count(Ckpt(), None, 3)
-  with pytest.raises(CheckpointError, match='--data_streams=2, but checkpoint'):
+    _stream_count(Ckpt(), 0, 3)
+  with pytest.raises(CheckpointError, match='data.streams=2, but checkpoint'):
     _stream_count(Ckpt(), 2, 1)
   (data / 'process_3-of-4.json').unlink()
   with pytest.raises(CheckpointError, match=r'stream\(s\) \[3\] of 4'):
-    _stream_count(Ckpt(), None, 2)
+    _stream_count(Ckpt(), 0, 2)
 
   class Fresh(Ckpt):
     def latest_step(self):
       return None
 
-  assert _stream_count(Fresh(), None, 2) == 2
-  with pytest.raises(CheckpointError, match='--data_streams=3 cannot be split evenly over 2'):
+  assert _stream_count(Fresh(), 0, 2) == 2
+  with pytest.raises(CheckpointError, match='data.streams=3 cannot be split evenly over 2'):
     _stream_count(Fresh(), 3, 2)
 
 
@@ -302,6 +302,6 @@ def test_experts_split_across_processes(tmp_path):
         '--config.model.moe_backend=reference', f'--stop_at_step={STEPS // 2}',
         '--config.checkpoint.every_steps=0']
   one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
-  _check(_one_process(one, *ep, '--data_streams=2'))  # the 2-process run's input streams
+  _check(_one_process(one, *ep, '--config.data.streams=2'))  # the 2-process run's input streams
   _check(_two_processes(two, *ep), two)
   _assert_losses_match(_losses(two), _losses(one), range(1, STEPS // 2 + 1))

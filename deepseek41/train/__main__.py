@@ -39,10 +39,6 @@ _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process index.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Resolve the config, build the mesh, log the '
                              'process/device/mesh banner and per-device state bytes; exit 0 '
                              'without compiling.')
-_DATA_STREAMS = flags.DEFINE_integer(
-    'data_streams', None, 'Input streams the global batch is split into (a fresh run only; '
-    'default: the process count). Each process reads data_streams / process_count of them; a '
-    'resumed run keeps the checkpoint\'s count (README, "Several GPUs and hosts").')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -85,10 +81,9 @@ def main(argv):
   from deepseek41.train.workdir import WorkdirError
   try:
     if _DRY_RUN.value:
-      dry_run(_CONFIG.value, data_streams=_DATA_STREAMS.value)
+      dry_run(_CONFIG.value)
       return
-    result = train(_CONFIG.value, _WORKDIR.value, stop_at_step=_STOP_AT.value,
-                   data_streams=_DATA_STREAMS.value)
+    result = train(_CONFIG.value, _WORKDIR.value, stop_at_step=_STOP_AT.value)
   except CheckpointSaveError as e:
     logging.error('%s', e)
     _exit(EXIT_SAVE_FAILED, distributed)

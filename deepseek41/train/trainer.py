@@ -85,15 +85,12 @@ class _StopFlag:
       signal.signal(sig, old)
 
 
-def train(config, workdir: str, *, stop_at_step: int | None = None,
-          data_streams: int | None = None) -> TrainResult:
+def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResult:
   """Run (or resume) training as configured; `config` is an ml_collections.ConfigDict.
 
   `stop_at_step` ends this invocation early (with a checkpoint) at that step, without changing
-  the schedule: the run continues from there when started again. `data_streams` splits a fresh
-  run's global batch into that many input streams (default: the process count; a resumed run
-  keeps its checkpoint's). Raises WorkdirError if the work directory is unusable or another
-  trainer holds it.
+  the schedule: the run continues from there when started again. Raises WorkdirError if the work
+  directory is unusable or another trainer holds it.
   """
   cfg: RunConfig = resolve(config, with_data=True)  # tokenizer checks too, before anything runs
   primary = jax.process_index() == 0
@@ -102,10 +99,10 @@ def train(config, workdir: str, *, stop_at_step: int | None = None,
   # the directory is refused in each of its processes instead of some of them training on.
   with WorkdirLock(workdir, jax.process_index()), \
       CompilationCache(cfg.train.compilation_cache_dir) as compile_cache:
-    return _train(cfg, workdir, stop_at_step, primary, compile_cache, data_streams)
+    return _train(cfg, workdir, stop_at_step, primary, compile_cache)
 
 
-def dry_run(config, *, data_streams: int | None = None) -> dict:
+def dry_run(config) -> dict:
   """Resolve the config and build the mesh against the visible devices; log the process /
   device / mesh banner and the per-device bytes of parameters + optimizer state from the
   abstract state and its shardings. Compiles and allocates nothing; returns the numbers."""
@@ -115,7 +112,7 @@ def dry_run(config, *, data_streams: int | None = None) -> dict:
   abstract = state_lib.abstract_state(cfg, tx)
   shardings = state_lib.state_shardings(abstract, mesh, cfg.mesh.rules)
   n_proc, local = jax.process_count(), jax.local_devices()
-  streams = data_streams or n_proc
+  streams = cfg.data.streams or n_proc
   per_device = {'params': 0, 'opt': 0, 'other': 0}
   for (path, a), s in zip(jax.tree_util.tree_flatten_with_path(abstract)[0],
                           jax.tree.leaves(shardings)):
@@ -217,7 +214,7 @@ class CompilationCache:
 
 
 def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool,
-           compile_cache: CompilationCache, data_streams: int | None) -> TrainResult:
+           compile_cache: CompilationCache) -> TrainResult:
   # ---- mesh --------------------------------------------------------------------------------
   mesh = make_mesh(cfg.mesh)
   rules = cfg.mesh.rules
@@ -256,7 +253,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     ckpt = Checkpointer(workdir, cfg.checkpoint, primary=primary)
     cleanup.callback(ckpt.close)
     # The checkpoint decides how the input is split (its stream count), so the input comes second.
-    streams = _stream_count(ckpt, data_streams, n_proc)
+    streams = _stream_count(ckpt, cfg.data.streams, n_proc)
     train_iter = DataStreams(cfg.data, split='train', batch_size=cfg.train.batch_size,
                              seed=cfg.train.seed, total=streams,
                              process_index=jax.process_index(), process_count=n_proc,
@@ -415,8 +412,9 @@ def _evaluate(evaluate: Evaluator, step_log: StepLog, throughput: Throughput, st
   throughput.exclude(time.perf_counter() - t0)  # evaluation is not training time
 
 
-def _stream_count(ckpt: Checkpointer, requested: int | None, n_proc: int) -> int:
-  """The number of input streams: the newest checkpoint's, else `requested`, else n_proc.
+def _stream_count(ckpt: Checkpointer, requested: int, n_proc: int) -> int:
+  """The number of input streams: the newest checkpoint's, else `requested` (data.streams), else
+  n_proc (requested 0).
 
   The data-position rule: a resumed run continues every stream where the checkpoint left it,
   on any process count that divides the stream count (each process reads streams / processes
@@ -428,13 +426,14 @@ def _stream_count(ckpt: Checkpointer, requested: int | None, n_proc: int) -> int
   if saved is None:
     streams = requested or n_proc
     if streams % n_proc:
-      raise CheckpointError(f'--data_streams={streams} cannot be split evenly over {n_proc} '
+      raise CheckpointError(f'data.streams={streams} cannot be split evenly over {n_proc} '
                             'processes; use a multiple of the process count')
     return streams
   if requested and requested != saved:
-    raise CheckpointError(f'--data_streams={requested}, but checkpoint {ckpt.step_dir(step)} '
+    raise CheckpointError(f'data.streams={requested}, but checkpoint {ckpt.step_dir(step)} '
                           f'holds the data position of {saved} streams; the stream count of a '
-                          'run is fixed at its first start (drop the flag)')
+                          'run is fixed at its first start (leave data.streams at 0 or set it '
+                          f'to {saved})')
   if saved % n_proc:
     fits = [d for d in range(1, saved + 1) if saved % d == 0]
     raise CheckpointError(f'checkpoint {ckpt.step_dir(step)} holds the data position of '
