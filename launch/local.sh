@@ -23,14 +23,8 @@ if [[ -z ${PYTHON:-} ]]; then
   if [[ -x $root/.venv/bin/python ]]; then PYTHON=$root/.venv/bin/python; else PYTHON=python3; fi
 fi
 
-workdir=
-args=("$@")
-for ((i = 0; i < ${#args[@]}; i++)); do
-  case ${args[i]} in
-    --workdir=*) workdir=${args[i]#--workdir=} ;;
-    --workdir) if ((i + 1 < ${#args[@]})); then workdir=${args[i + 1]}; fi ;;
-  esac
-done
+source "$root/launch/lib.sh"
+workdir=$(workdir_flag "$@")
 [[ -n $workdir ]] || { echo "$0: --workdir is required (the logs go to WORKDIR/logs)" >&2; exit 2; }
 logs=$workdir/logs
 mkdir -p "$logs"

@@ -48,14 +48,8 @@ remote_repo=${REMOTE_REPO:-deepseek41}
 python=${PYTHON:-.venv/bin/python}
 action=${ACTION:-run}
 
-workdir=
-args=("$@")
-for ((i = 0; i < ${#args[@]}; i++)); do
-  case ${args[i]} in
-    --workdir=*) workdir=${args[i]#--workdir=} ;;
-    --workdir) if ((i + 1 < ${#args[@]})); then workdir=${args[i + 1]}; fi ;;
-  esac
-done
+source "$root/launch/lib.sh"
+workdir=$(workdir_flag "$@")
 log_dir=${LOG_DIR:-${workdir:+$workdir/logs}}
 if [[ -z $log_dir ]]; then
   echo "$0: --workdir is required (the logs and pid files go to WORKDIR/logs unless LOG_DIR is" \
