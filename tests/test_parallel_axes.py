@@ -54,8 +54,8 @@ def _grads(n, sizes, kernels):
 
 
 # The kernels run per device on every mesh (tests/test_per_device.py); here at context=8, the
-# split that needs the window halo.
-CASES = [(m, False) for m in MESHES] + [('context8', True)]
+# split that needs the window halo, and with the attention kernels' heads split over tensor.
+CASES = [(m, False) for m in MESHES] + [('context8', True), ('fsdp2_tensor2_context2', True)]
 
 
 @pytest.mark.parametrize('mesh,kernels', CASES)

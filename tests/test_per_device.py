@@ -150,3 +150,32 @@ def test_span_attention_per_device(sizes):
     assert not _ops_outside_shard_map(jax.make_jaxpr(fn)(*args).jaxpr, ('gather', 'scatter'))
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
+def test_attention_kernels_split_heads_over_tensor():
+  """Under tensor parallelism each shard runs the window and sparse kernels on its own heads
+  (the heads dimension of q and of the outputs is split over `tensor`), with the same results."""
+  from deepseek41.ops.sparse_attention import compressed_partial
+  from deepseek41.ops.swa_attention import swa_partial
+  axes = ('data', 'fsdp', 'expert', 'tensor', 'context')
+  mesh = jax.make_mesh((4, 1, 1, 2, 1), axes, axis_types=(jax.sharding.AxisType.Auto,) * 5)
+  kq, kk, ki = jax.random.split(jax.random.key(2), 3)
+  q, kv = jax.random.normal(kq, (4, 32, 16, 16)), jax.random.normal(kk, (4, 32, 16))
+  seg = np.ones((4, 32), np.int32)
+  idx = jax.random.randint(ki, (4, 32, 4), 0, 8)
+  valid = np.ones((4, 32, 4), bool)
+  ops = {
+      'window': lambda q, kv: swa_partial(q, kv, seg, window=8, impl='fused'),
+      'sparse': lambda q, kv: compressed_partial(q, kv[:, :8], idx, valid, impl='fused',
+                                                 with_mass=True),
+  }
+  for name, op in ops.items():
+    want = jax.jit(op)(q, kv)
+    with jax.set_mesh(mesh):
+      q_s = jax.device_put(q, NamedSharding(mesh, P('data', None, 'tensor')))
+      got = jax.jit(op)(q_s, kv)
+      specs = [str(e.params['in_specs']) for e in jax.make_jaxpr(op)(q_s, kv).jaxpr.eqns
+               if e.primitive.name == 'shard_map']
+    assert specs and all("'tensor'" in s for s in specs), (name, specs)
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)

@@ -5,8 +5,8 @@ every device runs the whole batch. `batch_local` runs the kernel inside a `shard
 splits the leading (batch) dimension over the mesh axes that split the batch (data, fsdp,
 expert) and the sequence dimension over `context` (context parallelism), so each device computes
 its own queries only; operands that every query needs whole (the compressed KV entries, the
-indexer keys) arrive gathered over `context`, weights replicated. The `tensor` axis sees
-replicated operands (tensor shards compute the same rows: correct, not yet split by head).
+indexer keys) arrive gathered over `context`, weights replicated. The attention kernels split
+their heads over `tensor` (head parallelism); the other kernels see replicated operands there.
 Without a mesh in context, or when no axis divides the batch or sequence, the kernel runs as it
 is. `constrain_tokens` keeps the residual stream split the same way between layers.
 """
@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 BATCH_AXES = ('data', 'fsdp', 'expert')   # sharding.py's mesh axes that the batch rules use
 CONTEXT_AXIS = 'context'                  # ... and the one the `length` rule uses
+TENSOR_AXIS = 'tensor'                    # ... and the one the `heads` rule uses
 
 
 def axis_size(mesh, axis: str) -> int:
@@ -56,7 +57,9 @@ def constrain_tokens(x_bt):
 
 
 def batch_local(fn, *args, replicated: tuple[int, ...] = (), whole_seq: tuple[int, ...] = (),
-                context_kw: str | None = None, split_seq: bool = True):
+                context_kw: str | None = None, split_seq: bool = True,
+                heads: dict[int, int] | None = None, out_heads: tuple | None = None,
+                tensor_kw: str | None = None):
   """fn(*args) on each device's tokens: array arguments split along their leading (batch) and
   second (sequence) dimensions, except `replicated` positions (weights: whole) and `whole_seq`
   positions (split by batch only: every query of the row needs them); every output split as
@@ -64,20 +67,30 @@ def batch_local(fn, *args, replicated: tuple[int, ...] = (), whole_seq: tuple[in
   keyword, for kernels that exchange a halo with their neighbours. `split_seq=False` keeps every
   argument and output whole along the sequence (ops whose queries need their whole row).
 
+  Head parallelism: `heads` maps argument positions to their head dimension, split over `tensor`
+  when the head count divides by it; `out_heads` gives each output's head dimension (None: none);
+  with `tensor_kw`, fn gets the tensor axis name (or None), e.g. to average over all heads.
+
   None arguments pass through. fn may be differentiable (a custom_vjp kernel): the replicated
   arguments' gradients are summed over the batch axes by shard_map's transpose.
   """
   mesh = jax.sharding.get_abstract_mesh()
+  heads = heads or {}
   batched = [a for i, a in enumerate(args)
              if a is not None and i not in replicated and i not in whole_seq]
-  axes, ctx = (), None
+  axes, ctx, tp = (), None, None
   if not mesh.empty and batched:
     lead = batched[0]
     axes, ctx = token_split(mesh, lead.shape[0],
                             lead.shape[1] if lead.ndim > 1 and split_seq else None)
+    n_tp = axis_size(mesh, TENSOR_AXIS)
+    if heads and n_tp > 1 and all(args[i].shape[d] % n_tp == 0 for i, d in heads.items()):
+      tp = TENSOR_AXIS
   if context_kw is not None:
     fn = functools.partial(fn, **{context_kw: ctx})
-  if not axes and not ctx:
+  if tensor_kw is not None:
+    fn = functools.partial(fn, **{tensor_kw: tp})
+  if not axes and not ctx and not tp:
     return fn(*args)
   present = [i for i, a in enumerate(args) if a is not None]
 
@@ -86,9 +99,19 @@ def batch_local(fn, *args, replicated: tuple[int, ...] = (), whole_seq: tuple[in
     for i, x in zip(present, xs):
       full[i] = x
     return fn(*full)
-  split, whole = P(axes or None, ctx), P(axes or None)
-  specs = tuple(P() if i in replicated else whole if i in whole_seq else split for i in present)
-  # check_vma=False: pallas_call has no replication rule.
-  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=split, check_vma=False)(
-      *(args[i] for i in present))
 
+  def spec(ndim, seq, head_dim):
+    entries = [axes or None, ctx if seq else None] + [None] * (ndim - 2)
+    if tp and head_dim is not None:
+      entries[head_dim] = tp
+    return P(*entries[:max(ndim, 1)])
+  specs = tuple(P() if i in replicated else
+                spec(args[i].ndim, i not in whole_seq, heads.get(i)) for i in present)
+  if tp and out_heads is not None:
+    out_specs = tuple(P(axes or None, ctx) if h is None else spec(h + 1, True, h)
+                      for h in out_heads)
+  else:
+    out_specs = P(axes or None, ctx)
+  # check_vma=False: pallas_call has no replication rule.
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(
+      *(args[i] for i in present))

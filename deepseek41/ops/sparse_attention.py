@@ -104,6 +104,18 @@ def _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk):
                           {'q': q_bthd, 'idx': idx_btk, 'valid': valid_btk}, chunk)
 
 
+def _sparse_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, with_mass, tensor_axis, **kw):
+  """The sparse kernels on this device's queries and heads; the slot mass, an average over
+  heads, averaged over the tensor shards' heads too."""
+  o_bthd, lse_bth, mass_btk = sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk,
+                                                   with_mass=with_mass, **kw)
+  if not with_mass:
+    return o_bthd, lse_bth
+  if tensor_axis is not None:
+    mass_btk = jax.lax.pmean(mass_btk, tensor_axis)
+  return o_bthd, lse_bth, mass_btk
+
+
 def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathered',
                        chunk: int | None = None, scale: float | None = None,
                        with_mass: bool = False):
@@ -125,9 +137,10 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
   elif impl == 'gathered':
     out = _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk)
   elif impl == 'fused':  # on the CPU the kernels run in the Pallas interpreter (tests)
-    kernel = functools.partial(sparse_partial_fused, scale=scale, with_mass=with_mass,
+    kernel = functools.partial(_sparse_fused, scale=scale, with_mass=with_mass,
                                interpret=jax.default_backend() == 'cpu')
-    out = batch_local(kernel, q_bthd, kv_bnd, idx_btk, valid_btk, whole_seq=(1,))
+    out = batch_local(kernel, q_bthd, kv_bnd, idx_btk, valid_btk, whole_seq=(1,), heads={0: 2},
+                      out_heads=(2, 2, None) if with_mass else (2, 2), tensor_kw='tensor_axis')
   else:
     raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
   return out if with_mass else out[:2]

@@ -255,7 +255,7 @@ def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chu
     kernel = functools.partial(_window_fused, window=window, scale=scale,
                                interpret=jax.default_backend() == 'cpu')
     return batch_local(kernel, q_bthd, kv_btd, segment_ids_bt, span_ids_bt,
-                       context_kw='context_axis')
+                       context_kw='context_axis', heads={0: 2}, out_heads=(2, 2))
   raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
 
 
