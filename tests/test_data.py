@@ -39,7 +39,7 @@ def _cfg(**overrides) -> DataConfig:
   base = dict(seq_len=16, sources=(), synthetic=False, cache_dir='', default_corpus_vocab_size=300,
               default_corpus_max_files=20, shuffle_seed=0, num_workers=0, prefetch=0,
               packing_bins=4, document_align=1, image_sources=(), max_images_per_row=4,
-              image_heldout_fraction=0.02, shapes_image_size=48, images=None)
+              image_heldout_fraction=0.02, shapes_image_size=48, streams=0, images=None)
   base.update(overrides)
   return DataConfig(**base)
 

@@ -61,7 +61,8 @@ def _cfg(text_dir, **overrides) -> DataConfig:
   base = dict(seq_len=96, sources=((text_dir, 1.0),), synthetic=False, cache_dir='',
               default_corpus_vocab_size=300, default_corpus_max_files=5, shuffle_seed=0,
               num_workers=0, prefetch=0, packing_bins=4, document_align=2, image_sources=(),
-              max_images_per_row=4, image_heldout_fraction=0.2, shapes_image_size=48, images=g)
+              max_images_per_row=4, image_heldout_fraction=0.2, shapes_image_size=48, streams=0,
+              images=g)
   base.update(overrides)
   return DataConfig(**base)
 
