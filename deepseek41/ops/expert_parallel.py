@@ -36,10 +36,9 @@ from jax.sharding import PartitionSpec as P
 
 from deepseek41.ops import expert_gemm
 from deepseek41.ops.grouped_gemm import sort_by_expert
-from deepseek41.ops.per_device import BATCH_AXES, axis_size as _size, dividing_axes as _dividing
+from deepseek41.ops.per_device import axis_size as _size, token_split
 
 # The mesh axes of the expert layout (sharding.py builds the mesh with these names).
-TOKEN_AXES = BATCH_AXES
 EXPERT_AXIS = 'expert'
 WIDTH_AXIS = 'tensor'
 EXCHANGES = ('auto', 'ragged', 'padded')
@@ -59,9 +58,7 @@ def routed_experts(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up
 
   b, t, _ = x_btd.shape
   n_experts, _, f = w_gate_edf.shape
-  token_axes = _dividing(mesh, TOKEN_AXES, b)
-  seq_axis = 'context' if 'context' in mesh.axis_names and mesh.shape['context'] > 1 and \
-      t % mesh.shape['context'] == 0 else None
+  token_axes, seq_axis = token_split(mesh, b, t)
   experts_axis = EXPERT_AXIS if _size(mesh, EXPERT_AXIS) > 1 else None
   if experts_axis and n_experts % mesh.shape[EXPERT_AXIS]:
     raise ValueError(f'{n_experts} experts do not split over {mesh.shape[EXPERT_AXIS]} expert '
