@@ -72,7 +72,7 @@ def clipped_swiglu(h_gate, h_up, limit: float | None):
   return (jax.nn.silu(g) * u).astype(h_gate.dtype)
 
 
-def _combine(y_nkd, weight_nk, dtype):
+def combine(y_nkd, weight_nk, dtype):
   """sum_k weight_nk * y_nkd, accumulated in float32 so small router weights are not rounded away."""
   y_nd = jnp.einsum('nk,nkd->nd', weight_nk.astype(jnp.float32), y_nkd.astype(jnp.float32))
   return y_nd.astype(dtype)
@@ -169,7 +169,7 @@ def capacity_combine(out_sd, route: CapacityRoute, weight_nk, dtype):
   y_nkd = take_rows(out_sd, route.slot_a, route.kept_a, route.assign_s[:, None],
                      route.filled_s[:, None]).reshape(n, k, -1)
   weight_nk = jnp.where(route.kept_a.reshape(n, k), weight_nk.astype(jnp.float32), 0.0)
-  return _combine(y_nkd, weight_nk, dtype)
+  return combine(y_nkd, weight_nk, dtype)
 
 
 def experts_on_buffer(buf_ecd, w_gate_edf, w_up_edf, w_down_efd, limit, fp8='off'):
@@ -232,28 +232,56 @@ def _ragged_dot_qdq_bwd(res, dy_af):
 _ragged_dot_qdq.defvjp(_ragged_dot_qdq_fwd, _ragged_dot_qdq_bwd)
 
 
+class SortedRows(NamedTuple):
+  """The N*K assignments as rows in expert order (padding tokens' assignments last, unused)."""
+  order_a: jax.Array     # int32 [N*K] sorted position -> assignment a = n*K + k
+  rank_a: jax.Array      # int32 [N*K] assignment -> sorted position
+  counts_e: jax.Array    # int32 [E] valid assignments per expert
+  valid_a: jax.Array     # bool [N*K] the assignment's token is not padding
+  in_group_a: jax.Array  # bool [N*K] sorted position holds a valid assignment
+
+
+def sort_rows(expert_idx_nk, valid_n, n_experts: int) -> SortedRows:
+  n, k = expert_idx_nk.shape
+  order_a, rank_a, counts_e = _sort_by_expert(expert_idx_nk, valid_n, n_experts)
+  return SortedRows(order_a, rank_a, counts_e, valid_n.repeat(k),
+                    jnp.arange(n * k) < jnp.sum(counts_e))
+
+
+def to_sorted_rows(x_nd, rows: SortedRows, k: int):
+  """[N*K, D]: token rows in expert order, padding assignments' rows 0.
+
+  Sorted rows and valid assignments are in bijection, so this move and `from_sorted_rows` are
+  gathers with gather transposes, as in capacity_einsum.
+  """
+  n = x_nd.shape[0]
+  return take_rows(x_nd, rows.order_a // k, rows.in_group_a, rows.rank_a.reshape(n, k),
+                   rows.valid_a.reshape(n, k))
+
+
+def from_sorted_rows(y_ad, rows: SortedRows, k: int):
+  """[N, K, D]: each assignment's output row back in token order (padding 0)."""
+  y_nkd = take_rows(y_ad, rows.rank_a, rows.valid_a, rows.order_a[:, None],
+                    rows.in_group_a[:, None])
+  return y_nkd.reshape(-1, k, y_ad.shape[-1])
+
+
 def _ragged_dot(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd, limit,
                 fp8='off'):
   """Dropless: expert-sorted rows through lax.ragged_dot with per-expert group sizes."""
-  n, k = expert_idx_nk.shape
-  n_experts = w_gate_edf.shape[0]
-  order_a, rank_a, counts_e = _sort_by_expert(expert_idx_nk, valid_n, n_experts)
-
-  # Padding assignments sort past sum(counts_e): they are neither dispatched (their rows stay 0, and
-  # ragged_dot leaves rows past the groups at 0) nor combined. Both moves are gathers with gather
-  # transposes, as in capacity_einsum; here the sorted rows are the slots.
-  valid_a = valid_n.repeat(k)
-  in_group_a = jnp.arange(n * k) < jnp.sum(counts_e)
-  x_ad = take_rows(x_nd, order_a // k, in_group_a, rank_a.reshape(n, k), valid_a.reshape(n, k))
+  k = expert_idx_nk.shape[1]
+  rows = sort_rows(expert_idx_nk, valid_n, w_gate_edf.shape[0])
+  # Padding assignments sort past sum(counts_e): they are neither dispatched (their rows stay 0,
+  # and ragged_dot leaves rows past the groups at 0) nor combined.
+  x_ad = to_sorted_rows(x_nd, rows, k)
   dot = jax.lax.ragged_dot if fp8 == 'off' else _ragged_dot_qdq
-  h_gate_af = dot(x_ad, w_gate_edf, counts_e)
-  h_up_af = dot(x_ad, w_up_edf, counts_e)
-  out_ad = dot(clipped_swiglu(h_gate_af, h_up_af, limit), w_down_efd, counts_e)
-  y_nkd = take_rows(out_ad, rank_a, valid_a, order_a[:, None], in_group_a[:, None])
-  y_nkd = y_nkd.reshape(n, k, -1)
+  h_gate_af = dot(x_ad, w_gate_edf, rows.counts_e)
+  h_up_af = dot(x_ad, w_up_edf, rows.counts_e)
+  out_ad = dot(clipped_swiglu(h_gate_af, h_up_af, limit), w_down_efd, rows.counts_e)
+  y_nkd = from_sorted_rows(out_ad, rows, k)
 
   weight_nk = jnp.where(valid_n[:, None], weight_nk.astype(jnp.float32), 0.0)
-  return _combine(y_nkd, weight_nk, x_nd.dtype), jnp.zeros((), jnp.int32)
+  return combine(y_nkd, weight_nk, x_nd.dtype), jnp.zeros((), jnp.int32)
 
 
 # ---- grouped -----------------------------------------------------------------------------------
@@ -269,8 +297,7 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_do
   n, k = expert_idx_nk.shape
   n_experts = w_gate_edf.shape[0]
   interpret = jax.default_backend() == 'cpu'
-  if tiles is None:
-    tiles = grouped_gemm.INTERPRET_TILES if interpret else grouped_gemm.GPU_TILES
+  tiles = tiles or grouped_gemm.default_tiles()
   lay = grouped_gemm.make_layout(expert_idx_nk, valid_n, n_experts, tiles.block_m)
 
   # Used rows and valid assignments are in bijection, so dispatch and combine are gathers whose
@@ -289,7 +316,7 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_do
   y_nkd = y_nkd.reshape(n, k, -1)
 
   weight_nk = jnp.where(valid_n[:, None], weight_nk.astype(jnp.float32), 0.0)
-  return _combine(y_nkd, weight_nk, x_nd.dtype), jnp.zeros((), jnp.int32)
+  return combine(y_nkd, weight_nk, x_nd.dtype), jnp.zeros((), jnp.int32)
 
 
 # ---- public API --------------------------------------------------------------------------------

@@ -29,13 +29,13 @@ function runs on the whole input.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from deepseek41.ops import expert_gemm
-from deepseek41.ops.grouped_gemm import sort_by_expert
 from deepseek41.ops.per_device import axis_size as _size, token_split
 
 # The mesh axes of the expert layout (sharding.py builds the mesh with these names).
@@ -164,16 +164,13 @@ def _dropless_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, 
   me = jax.lax.axis_index(axis)
   rows = receive_rows(a, shards, buffer_factor)
 
-  idx_nk = expert_idx_btk.reshape(n, k).astype(jnp.int32)
   valid_n = valid_bt.reshape(n).astype(bool)
-  order_a, rank_a, counts_e = sort_by_expert(idx_nk, valid_n, n_experts)
-  valid_a = valid_n.repeat(k)
-  in_group_a = jnp.arange(a) < jnp.sum(counts_e)
+  sorted_rows = expert_gemm.sort_rows(expert_idx_btk.reshape(n, k).astype(jnp.int32), valid_n,
+                                      n_experts)
   # Rows in expert order: each destination shard's rows are one contiguous chunk.
-  x_ad = expert_gemm.take_rows(x_btd.reshape(n, d), order_a // k, in_group_a,
-                               rank_a.reshape(n, k), valid_a.reshape(n, k))
+  x_ad = expert_gemm.to_sorted_rows(x_btd.reshape(n, d), sorted_rows, k)
 
-  plan = exchange_plan(counts_e, shards, local_e, rows, axis, me)
+  plan = exchange_plan(sorted_rows.counts_e, shards, local_e, rows, axis, me)
   move = _ragged_exchange if _use_ragged(exchange) else padded_exchange
   x_rd = move(x_ad, rows, plan.send_offset_s, plan.send_s, plan.dest_offset_s, plan.recv_s, axis)
 
@@ -184,10 +181,9 @@ def _dropless_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, 
 
   # Back along the same route: each source's rows from where they sit here to where they left.
   y_ad = move(y_rd, a, plan.recv_offset_s, plan.recv_s, plan.source_offset_s, plan.send_s, axis)
-  y_nkd = expert_gemm.take_rows(y_ad, rank_a, valid_a, order_a[:, None],
-                                in_group_a[:, None]).reshape(n, k, d)
+  y_nkd = expert_gemm.from_sorted_rows(y_ad, sorted_rows, k)
   weight_nk = jnp.where(valid_n[:, None], weight_btk.reshape(n, k).astype(jnp.float32), 0.0)
-  y_nd = jnp.einsum('nk,nkd->nd', weight_nk, y_nkd.astype(jnp.float32))
+  y_nd = expert_gemm.combine(y_nkd, weight_nk, jnp.float32)
   return _sum_width(y_nd.reshape(b, t, d), width_axis, x_btd.dtype), plan.dropped
 
 
@@ -200,11 +196,17 @@ def receive_rows(assignments: int, shards: int, buffer_factor: float) -> int:
   return max(1, min(worst, math.ceil(buffer_factor * assignments)))
 
 
-class ExchangePlan:
-  """Sizes and offsets of one shard's ragged exchange (all int32; s indexes shards)."""
-
-  def __init__(self, **kw):
-    self.__dict__.update(kw)
+class ExchangePlan(NamedTuple):
+  """Sizes and offsets of one shard's ragged exchange (int32; s indexes shards, r buffer rows)."""
+  send_s: jax.Array           # rows sent to shard s (what fits in its buffer)
+  send_offset_s: jax.Array    # where they start in this shard's sorted rows
+  dest_offset_s: jax.Array    # where they land in shard s's buffer
+  recv_s: jax.Array           # rows received from shard s
+  recv_offset_s: jax.Array    # where they land here
+  source_offset_s: jax.Array  # where they started in shard s's sorted rows
+  expert_r: jax.Array         # local expert of buffer row r (0 where unused)
+  valid_r: jax.Array          # bool: buffer row r holds an assignment
+  dropped: jax.Array          # this shard's assignments that did not fit
 
 
 def exchange_plan(counts_e, shards: int, local_e: int, rows: int, axis, me):
