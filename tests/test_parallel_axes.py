@@ -63,5 +63,8 @@ def test_parallel_axes_match_one_device(mesh, kernels):
   l1, g1 = _one_device(kernels)
   l8, g8 = _grads(8, MESHES[mesh], kernels)
   np.testing.assert_allclose(l8, l1, rtol=1e-6)
+  # Measured: the Engram tables' gradients (scatter-added sums over every token hashing to a
+  # row, largely cancelling) move by up to 1.1e-6 absolute on values of ~3e-4 when the sums are
+  # split across devices; every other gradient agrees to ~3e-7.
   for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-6)
