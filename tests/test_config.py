@@ -342,3 +342,14 @@ def test_synthetic_data_cannot_feed_a_compressed_engram_vocabulary():
   c = small_config(**{'model.engram': True, 'model.engram_compressed_vocab_size': 50})
   with pytest.raises(ConfigError, match=r'model\.engram_compressed_vocab_size: synthetic data'):
     resolve(c, num_devices=1, backend='cpu')
+
+
+@pytest.mark.parametrize('key, value, message', [
+    ('model.expert_buffer_factor', -1.0, r'model\.expert_buffer_factor: must be >= 0'),
+    ('data.streams', -2, r'data\.streams: must be >= 0'),
+    ('model.expert_exchange', 'nccl', r'model\.expert_exchange'),
+    ('model.grouped_wgrad', 'cutlass', r'model\.grouped_wgrad'),
+])
+def test_scale_out_keys_are_checked(key, value, message):
+  with pytest.raises(ConfigError, match=message):
+    resolve(small_config(**{key: value}), num_devices=1, backend='cpu')
