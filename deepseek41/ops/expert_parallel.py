@@ -28,6 +28,7 @@ function runs on the whole input.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -251,12 +252,36 @@ def _ragged_exchange(x_ad, out_rows, send_offset_s, send_s, dest_offset_s, recv_
                                    axis_name=axis)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 6))
 def padded_exchange(x_ad, out_rows, send_offset_s, send_s, dest_offset_s, recv_s, axis):
-  """ragged_all_to_all's result through a dense all_to_all (the CPU's exchange).
+  """ragged_all_to_all's result through a dense all_to_all (the CPU's and GPU's exchange).
 
   Chunk s (send_s[s] rows from send_offset_s[s]) lands at dest_offset_s[s] in shard s's buffer
   of out_rows rows, zeros elsewhere. Each chunk travels padded to min(rows, out_rows) rows.
+  The map is linear and its transpose is the trip back (each chunk from where it landed to where
+  it left), so the backward is this exchange again: gathers both ways, never the scatter-add
+  that differentiating the gathers would give (slow on GPU).
   """
+  return _padded_move(x_ad, out_rows, send_offset_s, send_s, dest_offset_s, recv_s, axis)
+
+
+def _padded_exchange_fwd(x_ad, out_rows, send_offset_s, send_s, dest_offset_s, recv_s, axis):
+  y = _padded_move(x_ad, out_rows, send_offset_s, send_s, dest_offset_s, recv_s, axis)
+  return y, (x_ad.shape[0], send_offset_s, send_s, dest_offset_s, recv_s)
+
+
+def _padded_exchange_bwd(out_rows, axis, res, dy_rd):
+  rows, send_offset_s, send_s, dest_offset_s, recv_s = res
+  landed_at_s = jax.lax.all_to_all(dest_offset_s, axis, 0, 0, tiled=True)  # per source, here
+  left_from_s = jax.lax.all_to_all(send_offset_s, axis, 0, 0, tiled=True)  # in the source's rows
+  dx_ad = _padded_move(dy_rd, rows, landed_at_s, recv_s, left_from_s, send_s, axis)
+  return dx_ad, None, None, None, None
+
+
+padded_exchange.defvjp(_padded_exchange_fwd, _padded_exchange_bwd)
+
+
+def _padded_move(x_ad, out_rows, send_offset_s, send_s, dest_offset_s, recv_s, axis):
   rows, d = x_ad.shape
   shards = send_s.shape[0]
   width = min(rows, out_rows)
@@ -264,9 +289,14 @@ def padded_exchange(x_ad, out_rows, send_offset_s, send_s, dest_offset_s, recv_s
   ok_sc = c[None, :] < send_s[:, None]
   src_sc = jnp.clip(send_offset_s[:, None] + c[None, :], 0, rows - 1)
   blocks = jnp.where(ok_sc[..., None], x_ad[src_sc], 0)                  # [S (dest), W, D]
-  got = jax.lax.all_to_all(blocks, axis, 0, 0, tiled=True).reshape(shards, width, d)
+  got_cd = jax.lax.all_to_all(blocks, axis, 0, 0, tiled=True).reshape(shards * width, d)
+  # Each source's rows land contiguously, sources in order: out row r reads row r - land[s] of
+  # the last source s landing at or before r, if that source sent that many (a gather, where
+  # writing the chunks would be a scatter).
   land_s = jax.lax.all_to_all(dest_offset_s, axis, 0, 0, tiled=True)   # per source
-  ok_got = c[None, :] < recv_s[:, None]
-  at_sc = jnp.where(ok_got, land_s[:, None] + c[None, :], out_rows)    # out_rows: dropped
-  out = jnp.zeros((out_rows, d), x_ad.dtype)
-  return out.at[at_sc.reshape(-1)].set(got.reshape(-1, d), mode='drop')
+  r = jnp.arange(out_rows, dtype=jnp.int32)
+  src_r = jnp.clip(jnp.searchsorted(land_s, r, side='right') - 1, 0, shards - 1)
+  c_r = r - land_s[src_r]
+  ok_r = (c_r >= 0) & (c_r < recv_s[src_r])
+  at_r = src_r * width + jnp.clip(c_r, 0, width - 1)
+  return jnp.where(ok_r[:, None], got_cd[at_r], 0).astype(x_ad.dtype)
