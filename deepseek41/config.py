@@ -422,6 +422,37 @@ class LogConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DSparkConfig:
+  """DSpark, the drafting module (docs/architecture.md section 3.14): its shape and its stage.
+
+  `stage`: 'off' (pretraining, no DSpark), 'frozen' (the DSpark stage: the backbone restored from
+  `backbone_checkpoint` and never updated) or 'post_training' (DSpark trained beside the backbone,
+  a stop-gradient between them, so its loss never reaches the backbone).
+  """
+  stage: str = _key('off', choices=('off', 'frozen', 'post_training'))
+  # A pretraining checkpoint step directory (WORKDIR/checkpoints/<step>) whose backbone the
+  # DSpark stage starts from; read at the stage's first start only (a resume reads its own).
+  backbone_checkpoint: str = _key('')
+  num_blocks: int = _key(3)              # draft blocks, stacked (released 3)
+  block_size: int = _key(5)              # draft slots per anchor (released 5)
+  # Layers whose incoming residual feeds the drafter (released 37-39 of 40); () = the last
+  # `num_blocks` layers.
+  target_layer_ids: tuple[int, ...] = _key(())
+  markov_rank: int = _key(256)
+  n_routed_experts: int = _key(128)      # the draft blocks' own MoE (released 128, top-3)
+  num_experts_per_tok: int = _key(3)
+  noise_token_id: int = _key(-1)         # the placeholder of slots 2..K; -1 = the last vocab id [I]
+  anchors_per_sequence: int = _key(16)   # anchor positions drawn per training row [I]
+  ce_weight: float = _key(0.1)
+  l1_weight: float = _key(0.9)
+  bce_weight: float = _key(1.0)
+  slot_decay: float = _key(5.0)          # L1 weight of slot k: exp(-(k-1)/slot_decay)
+
+  def targets(self, num_layers: int) -> tuple[int, ...]:
+    return self.target_layer_ids or tuple(range(num_layers - self.num_blocks, num_layers))
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
   model: ModelConfig
   data: DataConfig
@@ -429,6 +460,7 @@ class RunConfig:
   mesh: MeshConfig
   checkpoint: CheckpointConfig
   log: LogConfig
+  dspark: DSparkConfig
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -438,7 +470,7 @@ class RunConfig:
 
 
 SECTIONS = {'model': ModelConfig, 'data': DataConfig, 'train': TrainConfig, 'mesh': MeshConfig,
-            'checkpoint': CheckpointConfig, 'log': LogConfig}
+            'checkpoint': CheckpointConfig, 'log': LogConfig, 'dspark': DSparkConfig}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -953,6 +985,32 @@ def _check_log(lg: LogConfig):
   _req(lg.profile_steps >= 1, 'log.profile_steps', 'must be >= 1')
 
 
+def _resolve_dspark(section, m: ModelConfig, mesh: MeshConfig) -> DSparkConfig:
+  values = _read_section(DSparkConfig, section, 'dspark')
+  if values['noise_token_id'] == -1:
+    values['noise_token_id'] = m.vocab_size - 1
+  ds = DSparkConfig(**values)
+  if ds.stage == 'off':
+    return ds
+  _req(ds.num_blocks >= 1, 'dspark.num_blocks', 'must be >= 1')
+  _req(ds.block_size >= 1, 'dspark.block_size', 'must be >= 1')
+  _req(ds.markov_rank >= 1, 'dspark.markov_rank', 'must be >= 1')
+  _req(ds.anchors_per_sequence >= 1, 'dspark.anchors_per_sequence', 'must be >= 1')
+  _req(ds.slot_decay > 0, 'dspark.slot_decay', 'must be > 0')
+  _req(min(ds.ce_weight, ds.l1_weight, ds.bce_weight) >= 0, 'dspark.*_weight', 'must be >= 0')
+  _req(0 <= ds.noise_token_id < m.vocab_size, 'dspark.noise_token_id',
+       f'must be a token id below model.vocab_size={m.vocab_size} (-1: the last one)')
+  targets = ds.targets(m.num_layers)
+  _req(len(set(targets)) == len(targets) and all(0 <= l < m.num_layers for l in targets),
+       'dspark.target_layer_ids', f'must be distinct layers of 0..{m.num_layers - 1}, got '
+       f'{targets}')
+  _req(1 <= ds.num_experts_per_tok <= ds.n_routed_experts, 'dspark.num_experts_per_tok',
+       f'must be in 1..dspark.n_routed_experts={ds.n_routed_experts}')
+  _req(ds.n_routed_experts % mesh.expert == 0, 'dspark.n_routed_experts',
+       f'{mesh.expert} expert shards cannot split {ds.n_routed_experts} experts evenly')
+  return ds
+
+
 # ---------------------------------------------------------------------------------------------
 # resolve()
 
@@ -988,9 +1046,11 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
   _check_checkpoint(checkpoint)
   log = LogConfig(**_read_section(LogConfig, cfg.log, 'log'))
   _check_log(log)
+  dspark = _resolve_dspark(cfg.dspark, model, mesh)
   if with_data:
     _check_against_data(model, data)
-  return RunConfig(model=model, data=data, train=train, mesh=mesh, checkpoint=checkpoint, log=log)
+  return RunConfig(model=model, data=data, train=train, mesh=mesh, checkpoint=checkpoint, log=log,
+                   dspark=dspark)
 
 
 def load_config_file(path: str,

@@ -68,10 +68,15 @@ class Attention(nnx.Module):
       q_bthd = q_bthd.reshape(*q_r_btr.shape[:2], *wq_b_rhd.shape[1:])
     if cfg.q_head_norm:
       q_bthd = rms_normalize(q_bthd, cfg.rms_norm_eps).astype(dt)
-    kv_btd = self.kv_norm(dense(x_btd, self.wkv[...], cfg.fp8))
     q_bthd = apply_rope(q_bthd, positions_bt, inv_freq)
-    kv_btd = get_fake_quant(cfg.swa_quant)(apply_rope(kv_btd, positions_bt, inv_freq))
-    return q_r_btr, q_bthd, kv_btd
+    return q_r_btr, q_bthd, self.latent(x_btd, positions_bt)
+
+  def latent(self, x_btd, positions_bt):
+    """The shared K=V latent [B, T, d]: normed, RoPE'd at the positions, in its cache format."""
+    cfg = self.cfg
+    kv_btd = self.kv_norm(dense(x_btd, self.wkv[...], cfg.fp8))
+    inv_freq = rope_for_role(cfg, self.role.rope)
+    return get_fake_quant(cfg.swa_quant)(apply_rope(kv_btd, positions_bt, inv_freq))
 
   def attend(self, x_btd, q_r_btr, q_bthd, kv_btd, batch, shared: dict):
     """The attention core: window (+ compressed) partials, sink, inverse RoPE -> (o_bthd, shared).

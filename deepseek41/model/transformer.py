@@ -33,14 +33,17 @@ from deepseek41.ops.per_device import constrain_tokens
 
 
 class Block(nnx.Module):
+  """One layer: attention and MoE sublayers on the residual (`attention` picks the attention
+  module: DSpark's draft blocks pass their own)."""
 
-  def __init__(self, cfg: ModelConfig, role: LayerRole, rngs: nnx.Rngs, engram_rows: int = 0):
+  def __init__(self, cfg: ModelConfig, role: LayerRole, rngs: nnx.Rngs, engram_rows: int = 0,
+               attention: type[Attention] = Attention):
     self.residual = cfg.residual
     self.mhc_impl = cfg.mhc_impl
     self.layer = role.layer
     self.engram = Engram(cfg, engram_rows, rngs) if engram_rows else None
     self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
-    self.attn = Attention(cfg, role, rngs)
+    self.attn = attention(cfg, role, rngs)
     self.ffn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
     self.moe = MoE(cfg, rngs)
     if cfg.residual != 'plain':
@@ -178,13 +181,22 @@ class Transformer(nnx.Module):
     return x, pre
 
   def __call__(self, batch):
+    logits_btv, aux, _ = self.forward(batch)
+    return logits_btv, aux
+
+  def forward(self, batch, capture_layers: tuple[int, ...] = ()):
+    """(logits [B,T,V] fp32, aux, captured): captured[l] is the residual entering layer l, the
+    mean over the mHC streams ([B, T, D]; DSpark's context features)."""
     with jax.named_scope('embed'):  # top-level scopes too, so no kernel of the step is unnamed
       x, pre = self.residual_input(batch)
       x = constrain_tokens(x)  # context parallelism: each shard holds its stretch of tokens
       batch = self.with_engram_rows(batch)
     auxes = []
+    captured = {}
     shared = {}  # compressed KV and selections published by source layers (CSA2)
     for block in self.blocks:
+      if block.layer in capture_layers:
+        captured[block.layer] = x if x.ndim == 3 else jnp.mean(x.astype(jnp.float32), axis=2)
       with jax.named_scope(f'layer{block.layer}'):
         if self.remat == 'block':
           x, pre, aux, shared = _rematerialized(block, x, pre, batch, shared)
@@ -202,4 +214,4 @@ class Transformer(nnx.Module):
         'balance': sum(a['balance'] for a in auxes),  # one V3 term per MoE layer
         'dropped': sum(a['dropped'] for a in auxes),
     }
-    return logits_btv, aux
+    return logits_btv, aux, captured
