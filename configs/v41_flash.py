@@ -6,7 +6,8 @@ The text backbone as released: 551,880,835,184 parameters plus 196,613,849,600 E
 parameters (tests/test_info.py pins both), single-pass mHC, CSA2 with the released cache
 formats, Engram before layers 1 and 14. Training it needs a multi-host slice (fsdp and expert
 sharding below). DeepSeek-ViT + aligner (485,273,600 parameters) is built with the released
-dims; the DSpark drafter (14.2B) is a later issue and its sizes are recorded for reference only.
+dims; so is the DSpark drafter (14,225,362,530 parameters, trained after pretraining: stage 'off'
+here), counted apart from the backbone by tools.info.
 """
 
 from deepseek41.config import base_config
@@ -78,8 +79,15 @@ def get_config():
   m.vision_min_pixels = 295936
   m.image_token_id = 129264
 
-  # Recorded, not built yet: DSpark (num_nextn_predict_layers 3, dspark_block_size 5, target
-  # layers (37, 38, 39), markov rank 256, 128 routed experts top-3).
+  # The DSpark drafter as released (docs/architecture.md section 3.14); stage 'off' in pretraining.
+  ds = c.dspark
+  ds.num_blocks = 3                       # num_nextn_predict_layers
+  ds.block_size = 5                       # dspark_block_size
+  ds.target_layer_ids = (37, 38, 39)
+  ds.markov_rank = 256
+  ds.n_routed_experts = 128
+  ds.num_experts_per_tok = 3
+  ds.noise_token_id = 128799
 
   c.data.seq_len = 65536
   c.data.default_corpus_vocab_size = 16384

@@ -38,6 +38,39 @@ def test_released_numbers():
   assert per_device['router_bias'] == 40 * 2 * 384 * 4
 
 
+def test_released_dspark_numbers():
+  """The DSpark drafter (docs/architecture.md section 3.14), counted apart from the backbone."""
+  info = describe(load_config_file(os.path.join(ROOT, 'configs', 'v41_flash.py')))
+  d = info['params']['dspark']
+  assert d['main_proj'] == 3 * 5120 * 5120 == 78_643_200
+  assert d['markov'] == 2 * 129280 * 256 == 66_191_360
+  assert d['confidence'] == 5120 + 256 and d['main_norm'] == d['final_norm'] == 5120
+  assert d['router_bias'] == 3 * 2 * 128
+  assert 4.6e9 <= d['per_block'] <= 4.75e9 and d['per_block'] == 4_693_503_862
+  assert d['blocks'] == 3 * d['per_block'] == 14_080_511_586
+  assert d['total'] == d['blocks'] + 78_643_200 + 66_191_360 + 5376 + 2 * 5120 + 768
+  assert 14.2e9 <= d['total'] <= 14.3e9 and d['total'] == 14_225_362_530  # released: 14.23B
+  by = d['blocks_by_component']
+  assert by['experts.routed'] == 3 * 128 * 3 * 5120 * 2304
+  assert by['experts.shared'] == 3 * 3 * 5120 * 2304
+  assert by['router'] == 3 * 128 * 5120
+  assert sum(by.values()) == d['blocks']
+  # Per drafted row: routed experts at 3/128, Markov output table, confidence, final norm.
+  assert d['active_per_draft_token'] == 842_578_530
+  assert d['per_context_token'] == 78_643_200 + 5120
+  # Not in the backbone total (pinned in test_released_numbers).
+  assert info['params']['total'] == 551_880_835_184 + 196_613_849_600 + 485_273_600
+
+
+def test_report_prints_dspark_line():
+  out = subprocess.run([sys.executable, '-m', 'deepseek41.tools.info',
+                        f'--config={ROOT}/configs/v41_flash.py'], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert 'DSpark drafter (trained after pretraining): 14,225,362,530 = 3 x 4,693,503,862 ' \
+      '(blocks) + main_proj 78,643,200 + Markov 66,191,360' in out.stdout
+
+
 # What tools.info prints for each shipped config (tests/test_flops.py derives tiny's matmul
 # weights by hand; the released config's numbers are test_released_numbers').
 EXPECTED = {
