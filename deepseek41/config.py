@@ -1047,6 +1047,8 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
   log = LogConfig(**_read_section(LogConfig, cfg.log, 'log'))
   _check_log(log)
   dspark = _resolve_dspark(cfg.dspark, model, mesh)
+  _req(dspark.stage == 'off' or train.grad_accum_steps == 1, 'train.grad_accum_steps',
+       f'the DSpark stage ({dspark.stage}) takes whole batches: set it to 1')
   if with_data:
     _check_against_data(model, data)
   return RunConfig(model=model, data=data, train=train, mesh=mesh, checkpoint=checkpoint, log=log,

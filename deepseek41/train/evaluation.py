@@ -30,13 +30,18 @@ class Evaluator:
     self.sharding = sharding
     self.engram_map = engram_map
     self.local_batch = local_batch
+    self.drafts: list[dict] = []
 
   def __call__(self, state) -> dict[str, float]:
     """`eval_loss` over the whole mixture; with image sources also the caption loss (the text
     of the image samples) with the real images and with blank ones. {} on synthetic data."""
     if self.cfg.data.synthetic:
       return {}
+    self.drafts = []  # the DSpark stage's per-anchor outputs, for acceptance and calibration
     out = {'eval_loss': self.held_out_losses(state)[0]}
+    if self.drafts:
+      from deepseek41.train.dspark_stage import held_out_metrics
+      out.update(held_out_metrics(self.drafts))
     if self.cfg.data.image_sources:
       out['eval_caption_loss_image'], out['eval_caption_loss_blank'] = self.held_out_losses(
           state, ('image',), blanks=(False, True))
@@ -64,6 +69,8 @@ class Evaluator:
           with jax.set_mesh(self.mesh):
             out = jax.device_get(self.eval_step(state, batch))
           sums_v2[i] += (float(out['ce_sum']), float(out['tokens']))
+          if 'alpha_nk' in out and not blank:
+            self.drafts.append(out)
     finally:
       if hasattr(it, 'close'):
         it.close()

@@ -2,6 +2,7 @@
 
     state = {'params': nnx.State[Param], 'router_bias': nnx.State[RouterBias],
              'opt': optax state, 'step': int32[], 'rng': uint32[2]}
+    (+ 'frozen': the backbone's nnx.State[Param] in the frozen DSpark stage)
 
 Parameters are stored in `model.param_dtype` (fp32 master weights by default; the optimizer's
 moments follow it); modules cast them to the compute dtype at use. The router biases sit beside
@@ -35,7 +36,11 @@ class ModelDef:
 def build_model(cfg: RunConfig, seed: int | None = None) -> Transformer:
   """The model with every parameter stored in `model.param_dtype` (the one place it applies)."""
   seed = cfg.train.seed if seed is None else seed
-  model = Transformer(cfg.model, nnx.Rngs(params=seed), remat=cfg.train.remat)
+  if cfg.dspark.stage != 'off':  # the backbone and its drafter (train/dspark_stage.py)
+    from deepseek41.train.dspark_stage import DraftingModel
+    model = DraftingModel(cfg, nnx.Rngs(params=seed), remat=cfg.train.remat)
+  else:
+    model = Transformer(cfg.model, nnx.Rngs(params=seed), remat=cfg.train.remat)
   return cast_params(model, dtype_of(cfg.model.param_dtype))
 
 
@@ -50,14 +55,22 @@ def merge_model(graphdef, params, biases) -> Transformer:
 
 def _init_fn(cfg: RunConfig, tx):
   def init():
-    _, params, biases = split_model(build_model(cfg))
-    return {
+    fixed = None
+    if cfg.dspark.stage != 'off':
+      from deepseek41.train.dspark_stage import split
+      _, params, fixed, biases = split(build_model(cfg), cfg)
+    else:
+      _, params, biases = split_model(build_model(cfg))
+    state = {
         'params': params,
         'router_bias': biases,
         'opt': tx.init(params),
         'step': jnp.zeros((), jnp.int32),
         'rng': jax.random.key_data(jax.random.key(cfg.train.seed + 1)),
     }
+    if fixed is not None:  # the DSpark stage's frozen backbone: no optimizer state
+      state['frozen'] = fixed
+    return state
   return init
 
 

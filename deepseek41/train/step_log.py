@@ -98,6 +98,7 @@ class StepLog:
       scalars['indexer_loss'] = float(host['indexer_loss'])
       scalars['indexer_recall'] = float(host['indexer_recall'])
     scalars.update({k: timing[k] for k in ('mfu', 'images_per_s') if k in timing})
+    scalars.update({k: float(v) for k, v in host.get('extra', {}).items()})  # a stage's own
     peak_gb = peak_device_memory_gb()
     if peak_gb is not None:
       scalars['peak_memory_gb'] = peak_gb

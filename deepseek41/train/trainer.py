@@ -31,6 +31,7 @@ from deepseek41.train.feed import global_batch
 from deepseek41.train.flops import device_peak_tflops, flops_per_token
 from deepseek41.train.metrics import MetricsWriter
 from deepseek41.train.optimizer import make_optimizer
+from deepseek41.train import dspark_stage
 from deepseek41.train.step import make_eval_step, make_train_step
 from deepseek41.train.step_log import StepLog, TrainingDiverged
 from deepseek41.train.throughput import Throughput
@@ -270,14 +271,20 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     # ---- update step -----------------------------------------------------------------------
     replicated = NamedSharding(mesh, P())
     with jax.set_mesh(mesh):
-      train_step = jax.jit(make_train_step(cfg, md), in_shardings=(shardings, bsharding),
+      if cfg.dspark.stage != 'off':
+        step_fn = dspark_stage.make_train_step(cfg, md.graphdef, tx)
+      else:
+        step_fn = make_train_step(cfg, md)
+      train_step = jax.jit(step_fn, in_shardings=(shardings, bsharding),
                            out_shardings=(shardings, replicated), donate_argnums=(0,))
       # Evaluation never drops expert assignments, whatever the training backend.
       eval_md = state_lib.model_def(eval_config(cfg), tx)
       if cfg.model.eval_moe_backend != cfg.model.moe_backend:
         log.info('routed experts: %s in training, %s (dropless) in evaluation',
                  cfg.model.moe_backend, cfg.model.eval_moe_backend)
-      eval_step = jax.jit(make_eval_step(eval_md), in_shardings=(shardings, bsharding),
+      eval_fn = dspark_stage.make_eval_step(eval_config(cfg), eval_md.graphdef) \
+          if cfg.dspark.stage != 'off' else make_eval_step(eval_md)
+      eval_step = jax.jit(eval_fn, in_shardings=(shardings, bsharding),
                           out_shardings=replicated)
     if n_proc > 1:
       train_step = _CompiledTogether(train_step, 'train_step')
@@ -454,6 +461,8 @@ def _initial_state(cfg, ckpt: Checkpointer, tx, mesh, abstract, shardings, layou
     # persistent compilation cache keeps it for the next fresh start.
     log.info('initialised the parameters and optimizer state in %.1f s (compilation included)',
              time.perf_counter() - t0)
+    if cfg.dspark.stage != 'off':  # the DSpark stage starts from a pretrained backbone
+      state = dspark_stage.load_backbone(cfg, state, mesh, tx)
     return state, 0
   if not ckpt.verify(start):
     log.warning('checkpoint %s has no checksums (written before they were recorded, or the run '
