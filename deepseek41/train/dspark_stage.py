@@ -242,8 +242,16 @@ def load_backbone(cfg: RunConfig, state, mesh, tx):
     if benign:
       log.info('the backbone checkpoint was written with other run settings (not the model): '
                '%s', '; '.join(benign))
-  except CheckpointError as e:
-    raise CheckpointError(f'dspark.backbone_checkpoint: {e}') from None
+  except CheckpointError as e:  # the model keys that differ first, then how many tensors
+    lines = [l.strip() for l in str(e).splitlines()[1:-1]]
+    model_keys = [l for l in lines if l.startswith('model.')]
+    tensors = [l for l in lines if l.startswith('state')]
+    raise CheckpointError(
+        f'dspark.backbone_checkpoint: {path} is not a checkpoint of this backbone: '
+        + '; '.join(model_keys or tensors[:3] or lines)
+        + (f' ({len(tensors)} state tensors differ in shape or presence)' if tensors else '')
+        + '. Give a pretraining checkpoint of this model, or set the model section to the one '
+        'the backbone was trained with.') from None
   restored = ckpt.restore(step, state_lib.with_shardings(abstract, shardings), None)
   ckpt.close()
 
