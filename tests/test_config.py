@@ -20,8 +20,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py')))
 # Exact parameter counts of the shipped configs: a change to one is a change to that model
 # (v41_flash: the released backbone + padded Engram tables + the ViT, itemised below).
+# The DSpark stages' trainable parameters are the drafter's (the backbone is `frozen`).
 CONFIG_PARAMS = {'ablation_1b.py': 1_261_912_776, 'tiny.py': 4_673_136,
-                 'tiny_multimodal.py': 5_243_120, 'v41_flash.py': 748_981_418_096}
+                 'tiny_multimodal.py': 5_243_120, 'v41_flash.py': 748_981_418_096,
+                 'ablation_1b_dspark.py': 157_331_730, 'tiny_dspark.py': 1_150_228}
+FROZEN_BACKBONE = {'ablation_1b_dspark.py': 'ablation_1b.py', 'tiny_dspark.py': 'tiny.py'}
 
 
 @pytest.mark.parametrize('path', CONFIGS, ids=os.path.basename)
@@ -31,6 +34,9 @@ def test_every_config_builds(path):
   cfg = resolve(config, num_devices=8 if sharded else 1, backend='cpu')
   abstract = abstract_state(cfg, make_optimizer(cfg.train))  # jax.eval_shape: no arrays
   assert count_params(abstract['params']) == CONFIG_PARAMS[os.path.basename(path)]
+  if os.path.basename(path) in FROZEN_BACKBONE:
+    assert count_params(abstract['frozen']) == \
+        CONFIG_PARAMS[FROZEN_BACKBONE[os.path.basename(path)]]
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
 
 
@@ -67,6 +73,18 @@ def test_tiny_roles_match_the_reference_toy():
 def test_inconsistent_values_name_the_key(key, value, culprit):
   with pytest.raises(ConfigError, match=culprit.replace('.', r'\.')):
     resolve(small_config(**{key: value}), num_devices=8, backend='cpu')
+
+
+@pytest.mark.parametrize('key, value', [
+    ('dspark.target_layer_ids', (1, 9)), ('dspark.num_experts_per_tok', 5),
+    ('dspark.noise_token_id', 10_000), ('dspark.n_routed_experts', 6),
+    ('dspark.slot_decay', 0.0), ('train.grad_accum_steps', 2)])
+def test_dspark_values_name_the_key(key, value):
+  overrides = {'dspark.stage': 'frozen', 'dspark.n_routed_experts': 4, 'mesh.data': -1,
+               'mesh.expert': 8 if key == 'dspark.n_routed_experts' else 1,
+               'train.batch_size': 16, key: value}
+  with pytest.raises(ConfigError, match=key.replace('.', r'\.')):
+    resolve(small_config(**overrides), num_devices=8, backend='cpu')
 
 
 def test_unknown_keys_are_rejected_with_their_name():

@@ -115,11 +115,14 @@ def test_frozen_stage_keeps_the_backbone_bit_identical(pretrained):
   overrides = {**DRAFTER, **data, 'dspark.backbone_checkpoint': str(root / 'pre/checkpoints/2'),
                'train.steps': 3, 'train.eval_every_steps': 3, 'train.eval_batches': 1}
   workdir = str(root / 'draft')
-  train(small_config(**overrides), workdir)
+  train(small_config(**overrides), workdir, stop_at_step=2)
+  # The resume reads the stage's own checkpoint (its frozen backbone included), not the backbone's.
+  overrides_resume = {**overrides, 'dspark.backbone_checkpoint': str(root / 'nowhere')}
+  assert train(small_config(**overrides_resume), workdir).step == 3
 
   pre_cfg = resolve(small_config(**data))
   before, _ = _params_of(str(root / 'pre'), pre_cfg, 2, 'params')
-  cfg = resolve(small_config(**overrides))
+  cfg = resolve(small_config(**overrides_resume))
   after, state = _params_of(workdir, cfg, 3, 'frozen')
   for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after['backbone']), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -422,8 +422,9 @@ class Checkpointer:
           '\n  '.join(problems) +
           '\nUse the config the checkpoint was written with, or a fresh --workdir.')
     warnings = []
-    for section in ('data', 'train', 'mesh', 'checkpoint', 'log'):
-      warnings += _diff(saved_cfg.get(section, {}), now_cfg[section], section)
+    for section in ('data', 'train', 'mesh', 'checkpoint', 'log', 'dspark'):
+      if section in saved_cfg:  # checkpoints from before a section existed: nothing to compare
+        warnings += _diff(saved_cfg[section], now_cfg[section], section)
     warnings += [d for d in _diff(saved_cfg.get('model', {}), now_cfg['model'], 'model')
                  if d not in model_diffs]
     return warnings

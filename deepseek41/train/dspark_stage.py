@@ -210,6 +210,24 @@ def held_out_metrics(outputs: list[dict]) -> dict[str, float]:
   return out
 
 
+def stage_flops_per_token(cfg: RunConfig, fpt):
+  """Model FLOPs per batch token of the stage: the backbone's forward only when frozen (its
+  whole training step otherwise), plus the drafter's training on its anchor rows (6 x the
+  weights a draft row multiplies, the backbone's head included) and its main projection."""
+  from deepseek41.tools.info import dspark_parameters  # the parameter inventory of the drafter
+  ds, m = cfg.dspark, cfg.model
+  drafter = dspark_parameters(cfg)
+  rows_per_token = ds.anchors_per_sequence * ds.block_size / cfg.data.seq_len
+  backbone = fpt.total / 3 if frozen(cfg) else fpt.total
+  total = backbone + 6 * (drafter['active_per_draft_token'] + m.d_model * m.vocab_size) \
+      * rows_per_token + 6 * drafter['per_context_token']
+  return dataclasses.replace(fpt, total=total, formula=(
+      f'DSpark stage FLOPs/token = {"backbone forward" if frozen(cfg) else "backbone step"} '
+      f'{backbone:.4g} + drafter 6 x ({drafter["active_per_draft_token"]:,.0f} + head '
+      f'{m.d_model * m.vocab_size:,}) x {rows_per_token:.4g} rows/token + main projection '
+      f'6 x {drafter["per_context_token"]:,} = {total:.4g}'))
+
+
 # ---- the backbone, from a pretraining checkpoint ------------------------------------------------
 
 

@@ -241,6 +241,8 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
   shardings = state_lib.state_shardings(abstract, mesh, rules)
   layout = state_lib.state_layout(abstract)
   fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+  if cfg.dspark.stage != 'off':
+    fpt = dspark_stage.stage_flops_per_token(cfg, fpt)
   peak = device_peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
   log.info('parameters: %s total, %s active matmul per token',
            f'{state_lib.count_params(abstract["params"]):,}', f'{fpt.matmul_params:,}')
