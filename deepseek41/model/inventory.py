@@ -11,6 +11,7 @@ params.py); the finer component names of the report come from the module tree.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ import jax
 from flax import nnx
 
 from deepseek41.config import ModelConfig, layer_roles
+from deepseek41.model.dspark import DSpark
 from deepseek41.model.params import EngramTable, RouterBias, VisionParam, is_elementwise
 from deepseek41.model.transformer import Transformer
 
@@ -123,3 +125,48 @@ def vision_matmul_params(leaves: Sequence[Leaf]) -> tuple[int, int]:
   encoder = sum(l.size for l in leaves if l.matmul and l.component == 'vision.encoder')
   aligner = sum(l.size for l in leaves if l.matmul and l.component == 'vision.aligner')
   return encoder, aligner
+
+
+# ---- DSpark (model/dspark.py): counted apart from the backbone ----------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _dspark_abstract(m, ds):
+  """(leaves, router-bias count) of the DSpark module the config builds, as shapes only."""
+  module = nnx.eval_shape(lambda: DSpark(m, ds, nnx.Rngs(params=0)))
+  _, params, biases = nnx.split(module, nnx.Param, RouterBias)
+  return tuple(param_leaves(params)), sum(x.size for x in jax.tree.leaves(biases))
+
+
+def dspark_parameters(cfg) -> dict:
+  """The drafter's parameters by part (total = every part + the blocks' router biases).
+
+  `active_per_draft_token`: the DSpark weights one draft row multiplies (the blocks with routed
+  experts at K/E of their size, the final norm, the Markov output table, the confidence head,
+  the router biases); the Markov input table is a lookup, and the main projection + its norm run
+  once per backbone token (`per_context_token`), not per drafted token. The backbone's LM head,
+  which every draft row also multiplies, is the backbone's and is not counted here.
+  """
+  ds = cfg.dspark
+  leaves, router_bias = _dspark_abstract(cfg.model, ds)
+  parts: dict[str, int] = collections.Counter()
+  block_parts: dict[str, int] = collections.Counter()
+  active = float(router_bias)
+  frac = ds.num_experts_per_tok / ds.n_routed_experts
+  for leaf in leaves:
+    if leaf.keys[0] == 'blocks':
+      parts['blocks'] += leaf.size
+      block_parts[leaf.component] += leaf.size
+      active += leaf.size * (frac if leaf.component == 'experts.routed' else 1.0)
+    else:
+      name = {'markov_in': 'markov', 'markov_out': 'markov'}.get(leaf.keys[0], leaf.keys[0])
+      parts[name] += leaf.size
+      if leaf.keys[0] in ('markov_out', 'confidence', 'final_norm'):
+        active += leaf.size
+  out = {'total': sum(parts.values()) + router_bias, **dict(sorted(parts.items())),
+         'router_bias': router_bias, 'num_blocks': ds.num_blocks,
+         'per_block': parts['blocks'] // max(ds.num_blocks, 1),
+         'blocks_by_component': dict(sorted(block_parts.items())),
+         'active_per_draft_token': active,
+         'per_context_token': parts['main_proj'] + parts['main_norm']}
+  return out

@@ -23,18 +23,14 @@ import json
 import math
 from collections.abc import Sequence
 
-import functools
 
 import jax
 from absl import app, flags
-from flax import nnx
 from ml_collections import config_flags
 
 from deepseek41.config import MeshConfig, format_role_table, layer_roles, resolve
 from deepseek41.model import inventory
-from deepseek41.model.dspark import DSpark
 from deepseek41.model.engram import layer_addresses
-from deepseek41.model.params import RouterBias
 from deepseek41.sharding import fitted_spec
 from deepseek41.train.flops import attention_flops_per_layer, flops_per_token
 from deepseek41.train.optimizer import make_optimizer
@@ -88,48 +84,6 @@ def active_parameters(cfg, leaves: Sequence[inventory.Leaf], biases) -> dict[str
   if first_decoder is None:
     prefill = decode - m.d_model * m.vocab_size  # no CED split: every layer, no head
   return {'decode': decode, 'prefill': prefill}
-
-
-@functools.lru_cache(maxsize=8)
-def _dspark_abstract(m, ds):
-  """(leaves, router-bias count) of the DSpark module the config builds, as shapes only."""
-  module = nnx.eval_shape(lambda: DSpark(m, ds, nnx.Rngs(params=0)))
-  _, params, biases = nnx.split(module, nnx.Param, RouterBias)
-  return tuple(inventory.param_leaves(params)), count_params(biases)
-
-
-def dspark_parameters(cfg) -> dict:
-  """The drafter's parameters by part (total = every part + the blocks' router biases).
-
-  `active_per_draft_token`: the DSpark weights one draft row multiplies (the blocks with routed
-  experts at K/E of their size, the final norm, the Markov output table, the confidence head,
-  the router biases); the Markov input table is a lookup, and the main projection + its norm run
-  once per backbone token (`per_context_token`), not per drafted token. The backbone's LM head,
-  which every draft row also multiplies, is the backbone's and is not counted here.
-  """
-  ds = cfg.dspark
-  leaves, router_bias = _dspark_abstract(cfg.model, ds)
-  parts: dict[str, int] = collections.Counter()
-  block_parts: dict[str, int] = collections.Counter()
-  active = float(router_bias)
-  frac = ds.num_experts_per_tok / ds.n_routed_experts
-  for leaf in leaves:
-    if leaf.keys[0] == 'blocks':
-      parts['blocks'] += leaf.size
-      block_parts[leaf.component] += leaf.size
-      active += leaf.size * (frac if leaf.component == 'experts.routed' else 1.0)
-    else:
-      name = {'markov_in': 'markov', 'markov_out': 'markov'}.get(leaf.keys[0], leaf.keys[0])
-      parts[name] += leaf.size
-      if leaf.keys[0] in ('markov_out', 'confidence', 'final_norm'):
-        active += leaf.size
-  out = {'total': sum(parts.values()) + router_bias, **dict(sorted(parts.items())),
-         'router_bias': router_bias, 'num_blocks': ds.num_blocks,
-         'per_block': parts['blocks'] // max(ds.num_blocks, 1),
-         'blocks_by_component': dict(sorted(block_parts.items())),
-         'active_per_draft_token': active,
-         'per_context_token': parts['main_proj'] + parts['main_norm']}
-  return out
 
 
 def prefill_flops(cfg, active) -> dict[str, float]:
@@ -222,7 +176,7 @@ def describe(config, mesh_sizes: dict[str, int] | None = None) -> dict:
       'params': {'backbone': total - tables - padding - vision, 'engram_tables': tables,
                  'engram_table_padding': padding, 'vision': vision, 'total': total - padding,
                  'by_component': dict(sorted(groups.items())),
-                 'dspark': dspark_parameters(cfg)},  # apart: not in 'total'
+                 'dspark': inventory.dspark_parameters(cfg)},  # apart: not in 'total'
       'active_params': active_parameters(cfg, leaves, biases),
       'kv_cache': kv_cache_bytes(cfg),
       'train_flops_per_token': flops.total,

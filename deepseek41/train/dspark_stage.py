@@ -214,7 +214,7 @@ def stage_flops_per_token(cfg: RunConfig, fpt):
   """Model FLOPs per batch token of the stage: the backbone's forward only when frozen (its
   whole training step otherwise), plus the drafter's training on its anchor rows (6 x the
   weights a draft row multiplies, the backbone's head included) and its main projection."""
-  from deepseek41.tools.info import dspark_parameters  # the parameter inventory of the drafter
+  from deepseek41.model.inventory import dspark_parameters
   ds, m = cfg.dspark, cfg.model
   drafter = dspark_parameters(cfg)
   rows_per_token = ds.anchors_per_sequence * ds.block_size / cfg.data.seq_len
