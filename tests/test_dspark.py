@@ -170,3 +170,22 @@ def test_a_backbone_checkpoint_of_another_model_says_what_differs(pretrained, tm
   with pytest.raises(CheckpointError, match=r'not a checkpoint step directory'):
     train(small_config(**{**overrides, 'dspark.backbone_checkpoint': str(root / 'pre')}),
           str(tmp_path / 'bad2'))
+
+
+def test_cli_stage_without_a_backbone_says_so(tmp_path):
+  """The trainer's CLI runs the stage's set-up (FLOPs, state, backbone restore) and names the
+  missing backbone."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS='cpu')
+  out = subprocess.run(
+      [sys.executable, '-m', 'deepseek41.train', '--config=configs/tiny_dspark.py',
+       f'--workdir={tmp_path}/run', f'--config.dspark.backbone_checkpoint={tmp_path}/none/1',
+       f'--config.data.cache_dir={tmp_path}/cache', '--config.data.synthetic=True',
+       '--config.log.progress_bar=False'],
+      cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0
+  assert 'dspark.backbone_checkpoint' in out.stderr and 'not a checkpoint step directory' in \
+      out.stderr, out.stderr[-3000:]
+  assert 'DSpark stage FLOPs/token' in out.stderr
