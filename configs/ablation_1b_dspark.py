@@ -10,21 +10,13 @@ layers, a third of the backbone's experts (64 -> 32, top-3), Markov rank 64, 5 s
 per 65,536-token row.
 """
 
-import importlib.util
 import os
 
-
-def _ablation_1b():
-  spec = importlib.util.spec_from_file_location(
-      '_ds41_ablation_1b',
-      os.path.join(os.path.dirname(os.path.abspath(__file__)), 'ablation_1b.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+from deepseek41.config import load_config_file
 
 
 def get_config():
-  c = _ablation_1b()
+  c = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'ablation_1b.py'))
   d = c.dspark
   d.stage = 'frozen'
   d.num_blocks = 3

@@ -9,20 +9,13 @@ The backbone's model section is tiny.py's (the checkpoint's is checked against i
 is shrunk to the toy's scale: 2 draft blocks of 8 experts top-2, Markov rank 32, 5 slots.
 """
 
-import importlib.util
 import os
 
-
-def _tiny():
-  spec = importlib.util.spec_from_file_location(
-      '_ds41_tiny', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tiny.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+from deepseek41.config import load_config_file
 
 
 def get_config():
-  c = _tiny()
+  c = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tiny.py'))
   d = c.dspark
   d.stage = 'frozen'
   d.num_blocks = 2

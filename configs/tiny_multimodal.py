@@ -11,21 +11,13 @@ captions with every image replaced by a black one) to metrics.jsonl.
 Numbers: docs/performance.md section 7.
 """
 
-import importlib.util
 import os
 
-
-def _tiny_config():
-  # Config files are loaded by path, not as a package: load the sibling the same way.
-  spec = importlib.util.spec_from_file_location(
-      'deepseek41_configs_tiny', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tiny.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+from deepseek41.config import load_config_file
 
 
 def get_config():
-  c = _tiny_config()
+  c = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tiny.py'))
   m = c.model
   # A 2048-token BPE spells the captions in whole words: with tiny.py's 512 tokens they came out
   # letter by letter, the few tokens that depend on the image were drowned by the template, and
