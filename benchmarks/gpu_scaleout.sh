@@ -98,6 +98,6 @@ case "$mode" in
       > "$OUT/p_expert2_trace.txt" 2>&1; head -60 "$OUT/p_expert2_trace.txt" ;;
   *) echo "unknown mode $mode (window | full)" >&2; exit 2 ;;
 esac
-python3 benchmarks/summarize_scaleout.py "$OUT" | tee "$OUT/table.md"
+python3 benchmarks/summarize_scaleout.py "$OUT" | tee "$OUT/table.txt"
 # The device tool returns few files: the logs travel as one archive.
 tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm "$OUT"/*.log
