@@ -189,3 +189,20 @@ def test_cli_stage_without_a_backbone_says_so(tmp_path):
   assert 'dspark.backbone_checkpoint' in out.stderr and 'not a checkpoint step directory' in \
       out.stderr, out.stderr[-3000:]
   assert 'DSpark stage FLOPs/token' in out.stderr
+
+
+def test_stage_on_an_fsdp_expert_tensor_mesh_matches_data_parallel(pretrained, tmp_path):
+  """The drafter's blocks, MoE exchange and heads sharded over fsdp x expert x tensor train
+  exactly as on a data-parallel mesh (same anchors, same losses)."""
+  root, data = pretrained
+  losses = {}
+  for name, mesh in [('data8', {'mesh.data': -1}),
+                     ('split', {'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.expert': 2,
+                                'mesh.tensor': 2})]:
+    overrides = {**DRAFTER, **data, **mesh, 'train.steps': 2,
+                 'dspark.backbone_checkpoint': str(root / 'pre/checkpoints/2')}
+    train(small_config(**overrides), str(tmp_path / name))
+    rows = [json.loads(line) for line in open(tmp_path / name / 'metrics.jsonl')]
+    losses[name] = [r['loss'] for r in rows if r.get('loss') is not None]
+  assert len(losses['data8']) == 2
+  np.testing.assert_allclose(losses['split'], losses['data8'], rtol=1e-5)
