@@ -2,8 +2,9 @@
 section 3.14 trained on a frozen configs/ablation_1b.py checkpoint.
 
     python -m deepseek41.train --config=configs/ablation_1b.py --workdir=runs/1b
-    python -m deepseek41.train --config=configs/ablation_1b_dspark.py --workdir=runs/1b-dspark \
-        --config.dspark.backbone_checkpoint=runs/1b/checkpoints/2000
+    python -m deepseek41.train --config=configs/ablation_1b_dspark.py --workdir=runs/1b-dspark
+
+(the backbone: runs/1b/checkpoints/2000; another with --config.dspark.backbone_checkpoint=DIR).
 
 The released drafter's proportions at the 1B scale [I]: 3 draft blocks fed by the last three
 layers, a third of the backbone's experts (64 -> 32, top-3), Markov rank 64, 5 slots; 256 anchors
@@ -19,6 +20,7 @@ def get_config():
   c = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'ablation_1b.py'))
   d = c.dspark
   d.stage = 'frozen'
+  d.backbone_checkpoint = 'runs/1b/checkpoints/2000'  # the command above (relative to cwd)
   d.num_blocks = 3
   d.block_size = 5
   d.target_layer_ids = (9, 10, 11)

@@ -2,8 +2,9 @@
 section 3.14 trained on a frozen, pretrained configs/tiny.py model.
 
     python -m deepseek41.train --config=configs/tiny.py --workdir=runs/tiny
-    python -m deepseek41.train --config=configs/tiny_dspark.py --workdir=runs/tiny-dspark \
-        --config.dspark.backbone_checkpoint=runs/tiny/checkpoints/300
+    python -m deepseek41.train --config=configs/tiny_dspark.py --workdir=runs/tiny-dspark
+
+(the backbone: runs/tiny/checkpoints/300; another with --config.dspark.backbone_checkpoint=DIR).
 
 The backbone's model section is tiny.py's (the checkpoint's is checked against it); the drafter
 is shrunk to the toy's scale: 2 draft blocks of 8 experts top-2, Markov rank 32, 5 slots.
@@ -18,6 +19,7 @@ def get_config():
   c = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tiny.py'))
   d = c.dspark
   d.stage = 'frozen'
+  d.backbone_checkpoint = 'runs/tiny/checkpoints/300'  # the README's tiny run (relative to cwd)
   d.num_blocks = 2
   d.block_size = 5
   d.target_layer_ids = (5, 6, 7)

@@ -244,8 +244,11 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
   if cfg.dspark.stage != 'off':
     fpt = dspark_stage.stage_flops_per_token(cfg, fpt)
   peak = device_peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
-  log.info('parameters: %s total, %s active matmul per token',
-           f'{state_lib.count_params(abstract["params"]):,}', f'{fpt.matmul_params:,}')
+  log.info('parameters: %s %s, %s active matmul per token',
+           f'{state_lib.count_params(abstract["params"]):,}',
+           'total' if 'frozen' not in abstract else
+           f'trained (DSpark) + {state_lib.count_params(abstract["frozen"]):,} frozen (backbone)',
+           f'{fpt.matmul_params:,}')
   log.info('%s', fpt.formula)
   log.info('peak: %s', f'{peak:g} TFLOP/s per device (bf16 dense)' if peak else
            'unknown for this device: MFU not reported (set train.peak_tflops)')
