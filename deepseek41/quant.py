@@ -166,24 +166,45 @@ def _amax(xb, floor: float):
 # The qdq functions are jitted so that eager calls (tests, tools) compile one program instead of
 # dispatching dozens of small ops; inside a jitted model they simply inline.
 
-@functools.partial(jax.jit, static_argnames='block')
-def qdq_fp4_e4m3_scale(x, block: int = 16):
-  """Compressed main-KV format (3.6): e2m1 values, one e4m3 scale per `block`. No STE.
-
-  The clip to +-6 is the rounding's saturation; a scale that rounds down clips the block's amax.
-  """
+def _quantize_e4m3_scale(x, block: int):
+  """(element values q [..., n/block, block], scales [..., n/block, 1]), float32: e2m1 values,
+  one e4m3 scale per block. The clip to +-6 is the rounding's saturation; a scale that rounds down
+  clips the block's amax."""
   xb = _blocks(x, block)
   scale = _round_quotient(_amax(xb, FP4_E4M3_AMAX_FLOOR), E2M1_MAX, _E4M3)
-  q = _round_quotient(xb, scale, _E2M1)
+  return _round_quotient(xb, scale, _E2M1), scale
+
+
+def _quantize_pow2_scale(x, block: int, amax_floor: float, qmax: float, round_fn):
+  """(q, scale) with a power-of-two scale rounded up (ue8m0): an exact reciprocal."""
+  xb = _blocks(x, block)
+  k = _ceil_pow2_quotient(_amax(xb, amax_floor), qmax)
+  return round_fn(jnp.clip(xb * _pow2(-k), -qmax, qmax)), _pow2(k)
+
+
+def quantize_blocks(name: str, x):
+  """The format `name`'s (element values [..., n/block, block], scales [..., n/block, 1]) of x,
+  float32; q * scale is its qdq. What the packed caches store (packing.py)."""
+  if name == 'fp4_e4m3_16':
+    return _quantize_e4m3_scale(x, 16)
+  if name == 'fp4_ue8m0_32':
+    return _quantize_pow2_scale(x, 32, FP4_UE8M0_AMAX_FLOOR, E2M1_MAX, round_e2m1)
+  if name == 'fp8_ue8m0_32':
+    return _quantize_pow2_scale(x, 32, FP8_UE8M0_AMAX_FLOOR, E4M3_MAX, round_e4m3)
+  raise ValueError(f'unknown quantization format {name!r}; expected one of {QUANT_NAMES}')
+
+
+@functools.partial(jax.jit, static_argnames='block')
+def qdq_fp4_e4m3_scale(x, block: int = 16):
+  """Compressed main-KV format (3.6): e2m1 values, one e4m3 scale per `block`. No STE."""
+  q, scale = _quantize_e4m3_scale(x, block)
   return (q * scale).reshape(x.shape).astype(x.dtype)
 
 
 def _qdq_pow2_scale(x, block: int, amax_floor: float, qmax: float, round_fn):
   """Block quantize-dequantize with a power-of-two scale rounded up (ue8m0): exact reciprocal."""
-  xb = _blocks(x, block)
-  k = _ceil_pow2_quotient(_amax(xb, amax_floor), qmax)
-  q = round_fn(jnp.clip(xb * _pow2(-k), -qmax, qmax))
-  return (q * _pow2(k)).reshape(x.shape).astype(x.dtype)
+  q, scale = _quantize_pow2_scale(x, block, amax_floor, qmax, round_fn)
+  return (q * scale).reshape(x.shape).astype(x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames='block')
