@@ -50,8 +50,10 @@ class MetricsWriter:
           self.tb.add_scalar(k, v, step)
       self.tb.flush()
     summary = ' '.join(f'{k}={clean[k]:.4g}' for k in
-                       ('loss', 'eval_loss', 'indexer_loss', 'indexer_recall', 'grad_norm', 'lr',
-                        'tokens_per_s', 'mfu', 'peak_memory_gb')
+                       ('loss', 'eval_loss', 'backbone_loss', 'dspark_accept_len',
+                        'eval_dspark_accept_len', 'eval_dspark_ece', 'indexer_loss',
+                        'indexer_recall', 'grad_norm', 'lr', 'tokens_per_s', 'mfu',
+                        'peak_memory_gb')
                        if clean.get(k) is not None)
     if self.bar is not None:
       self.bar.write(f'step {step}: {summary}')
