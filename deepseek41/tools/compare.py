@@ -153,6 +153,7 @@ def draw(runs: list[dict], metrics: list[str], out: str, smooth: float = 0.0) ->
     import matplotlib
     matplotlib.use('Agg')  # files only, no display
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
   except ImportError:
     raise CompareError("--out needs matplotlib: pip install -e '.[plot]'") from None
   fig, axes = plt.subplots(len(metrics), 2, figsize=(11, 3.2 * len(metrics)), squeeze=False)
@@ -167,6 +168,7 @@ def draw(runs: list[dict], metrics: list[str], out: str, smooth: float = 0.0) ->
       per_step = tokens_per_step(run)
       if per_step:
         axes[row, 1].plot([s * per_step for s in steps], values, label=run['name'])
+    axes[row, 1].xaxis.set_major_formatter(matplotlib.ticker.EngFormatter())  # 150k, 2M
     for col, xlabel in enumerate(('step', 'tokens')):
       axes[row, col].set_xlabel(xlabel)
       axes[row, col].set_ylabel(metric)
