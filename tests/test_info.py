@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from deepseek41.config import load_config_file
+from deepseek41.config import layer_roles, load_config_file, resolve
 from deepseek41.tools.info import describe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,6 +60,27 @@ def test_released_dspark_numbers():
   assert d['per_context_token'] == 78_643_200 + 5120
   # Not in the backbone total (pinned in test_released_numbers).
   assert info['params']['total'] == 551_880_835_184 + 196_613_849_600 + 485_273_600
+
+
+def test_released_decode_flops_by_context():
+  """Decode FLOPs per token grow only through the indexers' scoring once the window and the
+  top-k are full: 2 x 32 x 128 per visible entry at the index sources that score the whole
+  history, the candidate users capped at their pool (2,048 blocks x 8)."""
+  config = load_config_file(os.path.join(ROOT, 'configs', 'v41_flash.py'))
+  info = describe(config)
+  decode = info['decode_flops_per_token']
+  assert decode == {4096: 35_700_547_808.0, 65536: 37_361_459_424.0, 1048576: 57_494_118_624.0}
+  cfg = resolve(config, num_devices=8, backend='cpu')
+  m = cfg.model
+  growth = 0.0
+  for role in layer_roles(m):
+    if role.mode == 'SWA' or role.index_source != role.layer:
+      continue
+    cap = m.candidate_topk_blocks * m.candidate_block_size if role.uses_candidates else 1 << 30
+    seen = [min((c + 1) // role.ratio, cap) for c in (4096, 1 << 20)]
+    growth += 2 * m.index_n_heads * m.index_head_dim * (seen[1] - seen[0])
+  assert decode[1048576] - decode[4096] == growth
+  assert 1.6 < decode[1048576] / decode[4096] < 1.62  # the report says +25%: docs/performance.md
 
 
 def test_report_prints_dspark_line():

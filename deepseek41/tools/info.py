@@ -32,7 +32,8 @@ from deepseek41.config import MeshConfig, format_role_table, layer_roles, resolv
 from deepseek41.model import inventory
 from deepseek41.model.engram import layer_addresses
 from deepseek41.sharding import fitted_spec
-from deepseek41.train.flops import attention_flops_per_layer, flops_per_token
+from deepseek41.train.flops import (attention_flops_per_layer, decode_attention_flops,
+                                    flops_per_token)
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.state import abstract_state, count_params
 
@@ -84,6 +85,17 @@ def active_parameters(cfg, leaves: Sequence[inventory.Leaf], biases) -> dict[str
   if first_decoder is None:
     prefill = decode - m.d_model * m.vocab_size  # no CED split: every layer, no head
   return {'decode': decode, 'prefill': prefill}
+
+
+DECODE_CONTEXTS = (4096, 65536, 1 << 20)
+
+
+def decode_flops(cfg, active) -> dict[int, float]:
+  """Forward FLOPs of one decoded token after 4K, 64K and 1M tokens of context: the decode
+  weights (every layer and the head) plus each layer's attention and index scoring there
+  (train/flops.py `decode_attention_flops`)."""
+  return {context: 2 * active['decode'] + sum(decode_attention_flops(cfg.model, context))
+          for context in DECODE_CONTEXTS}
 
 
 def prefill_flops(cfg, active) -> dict[str, float]:
@@ -183,6 +195,7 @@ def describe(config, mesh_sizes: dict[str, int] | None = None) -> dict:
       'train_flops_per_image': flops.vision_per_image,
   }
   info['prefill_flops_per_token'] = prefill_flops(cfg, info['active_params'])
+  info['decode_flops_per_token'] = decode_flops(cfg, info['active_params'])
   if mesh_sizes:
     abstract = abstract_state(cfg, make_optimizer(cfg.train))
     per_device = bytes_per_device(abstract, cfg.mesh.rules, mesh_sizes)
@@ -210,11 +223,15 @@ def report(config, info: dict) -> str:
   lines.append(f"  DSpark active per drafted token {d['active_per_draft_token']:,.0f} (routed "
                f"experts {cfg.dspark.num_experts_per_tok} of {cfg.dspark.n_routed_experts}; the "
                f"backbone's LM head not counted), per context token {d['per_context_token']:,}")
+  decode = info['decode_flops_per_token']
   lines += [f"active parameters per token: decode {a['decode'] / 1e9:.2f}B, "
             f"CED prefill {a['prefill'] / 1e9:.2f}B",
             f"prefill FLOPs per prompt token at {info['prefill_flops_per_token']['seq_len']:,} "
             f"tokens: full forward {info['prefill_flops_per_token']['full']:.3g}, CED "
             f"{info['prefill_flops_per_token']['ced']:.3g}",
+            'decode FLOPs per token by context: ' + ', '.join(
+                f'{c:,}: {f:.4g}' for c, f in decode.items())
+            + f' (1M / 4K: {decode[1 << 20] / decode[4096]:.2f}x)',
             f"global KV cache: {kv['global_bytes_per_token']:g} bytes per token; SWA "
             f"{kv['swa_bytes_per_request'] / 1e6:.2f} MB per live request",
             flops_per_token(cfg.model, cfg.data.seq_len).formula]

@@ -75,6 +75,26 @@ def attention_flops_per_layer(m: ModelConfig, seq_len: int) -> list[float]:
   return out
 
 
+def decode_attention_flops(m: ModelConfig, context: int) -> list[float]:
+  """Forward score + value FLOPs of one decoded token after `context` tokens, per layer: its
+  window, its selected entries, and the indexer's scoring where the layer owns an index (over
+  every visible entry; a candidate user only inside the pool of candidate_topk_blocks x
+  candidate_block_size entries). Every layer runs: the encoder's too (CED saves only prefill)."""
+  t = context + 1  # the new token sees itself
+  pool = m.candidate_topk_blocks * m.candidate_block_size
+  out = []
+  for role in layer_roles(m):
+    flops = 4.0 * m.num_heads * m.head_dim * min(t, m.sliding_window)
+    if m.csa2 and role.mode != 'SWA':
+      visible = t // role.ratio
+      flops += 4.0 * m.num_heads * m.head_dim * min(m.index_topk, visible)
+      if role.index_source == role.layer:
+        scored = min(visible, pool) if role.uses_candidates else visible
+        flops += 2.0 * m.index_n_heads * m.index_head_dim * scored
+    out.append(flops)
+  return out
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> FlopsPerToken:
   """Matmul FLOPs per token; with CSA2, the selected keys and the indexer's scoring too."""
   p = active_matmul_params(m)
