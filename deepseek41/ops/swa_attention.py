@@ -20,7 +20,7 @@ Three implementations of the window branch, same signature, same results:
 
 Image spans: with `span_ids_bt` given, keys in the query's own image span are left out of the
 window; `span_attention.span_partial` supplies all of them (both directions) as another partial.
-Not handled here: DSpark's in-block bidirectional attention.
+DSpark's draft rows (the anchor's ring plus their whole block) attend in model/dspark.py.
 """
 
 from __future__ import annotations
