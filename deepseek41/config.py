@@ -419,6 +419,10 @@ class LogConfig:
   progress_bar: bool = _key(True)
   profile_start_step: int = _key(0)      # > 0: trace steps [N, N + profile_steps) (0: off)
   profile_steps: int = _key(5)
+  # Weights & Biases beside TensorBoard ('' = off; needs `pip install -e '.[wandb]'`). Offline by
+  # default: the run is written under WORKDIR/wandb and `wandb sync` uploads it later.
+  wandb_project: str = _key('')
+  wandb_mode: str = _key('offline', choices=('offline', 'online'))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Metric writers: console progress, WORKDIR/metrics.jsonl and TensorBoard.
+"""Metric writers: console progress, WORKDIR/metrics.jsonl, TensorBoard and (optionally) W&B.
 
 metrics.jsonl holds one line per step of the run as it continues: a run resumed from the
 checkpoint of step S first drops the lines of steps after S (they were written by a run that
@@ -21,7 +21,8 @@ class MetricsWriter:
   """Writes one JSON object per logged step; only the primary process writes."""
 
   def __init__(self, workdir: str, *, tensorboard: bool, progress_bar: bool, total_steps: int,
-               start_step: int, enabled: bool = True):
+               start_step: int, enabled: bool = True, wandb_project: str = '',
+               wandb_mode: str = 'offline', run_config: dict | None = None):
     self.enabled = enabled
     path = os.path.join(workdir, 'metrics.jsonl')
     if enabled:
@@ -31,6 +32,9 @@ class MetricsWriter:
     if enabled and tensorboard:
       from tensorboardX import SummaryWriter
       self.tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+    self.wandb = None
+    if enabled and wandb_project:
+      self.wandb = _wandb_run(workdir, wandb_project, wandb_mode, run_config or {})
     self.bar = None
     if enabled and progress_bar:
       from tqdm import tqdm
@@ -49,6 +53,8 @@ class MetricsWriter:
         if v is not None:
           self.tb.add_scalar(k, v, step)
       self.tb.flush()
+    if self.wandb is not None:
+      self.wandb.log({k: v for k, v in clean.items() if v is not None}, step=int(step))
     summary = ' '.join(f'{k}={clean[k]:.4g}' for k in
                        ('loss', 'eval_loss', 'backbone_loss', 'dspark_accept_len',
                         'eval_dspark_accept_len', 'eval_dspark_ece', 'indexer_loss',
@@ -71,8 +77,26 @@ class MetricsWriter:
       self.bar.close()
     if self.tb is not None:
       self.tb.close()
+    if self.wandb is not None:
+      self.wandb.finish()
     if self.jsonl is not None:
       self.jsonl.close()
+
+
+def _wandb_run(workdir: str, project: str, mode: str, run_config: dict):
+  """One W&B run per work directory: its id comes from the directory, so a resumed training
+  run continues the same W&B run."""
+  try:
+    import wandb
+  except ImportError:
+    from deepseek41.config import ConfigError
+    raise ConfigError("log.wandb_project: set, but the wandb package is missing: "
+                      "pip install -e '.[wandb]' (or leave log.wandb_project empty)") from None
+  import hashlib
+  path = os.path.abspath(workdir)
+  return wandb.init(project=project, mode=mode, dir=path, name=os.path.basename(path),
+                    id='ds41-' + hashlib.sha1(path.encode()).hexdigest()[:12], resume='allow',
+                    config=run_config)
 
 
 def drop_steps_after(path: str, step: int) -> int:

@@ -298,7 +298,9 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     # ---- metrics, evaluation, checkpoints ----------------------------------------------------
     writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard,
                            progress_bar=cfg.log.progress_bar, total_steps=cfg.train.steps,
-                           start_step=start, enabled=primary)
+                           start_step=start, enabled=primary,
+                           wandb_project=cfg.log.wandb_project, wandb_mode=cfg.log.wandb_mode,
+                           run_config=cfg.to_dict())
     cleanup.callback(writer.close)
     throughput = Throughput(tokens_per_step=cfg.train.batch_size * cfg.data.seq_len,
                             flops_per_token=fpt, peak_tflops=peak,
