@@ -120,8 +120,13 @@ def expected_accept_len(alpha_nk, valid_nk):
 def acceptance_metrics(draft_logits_nkv, target_logits_nkv, valid_nk):
   """{'dspark_accept_len': mean expected accepted length over anchors whose slot 1 is valid,
   'dspark_accept/k' for k = 1..K: mean alpha over valid (n, k) of that slot}."""
+  return acceptance_summary(acceptance_nk(draft_logits_nkv, target_logits_nkv), valid_nk)
+
+
+def acceptance_summary(alpha_nk, valid_nk):
+  """`acceptance_metrics` from the acceptance probabilities themselves."""
   valid = valid_nk.astype(bool)
-  alpha = acceptance_nk(draft_logits_nkv, target_logits_nkv)
+  alpha = jnp.asarray(alpha_nk, jnp.float32)
   out = {'dspark_accept_len': _masked_mean(expected_accept_len(alpha, valid), valid[:, 0])}
   per_slot = _masked_mean(alpha, valid, axis=0)
   for k in range(alpha.shape[-1]):

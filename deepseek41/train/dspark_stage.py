@@ -110,8 +110,9 @@ def replace_under(tree, key: str, new_leaves_fn):
 
 
 def _bias_rule(load_lme, rate: float):
-  from deepseek41.model.moe import update_router_bias
-  return lambda leaves: [update_router_bias(b, load_lme[i], rate) for i, b in enumerate(leaves)]
+  """The sign rule of pretraining (train/step.py) on one module's per-layer bias leaves."""
+  from deepseek41.train.step import updated_router_biases
+  return lambda leaves: updated_router_biases(leaves, load_lme, rate)
 
 
 def stage_loss(cfg: RunConfig, graphdef, params, fixed, biases, batch, key,
@@ -140,6 +141,7 @@ def stage_loss(cfg: RunConfig, graphdef, params, fixed, biases, batch, key,
 def make_train_step(cfg: RunConfig, graphdef, tx):
   """The stage's update step (grad_accum_steps is 1: the config check)."""
   from deepseek41.train.optimizer import learning_rate_schedule
+  from deepseek41.train.step import stacked_router_biases
   schedule = learning_rate_schedule(cfg.train)
   m = cfg.model
 
@@ -167,7 +169,7 @@ def make_train_step(cfg: RunConfig, graphdef, tx):
         'routed_tokens': jnp.sum(batch['segment_ids'] > 0),
         'dropped': aux['dropped'],
         'load_lme': aux['load_lme'],
-        'bias_lme': jnp.stack(jax.tree.leaves(new_biases[BACKBONE])),
+        'bias_lme': stacked_router_biases(new_biases[BACKBONE]),
         'indexer_loss': aux['indexer_loss'],
         'indexer_recall': aux['indexer_recall'],
         'extra': {'backbone_loss': backbone_loss, 'dspark_loss': d_loss, **terms, **accept},
@@ -197,12 +199,7 @@ def held_out_metrics(outputs: list[dict]) -> dict[str, float]:
   cat = {k: np.concatenate([np.asarray(o[k]) for o in outputs]) for k in
          ('alpha_nk', 'conf_logit_nk', 'valid_nk')}
   alpha, conf, valid = cat['alpha_nk'], cat['conf_logit_nk'], cat['valid_nk']
-  valid1 = valid[:, 0]
-  lengths = np.asarray(objective.expected_accept_len(alpha, valid))
-  out = {'eval_dspark_accept_len': float(lengths[valid1].mean()) if valid1.any() else 0.0}
-  for k in range(alpha.shape[1]):
-    sel = valid[:, k]
-    out[f'eval_dspark_accept/{k + 1}'] = float(alpha[sel, k].mean()) if sel.any() else 0.0
+  out = {f'eval_{k}': float(v) for k, v in objective.acceptance_summary(alpha, valid).items()}
   t_k = objective.fit_temperatures(conf, alpha, valid)
   out.update({f'eval_{k}': float(v) for k, v in
               objective.calibration_metrics(conf, alpha, valid, t_k).items()})

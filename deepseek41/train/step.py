@@ -89,7 +89,7 @@ def _per_layer(biases, num_layers: int):
   return leaves, treedef
 
 
-def _updated_router_biases(biases, load_lme, rate: float):
+def updated_router_biases(biases, load_lme, rate: float):
   """Apply the sign rule to each layer's bias from that layer's loads ([L, M, E])."""
   leaves, treedef = _per_layer(biases, load_lme.shape[0])
   return jax.tree.unflatten(treedef, [update_router_bias(bias_me, load_lme[layer], rate)
@@ -112,7 +112,7 @@ def make_train_step(cfg: RunConfig, md: ModelDef):
     with jax.named_scope('optimizer'):
       updates, opt = md.tx.update(grads, state['opt'], params)
       new_params = optax.apply_updates(params, updates)
-      new_biases = _updated_router_biases(biases, load_lme, cfg.model.router_bias_rate)
+      new_biases = updated_router_biases(biases, load_lme, cfg.model.router_bias_rate)
     new_state = {'params': new_params, 'router_bias': new_biases, 'opt': opt,
                  'step': state['step'] + 1, 'rng': state['rng']}
     with jax.named_scope('metrics'):
