@@ -25,6 +25,15 @@
 #                "--tunnel-through-iap" or "--internal-ip")
 #   GCLOUD       the gcloud binary (default gcloud)
 #   DRY=1        print each command (shell-quoted, one a line) instead of running it
+#   TOPOLOGY     the slice's TPU topology (e.g. v5p:8x8x8, v5e:4x4, v6e:8x8): with it set, a
+#                preflight first compiles the train step for that topology here, deviceless
+#                (`python -m deepseek41.tools.plan --topology=...` with the run's --config and
+#                --config.* flags, the config's mesh), and stops before touching the workers
+#                when the step does not fit the chips' HBM or does not compile (needs the tpu
+#                extra here: `pip install -e '.[tpu]'`)
+#   PLAN_PYTHON  interpreter of the preflight (default: this checkout's .venv/bin/python)
+#   PLAN_FLAGS   extra flags of the preflight plan, split on spaces (e.g. --per_layer for the
+#                released model, whose whole step takes long to compile)
 #
 # WORKDIR must be one filesystem mounted at the same path on every worker (Filestore NFS or a GCS
 # FUSE mount): every process writes its shards of each checkpoint there.
@@ -107,6 +116,22 @@ if [ -s \"\$pidfile\" ] && kill -0 \$(cat \"\$pidfile\") 2>/dev/null; then
 kill -s TERM \$(cat \"\$pidfile\"); echo \"worker \$worker: sent SIGTERM to the trainer\";
 else echo \"worker \$worker: no trainer running\"; fi"
   exit
+fi
+
+# Preflight: the TPU compiler's plan of this config on this slice (tools/tpu_plan.py); a step
+# that cannot fit fails here, in minutes, instead of on every worker after the sync.
+if [[ -n ${TOPOLOGY:-} ]]; then
+  plan=("${PLAN_PYTHON:-$root/.venv/bin/python}" -m deepseek41.tools.plan --topology="$TOPOLOGY")
+  for a in "$@"; do
+    if [[ $a == --config=* || $a == --config.* ]]; then plan+=("$a"); fi
+  done
+  # shellcheck disable=SC2206  # PLAN_FLAGS is split on spaces on purpose
+  plan+=(${PLAN_FLAGS:-})
+  if ! (cd "$root" && PYTHONPATH="$root" run "${plan[@]}"); then
+    echo "$0: preflight: the train step does not fit or does not compile for $TOPOLOGY (the" \
+      "plan above); nothing was started" >&2
+    exit 1
+  fi
 fi
 
 if [[ -n ${SYNC:-} ]]; then

@@ -7,7 +7,8 @@
   batch script reaches every task as one SIGTERM, status 75 requeues the job (`scontrol requeue`, also a stand-in), the
   per-task GPU choice (JAX_LOCAL_DEVICE_IDS).
 - launch/tpu_pod.sh with DRY=1: the gcloud commands; the command it sends the workers is run
-  here (one worker, explicit coordinator flags) and starts the trainer.
+  here (one worker, explicit coordinator flags) and starts the trainer. Its preflight (TOPOLOGY):
+  the plan command, and that a failing plan stops the launch before gcloud.
 - launch/k8s/jobset.yaml: the manifest's structure; its container command, with the variables
   expanded as Kubernetes would for pods 0 and 1, starts a 2-process run here (--dry_run).
 Not checked here: real srun/sbatch/scontrol, gcloud, a JobSet controller, GPUs or TPUs.
@@ -393,3 +394,49 @@ def test_jobset_manifest_starts_every_process(tmp_path):
   for i, (p, out) in enumerate(zip(procs, outs)):
     assert p.returncode == 0, out
     assert f'dry run: process {i} of {n}; 1 local / {n} global device(s) (cpu)' in out, out
+
+
+def _recording_stub(path, record, status=0):
+  """An executable that appends its arguments (one a line, then a blank line) to `record`."""
+  path.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" "" >>{shlex.quote(str(record))}\n'
+                  f'exit {status}\n')
+  path.chmod(0o755)
+  return str(path)
+
+
+def test_tpu_pod_preflight_plans_the_slice_first(tmp_path):
+  """TOPOLOGY set: the TPU compiler's plan of the run's config (its --config and --config.*
+  flags, nothing else) on that slice comes before any worker command."""
+  train = ['--config=configs/tiny.py', '--config.train.steps=3', f'--workdir={tmp_path}',
+           '--dry_run']
+  plan, ssh = _tpu_dry('my-tpu', 'us-east5-a', *train, TOPOLOGY='v5p:2x2x1',
+                       PLAN_FLAGS='--per_layer')
+  assert plan == [os.path.join(ROOT, '.venv', 'bin', 'python'), '-m', 'deepseek41.tools.plan',
+                  '--topology=v5p:2x2x1', '--config=configs/tiny.py', '--config.train.steps=3',
+                  '--per_layer']
+  assert 'deepseek41.train' in _worker_script(ssh)
+
+
+def test_tpu_pod_preflight_gates_the_workers(tmp_path):
+  """The workers are reached only when the plan passes: a stand-in plan that passes lets the
+  gcloud stand-in run; the real plan of a config that cannot take the slice's mesh (8 experts on
+  3 expert shards) stops the launch before gcloud."""
+  calls = tmp_path / 'calls'
+  gcloud = _recording_stub(tmp_path / 'gcloud', calls)
+  ok_plan = _recording_stub(tmp_path / 'plan-ok', tmp_path / 'plan-args')
+  launch = lambda *a, **e: subprocess.run(  # noqa: E731
+      [TPU_POD, 'my-tpu', 'z', *a, f'--workdir={tmp_path}'], cwd=tmp_path,
+      env=_env(GCLOUD=gcloud, TOPOLOGY='v5p:2x2x1', **e), capture_output=True, text=True,
+      timeout=120)
+  passed = launch('--config=configs/tiny.py', PLAN_PYTHON=ok_plan)
+  assert passed.returncode == 0, passed.stderr
+  assert '--topology=v5p:2x2x1' in _read(tmp_path / 'plan-args')
+  assert 'ssh' in _read(calls).split()
+  calls.unlink()
+
+  refused = launch('--config=configs/tiny.py', '--config.mesh.expert=3')
+  assert refused.returncode == 1
+  assert 'preflight: the train step does not fit or does not compile for v5p:2x2x1' in \
+      refused.stderr
+  assert 'mesh.data: cannot fill: 4 devices' in refused.stderr
+  assert not calls.exists()
