@@ -40,6 +40,10 @@ and sequence) in place of the dropless grouped GEMM / ragged_dot, whose expert-p
 buffer holds up to mesh.expert x N K rows by default (model.expert_buffer_factor = 0). XLA's CPU
 buffer assignment is not the GPU's or the TPU's either: the numbers are the CPU compiler's, at
 the target's dtypes.
+
+`--topology=v5p:8x8x4` (any TPU slice; the tpu extra): the TPU compiler's plan instead, the
+step compiled deviceless for that slice with the TPU's own kernels and buffers
+(tools/tpu_plan.py; `--per_layer` for the per-role assembly above with the TPU compiler).
 """
 
 from __future__ import annotations
@@ -86,6 +90,11 @@ _KIND = flags.DEFINE_enum('device_kind', 'h200', list(DEVICE_KINDS), 'Device pre
 _HBM = flags.DEFINE_float('hbm_gib', None, 'Device memory in GiB (overrides the preset).')
 _CHECK = flags.DEFINE_bool('check_full_step', False, 'Also compile the whole train step on the '
                            'same mesh and compare (small models: it is the whole program).')
+_TOPOLOGY = flags.DEFINE_string('topology', None, 'A TPU slice, e.g. v5p:8x8x4: compile the step '
+                                'for it with the TPU compiler, deviceless (tools/tpu_plan.py; '
+                                'needs the tpu extra). --mesh defaults to the config\'s mesh.')
+_PER_LAYER = flags.DEFINE_bool('per_layer', False, 'With --topology: compile one layer of each '
+                               'role and assemble, instead of the whole step (large models).')
 _SEARCH = flags.DEFINE_bool('search', False, 'Plan every fsdp x expert x tensor mesh of the '
                             'device count (data = 1) and rank those that fit.')
 
@@ -119,8 +128,10 @@ def cpu_stand_ins(model: ml_collections.ConfigDict, backend: str) -> list[str]:
 
 
 def planned_config(config, mesh_sizes: dict[str, int], *, batch: int | None = None,
-                   seq_len: int | None = None, backend: str = 'cpu') -> tuple[RunConfig, list]:
-  """The config on this mesh at this batch and length, compile-able on the CPU for `backend`."""
+                   seq_len: int | None = None, backend: str = 'cpu',
+                   compile_for: str = 'cpu') -> tuple[RunConfig, list]:
+  """The config on this mesh at this batch and length, compile-able on the CPU for `backend`
+  (compile_for='tpu': for the TPU compiler, the auto choices the TPU's, nothing stood in)."""
   config = config.copy_and_resolve_references()
   for axis in MeshConfig.AXES:
     config.mesh[axis] = mesh_sizes.get(axis, 1)
@@ -128,6 +139,8 @@ def planned_config(config, mesh_sizes: dict[str, int], *, batch: int | None = No
     config.train.batch_size = batch
   if seq_len is not None:
     config.data.seq_len = seq_len
+  if compile_for == 'tpu':
+    return resolve(config, num_devices=math.prod(mesh_sizes.values()), backend='tpu'), []
   notes = cpu_stand_ins(config.model, backend)
   return resolve(config, num_devices=math.prod(mesh_sizes.values()), backend='cpu'), notes
 
@@ -183,8 +196,11 @@ def _batch_spec(mesh, rules, x, b: int):
 
 def _memory(compiled) -> dict[str, int]:
   m = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   return {'temp': int(m.temp_size_in_bytes), 'argument': int(m.argument_size_in_bytes),
-          'output': int(m.output_size_in_bytes), 'alias': int(m.alias_size_in_bytes)}
+          'output': int(m.output_size_in_bytes), 'alias': int(m.alias_size_in_bytes),
+          'flops': float(cost.get('flops', 0.0))}
 
 
 def _is_float(x) -> bool:
@@ -214,18 +230,30 @@ def _dot(outs, cts):
 FAST_CPU_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expensive_passes': True}
 
 
+def compile_options(shardings):
+  """FAST_CPU_COMPILE on the CPU; the TPU compiler (tools/tpu_plan.py) takes its defaults."""
+  named = [s for s in jax.tree.leaves(shardings) if isinstance(s, NamedSharding)]
+  cpu = not named or named[0].mesh.devices.flat[0].platform == 'cpu'
+  return FAST_CPU_COMPILE if cpu else None
+
+
 def _compile(fn, args, shardings, out_shardings=None, name=''):
   t0 = time.perf_counter()
   jitted = jax.jit(fn, in_shardings=shardings, out_shardings=out_shardings)
-  compiled = jitted.lower(*args).compile(FAST_CPU_COMPILE)
+  try:
+    mem = _memory(jitted.lower(*args).compile(compile_options(shardings)))
+  except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses what exceeds HBM
+    from deepseek41.tools.tpu_plan import refused_memory
+    mem = refused_memory(e)
   seconds = time.perf_counter() - t0
   logging.info('plan: compiled %s in %.1f s', name or fn.__name__, seconds)
-  return _memory(compiled), seconds
+  return mem, seconds
 
 
-def full_step_memory(cfg: RunConfig, devices=None) -> dict:
-  """memory_analysis() of the whole train step, jitted as the trainer does (state donated):
-  the check of the per-layer assembly, affordable for small models only."""
+def lowered_train_step(cfg: RunConfig, devices=None):
+  """(The whole train step lowered as the trainer jits it (state donated), its compile
+  options) on the config's mesh of `devices` (fake CPU devices, or a TPU topology's for
+  tools/tpu_plan.py)."""
   mesh = make_mesh(cfg.mesh, devices)
   tx = make_optimizer(cfg.train)
   md = model_def(cfg, tx)
@@ -233,11 +261,18 @@ def full_step_memory(cfg: RunConfig, devices=None) -> dict:
   shardings = state_shardings(abstract, mesh, cfg.mesh.rules)
   batch = abstract_batch(cfg)
   bsh = jax.tree.map(lambda x: batch_sharding(mesh, cfg.mesh.rules, x.ndim), batch)
-  t0 = time.perf_counter()
   with jax.set_mesh(mesh):
     step = jax.jit(make_train_step(cfg, md), in_shardings=(shardings, bsh),
                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,))
-    mem = _memory(step.lower(abstract, batch).compile(FAST_CPU_COMPILE))
+    return step.lower(abstract, batch), compile_options(shardings)
+
+
+def full_step_memory(cfg: RunConfig, devices=None) -> dict:
+  """memory_analysis() of the whole train step, jitted as the trainer does (state donated):
+  the check of the per-layer assembly, affordable for small models only."""
+  t0 = time.perf_counter()
+  lowered, options = lowered_train_step(cfg, devices)
+  mem = _memory(lowered.compile(options))
   mem['peak'] = mem['argument'] + mem['temp'] + mem['output'] - mem['alias']
   mem['compile_seconds'] = time.perf_counter() - t0
   return mem
@@ -357,7 +392,8 @@ def _compile_optimizer(cfg, mesh, params) -> dict:
 
   t0 = time.perf_counter()
   compiled = jax.jit(update, in_shardings=(p_sh, o_sh, p_sh), out_shardings=(p_sh, o_sh),
-                     donate_argnums=(0, 1)).lower(params, opt, params).compile(FAST_CPU_COMPILE)
+                     donate_argnums=(0, 1)).lower(params, opt, params).compile(
+                         compile_options(p_sh))
   return {'update': _memory(compiled), 'compile_seconds': time.perf_counter() - t0}
 
 
@@ -577,6 +613,9 @@ def main(argv):
   config = _CONFIG.value
   devices = _DEVICES.value
   mesh = parse_mesh(_MESH.value)
+  if _TOPOLOGY.value:
+    _main_tpu(config, mesh)
+    return
   if devices is None and not mesh:
     raise app.UsageError('give --devices, --mesh or both')
   devices = devices or math.prod(mesh.values())
@@ -610,12 +649,27 @@ def main(argv):
   print(json.dumps(result, default=float) if _JSON.value else report(result))
 
 
+def _main_tpu(config, mesh: dict[str, int]):
+  """--topology: the TPU compiler's plan (tools/tpu_plan.py); exits 1 when it does not fit."""
+  from deepseek41.tools import tpu_plan
+  # The topology is compiled for without a TPU backend: never take a TPU this host may have.
+  jax.config.update('jax_platforms', 'cpu')
+  result = tpu_plan.tpu_plan(config, _TOPOLOGY.value, mesh or None, batch=_BATCH.value,
+                             seq_len=_SEQ_LEN.value, per_layer_programs=_PER_LAYER.value,
+                             hbm=_HBM.value * GIB if _HBM.value else None)
+  print(json.dumps(result, default=float) if _JSON.value else tpu_plan.report(result))
+  if not result['fits']:
+    sys.exit(1)
+
+
 def run():
   """Console-script entry point (`ds41-plan`)."""
   app.run(main)
 
 
 if __name__ == '__main__':
+  # tools/tpu_plan.py imports this module by name: one copy, one set of absl flags.
+  sys.modules.setdefault('deepseek41.tools.plan', sys.modules[__name__])
   if os.environ.get(_WORKER_ENV):
     _worker()
   else:

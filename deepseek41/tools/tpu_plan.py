@@ -1,0 +1,248 @@
+"""`python -m deepseek41.tools.plan --config=configs/v41_flash.py --topology=v5p:8x8x4 --mesh=fsdp=32,expert=8 [--batch=N] [--seq_len=T] [--per_layer] [--json]`
+
+The plan from the TPU compiler, on a machine without a TPU: `libtpu` (the `tpu` extra) compiles
+for a TPU topology deviceless (`jax.experimental.topologies`), so the train step is jitted as the
+trainer jits it (train/trainer.py: state shardings, batch sharding, state donated) on a mesh of
+the topology's devices and compiled by the real TPU compiler. Per chip:
+
+  parameters, optimizer, gradients  exact: the sharded abstract state (tools/plan.state_bytes)
+  argument, output, alias, temp     the TPU compiler's `memory_analysis()` of the whole step
+                                    (temp holds the gradients, the activations and the
+                                    collectives' buffers); peak = argument + temp + output - alias
+  FLOPs                             the TPU compiler's `cost_analysis()` of the per-chip program
+
+against the chip's HBM (`device_kind` of the topology). The auto choices resolve for backend
+'tpu' (config.py: bf16 compute, ragged_dot experts with the ragged all-to-all, the XLA paths of
+the attention ops), so nothing is stood in for as the CPU plan does.
+
+`--per_layer`: one layer of each role, the embedding, the head + loss and the optimizer update
+are compiled apart (tools/plan.compile_programs) and assembled (tools/plan.assemble) as the CPU
+plan does, now with the TPU compiler's buffers; FLOPs are the programs' sum (each role's times
+its layer count). For the released model, where the whole 40-layer step takes too long to
+compile on a small machine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+
+import jax
+from jax.experimental import topologies
+
+from deepseek41.config import MeshConfig, RunConfig, resolve
+from deepseek41.tools import plan as cpu_plan
+
+GIB = 2**30
+
+# HBM per chip by `device_kind` (the topology's devices say which chip they are).
+HBM_BYTES = {'TPU v5': 95 * GIB, 'TPU v5p': 95 * GIB, 'TPU v5 lite': 16 * GIB,
+             'TPU v5e': 16 * GIB, 'TPU v6 lite': 32 * GIB, 'TPU v6e': 32 * GIB,
+             'TPU v4': 32 * GIB}
+CHIP_NAMES = {'TPU v5': 'v5p', 'TPU v5p': 'v5p', 'TPU v5 lite': 'v5e', 'TPU v5e': 'v5e',
+              'TPU v6 lite': 'v6e', 'TPU v6e': 'v6e', 'TPU v4': 'v4'}
+
+
+def libtpu_available() -> bool:
+  """Whether the TPU compiler is installed (`pip install -e '.[tpu]'`)."""
+  try:
+    import libtpu  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def topology_devices(name: str) -> list:
+  """The devices of a TPU slice, e.g. 'v5p:2x2x1', 'v5e:2x4', 'v6e:4x4'; no TPU needed."""
+  if not libtpu_available():
+    raise RuntimeError('--topology needs the TPU compiler: pip install -e ".[tpu]"')
+  # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) when it starts, meant for a host's
+  # chips; compiling deviceless holds none, so parallel test workers and plans may share it.
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+  try:
+    topo = topologies.get_topology_desc(platform='tpu', topology_name=name)
+  except Exception as e:  # the message of libtpu's parse error is the useful part
+    raise ValueError(f'--topology={name!r} is not a TPU topology libtpu knows '
+                     f'(e.g. v5p:2x2x1, v5e:2x4, v6e:4x4): {str(e).splitlines()[0]}') from e
+  return list(topo.devices)
+
+
+def hbm_bytes(device_kind: str) -> float:
+  if device_kind not in HBM_BYTES:
+    raise ValueError(f'no HBM size known for TPU device kind {device_kind!r} '
+                     f'(known: {sorted(HBM_BYTES)}); pass --hbm_gib')
+  return HBM_BYTES[device_kind]
+
+
+# The TPU compiler refuses a program that cannot fit the chip, saying by how much: either
+# "... memory required for HLO temporaries (208.68G) exceeds available HBM (95.73G)" or
+# "Used 120.50G of 95.74G hbm" (XLA's sizes: K/M/G/T are powers of 1024).
+_UNITS = {'': 1, 'B': 1, 'K': 2**10, 'M': 2**20, 'G': 2**30, 'T': 2**40}
+_TEMP_OVER = re.compile(r'required for HLO temporaries \(([\d.]+)([KMGT]?)\)')
+_USED_OVER = re.compile(r'Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm')
+
+
+def over_hbm(error: Exception) -> dict | None:
+  """{'temp' or 'used': bytes} from the TPU compiler's out-of-HBM refusal; None for any other
+  error."""
+  text = str(error)
+  if 'RESOURCE_EXHAUSTED' not in text:
+    return None
+  if m := _USED_OVER.search(text):
+    return {'used': float(m.group(1)) * _UNITS[m.group(2)]}
+  if m := _TEMP_OVER.search(text):
+    return {'temp': float(m.group(1)) * _UNITS[m.group(2)]}
+  return None
+
+
+def refused_memory(error: Exception) -> dict:
+  """tools/plan's memory dict for a program the TPU compiler refused as too large for HBM: its
+  temporaries as the refusal gives them (arguments and outputs then unknown, counted 0), or
+  re-raises the error when it is not that refusal."""
+  over = over_hbm(error)
+  if over is None:
+    raise error
+  temp = over.get('temp', over.get('used', 0.0))
+  return {'temp': int(temp), 'argument': 0, 'output': 0, 'alias': 0, 'flops': float('nan'),
+          'over_hbm': True}
+
+
+def tpu_config(config, mesh_sizes: dict[str, int], *, batch: int | None = None,
+               seq_len: int | None = None) -> RunConfig:
+  """The config on this mesh at this batch and length, the auto choices resolved for the TPU."""
+  return cpu_plan.planned_config(config, mesh_sizes, batch=batch, seq_len=seq_len,
+                                 backend='tpu', compile_for='tpu')[0]
+
+
+def _flops(compiled) -> float:
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost.get('flops', 0.0))
+
+
+def full_step(cfg: RunConfig, devices) -> dict:
+  """The whole train step compiled for the topology: memory_analysis, FLOPs, seconds."""
+  t0 = time.perf_counter()
+  lowered, options = cpu_plan.lowered_train_step(cfg, devices)
+  t1 = time.perf_counter()
+  try:
+    compiled = lowered.compile(options)
+  except jax.errors.JaxRuntimeError as e:  # refused: larger than the chip's HBM
+    over = over_hbm(e)
+    if over is None:
+      raise
+    state = cpu_plan.state_bytes(cfg)
+    held = state['params'] + state['optimizer'] + state.get('router_bias', 0)
+    peak = over.get('used', over.get('temp', 0.0) + held)
+    return {'temp': over.get('temp', peak - held), 'argument': held, 'output': held,
+            'alias': held, 'peak': peak, 'flops': float('nan'), 'over_hbm': True,
+            'lower_seconds': t1 - t0, 'compile_seconds': time.perf_counter() - t1}
+  mem = cpu_plan._memory(compiled)  # noqa: SLF001 - the plan's one reading of memory_analysis
+  mem['peak'] = mem['argument'] + mem['temp'] + mem['output'] - mem['alias']
+  return {**mem, 'flops': _flops(compiled), 'lower_seconds': t1 - t0,
+          'compile_seconds': time.perf_counter() - t1}
+
+
+def per_layer(cfg: RunConfig, devices, state: dict) -> dict:
+  """One layer of each role (+ embedding, head, optimizer) compiled for the topology and
+  assembled; FLOPs summed over the layers."""
+  programs = cpu_plan.compile_programs(cfg, devices)
+  assembled = cpu_plan.assemble(state, programs)
+  roles = programs['roles']
+  flops = (sum(r['fwd_bwd']['flops'] * len(r['layers']) for r in roles.values()) +
+           programs['head']['fwd_bwd']['flops'] + programs['embed']['fwd_bwd']['flops'] +
+           programs['optimizer']['update']['flops'])
+  mems = [r['fwd_bwd'] for r in roles.values()] + [programs[k]['fwd_bwd'] for k in
+                                                    ('head', 'embed')]
+  mems.append(programs['optimizer']['update'])
+  return {'peak': assembled['total'], 'activations': assembled['activations'],
+          'peak_stage': assembled['peak_stage'], 'flops': flops,
+          'over_hbm': any(m.get('over_hbm') for m in mems),
+          'compile_seconds': programs['compile_seconds'],
+          'roles': {l: r['layers'] for l, r in roles.items()}}
+
+
+def config_mesh(config, chips: int, *, batch: int | None = None) -> dict[str, int]:
+  """The mesh the trainer would build from the config on this many chips (-1 filled in)."""
+  config = config.copy_and_resolve_references()
+  if batch is not None:
+    config.train.batch_size = batch
+  cfg = resolve(config, num_devices=chips, backend='tpu')
+  return {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES if getattr(cfg.mesh, a) > 1}
+
+
+def tpu_plan(config, topology: str, mesh_sizes: dict[str, int] | None = None, *,
+             batch: int | None = None, seq_len: int | None = None, per_layer_programs=False,
+             hbm: float | None = None) -> dict:
+  """The plan of one config on one TPU slice (default mesh: the config's, as the trainer
+  builds it on the slice's chips)."""
+  devices = topology_devices(topology)
+  mesh_sizes = dict(mesh_sizes or config_mesh(config, len(devices), batch=batch))
+  if math.prod(mesh_sizes.values()) != len(devices):
+    raise ValueError(f'--mesh {mesh_sizes} has {math.prod(mesh_sizes.values())} devices, '
+                     f'topology {topology} has {len(devices)}')
+  kind = devices[0].device_kind
+  hbm = hbm_bytes(kind) if hbm is None else hbm
+  cfg = tpu_config(config, mesh_sizes, batch=batch, seq_len=seq_len)
+  state = cpu_plan.state_bytes(cfg)
+  compiled = per_layer(cfg, devices, state) if per_layer_programs else full_step(cfg, devices)
+  batch_shards = math.prod(getattr(cfg.mesh, a) for name, axes in cfg.mesh.rules
+                           if name == 'batch' for a in axes)
+  m = cfg.model
+  return {
+      'topology': topology, 'device_kind': kind, 'chip': CHIP_NAMES.get(kind, kind),
+      'chips': len(devices), 'hbm_bytes': hbm, 'mesh': mesh_sizes,
+      'batch': cfg.train.batch_size, 'seq_len': cfg.data.seq_len,
+      'per_chip_batch': cfg.train.batch_size // cfg.train.grad_accum_steps / batch_shards,
+      'remat': cfg.train.remat, 'compute_dtype': m.compute_dtype, 'param_dtype': m.param_dtype,
+      'impls': {k: getattr(m, k) for k in ('attention_impl', 'sparse_impl', 'index_impl',
+                                          'select_impl', 'mhc_impl', 'moe_backend',
+                                          'expert_exchange')},
+      'method': 'per-layer programs, assembled' if per_layer_programs else 'whole step',
+      'state': state, 'compiled': compiled,
+      # A program the compiler refused for HBM does not fit, whatever the sum says.
+      'fits': bool(compiled['peak'] <= hbm and not compiled.get('over_hbm')),
+      'headroom_bytes': hbm - compiled['peak'],
+  }
+
+
+def _size(x: float) -> str:
+  return f'{x / GIB:9.2f} GiB' if abs(x) >= GIB / 10 else f'{x / 2**20:9.2f} MiB'
+
+
+def report(p: dict) -> str:
+  s, c = p['state'], p['compiled']
+  g = _size
+  mesh = ','.join(f'{k}={v}' for k, v in p['mesh'].items())
+  lines = [
+      f"topology {p['topology']} ({p['chips']} x {p['device_kind']}, {p['hbm_bytes'] / GIB:g} "
+      f"GiB HBM); mesh {mesh}; batch {p['batch']} x {p['seq_len']} tokens "
+      f"({p['per_chip_batch']:g} sequence(s) per chip); remat {p['remat']}; compute "
+      f"{p['compute_dtype']}, params {p['param_dtype']}",
+      f"  parameters   {g(s['params'])}   exact (abstract state, fitted specs)",
+      f"  optimizer    {g(s['optimizer'])}   exact (AdamW moments + counts)",
+      f"  gradients    {g(s['gradients'])}   exact (param-shaped; inside the compiled temp)",
+  ]
+  if 'temp' in c:
+    lines += [f"  argument     {g(c['argument'])}   TPU compiler (state + batch)",
+              f"  temp         {g(c['temp'])}   TPU compiler (gradients, activations, "
+              f"collectives)",
+              f"  output       {g(c['output'])}   TPU compiler, {c['alias'] / GIB:.2f} GiB of it "
+              f"aliased to the donated state"]
+  else:
+    lines += [f"  activations  {g(c['activations'])}   TPU compiler, per-layer programs "
+              f"(peak stage {c['peak_stage']})"]
+  if c.get('over_hbm'):
+    lines.append('  (the TPU compiler refused a program as larger than HBM: its sizes are those '
+                 'of the refusal, a lower bound)')
+  lines += [
+      f"  peak         {g(c['peak'])}   of {p['hbm_bytes'] / GIB:.2f} GiB: " +
+      ('fits, headroom ' if p['fits'] else 'DOES NOT FIT, short by ') +
+      f"{abs(p['headroom_bytes']) / GIB:.2f} GiB",
+      f"  FLOPs        {c['flops']:.4g} per chip per step (TPU compiler cost_analysis)",
+      f"  compiled ({p['method']}) in {c['compile_seconds']:.0f} s; ops: " +
+      ', '.join(f'{k}={v}' for k, v in p['impls'].items()),
+  ]
+  return '\n'.join(lines)
