@@ -2,6 +2,7 @@
 # Create .venv with Python 3.12 (jax >= 0.11 needs it) and install deepseek41 into it.
 #   bash scripts/setup.sh          # the package
 #   bash scripts/setup.sh test     # the package + test extras
+#   bash scripts/setup.sh test,tpu # + libtpu, the TPU compiler (CI: deviceless TPU compiles)
 # The machine's default python3 may be older: we look for 3.12 on PATH, then through pyenv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
