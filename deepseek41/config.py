@@ -921,7 +921,8 @@ def _mesh_rules(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
     _req(isinstance(rule, (tuple, list)) and len(rule) == 2, f'mesh.rules[{i}]',
          f'must be a (logical_axis, "mesh_axis[,mesh_axis]") pair, got {rule!r}')
     name, axes = rule
-    axes_t = tuple(a.strip() for a in str(axes).split(',') if a.strip())
+    listed = axes if isinstance(axes, (tuple, list)) else str(axes).split(',')  # or resolved
+    axes_t = tuple(a.strip() for a in listed if a.strip())
     for a in axes_t:
       _req(a in MeshConfig.AXES, f'mesh.rules[{i}]', f'unknown mesh axis {a!r} for {name!r}')
     out.append((str(name), axes_t))
@@ -1057,6 +1058,24 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
     _check_against_data(model, data)
   return RunConfig(model=model, data=data, train=train, mesh=mesh, checkpoint=checkpoint, log=log,
                    dspark=dspark)
+
+
+def config_from_saved(saved: dict) -> ml_collections.ConfigDict:
+  """The ConfigDict of a resolved config saved as JSON (a checkpoint's `config` item): the
+  declared keys only (derived fields are rebuilt by `resolve`), lists back to tuples, source
+  lists back to their 'dir:weight,...' form."""
+  def tuples(v):
+    return tuple(tuples(x) for x in v) if isinstance(v, list) else v
+  c = base_config()
+  for section in c.keys():
+    for name in c[section].keys():
+      if name not in saved.get(section, {}):
+        continue
+      value = tuples(saved[section][name])
+      if isinstance(c[section][name], str) and isinstance(value, tuple):  # data sources
+        value = ','.join(f'{path}:{weight:g}' for path, weight in value)
+      c[section][name] = value
+  return c
 
 
 def load_config_file(path: str,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from deepseek41.config import SWA, LayerRole, ModelConfig
-from deepseek41.model.csa2 import CSA2
+from deepseek41.model.csa2 import CSA2, DECODE
 from deepseek41.model.norms import RMSNorm, rms_normalize
 from deepseek41.model.params import const_param, normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
@@ -50,12 +50,15 @@ class Attention(nnx.Module):
 
   def __call__(self, x_btd, batch, shared: dict):
     """Returns (output [B,T,D], shared): `shared` carries compressed KV and selections onward."""
+    if DECODE in shared:  # generation: the keys before this chunk come from the caches
+      return shared[DECODE].attention(self, x_btd, batch, shared)
     q_r_btr, q_bthd, kv_btd = self.project(x_btd, batch['positions'])
     o_bthd, shared = self.attend(x_btd, q_r_btr, q_bthd, kv_btd, batch, shared)
     return self.output(o_bthd), shared
 
-  def project(self, x_btd, positions_bt):
-    """(q_r_btr, q_bthd, kv_btd): the low-rank query and the RoPE'd query heads and latent."""
+  def project(self, x_btd, positions_bt, quantize_latent: bool = True):
+    """(q_r_btr, q_bthd, kv_btd): the low-rank query and the RoPE'd query heads and latent
+    (in its cache format, or before it with quantize_latent=False)."""
     cfg = self.cfg
     dt = x_btd.dtype
     inv_freq = rope_for_role(cfg, self.role.rope)
@@ -69,25 +72,31 @@ class Attention(nnx.Module):
     if cfg.q_head_norm:
       q_bthd = rms_normalize(q_bthd, cfg.rms_norm_eps).astype(dt)
     q_bthd = apply_rope(q_bthd, positions_bt, inv_freq)
-    return q_r_btr, q_bthd, self.latent(x_btd, positions_bt)
+    latent = self.latent if quantize_latent else self.latent_unquantized
+    return q_r_btr, q_bthd, latent(x_btd, positions_bt)
 
   def latent(self, x_btd, positions_bt):
     """The shared K=V latent [B, T, d]: normed, RoPE'd at the positions, in its cache format."""
+    return get_fake_quant(self.cfg.swa_quant)(self.latent_unquantized(x_btd, positions_bt))
+
+  def latent_unquantized(self, x_btd, positions_bt):
+    """The latent before the cache format's quantization (what a packed cache packs)."""
     cfg = self.cfg
     kv_btd = self.kv_norm(dense(x_btd, self.wkv[...], cfg.fp8))
-    inv_freq = rope_for_role(cfg, self.role.rope)
-    return get_fake_quant(cfg.swa_quant)(apply_rope(kv_btd, positions_bt, inv_freq))
+    return apply_rope(kv_btd, positions_bt, rope_for_role(cfg, self.role.rope))
 
-  def attend(self, x_btd, q_r_btr, q_bthd, kv_btd, batch, shared: dict):
+  def attend(self, x_btd, q_r_btr, q_bthd, kv_btd, batch, shared: dict, extra_partials=()):
     """The attention core: window (+ compressed) partials, sink, inverse RoPE -> (o_bthd, shared).
 
-    Split out so the benchmarks time exactly what dense attention replaces.
+    Split out so the benchmarks time exactly what dense attention replaces. `extra_partials`:
+    more key sets in the same softmax (generation's cached window before the chunk).
     """
     cfg = self.cfg
     span_ids_bt = batch.get('image_span')  # image spans: bidirectional inside, causal outside
     with jax.named_scope('swa'):  # scopes name the GPU trace's kernels (trace_summary.py)
       partials = [swa_partial(q_bthd, kv_btd, batch['segment_ids'], window=cfg.sliding_window,
-                              impl=cfg.attention_impl, span_ids_bt=span_ids_bt)]
+                              impl=cfg.attention_impl, span_ids_bt=span_ids_bt),
+                  *extra_partials]
     if span_ids_bt is not None:
       with jax.named_scope('span'):
         partials.append(span_partial(

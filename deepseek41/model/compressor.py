@@ -124,10 +124,17 @@ def visible_btn(segment_ids_bt, comp: CompressedKV, row_offset=0):
   Build it per query chunk in the scalable path, never for a whole long sequence.
   """
   seg_q_bt = jnp.asarray(segment_ids_bt, jnp.int32)
-  t_q = row_offset + jnp.arange(seg_q_bt.shape[1], dtype=jnp.int32)
+  t_q = query_rows(row_offset, seg_q_bt.shape[1])
   same_doc_btn = (comp.seg_bn[:, None, :] == seg_q_bt[:, :, None]) & (seg_q_bt[:, :, None] != 0)
-  complete_btn = comp.last_bn[:, None, :] <= t_q[None, :, None]
+  complete_btn = comp.last_bn[:, None, :] <= t_q[:, :, None]
   return same_doc_btn & complete_btn
+
+
+def query_rows(row_offset, tq: int):
+  """int32 [1 or B, Tq]: the row index of each query. `row_offset` is one offset for every row
+  (training, CED's tail) or one per batch row, [B] or [B, 1] (decoding rows of different
+  lengths)."""
+  return jnp.reshape(jnp.asarray(row_offset, jnp.int32), (-1, 1)) + jnp.arange(tq, dtype=jnp.int32)
 
 
 def document_first_entry_bt(segment_ids_bt, comp: CompressedKV, row_offset=0):
@@ -146,7 +153,7 @@ def document_first_entry_bt(segment_ids_bt, comp: CompressedKV, row_offset=0):
                                 seg_bn[:, 1:] != seg_bn[:, :-1]], axis=1)
   run_start_bn = jax.lax.cummax(jnp.where(new_run_bn, j_n, 0), axis=1)
   seg_q_bt = jnp.asarray(segment_ids_bt, jnp.int32)
-  t_q = row_offset + jnp.arange(seg_q_bt.shape[1], dtype=jnp.int32)
+  t_q = query_rows(row_offset, seg_q_bt.shape[1])
   j_bt = jnp.broadcast_to((t_q + 1) // comp.ratio - 1, seg_q_bt.shape)
   j_safe_bt = jnp.clip(j_bt, 0, n - 1)
   sees_bt = (j_bt >= 0) & (jnp.take_along_axis(seg_bn, j_safe_bt, axis=1) == seg_q_bt) & \
@@ -172,20 +179,27 @@ class Compressor(nnx.Module):
       self.wgate = normal_param(rngs, (d_model, d), ('embed', 'kv_latent'), cfg.init_std)
     self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
 
+  def project(self, x_btd):
+    """(kv_btd, gate_btd or None): the per-token rows a group pools. Ratio 2 projects in fp32
+    (gate softmax and pooling too), as the HF reference does."""
+    if self.ratio == 1:
+      return x_btd @ self.wkv[...].astype(x_btd.dtype), None
+    x32_btd = x_btd.astype(jnp.float32)
+    return x32_btd @ self.wkv[...].astype(jnp.float32), x32_btd @ self.wgate[...].astype(jnp.float32)
+
+  def pool(self, kv_btd, gate_btd, dtype):
+    """The normed pre-RoPE latent [B, T / ratio, d] of groups of `ratio` projected rows (T a
+    multiple of the ratio); the pooled latent is cast to `dtype` before the norm."""
+    if self.ratio == 1:
+      return self.kv_norm(kv_btd)
+    return self.kv_norm(gated_pool(kv_btd, gate_btd, self.ratio).astype(dtype))
+
   def __call__(self, x_btd, segment_ids_bt, positions_bt,
                quantize: Callable = identity) -> CompressedKV:
     """x_btd: the layer's normed attention input. `quantize` is applied to kv_bnd after RoPE."""
-    dt = x_btd.dtype
     r = self.ratio
-    if r == 1:
-      latent_bnd = self.kv_norm(x_btd @ self.wkv[...].astype(dt))
-    else:
-      # Projections, gate softmax and pooling in fp32; the pooled latent is cast to the compute
-      # dtype before the norm (which itself runs in fp32), as the HF reference does.
-      x32_btd = pad_rows_to_ratio(x_btd, r).astype(jnp.float32)
-      kv_btd = x32_btd @ self.wkv[...].astype(jnp.float32)
-      gate_btd = x32_btd @ self.wgate[...].astype(jnp.float32)
-      latent_bnd = self.kv_norm(gated_pool(kv_btd, gate_btd, r).astype(dt))
+    kv_btd, gate_btd = self.project(pad_rows_to_ratio(x_btd, r))
+    latent_bnd = self.pool(kv_btd, gate_btd, x_btd.dtype)
     pos_bn, seg_bn, last_bn = group_layout(segment_ids_bt, positions_bt, r)
     kv_bnd = quantize(apply_rope(latent_bnd, pos_bn, rope_for_role(self.cfg, 'compress')))
     return CompressedKV(latent_bnd=latent_bnd, kv_bnd=kv_bnd, pos_bn=pos_bn, seg_bn=seg_bn,

@@ -41,6 +41,9 @@ from deepseek41.quant import get_fake_quant
 
 
 INDEXER_TOTALS = 'indexer'  # shared[...]: [sum of per-query KL, queries counted, sum of recall]
+# shared[DECODE]: generation's cache keeper (generate/decode.py); its `attention` and `publish`
+# replace the in-sequence versions for a chunk of new tokens.
+DECODE = 'decode'
 
 
 def _kv_key(layer):
@@ -139,6 +142,8 @@ class CSA2(nnx.Module):
 
   def publish_kv(self, x_btd, batch, shared: dict) -> dict:
     """Compress this KV-source layer's attention input and publish entries and index keys."""
+    if DECODE in shared:  # generation: append to the layer's cache, publish all of it
+      return shared[DECODE].publish(self, x_btd, batch, shared)
     cfg = self.cfg
     comp = self.compressor(x_btd, batch['segment_ids'], batch['positions'],
                            quantize=get_fake_quant(cfg.kv_quant))
@@ -171,11 +176,13 @@ class CSA2(nnx.Module):
       if blocks is not None:
         shared[_pool_key(role.layer)] = blocks
     sel_idx, sel_valid = shared[_sel_key(role.index_source)]
-    # Only an index source needs the per-slot mass (its indexer's distillation target).
+    # Only an index source in training needs the per-slot mass (its indexer's distillation
+    # target); generation computes no indexer loss.
+    distill = self.owns_index and DECODE not in shared
     o_bthd, lse_bth, *mass = compressed_partial(
         q_bthd, comp.kv_bnd.astype(q_bthd.dtype), sel_idx, sel_valid, impl=cfg.sparse_impl,
-        chunk=cfg.sparse_chunk, with_mass=self.owns_index)
-    if self.owns_index:
+        chunk=cfg.sparse_chunk, with_mass=distill)
+    if distill:
       mass_btk, = mass
       student_btk = selected_scores(q_idx, w_bth, k_bnc, sel_idx, sel_valid, cfg.sparse_chunk)
       kl_sum, counted, recall_sum = idx_lib.indexer_distillation(student_btk, mass_btk, sel_valid)

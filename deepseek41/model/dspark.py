@@ -142,19 +142,48 @@ class DSpark(nnx.Module):
     return self.main_norm(dense(h_btf, self.main_proj[...], self.cfg.fp8))
 
   def __call__(self, m_btd, batch, anchors: Anchors, embed_vd, head_dv) -> Drafts:
-    cfg, k, w = self.cfg, self.ds.block_size, self.cfg.sliding_window
-    dt = dtype_of(cfg.compute_dtype)
+    """Training: the drafts of every anchor, the Markov bias teacher-forced with the true tokens."""
+    k, w = self.ds.block_size, self.cfg.sliding_window
     tokens_bt, seg_bt, pos_bt = batch['tokens'], batch['segment_ids'], batch['positions']
     t = tokens_bt.shape[1]
     b_n, p_n = anchors
-    n = b_n.shape[0]
     j_k = jnp.arange(k, dtype=jnp.int32)
-
-    # Rows: [anchor, noise, ...] at P..P+K-1 (positions continue the anchor's).
     anchor_n = tokens_bt[b_n, p_n]
+
+    # The context ring: positions P-W..P-1 of the anchor's document.
+    t_nw = p_n[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None, :]
+    t_safe = jnp.clip(t_nw, 0, t - 1)
+    seg_n = seg_bt[b_n, p_n]
+    ok_nw = (t_nw >= 0) & (seg_bt[b_n[:, None], t_safe] == seg_n[:, None]) & (seg_n[:, None] > 0)
+    context = {'m_nwd': m_btd[b_n[:, None], t_safe], 'positions_nw': pos_bt[b_n[:, None], t_safe],
+               'ok_nw': ok_nw}
+    h_nkd, base_nkv, auxes = self.draft_rows(anchor_n, pos_bt[b_n, p_n], context, embed_vd,
+                                             head_dv)
+
+    # Slot k's previous token: the anchor, then the true tokens (teacher forcing).
+    ahead_nk = p_n[:, None] + 1 + j_k[None, :]                    # the position slot k predicts
+    ahead_safe = jnp.clip(ahead_nk, 0, t - 1)
+    labels_nk = tokens_bt[b_n[:, None], ahead_safe]
+    prev_nk = jnp.concatenate([anchor_n[:, None], labels_nk[:, :-1]], axis=1)
+    valid_nk = (ahead_nk < t) & (seg_bt[b_n[:, None], ahead_safe] == seg_n[:, None]) \
+        & (seg_n[:, None] > 0)
+    bias_nkv, e_nkr = self.markov(prev_nk)
+    return Drafts(base_nkv + bias_nkv, self.confidence_logit(h_nkd, e_nkr),
+                  labels_nk.astype(jnp.int32), valid_nk, auxes)
+
+  def draft_rows(self, anchor_n, anchor_pos_n, context: dict, embed_vd, head_dv):
+    """(h_nkd, U_nkv fp32, auxes): the draft blocks over [anchor, noise x (K-1)] at positions
+    P..P+K-1 and the LM head's logits of every slot, before the Markov bias.
+
+    context: the anchor's ring `m_nwd` [N, W', D], `positions_nw`, `ok_nw` (slots that are real
+    positions P-W..P-1 of its document); W' >= W, in any order.
+    """
+    cfg, k = self.cfg, self.ds.block_size
+    dt = dtype_of(cfg.compute_dtype)
+    n = anchor_n.shape[0]
     rows_nk = jnp.concatenate(
         [anchor_n[:, None], jnp.full((n, k - 1), self.ds.noise_token_id, jnp.int32)], axis=1)
-    positions_nk = pos_bt[b_n, p_n][:, None] + j_k[None, :]
+    positions_nk = anchor_pos_n[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     x = jnp.take(embed_vd, rows_nk, axis=0).astype(dt)
     pre = None
     if cfg.residual != 'plain':
@@ -162,18 +191,11 @@ class DSpark(nnx.Module):
       if cfg.residual == 'mhc_single_pass':
         pre = jnp.broadcast_to(jax.nn.one_hot(0, cfg.hc_mult, dtype=jnp.float32),
                                (n, k, cfg.hc_mult))
-
-    # The context ring: positions P-W..P-1 of the anchor's document.
-    t_nw = p_n[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None, :]
-    t_safe = jnp.clip(t_nw, 0, t - 1)
-    seg_n = seg_bt[b_n, p_n]
-    ok_nw = (t_nw >= 0) & (seg_bt[b_n[:, None], t_safe] == seg_n[:, None]) & (seg_n[:, None] > 0)
     rows_batch = {
         'segment_ids': jnp.ones((n, k), jnp.int32),  # every draft row is real
         'positions': positions_nk,
         'modality': jnp.zeros((n, k), jnp.int32),
-        'dspark_context': {'m_nwd': m_btd[b_n[:, None], t_safe],
-                           'positions_nw': pos_bt[b_n[:, None], t_safe], 'ok_nw': ok_nw},
+        'dspark_context': context,
     }
     auxes = []
     for block in self.blocks:
@@ -188,20 +210,17 @@ class DSpark(nnx.Module):
     h_nkd = self.final_norm(x)
     base_nkv = jnp.einsum('nkd,dv->nkv', h_nkd, head_dv.astype(dt),
                           preferred_element_type=jnp.float32)
+    return h_nkd, base_nkv, tuple(auxes)
 
-    # Slot k's previous token: the anchor, then the true tokens (teacher forcing).
-    ahead_nk = p_n[:, None] + 1 + j_k[None, :]                    # the position slot k predicts
-    ahead_safe = jnp.clip(ahead_nk, 0, t - 1)
-    labels_nk = tokens_bt[b_n[:, None], ahead_safe]
-    prev_nk = jnp.concatenate([anchor_n[:, None], labels_nk[:, :-1]], axis=1)
-    valid_nk = (ahead_nk < t) & (seg_bt[b_n[:, None], ahead_safe] == seg_n[:, None]) \
-        & (seg_n[:, None] > 0)
+  def markov(self, prev_nk):
+    """(B_nkv fp32, w1[x_{k-1}] fp32 [N, K, r]): the Markov bias from each slot's previous token."""
     e_nkr = jnp.take(self.markov_in[...], prev_nk, axis=0).astype(jnp.float32)
-    bias_nkv = jnp.einsum('nkr,vr->nkv', e_nkr, self.markov_out[...].astype(jnp.float32))
+    return jnp.einsum('nkr,vr->nkv', e_nkr, self.markov_out[...].astype(jnp.float32)), e_nkr
+
+  def confidence_logit(self, h_nkd, e_nkr):
+    """fp32 [N, K]: c_k = sigmoid of this."""
     feats_nkf = jnp.concatenate([h_nkd.astype(jnp.float32), e_nkr], axis=-1)
-    conf_logit_nk = jnp.einsum('nkf,f->nk', feats_nkf, self.confidence[...].astype(jnp.float32))
-    return Drafts(base_nkv + bias_nkv, conf_logit_nk, labels_nk.astype(jnp.int32), valid_nk,
-                  tuple(auxes))
+    return jnp.einsum('nkf,f->nk', feats_nkf, self.confidence[...].astype(jnp.float32))
 
 
 def target_logits(logits_btv, anchors: Anchors, k: int):

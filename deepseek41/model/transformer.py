@@ -184,16 +184,11 @@ class Transformer(nnx.Module):
     logits_btv, aux, _ = self.forward(batch)
     return logits_btv, aux
 
-  def forward(self, batch, capture_layers: tuple[int, ...] = ()):
-    """(logits [B,T,V] fp32, aux, captured): captured[l] is the residual entering layer l, the
-    mean over the mHC streams ([B, T, D]; DSpark's context features)."""
-    with jax.named_scope('embed'):  # top-level scopes too, so no kernel of the step is unnamed
-      x, pre = self.residual_input(batch)
-      x = constrain_tokens(x)  # context parallelism: each shard holds its stretch of tokens
-      batch = self.with_engram_rows(batch)
+  def run_blocks(self, x, pre, batch, shared: dict, capture_layers: tuple[int, ...] = ()):
+    """Every layer in order: (x, pre, per-layer aux, captured inputs, shared). `batch` already
+    holds the Engram row ids (`with_engram_rows`)."""
     auxes = []
     captured = {}
-    shared = {}  # compressed KV and selections published by source layers (CSA2)
     for block in self.blocks:
       if block.layer in capture_layers:
         captured[block.layer] = x if x.ndim == 3 else jnp.mean(x.astype(jnp.float32), axis=2)
@@ -204,6 +199,17 @@ class Transformer(nnx.Module):
           x, pre, aux, shared = block(x, pre, batch, shared)
         x = constrain_tokens(x)
       auxes.append(aux)
+    return x, pre, auxes, captured, shared
+
+  def forward(self, batch, capture_layers: tuple[int, ...] = ()):
+    """(logits [B,T,V] fp32, aux, captured): captured[l] is the residual entering layer l, the
+    mean over the mHC streams ([B, T, D]; DSpark's context features)."""
+    with jax.named_scope('embed'):  # top-level scopes too, so no kernel of the step is unnamed
+      x, pre = self.residual_input(batch)
+      x = constrain_tokens(x)  # context parallelism: each shard holds its stretch of tokens
+      batch = self.with_engram_rows(batch)
+    # shared: compressed KV and selections published by source layers (CSA2)
+    x, pre, auxes, captured, shared = self.run_blocks(x, pre, batch, {}, capture_layers)
     with jax.named_scope('head'):
       logits_btv = self.logits(x, pre)
     kl_sum, counted, recall_sum = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))

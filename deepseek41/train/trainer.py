@@ -13,6 +13,7 @@ import dataclasses
 import glob
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -272,6 +273,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     if primary:  # only now: a start rejected by the checkpoint leaves the old config.json
       with open(os.path.join(workdir, 'config.json'), 'w') as f:
         f.write(cfg.to_json())
+      _keep_tokenizer(cfg, workdir)
 
     # ---- update step -----------------------------------------------------------------------
     replicated = NamedSharding(mesh, P())
@@ -536,6 +538,17 @@ class _StepProfiler:
       except Exception:  # never mask the exception that ended the run
         log.exception('stopping the profiler trace failed')
         self.active = False
+
+
+def _keep_tokenizer(cfg, workdir: str):
+  """A copy of the data's tokenizer in the work directory: generation reads it there, however
+  the data cache moves later."""
+  if cfg.data.synthetic:
+    return
+  from deepseek41.data.pipeline import tokenizer_path_of
+  target = os.path.join(workdir, 'tokenizer.json')
+  shutil.copyfile(tokenizer_path_of(cfg.data), target + '.tmp')
+  os.replace(target + '.tmp', target)
 
 
 def _engram_compression(cfg) -> np.ndarray | None:

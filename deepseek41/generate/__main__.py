@@ -1,0 +1,93 @@
+"""`python -m deepseek41.generate --workdir=DIR [--step=N] --prompt=TEXT | --prompts=FILE.jsonl
+[--max_new_tokens=N] [--temperature=T] [--top_p=P] [--speculative] [--prefill=auto|ced|full]`
+
+Restores a checkpoint of a training run, tokenizes with the run's tokenizer, generates and
+prints each completion with its tokens/s. --prompts reads one JSON object per line with a
+"prompt" field; all prompts go through as one batch (different lengths are fine). --json prints
+one JSON object per prompt instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags
+
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Work directory of a training run.')
+_STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: the newest).')
+_PROMPT = flags.DEFINE_string('prompt', None, 'One prompt.')
+_PROMPTS = flags.DEFINE_string('prompts', None, 'A .jsonl file of {"prompt": ...} lines.')
+_MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'Tokens to generate per prompt at most.')
+_TEMPERATURE = flags.DEFINE_float('temperature', 0.0, '0 = greedy.')
+_TOP_P = flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass.')
+_SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
+_SPECULATIVE = flags.DEFINE_bool('speculative', False,
+                                 'Draft with DSpark and verify (a DSpark-stage checkpoint).')
+_PREFILL = flags.DEFINE_enum('prefill', 'auto', ['auto', 'ced', 'full'],
+                             'auto: CED where the model has an encoder/decoder split.')
+_N_WIN = flags.DEFINE_integer('n_win', 0, 'CED decoder tail (0: the smallest exact one).')
+_VERIFY_COST = flags.DEFINE_float(
+    'verify_cost', 0.05, 'Cost of one more verified position relative to a decode step.')
+_JSON = flags.DEFINE_bool('json', False, 'One JSON object per prompt.')
+
+
+def read_prompts(path: str) -> list[str]:
+  from deepseek41.generate.generator import GenerateError
+  try:
+    lines = open(path, encoding='utf-8').read().splitlines()
+  except OSError as e:
+    raise GenerateError(f'--prompts={path}: {e.strerror or e}') from None
+  prompts = []
+  for i, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      obj = json.loads(line)
+      prompts.append(obj['prompt'] if isinstance(obj, dict) else None)
+    except (json.JSONDecodeError, KeyError):
+      prompts.append(None)
+    if not isinstance(prompts[-1], str):
+      raise GenerateError(f'--prompts={path} line {i}: expected {{"prompt": "..."}}')
+  if not prompts:
+    raise GenerateError(f'--prompts={path} holds no prompt')
+  return prompts
+
+
+def main(argv):
+  del argv
+  from deepseek41.generate.generator import GenerateError, Generator
+  try:
+    if not _WORKDIR.value:
+      raise GenerateError('--workdir is required')
+    if (_PROMPT.value is None) == (_PROMPTS.value is None):
+      raise GenerateError('give exactly one of --prompt and --prompts')
+    prompts = [_PROMPT.value] if _PROMPT.value is not None else read_prompts(_PROMPTS.value)
+    gen = Generator(_WORKDIR.value, _STEP.value)
+    results = gen.generate(prompts, max_new_tokens=_MAX_NEW.value,
+                           temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value,
+                           speculative=_SPECULATIVE.value, prefill=_PREFILL.value,
+                           n_win=_N_WIN.value, verify_cost=_VERIFY_COST.value)
+  except GenerateError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  for prompt, r in zip(prompts, results):
+    if _JSON.value:
+      print(json.dumps({'prompt': prompt, 'text': r.text, 'tokens': r.tokens,
+                        'tokens_per_s': r.tokens_per_s, 'prefill_s': r.prefill_s,
+                        'forwards': r.forwards, 'accepted_drafts': r.accepted_drafts}))
+    else:
+      print(f'{prompt}{r.text}')
+      extra = (f', {r.accepted_drafts} drafts accepted in {r.forwards} verifications'
+               if _SPECULATIVE.value else '')
+      print(f'--- {len(r.tokens)} tokens, {r.tokens_per_s:.1f} tokens/s after compilation '
+            f'(prefill {r.prefill_s:.2f} s with compilation){extra}')
+  return 0
+
+
+def run():
+  app.run(lambda argv: sys.exit(main(argv)))
+
+
+if __name__ == '__main__':
+  run()

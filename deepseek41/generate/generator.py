@@ -1,0 +1,414 @@
+"""`Generator`: a checkpoint, its tokenizer, prefill and decoding (plain or speculative with DSpark).
+
+    gen = Generator('runs/tiny')                      # the newest checkpoint; step=N for another
+    for r in gen.generate(['def main(', 'import'], max_new_tokens=32, temperature=0.0):
+      print(r.text, r.tokens_per_s)
+
+The checkpoint's own config builds the model (its execution choices re-resolved for the devices
+at hand, the routed experts dropless as in evaluation); prompts of different lengths share one
+right-padded prefill. Prefill is CED by default where the model has an encoder/decoder split:
+the decoder runs over the last `n_win` prompt tokens, by default just enough that its windows
+hold exactly what the full forward would (decode after it is exact; decode.py). Speculative
+decoding needs a DSpark-stage checkpoint (`dspark.stage` other than `off`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from deepseek41.config import CheckpointConfig, RunConfig, config_from_saved, resolve
+from deepseek41.generate import sampling
+from deepseek41.generate.cache import CacheSpec, empty_cache, scatter_rows
+from deepseek41.generate.decode import ced_prefill, forward_chunk
+
+# Execution choices re-resolved for the devices that generate (the checkpoint's were resolved
+# for the ones that trained).
+_EXECUTION_KEYS = ('moe_backend', 'eval_moe_backend', 'grouped_wgrad', 'index_impl',
+                   'attention_impl', 'sparse_impl', 'mhc_impl', 'vision_attention_impl')
+
+
+class GenerateError(ValueError):
+  """Bad input to generation; the message names the culprit (workdir, step, prompt, flag)."""
+
+
+@dataclasses.dataclass
+class Result:
+  prompt_tokens: list[int]
+  tokens: list[int]           # the generated tokens (up to, not including, end-of-document)
+  text: str
+  prefill_s: float
+  decode_s: float             # wall time of the decode loop (compilation excluded)
+  forwards: int               # backbone forwards after prefill
+  accepted_drafts: int        # speculative: drafts accepted over all verifications
+  timed_tokens: int           # the tokens decode_s covers (after the first, compiling step)
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.timed_tokens / self.decode_s if self.decode_s > 0 else float('nan')
+
+
+def max_positions(cfg: RunConfig) -> int:
+  """The longest sequence the model is configured for: YaRN's extended range, or the trained
+  sequence length without YaRN."""
+  m = cfg.model
+  if m.yarn_factor > 1.0:
+    return int(m.yarn_original_max_position * m.yarn_factor)
+  return cfg.data.seq_len
+
+
+def exact_n_win(cfg: RunConfig) -> int:
+  """The CED tail after which the decoder's windows are exact: every row of the last window
+  lies in the exact part of the tail (model/ced.py's `exact_tail_rows`)."""
+  m = cfg.model
+  reach = (m.num_layers - m.num_encoder_layers) * (max(m.sliding_window, m.image_span_max_len) - 1)
+  return reach + m.sliding_window
+
+
+def generation_config(saved: dict, backend: str | None = None) -> RunConfig:
+  """The checkpoint's config with its execution choices resolved for this backend and the
+  decode-friendly XLA paths (one query row at a time tiles no kernel)."""
+  c = config_from_saved(saved)
+  for key in _EXECUTION_KEYS:
+    if key in c.model:
+      c.model[key] = 'auto'
+  c.model.attention_impl = 'chunked'
+  c.model.index_impl = 'reference'
+  c.model.sparse_impl = 'gathered'
+  c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor, c.mesh.context = -1, 1, 1, 1, 1
+  c.data.synthetic = True  # nothing is read: resolve checks no data
+  c.train.remat = 'none'
+  cfg = resolve(c, backend=backend)
+  return dataclasses.replace(cfg, model=dataclasses.replace(
+      cfg.model, moe_backend=cfg.model.eval_moe_backend))
+
+
+def find_tokenizer(workdir: str, saved: dict):
+  """The run's tokenizer: WORKDIR/tokenizer.json (the trainer copies it there), else the one its
+  data names."""
+  from deepseek41.data.tokenizer import load_tokenizer
+  path = os.path.join(workdir, 'tokenizer.json')
+  if os.path.isfile(path):
+    return load_tokenizer(path)
+  try:
+    from deepseek41.data.pipeline import tokenizer_path_of
+    data_cfg = resolve(config_from_saved(saved), backend='cpu').data
+    return load_tokenizer(tokenizer_path_of(data_cfg))
+  except Exception as e:  # synthetic data, a moved cache, an unprepared corpus
+    raise GenerateError(
+        f'{workdir} has no tokenizer.json, and its data config gives none ({e}); copy the '
+        'tokenizer the run trained with to ' + path) from None
+
+
+class Generator:
+  """A restored checkpoint ready to generate."""
+
+  def __init__(self, workdir: str, step: int | None = None):
+    from deepseek41.sharding import make_mesh
+    from deepseek41.train import state as state_lib
+    from deepseek41.train.checkpoint import Checkpointer
+    from deepseek41.train.optimizer import make_optimizer
+    workdir = os.path.abspath(workdir)
+    if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
+      raise GenerateError(f'--workdir={workdir} has no checkpoints/ directory: give the work '
+                          'directory of a training run')
+    # A reader: it never saves, so it never deletes (max_to_keep None keeps everything).
+    ckpt = Checkpointer(workdir, CheckpointConfig(every_steps=0, max_to_keep=None, keep_period=0,
+                                                  async_save=False), primary=False)
+    try:
+      steps = sorted(ckpt.manager.all_steps())
+      if not steps:
+        raise GenerateError(f'{workdir}/checkpoints holds no complete checkpoint')
+      if step is None:
+        step = steps[-1]
+      elif step not in steps:
+        raise GenerateError(f'--step={step}: no checkpoint of that step in {workdir}/checkpoints '
+                            f'(there are: {", ".join(map(str, steps))})')
+      saved = ckpt.read_json_item(step, 'config')
+      self.cfg = cfg = generation_config(saved)
+      self.tokenizer = find_tokenizer(workdir, saved)
+      if self.tokenizer.vocab_size > cfg.model.vocab_size:
+        raise GenerateError(f'{workdir}: the tokenizer has {self.tokenizer.vocab_size} ids, the '
+                            f'model {cfg.model.vocab_size}')
+      self.engram_map = _engram_map(cfg, self.tokenizer)
+      self.mesh = make_mesh(cfg.mesh)
+      tx = make_optimizer(cfg.train)
+      abstract = state_lib.abstract_state(cfg, tx)
+      shardings = state_lib.state_shardings(abstract, self.mesh, cfg.mesh.rules)
+      restored = ckpt.restore(step, state_lib.with_shardings(abstract, shardings), None)
+    finally:
+      ckpt.close()
+    graphdef = state_lib.model_def(cfg, tx).graphdef
+    if cfg.dspark.stage != 'off':
+      from deepseek41.train.dspark_stage import merge
+      drafting = merge(graphdef, restored['params'], restored.get('frozen'),
+                       restored['router_bias'])
+      self.model, self.dspark = drafting.backbone, drafting.dspark
+    else:
+      self.model = state_lib.merge_model(graphdef, restored['params'], restored['router_bias'])
+      self.dspark = None
+    self.step = step
+    self.workdir = workdir
+    self._programs = Programs(self.model, self.dspark, self.engram_map)
+
+  def encode(self, prompts: Sequence[str]) -> list[np.ndarray]:
+    out = []
+    for i, text in enumerate(prompts):
+      ids = self.tokenizer.hf.encode(text, add_special_tokens=False).ids
+      if not ids:
+        raise GenerateError(f'prompt {i} is empty: give at least one token of text')
+      out.append(np.asarray(ids, np.int32))
+    return out
+
+  def generate(self, prompts: Sequence[str], **kw) -> list[Result]:
+    results = self.generate_tokens(self.encode(prompts), **kw)
+    for r in results:
+      r.text = self.tokenizer.decode(r.tokens)
+    return results
+
+  def generate_tokens(self, prompts: Sequence[np.ndarray], *, speculative: bool = False,
+                      **kw) -> list[Result]:
+    """Generate after each prompt (token ids). Returns one Result per prompt, in order."""
+    if speculative and self.dspark is None:
+      raise GenerateError(f'--speculative needs a DSpark-stage checkpoint; {self.workdir} is a '
+                          'pretraining run (dspark.stage = off)')
+    with jax.set_mesh(self.mesh):
+      return decode_loop(self._programs, self.cfg, prompts, eos_id=self.tokenizer.eos_id,
+                         speculative=speculative, **kw)
+
+
+def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray], *,
+                eos_id: int | None, max_new_tokens: int = 64, temperature: float = 0.0,
+                top_p: float = 1.0, seed: int = 0, speculative: bool = False,
+                prefill: str = 'auto', n_win: int = 0, verify_cost: float = 0.05,
+                draft_len: int = 0) -> list[Result]:
+  """Prefill the prompts as one right-padded batch, then decode until every row has
+  max_new_tokens or its end-of-document (eos_id; None: never stop early)."""
+  if not len(prompts):
+    raise GenerateError('no prompts given')
+  if max_new_tokens < 1:
+    raise GenerateError(f'--max_new_tokens must be >= 1, got {max_new_tokens}')
+  if not 0 < top_p <= 1:
+    raise GenerateError(f'--top_p must be in (0, 1], got {top_p}')
+  k = cfg.dspark.block_size if speculative else 0
+  k = min(k, draft_len) if draft_len else k
+  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  limit = max_positions(cfg)
+  for i, n in enumerate(lengths):
+    if n + max_new_tokens + k + 1 > limit:
+      raise GenerateError(f'prompt {i}: {n} tokens + --max_new_tokens={max_new_tokens} exceed '
+                          f'the model\'s {limit} positions (model.yarn_original_max_position x '
+                          'model.yarn_factor)')
+  split = 0 < cfg.model.num_encoder_layers < cfg.model.num_layers
+  if prefill == 'auto':
+    prefill = 'ced' if split else 'full'
+  if prefill not in ('ced', 'full'):
+    raise GenerateError(f'--prefill must be auto, ced or full, got {prefill!r}')
+  if prefill == 'ced' and not split:
+    raise GenerateError('--prefill=ced needs model.num_encoder_layers between 0 and '
+                        'model.num_layers')
+  t = int(-(-lengths.max() // 16) * 16)  # fewer prefill shapes to compile
+  spec = CacheSpec(batch=len(prompts), max_len=t + max_new_tokens + k + 1, max_chunk=k + 1)
+  tokens_bt = np.zeros((len(prompts), t), np.int32)
+  for i, p in enumerate(prompts):
+    tokens_bt[i, :len(p)] = p
+  key = jax.random.key(seed)
+  feature_dim = cfg.model.d_model if speculative else 0
+  cache = empty_cache(cfg.model, spec, feature_dim)
+  t0 = time.perf_counter()
+  if prefill == 'ced':
+    win = min(n_win or exact_n_win(cfg), t)
+    logits_last, cache = progs.prefill_ced(cache, jnp.asarray(tokens_bt), jnp.asarray(lengths),
+                                           win, speculative)
+  else:
+    logits_last, cache = progs.prefill_full(cache, jnp.asarray(tokens_bt),
+                                            jnp.asarray(lengths), speculative)
+  key, sub = jax.random.split(key)
+  nxt = sampling.draw(sub, sampling.probs(logits_last, temperature, top_p))
+  nxt = np.asarray(nxt)
+  prefill_s = time.perf_counter() - t0
+
+  out = [[int(nxt[i])] for i in range(len(prompts))]
+  done = np.zeros(len(prompts), bool)
+  eos = eos_id
+
+  def update_done():
+    for i in range(len(prompts)):
+      if not done[i]:
+        if eos is not None and eos in out[i]:
+          out[i] = out[i][:out[i].index(eos)]
+          done[i] = True
+        elif len(out[i]) >= max_new_tokens:
+          out[i] = out[i][:max_new_tokens]
+          done[i] = True
+  update_done()
+  forwards, accepted = 0, np.zeros(len(prompts), np.int64)
+  decode_s, first = 0.0, True
+  untimed = [len(o) for o in out]
+  while not done.all():
+    t1 = time.perf_counter()
+    key, sub = jax.random.split(key)
+    if speculative:
+      key, dkey = jax.random.split(key)
+      drafts, q, conf = progs.draft(cache, jnp.asarray(nxt), dkey, temperature, top_p, k)
+      admit = np.array(sampling.verify_length(conf, verify_cost))
+      admit[done] = 0
+      j = int(admit.max())
+    else:
+      j = 0
+    if j == 0:
+      nxt_dev, cache = progs.plain(cache, jnp.asarray(nxt), sub, temperature, top_p,
+                                   speculative)
+      emitted = [[int(x)] for x in np.asarray(nxt_dev)]
+    else:
+      acc, nxt_dev, cache = progs.verify(cache, jnp.asarray(nxt), drafts[:, :j], q[:, :j],
+                                         jnp.asarray(admit), sub, temperature, top_p)
+      acc, d = np.asarray(acc), np.asarray(drafts)
+      emitted = [list(d[i, :acc[i]]) + [int(np.asarray(nxt_dev)[i])]
+                 for i in range(len(prompts))]
+      accepted += np.where(done, 0, acc)
+    nxt = np.asarray(nxt_dev)
+    forwards += 1
+    for i in range(len(prompts)):
+      if not done[i]:
+        out[i].extend(int(x) for x in emitted[i])
+    update_done()
+    if first:  # the first step compiles: timed from the second on
+      first = False
+      untimed = [len(o) for o in out]
+    else:
+      decode_s += time.perf_counter() - t1
+  return [Result(prompt_tokens=[int(x) for x in p], tokens=out[i], text='',
+                 prefill_s=prefill_s, decode_s=decode_s, forwards=forwards,
+                 accepted_drafts=int(accepted[i]),
+                 timed_tokens=max(0, len(out[i]) - untimed[i])) for i, p in enumerate(prompts)]
+
+
+def _engram_map(cfg: RunConfig, tokenizer):
+  from deepseek41.config import engram_compresses
+  from deepseek41.model.engram_hash import compress_vocab, vocab_strings
+  if not (cfg.model.engram and engram_compresses(cfg.model)):
+    return None
+  mapping, _ = compress_vocab(*vocab_strings(tokenizer.hf))
+  return jnp.asarray(mapping.astype(np.int32))
+
+
+def _write_features(dspark, cache, captured, valid_bq, start_b):
+  """DSpark's context m_t of the chunk's rows into the cache's feature ring."""
+  m_bqd = dspark.context(captured)
+  b, tq = valid_bq.shape
+  pos_bq = start_b[:, None] + jnp.arange(tq, dtype=jnp.int32)[None, :]
+  end_b = start_b + jnp.sum(valid_bq, axis=1, dtype=jnp.int32)
+  cap = cache['feat_pos'].shape[1]
+  slots = jnp.where(valid_bq & (pos_bq >= end_b[:, None] - cap), pos_bq % cap, cap)
+  b_idx = jnp.arange(b)[:, None]
+  return {**cache, 'feat': scatter_rows(cache['feat'], b_idx, slots, m_bqd),
+          'feat_pos': scatter_rows(cache['feat_pos'], b_idx, slots, pos_bq)}
+
+
+class Programs:
+  """The jitted pieces of generation over the split model state (merged inside each program)."""
+
+  def __init__(self, model, dspark, engram_map):
+    self.graph, self.state = nnx.split((model, dspark))
+    self.engram_map = engram_map
+    self._jit = {}
+
+  def _merged(self, state):
+    return nnx.merge(self.graph, state)
+
+  def _compiled(self, name, fn, static):
+    if name not in self._jit:
+      self._jit[name] = jax.jit(fn, static_argnames=static)
+    return self._jit[name]
+
+  def prefill_full(self, cache, tokens_bt, lengths_b, features: bool):
+    def run(state, cache, tokens_bt, lengths_b, features):
+      model, dspark = self._merged(state)
+      valid = jnp.arange(tokens_bt.shape[1])[None, :] < lengths_b[:, None]
+      start = jnp.zeros_like(lengths_b)
+      logits, captured, cache = forward_chunk(
+          model, cache, tokens_bt, valid, engram_map=self.engram_map,
+          capture_layers=dspark.targets if features else ())
+      if features:
+        cache = _write_features(dspark, cache, captured, valid, start)
+      last = jnp.take_along_axis(logits, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
+      return last, cache
+    return self._compiled('prefill_full', run, ('features',))(
+        self.state, cache, tokens_bt, lengths_b, features=features)
+
+  def prefill_ced(self, cache, tokens_bt, lengths_b, n_win: int, features: bool):
+    def run(state, cache, tokens_bt, lengths_b, n_win, features):
+      model, dspark = self._merged(state)
+      logits, captured, cache = ced_prefill(
+          model, cache, tokens_bt, lengths_b, n_win, engram_map=self.engram_map,
+          capture_layers=dspark.targets if features else ())
+      tail_b = jnp.maximum(lengths_b - n_win, 0)
+      if features:
+        valid = (tail_b[:, None] + jnp.arange(n_win)[None, :]) < lengths_b[:, None]
+        cache = _write_features(dspark, cache, captured, valid, tail_b)
+      last = jnp.take_along_axis(logits, (lengths_b - 1 - tail_b)[:, None, None], axis=1)[:, 0]
+      return last, cache
+    return self._compiled('prefill_ced', run, ('n_win', 'features'))(
+        self.state, cache, tokens_bt, lengths_b, n_win=n_win, features=features)
+
+  def plain(self, cache, tok_b, key, temperature, top_p, features: bool):
+    def run(state, cache, tok_b, key, temperature, top_p, features):
+      model, dspark = self._merged(state)
+      start = cache['length']
+      valid = jnp.ones((tok_b.shape[0], 1), bool)
+      logits, captured, cache = forward_chunk(
+          model, cache, tok_b[:, None], valid, engram_map=self.engram_map,
+          capture_layers=dspark.targets if features else ())
+      if features:
+        cache = _write_features(dspark, cache, captured, valid, start)
+      return sampling.draw(key, sampling.probs(logits[:, 0], temperature, top_p)), cache
+    return self._compiled('plain', run, ('temperature', 'top_p', 'features'))(
+        self.state, cache, tok_b, key, temperature=temperature, top_p=top_p, features=features)
+
+  def draft(self, cache, anchor_b, key, temperature, top_p, k: int):
+    def run(state, cache, anchor_b, key, temperature, top_p, k):
+      model, dspark = self._merged(state)
+      p_b = cache['length']
+      w = model.cfg.sliding_window
+      fpos = cache['feat_pos']
+      ok = (fpos >= 0) & (fpos >= p_b[:, None] - w) & (fpos < p_b[:, None])
+      context = {'m_nwd': cache['feat'], 'positions_nw': jnp.maximum(fpos, 0), 'ok_nw': ok}
+      h_nkd, base_nkv, _ = dspark.draft_rows(anchor_b, p_b, context, model.embed[...],
+                                             model.head[...])
+      prev, drafts, qs, confs = anchor_b, [], [], []
+      for slot, sub in enumerate(jax.random.split(key, k)):
+        bias_n1v, e_n1r = dspark.markov(prev[:, None])
+        q_nv = sampling.probs(base_nkv[:, slot] + bias_n1v[:, 0], temperature, top_p)
+        prev = sampling.draw(sub, q_nv)
+        conf = jax.nn.sigmoid(dspark.confidence_logit(h_nkd[:, slot:slot + 1], e_n1r))[:, 0]
+        drafts.append(prev)
+        qs.append(q_nv)
+        confs.append(conf)
+      return jnp.stack(drafts, 1), jnp.stack(qs, 1), jnp.stack(confs, 1)
+    return self._compiled('draft', run, ('temperature', 'top_p', 'k'))(
+        self.state, cache, anchor_b, key, temperature=temperature, top_p=top_p, k=k)
+
+  def verify(self, cache, anchor_b, drafts_bj, q_bjv, admit_b, key, temperature, top_p):
+    def run(state, cache, anchor_b, drafts_bj, q_bjv, admit_b, key, temperature, top_p):
+      model, dspark = self._merged(state)
+      start = cache['length']
+      chunk = jnp.concatenate([anchor_b[:, None], drafts_bj], axis=1)
+      valid = jnp.ones(chunk.shape, bool)
+      logits, captured, cache = forward_chunk(model, cache, chunk, valid,
+                                              engram_map=self.engram_map,
+                                              capture_layers=dspark.targets)
+      cache = _write_features(dspark, cache, captured, valid, start)
+      p_bjv = sampling.probs(logits, temperature, top_p)
+      acc, nxt = sampling.verify(key, p_bjv, q_bjv, drafts_bj, admit_b, greedy=temperature <= 0)
+      return acc, nxt, {**cache, 'length': start + acc + 1}
+    return self._compiled('verify', run, ('temperature', 'top_p'))(
+        self.state, cache, anchor_b, drafts_bj, q_bjv, admit_b, key, temperature=temperature,
+        top_p=top_p)
