@@ -410,6 +410,10 @@ class CheckpointConfig:
   max_to_keep: int = _key(3)             # keep the newest N ...
   keep_period: int = _key(0)             # ... plus every K-th step (0: none)
   async_save: bool = _key(True)
+  # A checkpoint step directory (WORKDIR/checkpoints/<step>, e.g. written by
+  # `deepseek41.tools.convert import`): a run with no checkpoint of its own starts from its
+  # parameters and router biases, with a fresh optimizer and step 0 (interop/init_from.py).
+  init_from: str = _key('')
 
 
 @dataclasses.dataclass(frozen=True)

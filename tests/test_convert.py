@@ -100,6 +100,26 @@ def test_round_trip_is_bit_identical(trained):
   report = json.loads((root / 'imported' / 'import_report.json').read_text())
   assert any('q_head_norm=False' in n for n in report['notes'])
 
+  # A new run (other optimizer settings) starts from the imported weights: checkpoint.init_from.
+  from deepseek41.interop.init_from import load_initial_weights
+  from deepseek41.train.checkpoint import CheckpointError
+  fresh_cfg = resolved(num_devices=jax.device_count(), **TOY, **{
+      'checkpoint.init_from': step_dir, 'train.engram_table_lr_multiplier': 1.0,
+      'train.grad_clip_norm': 0.0})
+  tx = make_optimizer(fresh_cfg.train)
+  mesh = make_mesh(fresh_cfg.mesh)
+  fresh, _ = state_lib.init_state(fresh_cfg, tx, mesh, fresh_cfg.mesh.rules)
+  started = load_initial_weights(fresh_cfg, fresh, mesh)
+  for group in ('params', 'router_bias'):
+    a, b = _named(before[group]), _named(started[group])
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k], err_msg=f'{group} {k}')
+  assert started['opt'] is fresh['opt'] and int(started['step']) == 0
+  other = resolved(num_devices=jax.device_count(), **{**TOY, 'model.hc_mult': 2,
+                                                      'checkpoint.init_from': step_dir})
+  with pytest.raises(CheckpointError, match='model.hc_mult'):
+    load_initial_weights(other, fresh, mesh)
+
 
 def _tile_fp8_reference(w_oi):
   """e4m3 with a power-of-two scale per 32x32 tile, straight from the definition."""
