@@ -1,5 +1,5 @@
 """The name and layout map between our parameters and the HF `deepseek_v41` state dict
-(docs/hf_interop.md, "Tensor map": the same table in prose).
+(docs/hf_interop.md, "Tensor map", has the same table).
 
 One `Entry` per parameter of ours: the HF tensor(s) it is made of, how the layout changes, and
 how the released format stores it. Layout kinds (ours <-> HF):
