@@ -7,7 +7,9 @@ Builds a small random HF V4.1 model that keeps every layer role (SWA, Full ratio
 Reuse, Reindex inside the candidate pool), Engram, mHC and the FP8/FP4 fake quantizers; saves it
 with `save_pretrained`; imports it with `deepseek41.interop.hf_convert.import_hf`; runs both
 forwards in float32 on the same tokens and prints the largest logit difference (and per-row
-agreement of the top-1 token). Exit status 1 if it exceeds --tolerance.
+agreement of the top-1 token). Then exports the imported checkpoint (fp32) and loads it back
+into the HF model (`from_pretrained`): its logits must equal the original HF model's.
+Exit status 1 if a difference exceeds --tolerance.
 
 The HF code comes from an installed transformers that has `models/deepseek_v41`, or from
 --hf_src, a directory holding its `configuration_deepseek_v41.py` and
@@ -218,6 +220,19 @@ def main():
   ours = our_logits(workdir, tokens)
   t_ours = time.perf_counter() - t0
 
+  # The other direction: export the imported checkpoint and load it with the HF code.
+  from deepseek41.interop.hf_convert import export_hf
+  exported = os.path.join(root, 'exported')
+  shutil.rmtree(exported, ignore_errors=True)
+  export_hf(workdir, exported, dtype='fp32', progress=False, say=lambda s: None)
+  reloaded = model_mod.DeepseekV41ForCausalLM.from_pretrained(exported).float().eval()
+  reloaded.model.bind_tokenizer(identity_tokenizer(args.vocab))
+  with torch.no_grad():
+    hf_reloaded = reloaded(input_ids=torch.tensor(tokens), use_cache=True,
+                           past_key_values=hf_cache(model_mod, reloaded.config)).logits.numpy()
+
+  before, after = model.state_dict(), reloaded.state_dict()
+  differing = sorted(k for k in before if k not in after or not torch.equal(before[k], after[k]))
   diff = np.abs(ours - hf)
   per_position = diff.max(-1)
   result = {
@@ -227,6 +242,8 @@ def main():
       'logit_scale': float(np.abs(hf).max()),
       'top1_agreement': float(np.mean(ours.argmax(-1) == hf.argmax(-1))),
       'max_abs_diff_hf_without_cache': float(np.abs(ours - hf_nocache).max()),
+      'hf_reloaded_from_export_max_abs_diff_to_hf': float(np.abs(hf_reloaded - hf).max()),
+      'hf_reloaded_tensors_differing': differing,
       'worst_position': [int(i) for i in np.unravel_index(diff.argmax(), diff.shape)[:2]],
       'first_divergence_per_row': [int(np.argmax(r > args.tolerance)) if np.any(r > args.tolerance)
                                    else None for r in per_position],
@@ -237,7 +254,8 @@ def main():
   print(json.dumps(result, indent=2))
   if not args.out:
     shutil.rmtree(root, ignore_errors=True)
-  sys.exit(0 if result['max_abs_diff'] <= args.tolerance else 1)
+  ok = max(result['max_abs_diff'], result['hf_reloaded_from_export_max_abs_diff_to_hf'])
+  sys.exit(0 if ok <= args.tolerance else 1)
 
 
 if __name__ == '__main__':

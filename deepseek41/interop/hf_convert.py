@@ -31,7 +31,7 @@ from deepseek41.interop.hf_config import HFConfigError
 from deepseek41.interop.safetensors_io import CheckpointReader, SafetensorsError, ShardedWriter
 
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
-                   'tokenizer.model', 'generation_config.json')
+                   'tokenizer.model')
 FP32_STORAGE = 'fp32'
 EXPORT_DTYPES = ('fp32', 'bf16', 'fp8')
 
@@ -424,6 +424,9 @@ def export_hf(workdir: str, hf_out: str, *, step: int | None = None, dtype: str 
     writer.close()
     with open(os.path.join(staging, 'config.json'), 'w') as f:
       json.dump(hf_cfg, f, indent=2)
+    if tokenizer is None:  # the trainer keeps WORKDIR/tokenizer.json; an import, tokenizer/
+      tokenizer = next((d for d in (workdir, os.path.join(workdir, 'tokenizer'))
+                        if os.path.isfile(os.path.join(d, 'tokenizer.json'))), None)
     copied = _copy_tokenizer(tokenizer, staging) if tokenizer else []
     _publish(staging, hf_out)
   except BaseException:

@@ -12,7 +12,8 @@ router biases, a fresh optimizer, step 0), OUT/config.py (the run config: pass i
 config.json. --mesh shards the target as the run will (AXIS=SIZE pairs of the mesh section).
 
 export: writes checkpoint --step (default the newest) of RUN as DIR/config.json, sharded
-safetensors with their index, and the tokenizer files of --tokenizer. --dtype=fp8 stores the
+safetensors with their index, and the tokenizer files of --tokenizer (default: RUN/tokenizer.json
+or RUN/tokenizer/, where the trainer and the import keep them). --dtype=fp8 stores the
 released formats (dense FP8 with block scales, FP4 routed experts, FP8 Engram rows).
 
 Exit status 2 when the input does not fit (the message names the field, tensor or path);
@@ -34,7 +35,8 @@ _MESH = flags.DEFINE_string('mesh', '', 'Mesh section overrides, e.g. "fsdp=4,ex
 _STEP = flags.DEFINE_integer('step', None, 'export: the checkpoint step (default: the newest).')
 _DTYPE = flags.DEFINE_enum('dtype', 'bf16', ['bf16', 'fp8', 'fp32'], 'export: storage dtype.')
 _BLOCK = flags.DEFINE_integer('block', 32, 'export --dtype=fp8: the dense weights\' scale tile.')
-_TOKENIZER = flags.DEFINE_string('tokenizer', None, 'export: a directory with tokenizer files.')
+_TOKENIZER = flags.DEFINE_string('tokenizer', None, 'export: a directory with tokenizer files '
+                                 '(default: the work directory\'s tokenizer.json, if any).')
 _SHARD_GB = flags.DEFINE_float('shard_gb', 2.0, 'export: safetensors shard size in GiB.')
 _PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar.')
 
