@@ -164,7 +164,7 @@ def read_dequantized(reader: CheckpointReader, name: str, shape: tuple[int, ...]
     if ref.shape != tuple(shape):
       raise ConvertError(f'tensor {name!r} has shape {list(ref.shape)}, the model expects '
                          f'{list(shape)}')
-    value = ref.read().astype(np.float32)
+    value = ref.read().astype(np.float32, copy=False)
   if value.shape != tuple(shape):
     raise ConvertError(f'tensor {name!r} has shape {list(value.shape)}, the model expects '
                        f'{list(shape)}')
@@ -187,7 +187,10 @@ def imported_arrays(reader: CheckpointReader, model: config_lib.ModelConfig,
     arrays = [read_dequantized(reader, n, s, used) for n, s in zip(entry.hf, shapes)]
     value = hf_layout.to_ours(entry, arrays, tuple(target.shape))
     del arrays
-    yield entry, np.ascontiguousarray(value).astype(target.dtype, copy=False)
+    out = np.ascontiguousarray(value).astype(target.dtype, copy=False)
+    del value  # only `out` stays alive while the consumer holds it
+    yield entry, out
+    del out
 
 
 def _check_leftovers(reader: CheckpointReader, used: set[str], say: Callable[[str], None]):

@@ -205,7 +205,9 @@ class ShardedWriter:
       self._flush()
     if self.data is None:
       self.data = open(self._part(len(self.files), 'data'), 'wb')
-    self.data.write(np.ascontiguousarray(arr).tobytes())
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    if flat.size:  # the array's own buffer, no bytes copy
+      self.data.write(memoryview(flat.view(np.uint8)))
     self.entries.append((name, arr.dtype, tuple(arr.shape), arr.nbytes))
     self.pending_bytes += arr.nbytes
     self.total += arr.nbytes
@@ -219,7 +221,7 @@ class ShardedWriter:
     with open(self._part(k, 'safetensors'), 'wb') as out, open(self._part(k, 'data'), 'rb') as src:
       out.write(struct.pack('<Q', len(raw)))
       out.write(raw)
-      while chunk := src.read(1 << 24):
+      while chunk := src.read(1 << 20):
         out.write(chunk)
     os.remove(self._part(k, 'data'))
     self.files.append([e[0] for e in self.entries])
