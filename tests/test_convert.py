@@ -263,7 +263,19 @@ def test_safetensors_files_agree_with_the_reference_library(tmp_path):
   np.testing.assert_array_equal(ours['z'].read().astype(np.float32), [0.5, 448.0])
 
 
-def test_fp4_packing_covers_every_code():
+def test_storage_codecs():
+  rng = np.random.default_rng(1)
+  w = rng.standard_normal((100, 70)).astype(np.float32)  # sides not multiples of the tile
+  q, s = storage.encode_fp8_blocks(w, 32)
+  assert q.dtype == storage.E4M3 and s.shape == (4, 3)
+  assert hf_convert._tile('w', q.shape, s.shape, 32) == 32
+  with pytest.raises(ConvertError, match='weight_block_size'):  # 25 .. 33 give 4 x 3 too
+    hf_convert._tile('w', q.shape, s.shape, None)
+  assert hf_convert._tile('w', (128, 64), (4, 2), None) == 32
+  once = storage.decode_fp8_blocks(q, s, 32)
+  np.testing.assert_array_equal(once[:32, :32], _tile_fp8_reference(w[:32, :32]))
+  again = storage.decode_fp8_blocks(*storage.encode_fp8_blocks(once, 32), 32)
+  np.testing.assert_array_equal(again, once)
   codes = np.arange(16, dtype=np.uint8).view(storage.E2M1)
   packed = storage.pack_fp4(codes[None, :])
   assert packed.shape == (1, 8) and packed[0, 0] == 0x10  # element 0 low, element 1 high
@@ -286,8 +298,9 @@ _MEMORY_SCRIPT = textwrap.dedent('''
     from deepseek41.train.optimizer import make_optimizer
     run = resolved(**json.loads(sys.argv[2]))
     abstract = state_lib.abstract_state(run, make_optimizer(run.train))
+    biases = hf_convert._leaves(abstract['router_bias'])
     targets = {**hf_convert._leaves(abstract['params']),
-               **{'router_bias:' + k: v for k, v in hf_convert._leaves(abstract['router_bias']).items()}}
+               **{'router_bias:' + k: v for k, v in biases.items()}}
     reader = safetensors_io.CheckpointReader(sys.argv[1])
 
     def status(key):

@@ -28,7 +28,8 @@ DIRECT = {
     'rope_theta': 'rope_theta', 'compress_rope_theta': 'compress_rope_theta',
     'index_n_heads': 'index_n_heads', 'index_head_dim': 'index_head_dim',
     'index_topk': 'index_topk', 'candidate_topk_blocks': 'candidate_topk_blocks',
-    'candidate_block_size': 'candidate_block_size', 'moe_intermediate_size': 'moe_intermediate_size',
+    'candidate_block_size': 'candidate_block_size',
+    'moe_intermediate_size': 'moe_intermediate_size',
     'n_routed_experts': 'n_routed_experts', 'num_experts_per_tok': 'num_experts_per_tok',
     'routed_scaling_factor': 'route_scale', 'swiglu_limit': 'swiglu_limit', 'hc_mult': 'hc_mult',
     'hc_sinkhorn_iters': 'hc_sinkhorn_iters', 'hc_eps': 'hc_eps', 'rms_norm_eps': 'rms_norm_eps',
@@ -108,7 +109,8 @@ def _yarn(text: dict, out: dict) -> None:
   if kind not in ('yarn', 'default'):
     raise HFConfigError(f'config.json rope_scaling.rope_type={kind!r}: only yarn (or none) on '
                         'the compressed RoPE is supported')
-  if isinstance(params.get('main'), dict) and params['main'].get('rope_type', 'default') != 'default':
+  main = params.get('main')
+  if isinstance(main, dict) and main.get('rope_type', 'default') != 'default':
     raise HFConfigError('config.json rope_parameters.main: the window RoPE must be unscaled')
   if kind == 'default':
     out['yarn_factor'] = 1.0
@@ -164,8 +166,10 @@ def model_from_hf(config: dict) -> tuple[dict[str, Any], dict[str, Any], list[st
       raise HFConfigError(f'config.json text field {key!r} is not supported: it has no '
                           'counterpart in deepseek41 (docs/hf_interop.md, "Config fields")')
   for key, want in FIXED.items():
-    have = top.get(key, text.get(key, want)) if key == 'tie_word_embeddings' else text.get(key, want)
-    if have != want and not (isinstance(want, float) and have == want):
+    have = text.get(key, want)
+    if key == 'tie_word_embeddings':  # a top-level field of the composite config
+      have = top.get(key, have)
+    if have != want:
       raise HFConfigError(f'config.json {key}={have!r}: deepseek41 implements only {want!r}')
   missing = [k for k in ('vocab_size', 'hidden_size', 'num_hidden_layers') if k not in text]
   if missing:
@@ -232,8 +236,7 @@ def numeric_differences(m: ModelConfig) -> list[str]:
   return out
 
 
-def hf_from_model(m: ModelConfig, dspark=None, quantization: dict | None = None,
-                  vision: bool = False) -> dict:
+def hf_from_model(m: ModelConfig, quantization: dict | None = None) -> dict:
   """The composite config.json of a deepseek41 model (inverse of `model_from_hf`). Structure the
   format cannot hold raises; `numeric_differences` lists what HF would compute differently."""
   if m.residual != 'mhc_single_pass' or not m.csa2:
@@ -254,16 +257,11 @@ def hf_from_model(m: ModelConfig, dspark=None, quantization: dict | None = None,
       'beta_slow': m.yarn_beta_slow,
       'original_max_position_embeddings': m.yarn_original_max_position}
   text['max_position_embeddings'] = int(m.yarn_original_max_position * m.yarn_factor)
-  text['num_nextn_predict_layers'] = 0
-  if dspark is not None and dspark.stage != 'off':
-    inv = {ours: hf for hf, ours in DSPARK.items()}
-    text.update({hf: (list(getattr(dspark, ours)) if isinstance(getattr(dspark, ours), tuple)
-                      else getattr(dspark, ours)) for ours, hf in inv.items()})
-    text['num_nextn_predict_layers'] = 0  # the drafter's weights are not exported
+  text['num_nextn_predict_layers'] = 0  # the drafter's weights are not in the format
   text['model_type'] = 'deepseek_v41_text'
   out = {'architectures': ['DeepseekV41ForCausalLM'], 'model_type': 'deepseek_v41',
          'text_config': text, 'tie_word_embeddings': False}
-  if m.vision or vision:
+  if m.image_token_id:
     out['image_token_id'] = m.image_token_id
   if quantization:
     out['quantization_config'] = quantization

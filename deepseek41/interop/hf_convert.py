@@ -117,7 +117,7 @@ def config_file_text(c: ml_collections.ConfigDict, header: str) -> str:
   return '\n'.join(lines)
 
 
-def _state_pieces(run, mesh_sizes: dict[str, int] | None):
+def _state_pieces(run):
   from deepseek41.sharding import make_mesh
   from deepseek41.train import state as state_lib
   from deepseek41.train.optimizer import make_optimizer
@@ -140,9 +140,28 @@ def _scale_of(reader: CheckpointReader, name: str) -> str | None:
   return None
 
 
+def _tile(name: str, shape: tuple[int, ...], scale_shape: tuple[int, ...],
+          block: int | None) -> int:
+  """The scale tile of an FP8 weight: config.json's `weight_block_size`, else the one size that
+  gives this scale shape and divides every side (without the config, a side that is not a
+  multiple of the tile leaves it ambiguous)."""
+  sizes = np.array([block]) if block else np.arange(1, max(shape) + 1)
+  fits = sizes[np.all([-(-d // sizes) == n for d, n in zip(shape, scale_shape)], axis=0)]
+  if not block:
+    fits = fits[np.all([d % fits == 0 for d in shape], axis=0)]
+  if len(fits) != 1:
+    raise ConvertError(
+        f'tensor {name!r}: its scales {list(scale_shape)} ' +
+        (f'do not tile its shape {list(shape)} in blocks of {block}' if block else
+         f'do not tell the tile of its shape {list(shape)}; give '
+         'quantization_config.weight_block_size in config.json'))
+  return int(fits[0])
+
+
 def read_dequantized(reader: CheckpointReader, name: str, shape: tuple[int, ...],
-                     used: set[str]) -> np.ndarray:
-  """One HF tensor as fp32 in its HF shape: FP8 / FP4 elements decoded with their scales."""
+                     used: set[str], block: int | None = None) -> np.ndarray:
+  """One HF tensor as fp32 in its HF shape: FP8 / FP4 elements decoded with their scales
+  (`block`: the dense FP8 scale tile, from config.json's quantization_config)."""
   ref = reader.ref(name)
   used.add(name)
   scale_name = _scale_of(reader, name)
@@ -155,8 +174,9 @@ def read_dequantized(reader: CheckpointReader, name: str, shape: tuple[int, ...]
     if name.endswith('engram.embed.weight'):  # one scale per 32 along each row
       value = storage.decode_rows(q, s)
     else:  # one scale per block x block tile
-      value = storage.decode_fp8_blocks(q, s)
-  elif ref.dtype in (np.uint8, np.int8) and len(shape) == 2 and ref.shape == (shape[0], shape[1] // 2):
+      value = storage.decode_fp8_blocks(q, s, _tile(name, q.shape, s.shape, block))
+  elif ref.dtype in (np.uint8, np.int8) and len(shape) == 2 and \
+      ref.shape == (shape[0], shape[1] // 2):
     if scale_name is None:
       raise ConvertError(f'tensor {name!r} is packed FP4 but the checkpoint has no scale for it')
     value = storage.decode_fp4_experts(ref.read().view(np.uint8), reader.read(scale_name))
@@ -172,8 +192,8 @@ def read_dequantized(reader: CheckpointReader, name: str, shape: tuple[int, ...]
 
 
 def imported_arrays(reader: CheckpointReader, model: config_lib.ModelConfig,
-                    abstract_leaves: dict[str, Any], used: set[str] | None = None
-                    ) -> Iterator[tuple[hf_layout.Entry, np.ndarray]]:
+                    abstract_leaves: dict[str, Any], used: set[str] | None = None,
+                    block: int | None = None) -> Iterator[tuple[hf_layout.Entry, np.ndarray]]:
   """(entry, our array) one parameter at a time, in our dtype: the streaming core of import."""
   used = set() if used is None else used
   for entry in hf_layout.entries(model):
@@ -181,10 +201,11 @@ def imported_arrays(reader: CheckpointReader, model: config_lib.ModelConfig,
     target = abstract_leaves[key]
     missing = [n for n in entry.hf if n not in reader]
     if missing:
+      more = f' and {len(missing) - 1} more' if len(missing) > 1 else ''
       raise ConvertError(f'the checkpoint lacks tensor {missing[0]!r} (for our '
-                         f'{entry.ours}){f" and {len(missing) - 1} more" if len(missing) > 1 else ""}')
+                         f'{entry.ours}){more}')
     shapes = hf_layout.hf_shapes(entry, tuple(target.shape))
-    arrays = [read_dequantized(reader, n, s, used) for n, s in zip(entry.hf, shapes)]
+    arrays = [read_dequantized(reader, n, s, used, block) for n, s in zip(entry.hf, shapes)]
     value = hf_layout.to_ours(entry, arrays, tuple(target.shape))
     del arrays
     out = np.ascontiguousarray(value).astype(target.dtype, copy=False)
@@ -207,6 +228,18 @@ def _check_leftovers(reader: CheckpointReader, used: set[str], say: Callable[[st
     say(f'not imported: {n} tensors of the {kind} (the HF deepseek_v41 implementation defines '
         'no layout for them, so there is no verified mapping)')
   return unmapped
+
+
+def _weight_block(hf_cfg: dict) -> int | None:
+  q = hf_cfg.get('quantization_config') or hf_config.text_config(hf_cfg)[0].get(
+      'quantization_config') or {}
+  size = q.get('weight_block_size')
+  if size is None:
+    return None
+  if len(size) != 2 or size[0] != size[1]:
+    raise ConvertError(f'config.json quantization_config.weight_block_size={size}: only square '
+                       'tiles are supported')
+  return int(size[0])
 
 
 def build_run_config(hf_cfg: dict, base: ml_collections.ConfigDict | None = None,
@@ -248,7 +281,7 @@ def import_hf(hf_dir: str, workdir: str, *, base: ml_collections.ConfigDict | No
   staging = _staging_dir(workdir)
   os.makedirs(staging)
   try:
-    tx, abstract, mesh_obj, shardings = _state_pieces(run, None)
+    tx, abstract, mesh_obj, shardings = _state_pieces(run)
     targets = {**_leaves(abstract['params']),
                **{f'router_bias:{k}': v for k, v in _leaves(abstract['router_bias']).items()}}
     shard_of = {**_leaves(shardings['params']),
@@ -256,7 +289,8 @@ def import_hf(hf_dir: str, workdir: str, *, base: ml_collections.ConfigDict | No
     placed, used = {}, set()
     entries = hf_layout.entries(run.model)
     with _progress(len(entries), 'import', progress) as bar:
-      for entry, value in imported_arrays(reader, run.model, targets, used):
+      for entry, value in imported_arrays(reader, run.model, targets, used,
+                                          _weight_block(hf_cfg)):
         key = entry.ours if entry.group == 'params' else f'router_bias:{entry.ours}'
         placed[key] = jax.device_put(value, shard_of[key])
         del value
@@ -384,9 +418,8 @@ def export_hf(workdir: str, hf_out: str, *, step: int | None = None, dtype: str 
   from deepseek41.train.checkpoint import Checkpointer
   if dtype not in EXPORT_DTYPES:
     raise ConvertError(f'--dtype={dtype!r}: one of {EXPORT_DTYPES}')
-  ckpt = Checkpointer(workdir, config_lib.CheckpointConfig(**{
-      f.name: f.metadata['default'] for f in config_lib._keys(config_lib.CheckpointConfig)}),
-      primary=False)
+  ckpt = Checkpointer(workdir, config_lib.CheckpointConfig(
+      **config_lib.base_config().checkpoint.to_dict()), primary=False)
   try:
     step = ckpt.latest_step() if step is None else step
     if step is None or not os.path.isdir(ckpt.step_dir(step)):
@@ -401,7 +434,7 @@ def export_hf(workdir: str, hf_out: str, *, step: int | None = None, dtype: str 
                                      if dtype == 'fp8' else None)
     for line in hf_config.numeric_differences(run.model):
       say(f'warning: the HF implementation will not reproduce this model exactly: {line}')
-    tx, abstract, mesh_obj, shardings = _state_pieces(run, None)
+    tx, abstract, mesh_obj, shardings = _state_pieces(run)
     ckpt.validate(step, state_lib.state_layout(abstract), run.to_dict())
     ckpt.verify(step)
     state = ckpt.restore(step, state_lib.with_shardings(abstract, shardings), None)

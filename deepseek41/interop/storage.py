@@ -53,13 +53,9 @@ def encode_fp8_blocks(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray
   return q, scale.astype(E8M0)
 
 
-def decode_fp8_blocks(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-  """fp32 [out, in] from e4m3 elements and per-tile scales (any float dtype; the tile size is
-  inferred from the two shapes)."""
-  out_dim, in_dim = q.shape
-  bo, bi = -(-out_dim // scale.shape[0]), -(-in_dim // scale.shape[1])
-  s = np.repeat(np.repeat(scale.astype(np.float32), bo, axis=0), bi, axis=1)
-  return q.astype(np.float32) * s[:out_dim, :in_dim]
+def decode_fp8_blocks(q: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
+  """fp32 [out, in] from e4m3 elements and per-tile scales (any float dtype)."""
+  return q.astype(np.float32) * _expand_tiles(scale.astype(np.float32), block, q.shape)
 
 
 def encode_rows(x: np.ndarray, elem: np.dtype, qmax: float, block: int

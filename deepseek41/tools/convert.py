@@ -27,7 +27,8 @@ import sys
 
 from absl import app, flags
 
-_HF = flags.DEFINE_string('hf', None, 'The HF checkpoint directory (import: read, export: written).')
+_HF = flags.DEFINE_string('hf', None, 'The HF checkpoint directory (import: read, export: '
+                          'written).')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The deepseek41 work directory (import: written).')
 _CONFIG = flags.DEFINE_string('config', None, 'import: a get_config() file for the run settings '
                               'other than the model (default: the base config).')
