@@ -229,7 +229,7 @@ def test_misfits_fail_naming_the_culprit_and_leave_nothing(trained):
   assert not (root / 'out_cli').exists()
 
 
-def test_safetensors_files_agree_with_the_reference_library(tmp_path):
+def test_safetensors_files_round_trip(tmp_path):
   rng = np.random.default_rng(0)
   tensors = [('a.weight', rng.standard_normal((5, 7)).astype(np.float32)),
              ('b', rng.standard_normal((3,)).astype(ml_dtypes.bfloat16)),
@@ -243,16 +243,26 @@ def test_safetensors_files_agree_with_the_reference_library(tmp_path):
   for name, arr in tensors:
     assert got[name].dtype == arr.dtype and got[name].shape == arr.shape
     np.testing.assert_array_equal(got[name].view(np.uint8), arr.view(np.uint8))
-  # The reference implementation reads our files and we read its (torch for the float8 and
-  # bfloat16 element types numpy lacks).
+
+
+def test_safetensors_interoperate_with_the_reference_library(tmp_path):
+  """The reference implementation reads our files and we read its (through torch, for the
+  float8 and bfloat16 element types numpy lacks); skipped without the `hf` extra."""
   st = pytest.importorskip('safetensors.torch')
+  import torch
+  rng = np.random.default_rng(0)
+  tensors = [('a.weight', rng.standard_normal((5, 7)).astype(np.float32)),
+             ('b', rng.standard_normal((3,)).astype(ml_dtypes.bfloat16)),
+             ('c', rng.standard_normal((4, 64)).astype(storage.E4M3)),
+             ('d', np.arange(6, dtype=np.uint8).reshape(2, 3))]
+  safetensors_io.write_checkpoint(str(tmp_path), iter(tensors), shard_bytes=64)
+  index = json.loads((tmp_path / safetensors_io.INDEX_FILE).read_text())
   for name, file in index['weight_map'].items():
     theirs = st.load_file(str(tmp_path / file))[name]
     want = dict(tensors)[name]
     assert tuple(theirs.shape) == want.shape
-    raw = theirs.contiguous().view(-1).view(__import__('torch').uint8).numpy()
+    raw = theirs.contiguous().view(-1).view(torch.uint8).numpy()
     np.testing.assert_array_equal(raw, want.view(np.uint8).ravel())
-  import torch
   ref = {'x': torch.arange(6, dtype=torch.float32).reshape(2, 3),
          'y': torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
          'z': torch.tensor([0.5, 448.0], dtype=torch.float32).to(torch.float8_e4m3fn)}
