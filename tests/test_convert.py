@@ -179,6 +179,48 @@ def test_fp8_fp4_storage_round_trip_is_exact(trained):
     np.testing.assert_array_equal(once[k], twice[k], err_msg=k)
 
 
+def test_released_config_maps_onto_configs_v41_flash():
+  """The released config.json (docs/architecture.md section 2.1) gives our released model; what
+  differs is set on purpose (the HF forward) or is not in the HF format (vision, init)."""
+  from deepseek41.config import load_config_file, resolve
+  from deepseek41.interop import hf_config
+  text = dict(
+      vocab_size=129280, hidden_size=5120, num_hidden_layers=40, num_attention_heads=64,
+      num_key_value_heads=1, head_dim=512, q_lora_rank=1280, qk_rope_head_dim=64,
+      rope_theta=10000.0, compress_rope_theta=160000.0, max_position_embeddings=1048576,
+      rope_scaling={'rope_type': 'yarn', 'factor': 16, 'beta_fast': 32, 'beta_slow': 1,
+                    'original_max_position_embeddings': 65536},
+      sliding_window=128, compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+      kv_source_layer_ids=[2, 8, 14, 20], index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36],
+      candidate_source_layer_id=20, candidate_topk_blocks=2048, candidate_block_size=8,
+      index_n_heads=32, index_head_dim=128, index_topk=512, o_groups=8, o_lora_rank=1024,
+      moe_intermediate_size=2304, n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=6,
+      scoring_func='sqrtsoftplus', norm_topk_prob=True, routed_scaling_factor=1.5,
+      topk_method='noaux_tc', swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+      engram_layer_ids=[1, 14], engram_vocab_size=16000000,
+      engram_num_embeddings=[384006168, 384016682], engram_max_ngram_size=4, engram_n_heads=8,
+      engram_head_dim=256, engram_pad_id=2, engram_compressed_vocab_size=99092,
+      num_nextn_predict_layers=3, dspark_block_size=5, dspark_noise_token_id=128799,
+      dspark_target_layer_ids=[37, 38, 39], dspark_markov_rank=256, dspark_n_routed_experts=128,
+      dspark_num_experts_per_tok=3, hidden_act='silu', rms_norm_eps=1e-20, initializer_range=0.006,
+      bos_token_id=0, eos_token_id=1, use_cache=True, model_type='deepseek_v41_text')
+  released = {'architectures': ['DeepseekV41ForCausalLM'], 'model_type': 'deepseek_v41',
+              'image_token_id': 129264, 'tie_word_embeddings': False, 'torch_dtype': 'bfloat16',
+              'text_config': text, 'vision_config': {'hidden_size': 1024},
+              'quantization_config': {'quant_method': 'fp8', 'fmt': 'e4m3',
+                                      'weight_block_size': [32, 32], 'scale_fmt': 'ue8m0'}}
+  ours = load_config_file(os.path.join(os.path.dirname(__file__), '..', 'configs', 'v41_flash.py'))
+  c, _ = hf_convert.build_run_config(released, base=ours)
+  imported = resolve(c, backend='cpu', num_devices=64).model
+  hf_config.check_engram_rows(imported, text)
+  want = resolve(ours, backend='cpu', num_devices=64).model
+  differ = {k for k in vars(want) if getattr(want, k) != getattr(imported, k)}
+  assert differ == {'q_head_norm', 'vision'}, differ
+  bad = {**text, 'engram_num_embeddings': [384006168, 384016683]}
+  with pytest.raises(HFConfigError, match='engram_num_embeddings'):
+    hf_config.check_engram_rows(imported, bad)
+
+
 def _rewrite(src, dst, drop=(), replace=None, config_edit=None):
   """A copy of the HF checkpoint `src` with tensors dropped / replaced and config.json edited."""
   os.makedirs(dst)
@@ -271,6 +313,28 @@ def test_safetensors_interoperate_with_the_reference_library(tmp_path):
   np.testing.assert_array_equal(ours['x'].read(), np.arange(6, dtype=np.float32).reshape(2, 3))
   np.testing.assert_array_equal(ours['y'].read().astype(np.float32), [1.5, -2.0])
   np.testing.assert_array_equal(ours['z'].read().astype(np.float32), [0.5, 448.0])
+
+
+def test_layouts_invert():
+  """Every layout kind: HF arrays -> ours -> HF arrays gives them back; a padded Engram table
+  gets zero rows past the HF ones."""
+  rng = np.random.default_rng(2)
+  cases = {'copy': (3, 4), 'linear': (5, 7), 'heads': (6, 2, 3), 'wo_a': (2, 6, 4),
+           'experts': (3, 5, 7), 'router_bias': (2, 5), 'table': (8, 4)}
+  for kind, shape in cases.items():
+    entry = hf_layout.Entry('x', ('a', 'b', 'c')[:1], kind, 'half', rows=5)
+    hf = [rng.standard_normal(s).astype(np.float32) for s in hf_layout.hf_shapes(entry, shape)]
+    ours = hf_layout.to_ours(entry, hf, shape)
+    assert ours.shape == shape, kind
+    for a, b in zip(hf_layout.to_hf(entry, ours), hf):
+      np.testing.assert_array_equal(a, b, err_msg=kind)
+  np.testing.assert_array_equal(ours[5:], 0)  # the table's padding rows
+  # wo_a: group g's block of the HF weight is rows g*R .. (g+1)*R, mapping (H/G)*d -> R.
+  g, f, r = 2, 6, 4
+  w = rng.standard_normal((g * r, f)).astype(np.float32)
+  ours = hf_layout.to_ours(hf_layout.Entry('o', ('w',), 'wo_a', 'fp8'), [w], (g, f, r))
+  x = rng.standard_normal(f).astype(np.float32)
+  np.testing.assert_allclose(x @ ours[1], w[r:] @ x, rtol=1e-6)
 
 
 def test_storage_codecs():

@@ -193,7 +193,6 @@ def model_from_hf(config: dict) -> tuple[dict[str, Any], dict[str, Any], list[st
   engram_ids = tuple(int(i) for i in text.get('engram_layer_ids') or ())
   out['engram_layer_ids'] = engram_ids
   out['engram'] = bool(engram_ids)
-  out['engram_table_row_multiple'] = 1
   for key, (value, why) in EQUIVALENCE.items():
     if key in _QUANT_BLOCK:
       dim_key, block = _QUANT_BLOCK[key]
