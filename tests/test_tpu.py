@@ -8,7 +8,11 @@ Skipped where libtpu is not installed (`pip install -e '.[tpu]'`; .ci/run instal
 
 import os
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 pytest.importorskip('libtpu', reason="libtpu is not installed: pip install -e '.[tpu]'")
 
@@ -31,9 +35,24 @@ def test_topology_and_its_chip():
   devices = tpu_plan.topology_devices(TOPOLOGY)
   assert len(devices) == 8 and {d.platform for d in devices} == {'tpu'}
   assert devices[0].device_kind == 'TPU v5'
-  assert tpu_plan.hbm_bytes(devices[0].device_kind) == 95 * 2**30
+  assert tpu_plan.hbm_bytes(devices[0].device_kind) == 95.73 * 2**30
   with pytest.raises(ValueError, match="--topology='v5p:banana'"):
     tpu_plan.topology_devices('v5p:banana')
+
+
+def test_the_compilers_refusal_is_read_as_does_not_fit():
+  """A program larger than the chip is refused by the TPU compiler; the plan reads how large
+  (here a 16 GiB outer product on a 15.75 GiB v5e)."""
+  chip = NamedSharding(Mesh(np.array(tpu_plan.topology_devices('v5e:2x2')[:1]), ('x',)), P())
+  x = jax.ShapeDtypeStruct((2**16,), jnp.float32, sharding=chip)
+  with pytest.raises(jax.errors.JaxRuntimeError) as refusal:
+    jax.jit(lambda x: x[:, None] * x[None, :]).lower(x).compile()
+  assert tpu_plan.over_hbm(refusal.value) == {'temp': 16 * 2**30}
+  assert tpu_plan.refused_memory(refusal.value)['over_hbm']
+  other = jax.errors.JaxRuntimeError('INVALID_ARGUMENT: something else')
+  assert tpu_plan.over_hbm(other) is None
+  with pytest.raises(jax.errors.JaxRuntimeError):
+    tpu_plan.refused_memory(other)
 
 
 def test_full_train_step_compiles_for_a_v5p_slice(tiny_plan):

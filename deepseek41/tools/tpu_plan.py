@@ -37,10 +37,13 @@ from deepseek41.tools import plan as cpu_plan
 
 GIB = 2**30
 
-# HBM per chip by `device_kind` (the topology's devices say which chip they are).
-HBM_BYTES = {'TPU v5': 95 * GIB, 'TPU v5p': 95 * GIB, 'TPU v5 lite': 16 * GIB,
-             'TPU v5e': 16 * GIB, 'TPU v6 lite': 32 * GIB, 'TPU v6e': 32 * GIB,
-             'TPU v4': 32 * GIB}
+# HBM per device by `device_kind` (the topology's devices say which chip they are): what the TPU
+# compiler of libtpu 0.0.48.1 gives a program ("available HBM" of its out-of-memory refusal),
+# a little under the chip as sold (v5p 95, v5e 16, v6e 32 GiB). v4 topologies list each of a
+# chip's two TensorCores as a device, with half the chip's 32 GiB.
+HBM_BYTES = {'TPU v5': 95.73 * GIB, 'TPU v5p': 95.73 * GIB, 'TPU v5 lite': 15.75 * GIB,
+             'TPU v5e': 15.75 * GIB, 'TPU v6 lite': 31.24 * GIB, 'TPU v6e': 31.24 * GIB,
+             'TPU v4': 15.25 * GIB}
 CHIP_NAMES = {'TPU v5': 'v5p', 'TPU v5p': 'v5p', 'TPU v5 lite': 'v5e', 'TPU v5e': 'v5e',
               'TPU v6 lite': 'v6e', 'TPU v6e': 'v6e', 'TPU v4': 'v4'}
 
@@ -158,7 +161,8 @@ def per_layer(cfg: RunConfig, devices, state: dict) -> dict:
                                                     ('head', 'embed')]
   mems.append(programs['optimizer']['update'])
   return {'peak': assembled['total'], 'activations': assembled['activations'],
-          'peak_stage': assembled['peak_stage'], 'flops': flops,
+          'kept_by_layers': assembled['kept_by_layers'], 'peak_stage': assembled['peak_stage'],
+          'peak_stage_bytes': assembled['peak_stage_bytes'], 'flops': flops,
           'over_hbm': any(m.get('over_hbm') for m in mems),
           'compile_seconds': programs['compile_seconds'],
           'roles': {l: r['layers'] for l, r in roles.items()}}
@@ -232,8 +236,9 @@ def report(p: dict) -> str:
               f"  output       {g(c['output'])}   TPU compiler, {c['alias'] / GIB:.2f} GiB of it "
               f"aliased to the donated state"]
   else:
-    lines += [f"  activations  {g(c['activations'])}   TPU compiler, per-layer programs "
-              f"(peak stage {c['peak_stage']})"]
+    lines += [f"  activations  {g(c['activations'])}   TPU compiler, per-layer programs: kept by "
+              f"the layers {c['kept_by_layers'] / GIB:.2f} GiB + peak stage ({c['peak_stage']}) "
+              f"{c['peak_stage_bytes'] / GIB:.2f} GiB"]
   if c.get('over_hbm'):
     lines.append('  (the TPU compiler refused a program as larger than HBM: its sizes are those '
                  'of the refusal, a lower bound)')
