@@ -440,6 +440,7 @@ class DSparkConfig:
   stage: str = _key('off', choices=('off', 'frozen', 'post_training'))
   # A pretraining checkpoint step directory (WORKDIR/checkpoints/<step>) whose backbone the
   # DSpark stage starts from; read at the stage's first start only (a resume reads its own).
+  # Empty with post_training: backbone and drafter both start from initialization [I].
   backbone_checkpoint: str = _key('')
   num_blocks: int = _key(3)              # draft blocks, stacked (released 3)
   block_size: int = _key(5)              # draft slots per anchor (released 5)

@@ -56,6 +56,8 @@ def read_prompts(path: str) -> list[str]:
 
 def main(argv):
   del argv
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)  # the checkpoint library's per-read lines
   from deepseek41.generate.generator import GenerateError, Generator
   try:
     if not _WORKDIR.value:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from deepseek41.config import CheckpointConfig, RunConfig, config_from_saved, resolve
+from deepseek41.config import RunConfig, base_config, config_from_saved, resolve
 from deepseek41.generate import sampling
 from deepseek41.generate.cache import CacheSpec, empty_cache, scatter_rows
 from deepseek41.generate.decode import ced_prefill, forward_chunk
@@ -75,19 +75,31 @@ def exact_n_win(cfg: RunConfig) -> int:
 def generation_config(saved: dict, backend: str | None = None) -> RunConfig:
   """The checkpoint's config with its execution choices resolved for this backend and the
   decode-friendly XLA paths (one query row at a time tiles no kernel)."""
-  c = config_from_saved(saved)
-  for key in _EXECUTION_KEYS:
-    if key in c.model:
-      c.model[key] = 'auto'
+  c = _portable(saved)
   c.model.attention_impl = 'chunked'
   c.model.index_impl = 'reference'
   c.model.sparse_impl = 'gathered'
-  c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor, c.mesh.context = -1, 1, 1, 1, 1
   c.data.synthetic = True  # nothing is read: resolve checks no data
   c.train.remat = 'none'
   cfg = resolve(c, backend=backend)
   return dataclasses.replace(cfg, model=dataclasses.replace(
       cfg.model, moe_backend=cfg.model.eval_moe_backend))
+
+
+def _portable(saved: dict):
+  """The saved config with its execution choices back to `auto` and a mesh of every device
+  over data: resolvable wherever generation runs."""
+  c = config_from_saved(saved)
+  for key in _EXECUTION_KEYS:
+    if key in c.model:
+      c.model[key] = 'auto'
+  c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor, c.mesh.context = -1, 1, 1, 1, 1
+  return c
+
+
+def saved_data_config(saved: dict):
+  """The run's own data section (its sources and cache)."""
+  return resolve(_portable(saved)).data
 
 
 def find_tokenizer(workdir: str, saved: dict):
@@ -99,8 +111,7 @@ def find_tokenizer(workdir: str, saved: dict):
     return load_tokenizer(path)
   try:
     from deepseek41.data.pipeline import tokenizer_path_of
-    data_cfg = resolve(config_from_saved(saved), backend='cpu').data
-    return load_tokenizer(tokenizer_path_of(data_cfg))
+    return load_tokenizer(tokenizer_path_of(saved_data_config(saved)))
   except Exception as e:  # synthetic data, a moved cache, an unprepared corpus
     raise GenerateError(
         f'{workdir} has no tokenizer.json, and its data config gives none ({e}); copy the '
@@ -120,8 +131,9 @@ class Generator:
       raise GenerateError(f'--workdir={workdir} has no checkpoints/ directory: give the work '
                           'directory of a training run')
     # A reader: it never saves, so it never deletes (max_to_keep None keeps everything).
-    ckpt = Checkpointer(workdir, CheckpointConfig(every_steps=0, max_to_keep=None, keep_period=0,
-                                                  async_save=False), primary=False)
+    reader = dataclasses.replace(resolve(base_config(), backend='cpu').checkpoint,
+                                 max_to_keep=None, async_save=False)
+    ckpt = Checkpointer(workdir, reader, primary=False)
     try:
       steps = sorted(ckpt.manager.all_steps())
       if not steps:
@@ -133,6 +145,7 @@ class Generator:
                             f'(there are: {", ".join(map(str, steps))})')
       saved = ckpt.read_json_item(step, 'config')
       self.cfg = cfg = generation_config(saved)
+      self.data_cfg = saved_data_config(saved)
       self.tokenizer = find_tokenizer(workdir, saved)
       if self.tokenizer.vocab_size > cfg.model.vocab_size:
         raise GenerateError(f'{workdir}: the tokenizer has {self.tokenizer.vocab_size} ids, the '

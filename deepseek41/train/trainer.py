@@ -470,8 +470,11 @@ def _initial_state(cfg, ckpt: Checkpointer, tx, mesh, abstract, shardings, layou
     # persistent compilation cache keeps it for the next fresh start.
     log.info('initialised the parameters and optimizer state in %.1f s (compilation included)',
              time.perf_counter() - t0)
-    if cfg.dspark.stage != 'off':  # the DSpark stage starts from a pretrained backbone
-      state = dspark_stage.load_backbone(cfg, state, mesh, tx)
+    if cfg.dspark.stage == 'frozen' or cfg.dspark.backbone_checkpoint:
+      state = dspark_stage.load_backbone(cfg, state, mesh, tx)  # from a pretrained backbone
+    elif cfg.dspark.stage == 'post_training':
+      log.info('dspark.stage=post_training without dspark.backbone_checkpoint: the backbone and '
+               'its drafter both start from initialization and train together')
     return state, 0
   if not ckpt.verify(start):
     log.warning('checkpoint %s has no checksums (written before they were recorded, or the run '

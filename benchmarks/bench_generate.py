@@ -1,0 +1,151 @@
+"""Generation measured on a trained checkpoint (docs/performance.md section 15).
+
+    python benchmarks/bench_generate.py --workdir=/tmp/gen --batch_sizes=1,32 --out=$OUT/gen.json
+
+For each batch size: plain greedy decoding, then speculative (DSpark drafts, greedy
+verification), each run twice with the same shapes and the second one timed (tokens/s after
+compilation, summed over the batch's rows); the share of tokens where the two agree. Then the
+global cache's bytes per token, the bounded-replay KL on held-out sequences, and the compiled
+FLOPs of one plain decode step against the context length. Prompts are the first
+--prompt_tokens (+-25%) tokens of the interpreter's standard-library sources, one file per row.
+Phases past --deadline_s seconds are skipped; the JSON is rewritten after every phase.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_WORKDIR = flags.DEFINE_string('workdir', None, 'A DSpark-stage (or pretraining) work directory.')
+_BATCHES = flags.DEFINE_list('batch_sizes', ['1', '32'], 'Batch sizes.')
+_PROMPT = flags.DEFINE_integer('prompt_tokens', 512, 'Mean prompt length.')
+_NEW = flags.DEFINE_integer('new_tokens', 128, 'Tokens generated per row.')
+_REPLAY_CONTEXT = flags.DEFINE_integer('replay_context', 2048, 'Held-out sequence length.')
+_REPLAY_WINS = flags.DEFINE_list('replay_n_win', ['128', '512'], 'Replay lengths (+ the exact one).')
+_REPLAY_SEQS = flags.DEFINE_integer('replay_sequences', 32, 'Held-out sequences.')
+_FLOP_CONTEXTS = flags.DEFINE_list('flop_contexts', ['4096', '65536'], 'Decode FLOPs at these.')
+_DEADLINE = flags.DEFINE_float('deadline_s', 1e9, 'Skip phases that start later than this.')
+_OUT = flags.DEFINE_string('out', '/tmp/bench_generate.json', 'Result JSON.')
+
+
+def stdlib_prompts(tokenizer, count: int, mean_len: int) -> list[np.ndarray]:
+  files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), '*.py')))
+  rng = np.random.default_rng(0)
+  out = []
+  for path in files:
+    ids = tokenizer.hf.encode(open(path, encoding='utf-8', errors='replace').read()[:20 * mean_len],
+                              add_special_tokens=False).ids
+    want = int(mean_len * rng.uniform(0.75, 1.25))
+    if len(ids) >= want:
+      out.append(np.asarray(ids[:want], np.int32))
+    if len(out) == count:
+      return out
+  raise SystemExit(f'only {len(out)} standard-library files have {mean_len} tokens')
+
+
+def main(argv):
+  del argv
+  from deepseek41.generate.cache import CacheSpec, empty_cache, global_bytes_per_token
+  from deepseek41.generate.generator import Generator, decode_loop
+  from deepseek41.generate.replay import exact_replay_window, held_out_sequences, next_token_kl
+  from deepseek41.tools.info import kv_cache_bytes
+  start = time.perf_counter()
+  result = {'device': str(jax.devices()[0].device_kind)}
+
+  def save():
+    with open(_OUT.value, 'w') as f:
+      json.dump(result, f, indent=1)
+
+  def time_left(phase):
+    if time.perf_counter() - start > _DEADLINE.value:
+      result.setdefault('skipped', []).append(phase)
+      save()
+      return False
+    return True
+
+  t0 = time.perf_counter()
+  gen = Generator(_WORKDIR.value)
+  result['restore_s'] = time.perf_counter() - t0
+  result['step'] = gen.step
+  cfg = gen.cfg
+  speculative = gen.dspark is not None
+  for b in (int(x) for x in _BATCHES.value):
+    prompts = stdlib_prompts(gen.tokenizer, b, _PROMPT.value)
+    for mode in (('plain', 'speculative') if speculative else ('plain',)):
+      if not time_left(f'b{b}_{mode}'):
+        continue
+      kw = dict(eos_id=None, max_new_tokens=_NEW.value, temperature=0.0,
+                speculative=mode == 'speculative', verify_cost=0.0)
+      with jax.set_mesh(gen.mesh):
+        t1 = time.perf_counter()
+        decode_loop(gen._programs, cfg, prompts, **kw)  # compiles
+        compile_s = time.perf_counter() - t1
+        runs = decode_loop(gen._programs, cfg, prompts, **kw)
+      decode_s = runs[0].decode_s
+      row = {'tokens_per_s': sum(r.timed_tokens for r in runs) / decode_s,
+             'decode_s': decode_s, 'forwards': runs[0].forwards,
+             'first_run_s': compile_s, 'prefill_s': runs[0].prefill_s,
+             'tokens': [r.tokens for r in runs]}
+      if mode == 'speculative':
+        row['accepted_per_verify'] = float(np.mean([r.accepted_drafts for r in runs])) / \
+            max(runs[0].forwards, 1)
+        plain = result[f'b{b}_plain']['tokens']
+        same = [sum(x == y for x, y in zip(p, s)) / len(p) for p, s in zip(plain, row['tokens'])]
+        row['greedy_agreement'] = float(np.mean(same))
+        row['speedup'] = row['tokens_per_s'] / result[f'b{b}_plain']['tokens_per_s']
+      result[f'b{b}_{mode}'] = row
+      print(mode, b, {k: v for k, v in row.items() if k != 'tokens'}, flush=True)
+      save()
+
+  spec = CacheSpec(batch=1, max_len=4096, max_chunk=1)
+  shapes = jax.eval_shape(lambda: empty_cache(cfg.model, spec))
+  result['global_bytes_per_token'] = global_bytes_per_token(shapes, cfg.model, spec)
+  result['info_global_bytes_per_token'] = kv_cache_bytes(cfg)['global_bytes_per_token']
+  save()
+
+  if time_left('replay'):
+    wins = sorted({int(w) for w in _REPLAY_WINS.value} | {exact_replay_window(cfg.model)})
+    wins = [w for w in wins if w <= _REPLAY_CONTEXT.value]
+    tokens = held_out_sequences(gen.data_cfg, gen.tokenizer, _REPLAY_CONTEXT.value,
+                                _REPLAY_SEQS.value)
+    with jax.set_mesh(gen.mesh):
+      result['replay'] = {str(w): r for w, r in next_token_kl(
+          gen.model, cfg, tokens, wins, engram_map=gen.engram_map).items()}
+    print('replay', result['replay'], flush=True)
+    save()
+
+  for context in (int(x) for x in _FLOP_CONTEXTS.value):
+    if not time_left(f'flops_{context}'):
+      continue
+    spec = CacheSpec(batch=1, max_len=context + 8, max_chunk=1)
+    cache = jax.eval_shape(lambda: empty_cache(cfg.model, spec))
+    cache['length'] = jax.ShapeDtypeStruct((1,), jnp.int32)
+    progs = gen._programs
+    fn = progs._compiled('plain', None, ('temperature', 'top_p', 'features')) \
+        if 'plain' in progs._jit else None
+    if fn is None:
+      continue
+    compiled = fn.lower(progs.state, cache, jax.ShapeDtypeStruct((1,), jnp.int32),
+                        jax.random.key(0), temperature=0.0, top_p=1.0,
+                        features=False).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    result[f'decode_flops_{context}'] = float(cost.get('flops', float('nan')))
+    print('flops', context, result[f'decode_flops_{context}'], flush=True)
+    save()
+  result['total_s'] = time.perf_counter() - start
+  save()
+
+
+if __name__ == '__main__':
+  app.run(main)
