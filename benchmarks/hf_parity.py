@@ -20,6 +20,7 @@ modules it imports). Needs torch and transformers (the `hf` extra); never part o
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import importlib.util
 import json
@@ -214,6 +215,18 @@ def main():
     hf_nocache = model(input_ids=torch.tensor(tokens), use_cache=False).logits.float().numpy()
   t_hf = time.perf_counter() - t0
 
+  # Control: HF against itself with every weight moved by a relative 1e-6 (float32 rounding
+  # noise). Discrete decisions (quantizer rounding, top-k) amplify such noise the same way they
+  # amplify the summation-order differences between the two implementations.
+  noisy = copy.deepcopy(model)
+  g = torch.Generator().manual_seed(args.seed + 1)
+  with torch.no_grad():
+    for p in noisy.parameters():
+      p.mul_(1 + 1e-6 * torch.randn(p.shape, generator=g))
+    hf_noisy = noisy(input_ids=torch.tensor(tokens), use_cache=True,
+                     past_key_values=hf_cache(model_mod, noisy.config)).logits.float().numpy()
+  del noisy
+
   from deepseek41.interop.hf_convert import import_hf
   import_hf(hf_dir, workdir, progress=False, say=lambda s: print('  import:', s))
   t0 = time.perf_counter()
@@ -242,6 +255,7 @@ def main():
       'logit_scale': float(np.abs(hf).max()),
       'top1_agreement': float(np.mean(ours.argmax(-1) == hf.argmax(-1))),
       'max_abs_diff_hf_without_cache': float(np.abs(ours - hf_nocache).max()),
+      'control_hf_vs_hf_with_1e-6_weight_noise': float(np.abs(hf_noisy - hf).max()),
       'hf_reloaded_from_export_max_abs_diff_to_hf': float(np.abs(hf_reloaded - hf).max()),
       'hf_reloaded_tensors_differing': differing,
       'worst_position': [int(i) for i in np.unravel_index(diff.argmax(), diff.shape)[:2]],
