@@ -262,3 +262,49 @@ def test_verify_length_admits_while_the_rate_rises():
   conf = jnp.array([[0.9, 0.9, 0.1], [0.1, 0.9, 0.9], [0.99, 0.99, 0.99]])
   assert np.asarray(sampling.verify_length(conf, 0.2)).tolist() == [2, 0, 3]
   assert np.asarray(sampling.verify_length(conf, 0.0)).tolist() == [3, 3, 3]
+
+
+def test_image_prompts_decode_like_the_full_forward():
+  """A prompt with an image span (laid out as training lays it out): prefill, full or CED, and
+  decoding after it equal the full forward over the same sequence."""
+  from deepseek41.data.multimodal import build_document
+  from deepseek41.generate.generator import image_fields
+  vision = {'model.vision': True, 'model.vision_layers': 1, 'model.vision_dim': 16,
+            'model.vision_heads': 2, 'model.vision_mlp': 16, 'model.vision_patch': 2,
+            'model.vision_max_image_tokens': 4, 'model.image_token_id': 5,
+            'data.max_images_per_row': 2}
+  cfg, model = _model(**vision)
+  rng = np.random.default_rng(8)
+  image = rng.integers(0, 256, (12, 10, 3)).astype(np.uint8)
+  encode = lambda text: [6 + ord(c) % 80 for c in text]  # noqa: E731
+  doc = build_document([{'text': 'a prompt'}, {'image': image}, {'text': 'and more'}], encode, 1,
+                       cfg.data.images, 'test')
+  prompt = doc.tokens[:-1]
+  n = len(prompt)
+  seq = np.concatenate([prompt, rng.integers(6, 96, 4).astype(np.int32)])[None]
+  fields = image_fields(cfg, [doc], len(seq[0]))
+  batch = {'tokens': seq, 'segment_ids': np.ones_like(seq), 'modality':
+           (fields['image_role'] != 0).astype(np.int32),
+           'positions': np.arange(seq.shape[1], dtype=np.int32)[None], **fields}
+  full = np.asarray(nnx.jit(lambda m, b: m(b)[0])(model, batch))[0]
+  spec = CacheSpec(batch=1, max_len=48, max_chunk=1)
+  images = jax.tree.map(jnp.asarray, image_fields(cfg, [doc], n))
+  lengths = jnp.asarray([n], jnp.int32)
+
+  @nnx.jit
+  def prefill_full(m, tokens):
+    logits, _, cache = forward_chunk(m, empty_cache(cfg.model, spec), tokens,
+                                     jnp.ones(tokens.shape, bool), images=images)
+    return logits[:, -1], cache
+
+  @nnx.jit
+  def prefill_ced(m, tokens):
+    logits, _, cache = ced_prefill(m, empty_cache(cfg.model, spec), tokens, lengths, n,
+                                   images=images)
+    return logits[:, -1], cache
+  for prefill in (prefill_full, prefill_ced):
+    last, cache = prefill(model, jnp.asarray(prompt[None]))
+    np.testing.assert_allclose(np.asarray(last)[0], full[n - 1], rtol=2e-4, atol=2e-4)
+    for pos in range(n, n + 3):
+      logits, cache = _chunk(model, cache, jnp.asarray(seq[:, pos:pos + 1]), jnp.ones((1, 1), bool))
+      np.testing.assert_allclose(np.asarray(logits)[0, 0], full[pos], rtol=2e-4, atol=2e-4)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from deepseek41.data.tokenizer import train_tokenizer
+from deepseek41.generate.__main__ import with_images
 from deepseek41.generate.generator import GenerateError, Generator
 from deepseek41.train.trainer import train
 from tests.util import small_config
@@ -46,6 +47,12 @@ def test_bad_input_is_named(workdir, tmp_path):
                         max_new_tokens=4)
   with pytest.raises(GenerateError, match='prompt 1 is empty'):
     gen.generate(['x', ''])
+  with pytest.raises(GenerateError, match='prompt 0 has an image but the model has no vision'):
+    gen.generate([[{'text': 'x'}, {'image': np.zeros((4, 4, 3), np.uint8)}]])
+  with pytest.raises(GenerateError, match='--prompt: 2 <image> markers for 1 images'):
+    with_images('a <image> b <image>', ['x.png'], '--prompt')
+  assert with_images('a <image> b', ['x.png'], '--prompt') == [
+      {'text': 'a '}, {'image': 'x.png'}, {'text': ' b'}]
   with pytest.raises(GenerateError, match='--speculative needs a DSpark-stage checkpoint'):
     gen.generate(['x'], speculative=True)
   with pytest.raises(GenerateError, match=r'--step=7: no checkpoint .*\(there are: 2\)'):

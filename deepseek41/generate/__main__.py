@@ -1,15 +1,18 @@
 """`python -m deepseek41.generate --workdir=DIR [--step=N] --prompt=TEXT | --prompts=FILE.jsonl
-[--max_new_tokens=N] [--temperature=T] [--top_p=P] [--speculative] [--prefill=auto|ced|full]`
+[--images=A.png,...] [--max_new_tokens=N] [--temperature=T] [--top_p=P] [--speculative]
+[--prefill=auto|ced|full]`
 
 Restores a checkpoint of a training run, tokenizes with the run's tokenizer, generates and
 prints each completion with its tokens/s. --prompts reads one JSON object per line with a
-"prompt" field; all prompts go through as one batch (different lengths are fine). --json prints
+"prompt" field (and optionally "images", paths relative to the file); all prompts go through as
+one batch (different lengths are fine). Images take the places of the prompt's <image> markers. --json prints
 one JSON object per prompt instead.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from absl import app, flags
@@ -30,9 +33,33 @@ _N_WIN = flags.DEFINE_integer('n_win', 0, 'CED decoder tail (0: the smallest exa
 _VERIFY_COST = flags.DEFINE_float(
     'verify_cost', 0.05, 'Cost of one more verified position relative to a decode step.')
 _JSON = flags.DEFINE_bool('json', False, 'One JSON object per prompt.')
+_IMAGES = flags.DEFINE_list('images', [], 'Images of --prompt, in the order of its <image> '
+                            'markers (without markers: before the text). Needs model.vision.')
+IMAGE_MARKER = '<image>'
 
 
-def read_prompts(path: str) -> list[str]:
+def with_images(text: str, images: list, where: str):
+  """The prompt's parts: text split at each <image> marker, the images in order."""
+  from deepseek41.generate.generator import GenerateError
+  if not images:
+    if IMAGE_MARKER in text:
+      raise GenerateError(f'{where} has an {IMAGE_MARKER} marker but no image')
+    return text
+  pieces = text.split(IMAGE_MARKER)
+  if len(pieces) == 1:
+    pieces = ['', text]
+  if len(pieces) - 1 != len(images):
+    raise GenerateError(f'{where}: {len(pieces) - 1} {IMAGE_MARKER} markers for {len(images)} '
+                        'images')
+  parts = [{'text': pieces[0]}] if pieces[0] else []
+  for image, piece in zip(images, pieces[1:]):
+    parts.append({'image': image})
+    if piece:
+      parts.append({'text': piece})
+  return parts
+
+
+def read_prompts(path: str) -> list:
   from deepseek41.generate.generator import GenerateError
   try:
     lines = open(path, encoding='utf-8').read().splitlines()
@@ -44,11 +71,14 @@ def read_prompts(path: str) -> list[str]:
       continue
     try:
       obj = json.loads(line)
-      prompts.append(obj['prompt'] if isinstance(obj, dict) else None)
+      text = obj['prompt'] if isinstance(obj, dict) else None
     except (json.JSONDecodeError, KeyError):
-      prompts.append(None)
-    if not isinstance(prompts[-1], str):
+      text = None
+    if not isinstance(text, str):
       raise GenerateError(f'--prompts={path} line {i}: expected {{"prompt": "..."}}')
+    images = [p if os.path.isabs(p) else os.path.join(os.path.dirname(os.path.abspath(path)), p)
+              for p in obj.get('images', [])]
+    prompts.append(with_images(text, images, f'--prompts={path} line {i}'))
   if not prompts:
     raise GenerateError(f'--prompts={path} holds no prompt')
   return prompts
@@ -64,7 +94,8 @@ def main(argv):
       raise GenerateError('--workdir is required')
     if (_PROMPT.value is None) == (_PROMPTS.value is None):
       raise GenerateError('give exactly one of --prompt and --prompts')
-    prompts = [_PROMPT.value] if _PROMPT.value is not None else read_prompts(_PROMPTS.value)
+    prompts = [with_images(_PROMPT.value, _IMAGES.value, '--prompt')] \
+        if _PROMPT.value is not None else read_prompts(_PROMPTS.value)
     gen = Generator(_WORKDIR.value, _STEP.value)
     results = gen.generate(prompts, max_new_tokens=_MAX_NEW.value,
                            temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value,
@@ -74,6 +105,8 @@ def main(argv):
     print(f'error: {e}', file=sys.stderr)
     return 2
   for prompt, r in zip(prompts, results):
+    if not isinstance(prompt, str):  # image parts: shown by their markers
+      prompt = ''.join(p.get('text', IMAGE_MARKER) for p in prompt)
     if _JSON.value:
       print(json.dumps({'prompt': prompt, 'text': r.text, 'tokens': r.tokens,
                         'tokens_per_s': r.tokens_per_s, 'prefill_s': r.prefill_s,

@@ -157,21 +157,32 @@ class CacheKeeper:
     return latent_bgd, first_bg, complete_bg, lc
 
 
-def chunk_batch(cfg: ModelConfig, cache: dict, tokens_bq, valid_bq, start_b, engram_map=None):
+def chunk_batch(cfg: ModelConfig, cache: dict, tokens_bq, valid_bq, start_b, engram_map=None,
+                images: dict | None = None):
   """The model's batch for a chunk at positions start_b + q, with the Engram rows hashed over the
-  tokens before the chunk too (the cache's token history)."""
+  tokens before the chunk too (the cache's token history). `images`: the batch contract's image
+  fields of a prompt chunk (docs/design.md, "Batches"); their span positions are the IMAGE
+  modality."""
   b, tq = tokens_bq.shape
   pos_bq = start_b[:, None] + jnp.arange(tq, dtype=jnp.int32)[None, :]
+  modality_bq = jnp.zeros((b, tq), jnp.int32)
   batch = {'tokens': tokens_bq, 'segment_ids': valid_bq.astype(jnp.int32), 'positions': pos_bq,
-           'modality': jnp.zeros((b, tq), jnp.int32), 'row_offset': start_b[:, None]}
+           'row_offset': start_b[:, None]}
+  if images is not None:
+    batch.update(images)
+    modality_bq = (images['image_role'] != 0).astype(jnp.int32)
+  batch['modality'] = modality_bq
   if cfg.engram:
     look = cfg.engram_max_ngram - 1
     back_bl = start_b[:, None] - look + jnp.arange(look, dtype=jnp.int32)[None, :]
     hist_bl = jnp.take_along_axis(cache['tokens'], jnp.clip(back_bl, 0, None), axis=1)
+    # Image-span positions carry model.image_token_id: that is how the history knows them.
+    hist_modality = (hist_bl == cfg.image_token_id).astype(jnp.int32) if cfg.vision else \
+        jnp.zeros_like(hist_bl)
     ext = {'tokens': jnp.concatenate([hist_bl, tokens_bq], axis=1),
            'segment_ids': jnp.concatenate([(back_bl >= 0).astype(jnp.int32),
                                            batch['segment_ids']], axis=1),
-           'modality': jnp.zeros((b, look + tq), jnp.int32)}
+           'modality': jnp.concatenate([hist_modality, modality_bq], axis=1)}
     if engram_map is not None:
       ext['engram_tokens'] = jnp.take(engram_map, ext['tokens'], axis=0)
     from deepseek41.model.engram import layer_addresses
@@ -191,12 +202,13 @@ def _finish(cache, keeper: CacheKeeper, tokens_bq, batch):
 
 
 def forward_chunk(model, cache: dict, tokens_bq, valid_bq, *, engram_map=None,
-                  capture_layers: tuple[int, ...] = (), start_b=None, write_entries: bool = True):
+                  capture_layers: tuple[int, ...] = (), start_b=None, write_entries: bool = True,
+                  images: dict | None = None):
   """(logits [B, Tq, V] fp32, captured {layer: [B, Tq, D]}, cache): the chunk's tokens at
   positions start_b .. (default: each row's cached length), appended to the cache."""
   cfg = model.cfg
   start_b = cache['length'] if start_b is None else start_b
-  batch = chunk_batch(cfg, cache, tokens_bq, valid_bq, start_b, engram_map)
+  batch = chunk_batch(cfg, cache, tokens_bq, valid_bq, start_b, engram_map, images)
   end_b = start_b + jnp.sum(valid_bq, axis=1, dtype=jnp.int32)
   keeper = CacheKeeper(cfg, dict(cache['layers']), start_b, end_b, write_entries)
   x, pre = model.residual_input(batch)
@@ -209,7 +221,7 @@ def _tail_rows(x, start_b, n_win: int):
 
 
 def ced_prefill(model, cache: dict, tokens_bt, lengths_b, n_win: int, *, engram_map=None,
-                capture_layers: tuple[int, ...] = ()):
+                capture_layers: tuple[int, ...] = (), images: dict | None = None):
   """CED prefill of right-padded prompts into an empty cache: (logits [B, n_win, V] of each
   row's last n_win prompt positions, captured inputs of those rows, cache).
 
@@ -227,7 +239,7 @@ def ced_prefill(model, cache: dict, tokens_bt, lengths_b, n_win: int, *, engram_
     raise ValueError(f'n_win must be in [1, {t}], got {n_win}')
   valid_bt = jnp.arange(t)[None, :] < lengths_b[:, None]
   start_b = jnp.zeros_like(lengths_b)
-  batch = chunk_batch(cfg, cache, tokens_bt, valid_bt, start_b, engram_map)
+  batch = chunk_batch(cfg, cache, tokens_bt, valid_bt, start_b, engram_map, images)
   keeper = CacheKeeper(cfg, dict(cache['layers']), start_b, lengths_b)
   shared = {DECODE: keeper}
   x, pre = model.residual_input(batch)
@@ -240,8 +252,9 @@ def ced_prefill(model, cache: dict, tokens_bt, lengths_b, n_win: int, *, engram_
   if first_decoder.attn.csa2 is not None and first_decoder.attn.csa2.owns_kv:
     shared = first_decoder.publish_global_kv(x, pre, batch, shared)
   tail_b = jnp.maximum(lengths_b - n_win, 0)
-  tail = {k: _tail_rows(v, tail_b, n_win) for k, v in batch.items()
-          if k not in ('engram_row_ids', 'row_offset')}
+  per_slot = ('engram_row_ids', 'row_offset', 'image_patches', 'image_grid')  # not per position
+  tail = {k: _tail_rows(v, tail_b, n_win) for k, v in batch.items() if k not in per_slot}
+  tail.update({k: batch[k] for k in ('image_patches', 'image_grid') if k in batch})
   if 'engram_row_ids' in batch:
     tail['engram_row_ids'] = {l: _tail_rows(v, tail_b, n_win)
                               for l, v in batch['engram_row_ids'].items()}

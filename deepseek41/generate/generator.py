@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from deepseek41.batch import ROLE_PATCH
 from deepseek41.config import RunConfig, base_config, config_from_saved, resolve
 from deepseek41.generate import sampling
 from deepseek41.generate.cache import CacheSpec, empty_cache, scatter_rows
@@ -171,24 +172,44 @@ class Generator:
     self.workdir = workdir
     self._programs = Programs(self.model, self.dspark, self.engram_map)
 
-  def encode(self, prompts: Sequence[str]) -> list[np.ndarray]:
-    out = []
-    for i, text in enumerate(prompts):
-      ids = self.tokenizer.hf.encode(text, add_special_tokens=False).ids
-      if not ids:
+  def encode(self, prompts: Sequence) -> tuple[list[np.ndarray], list | None]:
+    """(token ids per prompt, its image document or None per prompt). A prompt is a string or
+    a list of parts {'text': str} / {'image': path or uint8 [H, W, 3]}, laid out as training
+    lays out images (data/multimodal.py: the span, its alignment pad)."""
+    from deepseek41.data.multimodal import build_document
+    tokens, docs = [], []
+    for i, prompt in enumerate(prompts):
+      parts = [{'text': prompt}] if isinstance(prompt, str) else list(prompt)
+      if any('image' in p for p in parts):
+        if not self.cfg.model.vision:
+          raise GenerateError(f'prompt {i} has an image but the model has no vision tower '
+                              '(model.vision is off)')
+        doc = build_document(parts, self._encode_text, self.tokenizer.eos_id,
+                             self.cfg.data.images, f'prompt {i}')
+        ids = doc.tokens[:-1]  # the document's eos: a prompt continues
+        docs.append(doc)
+      else:
+        ids = np.asarray(sum((self._encode_text(p['text']) for p in parts), []), np.int32)
+        docs.append(None)
+      if not len(ids):
         raise GenerateError(f'prompt {i} is empty: give at least one token of text')
-      out.append(np.asarray(ids, np.int32))
-    return out
+      tokens.append(np.asarray(ids, np.int32))
+    return tokens, (docs if any(d is not None for d in docs) else None)
 
-  def generate(self, prompts: Sequence[str], **kw) -> list[Result]:
-    results = self.generate_tokens(self.encode(prompts), **kw)
+  def _encode_text(self, text: str) -> list[int]:
+    return self.tokenizer.hf.encode(text, add_special_tokens=False).ids
+
+  def generate(self, prompts: Sequence, **kw) -> list[Result]:
+    tokens, docs = self.encode(prompts)
+    results = self.generate_tokens(tokens, image_docs=docs, **kw)
     for r in results:
       r.text = self.tokenizer.decode(r.tokens)
     return results
 
   def generate_tokens(self, prompts: Sequence[np.ndarray], *, speculative: bool = False,
                       **kw) -> list[Result]:
-    """Generate after each prompt (token ids). Returns one Result per prompt, in order."""
+    """Generate after each prompt (token ids; `image_docs` from `encode` for image prompts).
+    Returns one Result per prompt, in order."""
     if speculative and self.dspark is None:
       raise GenerateError(f'--speculative needs a DSpark-stage checkpoint; {self.workdir} is a '
                           'pretraining run (dspark.stage = off)')
@@ -197,11 +218,36 @@ class Generator:
                          speculative=speculative, **kw)
 
 
+def image_fields(cfg: RunConfig, docs: list, t: int) -> dict[str, np.ndarray]:
+  """The batch contract's image fields for right-padded prompts of `t` positions; `docs[i]` is
+  prompt i's document (data/multimodal.py) or None for a text prompt."""
+  geometry = cfg.data.images
+  b, m = len(docs), geometry.max_image_tokens
+  slots = max(1, max(len(d.patches) for d in docs if d is not None))
+  p = geometry.patch_size
+  out = {'image_role': np.zeros((b, t), np.int32), 'image_index': np.zeros((b, t), np.int32),
+         'image_span': np.zeros((b, t), np.int32),
+         'image_patches': np.zeros((b, slots, geometry.max_patches, p * p * 3), np.uint8),
+         'image_grid': np.zeros((b, slots, 2), np.int32)}
+  for i, d in enumerate(docs):
+    if d is None:
+      continue
+    n = len(d.tokens) - 1
+    out['image_role'][i, :n] = d.role[:n]
+    out['image_span'][i, :n] = d.span[:n]
+    patch = d.role[:n] == ROLE_PATCH  # the row's image slot n takes indices n*M + i*wm + j
+    out['image_index'][i, :n] = np.where(patch, d.index[:n] + (d.span[:n] - 1) * m, 0)
+    for k, (pd, grid) in enumerate(zip(d.patches, d.grids)):
+      out['image_patches'][i, k, :len(pd)] = pd
+      out['image_grid'][i, k] = grid
+  return out
+
+
 def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray], *,
                 eos_id: int | None, max_new_tokens: int = 64, temperature: float = 0.0,
                 top_p: float = 1.0, seed: int = 0, speculative: bool = False,
                 prefill: str = 'auto', n_win: int = 0, verify_cost: float = 0.05,
-                draft_len: int = 0) -> list[Result]:
+                draft_len: int = 0, image_docs: list | None = None) -> list[Result]:
   """Prefill the prompts as one right-padded batch, then decode until every row has
   max_new_tokens or its end-of-document (eos_id; None: never stop early)."""
   if not len(prompts):
@@ -232,6 +278,8 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
   tokens_bt = np.zeros((len(prompts), t), np.int32)
   for i, p in enumerate(prompts):
     tokens_bt[i, :len(p)] = p
+  images = None if image_docs is None else \
+      jax.tree.map(jnp.asarray, image_fields(cfg, image_docs, t))
   key = jax.random.key(seed)
   feature_dim = cfg.model.d_model if speculative else 0
   cache = empty_cache(cfg.model, spec, feature_dim)
@@ -239,10 +287,10 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
   if prefill == 'ced':
     win = min(n_win or exact_n_win(cfg), t)
     logits_last, cache = progs.prefill_ced(cache, jnp.asarray(tokens_bt), jnp.asarray(lengths),
-                                           win, speculative)
+                                           win, speculative, images)
   else:
     logits_last, cache = progs.prefill_full(cache, jnp.asarray(tokens_bt),
-                                            jnp.asarray(lengths), speculative)
+                                            jnp.asarray(lengths), speculative, images)
   key, sub = jax.random.split(key)
   nxt = sampling.draw(sub, sampling.probs(logits_last, temperature, top_p))
   nxt = np.asarray(nxt)
@@ -342,27 +390,27 @@ class Programs:
       self._jit[name] = jax.jit(fn, static_argnames=static)
     return self._jit[name]
 
-  def prefill_full(self, cache, tokens_bt, lengths_b, features: bool):
-    def run(state, cache, tokens_bt, lengths_b, features):
+  def prefill_full(self, cache, tokens_bt, lengths_b, features: bool, images=None):
+    def run(state, cache, tokens_bt, lengths_b, images, features):
       model, dspark = self._merged(state)
       valid = jnp.arange(tokens_bt.shape[1])[None, :] < lengths_b[:, None]
       start = jnp.zeros_like(lengths_b)
       logits, captured, cache = forward_chunk(
           model, cache, tokens_bt, valid, engram_map=self.engram_map,
-          capture_layers=dspark.targets if features else ())
+          capture_layers=dspark.targets if features else (), images=images)
       if features:
         cache = _write_features(dspark, cache, captured, valid, start)
       last = jnp.take_along_axis(logits, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
       return last, cache
     return self._compiled('prefill_full', run, ('features',))(
-        self.state, cache, tokens_bt, lengths_b, features=features)
+        self.state, cache, tokens_bt, lengths_b, images, features=features)
 
-  def prefill_ced(self, cache, tokens_bt, lengths_b, n_win: int, features: bool):
-    def run(state, cache, tokens_bt, lengths_b, n_win, features):
+  def prefill_ced(self, cache, tokens_bt, lengths_b, n_win: int, features: bool, images=None):
+    def run(state, cache, tokens_bt, lengths_b, images, n_win, features):
       model, dspark = self._merged(state)
       logits, captured, cache = ced_prefill(
           model, cache, tokens_bt, lengths_b, n_win, engram_map=self.engram_map,
-          capture_layers=dspark.targets if features else ())
+          capture_layers=dspark.targets if features else (), images=images)
       tail_b = jnp.maximum(lengths_b - n_win, 0)
       if features:
         valid = (tail_b[:, None] + jnp.arange(n_win)[None, :]) < lengths_b[:, None]
@@ -370,7 +418,7 @@ class Programs:
       last = jnp.take_along_axis(logits, (lengths_b - 1 - tail_b)[:, None, None], axis=1)[:, 0]
       return last, cache
     return self._compiled('prefill_ced', run, ('n_win', 'features'))(
-        self.state, cache, tokens_bt, lengths_b, n_win=n_win, features=features)
+        self.state, cache, tokens_bt, lengths_b, images, n_win=n_win, features=features)
 
   def plain(self, cache, tok_b, key, temperature, top_p, features: bool):
     def run(state, cache, tok_b, key, temperature, top_p, features):

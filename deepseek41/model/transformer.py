@@ -161,7 +161,7 @@ class Transformer(nnx.Module):
     """[B, T, D] input embeddings: the table, with image spans filled in by the vision path."""
     dt = dtype_of(self.cfg.compute_dtype)
     e_btd = jnp.take(self.embed[...], batch['tokens'], axis=0).astype(dt)
-    if self.vision is not None:
+    if self.vision is not None and 'image_patches' in batch:  # (a decode step has no images)
       merged_bnmd = self.vision(batch['image_patches'], batch['image_grid'], dt)
       e_btd = self.vision.place(e_btd, batch, merged_bnmd)
     return e_btd
