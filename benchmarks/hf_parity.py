@@ -7,9 +7,15 @@ Builds a small random HF V4.1 model that keeps every layer role (SWA, Full ratio
 Reuse, Reindex inside the candidate pool), Engram, mHC and the FP8/FP4 fake quantizers; saves it
 with `save_pretrained`; imports it with `deepseek41.interop.hf_convert.import_hf`; runs both
 forwards in float32 on the same tokens and prints the largest logit difference (and per-row
-agreement of the top-1 token). Then exports the imported checkpoint (fp32) and loads it back
-into the HF model (`from_pretrained`): its logits must equal the original HF model's.
-Exit status 1 if a difference exceeds --tolerance.
+agreement of the top-1 token), next to a control: HF against itself with every weight moved by
+a relative 1e-6, which shows how far float32 rounding noise alone moves the logits through the
+model's discrete decisions (quantizer rounding, top-k). Then exports the imported checkpoint
+(fp32) and loads it back into the HF model (`from_pretrained`): its tensors must equal the
+original ones. Also counts values where our fake quantizers differ from HF's on the same inputs.
+Exit status 1 if ours vs HF, or the reloaded HF model, differ by more than --tolerance.
+
+`pip install -e '.[hf]'` takes torch from PyPI, a CUDA build of several GB; a CPU wheel from
+the PyTorch index works as well.
 
 The HF code comes from an installed transformers that has `models/deepseek_v41`, or from
 --hf_src, a directory holding its `configuration_deepseek_v41.py` and
