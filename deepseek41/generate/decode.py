@@ -21,7 +21,6 @@ rebuilt from the last `n_win` tokens, the stored entries kept.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -32,22 +31,16 @@ from deepseek41.model.compressor import CompressedKV
 from deepseek41.model.csa2 import DECODE, _kv_key
 from deepseek41.model.engram import row_ids
 from deepseek41.model.rope import apply_rope, rope_for_role
-from deepseek41.ops.swa_attention import _masked_softmax_partial
+from deepseek41.ops.swa_attention import keyset_partial
 
 
 def ring_partial(q_bthd, ring_kv_bcd, ring_pos_bc, pos_bt, valid_bt, start_b, window: int):
   """The window keys cached before the chunk as one more partial: slot u is seen by query t iff
-  it holds a position in [start - 1 - ..., start) within the window of t."""
+  it holds a position before the chunk's start within t's window."""
   kpos = ring_pos_bc[:, None, :]
   sees_btc = (kpos >= 0) & (kpos < start_b[:, None, None]) & (pos_bt[:, :, None] - kpos < window) \
       & valid_bt[:, :, None]
-  scale = 1.0 / math.sqrt(q_bthd.shape[-1])
-  scores_bthc = jnp.einsum('bthd,bcd->bthc', q_bthd, ring_kv_bcd,
-                           preferred_element_type=jnp.float32) * scale
-  probs_bthc, lse_bth = _masked_softmax_partial(scores_bthc, sees_btc[:, :, None, :])
-  o_bthd = jnp.einsum('bthc,bcd->bthd', probs_bthc.astype(ring_kv_bcd.dtype), ring_kv_bcd,
-                      preferred_element_type=jnp.float32)
-  return o_bthd, lse_bth
+  return keyset_partial(q_bthd, ring_kv_bcd, sees_btc)
 
 
 def _ring_slots(pos_bq, keep_bq, capacity: int):

@@ -26,7 +26,6 @@ confidence head has no bias.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
@@ -40,7 +39,7 @@ from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import dtype_of, normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
 from deepseek41.ops.fp8_matmul import dense
-from deepseek41.ops.swa_attention import _masked_softmax_partial, combine_with_sink
+from deepseek41.ops.swa_attention import combine_with_sink, keyset_partial
 
 
 def draft_model_config(cfg: ModelConfig, ds: DSparkConfig) -> ModelConfig:
@@ -75,13 +74,8 @@ class DraftAttention(Attention):
     w = kv_nwd.shape[1]
     sees_nru = jnp.concatenate([jnp.broadcast_to(ctx['ok_nw'][:, None, :], (n, r, w)),
                                 jnp.ones((n, r, r), bool)], axis=-1)  # bidirectional block
-    scale = 1.0 / math.sqrt(q_nrhd.shape[-1])
-    scores_nrhu = jnp.einsum('nrhd,nud->nrhu', q_nrhd, keys_nud,
-                             preferred_element_type=jnp.float32) * scale
-    probs_nrhu, lse_nrh = _masked_softmax_partial(scores_nrhu, sees_nru[:, :, None, :])
-    o_nrhd = jnp.einsum('nrhu,nud->nrhd', probs_nrhu.astype(keys_nud.dtype), keys_nud,
-                        preferred_element_type=jnp.float32)
-    o_nrhd = combine_with_sink([(o_nrhd, lse_nrh)], self.sink[...], dtype=x_nrd.dtype)
+    o_nrhd = combine_with_sink([keyset_partial(q_nrhd, keys_nud, sees_nru)], self.sink[...],
+                               dtype=x_nrd.dtype)
     inv_freq = rope_for_role(self.cfg, self.role.rope)
     o_nrhd = apply_rope(o_nrhd, positions_nr, inv_freq, inverse=True)
     return self.output(o_nrhd), shared

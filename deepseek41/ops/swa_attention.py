@@ -111,15 +111,23 @@ def same_span_mask_btu(span_ids_bt):
   return same_btu & (span_ids_bt != 0)[:, :, None]
 
 
-def _swa_partial_reference(q_bthd, kv_btd, segment_ids_bt, window, scale, span_ids_bt=None):
-  scores_bthu = jnp.einsum('bthd,bud->bthu', q_bthd, kv_btd,
+def keyset_partial(q_bthd, kv_bud, sees_btu, scale: float | None = None):
+  """The partial (o_bthd fp32, lse_bth) of queries over an explicit key set: latent u (key =
+  value) is seen by query t where sees_btu. Dense [T, U] scores: for small key sets (a window
+  ring, a draft block's context) and the reference."""
+  scale = 1.0 / math.sqrt(q_bthd.shape[-1]) if scale is None else scale
+  scores_bthu = jnp.einsum('bthd,bud->bthu', q_bthd, kv_bud,
                            preferred_element_type=jnp.float32) * scale
-  mask_bthu = window_mask_btu(segment_ids_bt, window, span_ids_bt)[:, :, None, :]
-  probs_bthu, lse_bth = _masked_softmax_partial(scores_bthu, mask_bthu)
+  probs_bthu, lse_bth = _masked_softmax_partial(scores_bthu, sees_btu[:, :, None, :])
   # p in the input dtype for the second matmul (fp32 accumulation), as flash kernels do.
-  o_bthd = jnp.einsum('bthu,bud->bthd', probs_bthu.astype(kv_btd.dtype), kv_btd,
+  o_bthd = jnp.einsum('bthu,bud->bthd', probs_bthu.astype(kv_bud.dtype), kv_bud,
                       preferred_element_type=jnp.float32)
   return o_bthd, lse_bth
+
+
+def _swa_partial_reference(q_bthd, kv_btd, segment_ids_bt, window, scale, span_ids_bt=None):
+  return keyset_partial(q_bthd, kv_btd, window_mask_btu(segment_ids_bt, window, span_ids_bt),
+                        scale)
 
 
 # ---------------------------------------------------------------------------------------------
