@@ -437,3 +437,26 @@ def test_import_streams_one_tensor_at_a_time(tmp_path):
   assert m['rss_growth'] < 4 * m['largest'], m
   assert m['write_traced_peak'] < 4 * m['largest'], m  # reading it again included
   assert shards > 3
+
+
+def test_training_resumes_an_import_and_starts_from_one(trained, tmp_path):
+  """`deepseek41.train` on the import's own work directory resumes its step 0 (no data state:
+  the input starts at its beginning); a new run with checkpoint.init_from starts from its
+  weights with a fresh optimizer."""
+  from deepseek41.config import load_config_file
+  from deepseek41.train.trainer import train
+  c, run, workdir, root = trained
+  hf_convert.export_hf(workdir, str(tmp_path / 'hf'), dtype='fp32', progress=False, say=_quiet)
+  imported = str(tmp_path / 'imported')
+  step_dir = hf_convert.import_hf(str(tmp_path / 'hf'), imported, base=c, progress=False,
+                                  say=_quiet)
+  cfg = load_config_file(os.path.join(imported, 'config.py'))
+  cfg.train.steps, cfg.checkpoint.every_steps = 1, 1
+  cfg.train.compilation_cache_dir = c.train.compilation_cache_dir
+  assert train(cfg, imported).step == 1
+  cfg.checkpoint.init_from = step_dir
+  result = train(cfg, str(tmp_path / 'new'))
+  assert result.step == 1
+  with pytest.raises(Exception, match='init_from'):
+    cfg.checkpoint.init_from = str(tmp_path / 'nowhere')
+    train(cfg, str(tmp_path / 'new2'))

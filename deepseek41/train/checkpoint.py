@@ -434,8 +434,13 @@ class Checkpointer:
     args = {'state': ocp.args.StandardRestore(target)}
     if data_iter is not None:
       if not os.path.isdir(os.path.join(self.step_dir(step), 'data')):
-        raise CheckpointError(f'checkpoint {self.step_dir(step)} has no data iterator state')
-      args['data'] = DataStreamsRestore(data_iter)
+        if step != 0:
+          raise CheckpointError(f'checkpoint {self.step_dir(step)} has no data iterator state')
+        # Step 0 (an imported checkpoint) has read no data: the input starts at its beginning.
+        log.info('checkpoint %s has no data iterator state: step 0, the input starts at its '
+                 'beginning', self.step_dir(step))
+      else:
+        args['data'] = DataStreamsRestore(data_iter)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(**args))
     except CheckpointError:

@@ -475,6 +475,9 @@ def _initial_state(cfg, ckpt: Checkpointer, tx, mesh, abstract, shardings, layou
     elif cfg.dspark.stage == 'post_training':
       log.info('dspark.stage=post_training without dspark.backbone_checkpoint: the backbone and '
                'its drafter both start from initialization and train together')
+    if cfg.checkpoint.init_from:  # a new run from another checkpoint's weights (an HF import)
+      from deepseek41.interop.init_from import load_initial_weights
+      state = load_initial_weights(cfg, state, mesh, tx)
     return state, 0
   if not ckpt.verify(start):
     log.warning('checkpoint %s has no checksums (written before they were recorded, or the run '
