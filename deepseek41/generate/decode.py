@@ -21,6 +21,7 @@ rebuilt from the last `n_win` tokens, the stored entries kept.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -108,10 +109,13 @@ class CacheKeeper:
     j_n = jnp.arange(n, dtype=jnp.int32)
     b = lc['written'].shape[0]
     dt = x_btd.dtype
-    view = CompressedKV(latent_bnd=None, kv_bnd=load(cfg.kv_quant, lc['kv'], dt),
+    # The entries stay packed: attention gathers its selected rows and unpacks only those;
+    # the indexer scores every key, so the keys are unpacked whole.
+    view = CompressedKV(latent_bnd=None, kv_bnd=lc['kv'],
                         pos_bn=jnp.broadcast_to(j_n * r, (b, n)),
                         seg_bn=lc['written'].astype(jnp.int32),
-                        last_bn=jnp.broadcast_to(j_n * r + r - 1, (b, n)), ratio=r)
+                        last_bn=jnp.broadcast_to(j_n * r + r - 1, (b, n)), ratio=r,
+                        load_rows=functools.partial(load, cfg.kv_quant, dtype=dt))
     return {**shared, _kv_key(csa2.role.layer): (view, load(cfg.index_quant, lc['keys'], dt))}
 
   def _pool_groups(self, lc, comp, kv_rows, gate_rows, pos_bq, valid_bq, dtype):

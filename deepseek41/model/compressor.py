@@ -65,6 +65,9 @@ class CompressedKV:
   seg_bn: jax.Array       # int32 segment id, 0 = never visible (padding or straddling group)
   last_bn: jax.Array      # int32 row index of the group's last token
   ratio: int = struct.field(pytree_node=False, default=1)
+  # Generation's packed cache: kv_bnd holds the stored rows and this unpacks gathered ones
+  # (ops/sparse_attention.py `compressed_partial`); None: kv_bnd holds the values.
+  load_rows: Callable | None = struct.field(pytree_node=False, default=None)
 
   @property
   def num_entries(self) -> int:

@@ -179,9 +179,10 @@ class CSA2(nnx.Module):
     # Only an index source in training needs the per-slot mass (its indexer's distillation
     # target); generation computes no indexer loss.
     distill = self.owns_index and DECODE not in shared
+    kv = comp.kv_bnd if comp.load_rows else comp.kv_bnd.astype(q_bthd.dtype)
     o_bthd, lse_bth, *mass = compressed_partial(
-        q_bthd, comp.kv_bnd.astype(q_bthd.dtype), sel_idx, sel_valid, impl=cfg.sparse_impl,
-        chunk=cfg.sparse_chunk, with_mass=distill)
+        q_bthd, kv, sel_idx, sel_valid, impl=cfg.sparse_impl, chunk=cfg.sparse_chunk,
+        with_mass=distill, load_rows=comp.load_rows)
     if distill:
       mass_btk, = mass
       student_btk = selected_scores(q_idx, w_bth, k_bnc, sel_idx, sel_valid, cfg.sparse_chunk)

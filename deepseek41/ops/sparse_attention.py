@@ -81,22 +81,26 @@ def _gather_rows_bwd(res, ct_bckd):
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
-def _partial_gathered_chunk(q_bchd, kv_bnd, idx_bck, valid_bck, scale):
-  kv_bckd = gather_rows(kv_bnd, idx_bck, valid_bck)
+def _partial_gathered_chunk(q_bchd, kv_bnd, idx_bck, valid_bck, scale, load_rows=None):
+  if load_rows is None:
+    kv_bckd = gather_rows(kv_bnd, idx_bck, valid_bck)
+  else:  # stored rows (generation's packed cache): gather them, then unpack only those
+    kv_bckd = load_rows(jax.tree.map(
+        lambda x: jax.vmap(lambda x_n, idx_ck: x_n[idx_ck])(x, idx_bck), kv_bnd))
   scores_bchk = jnp.einsum('bchd,bckd->bchk', q_bchd, kv_bckd,
                            preferred_element_type=jnp.float32) * scale
   probs_bchk, lse_bch = _masked_softmax_partial(scores_bchk, valid_bck[:, :, None, :])
   # The partial output leaves in the input dtype (bf16 in training, as a flash kernel's would):
   # an fp32 [T, H, d] per branch is 17 GB at 128K tokens and V4.1's 64 x 512 heads.
-  o_bchd = jnp.einsum('bchk,bckd->bchd', probs_bchk.astype(kv_bnd.dtype), kv_bckd,
-                      preferred_element_type=jnp.float32).astype(kv_bnd.dtype)
+  o_bchd = jnp.einsum('bchk,bckd->bchd', probs_bchk.astype(kv_bckd.dtype), kv_bckd,
+                      preferred_element_type=jnp.float32).astype(kv_bckd.dtype)
   return o_bchd, lse_bch, jnp.mean(probs_bchk, axis=2)
 
 
-def _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk):
+def _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk, load_rows=None):
   def per_chunk(c, offset):
     del offset
-    return _partial_gathered_chunk(c['q'], kv_bnd, c['idx'], c['valid'], scale)
+    return _partial_gathered_chunk(c['q'], kv_bnd, c['idx'], c['valid'], scale, load_rows)
   # Recomputed in the backward pass (flash-attention style): the saved residuals would be each
   # chunk's gathered latents and probabilities, [T, K, d] + [T, H, K], which at 64K tokens and
   # V4.1's shapes is tens of GB per layer.
@@ -118,7 +122,7 @@ def _sparse_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, with_mass, tensor_axis,
 
 def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathered',
                        chunk: int | None = None, scale: float | None = None,
-                       with_mass: bool = False):
+                       with_mass: bool = False, load_rows=None):
   """Attention of each query over its selected compressed entries: (o_bthd, lse_bth fp32).
 
   o_bthd is fp32 from the reference and in kv's dtype from the gathered and fused paths.
@@ -128,7 +132,15 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
   for queries that see no entry). `chunk` bounds the queries processed at once (gathered).
   with_mass: also return mass_btk, the head-averaged attention probability of each selected slot
   within this branch (sums to 1 over the valid slots): the indexer's distillation target.
+  load_rows: kv_bnd is stored rows (a pytree of [B, N, ...] arrays, e.g. packed codes and
+  scales) and load_rows turns gathered ones into [..., d] values; `gathered` only, no gradient.
   """
+  if load_rows is not None:
+    if impl != 'gathered' or with_mass:
+      raise ValueError('stored kv rows (load_rows) are read by the gathered path, without mass')
+    return _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk,
+                             1.0 / math.sqrt(q_bthd.shape[-1]) if scale is None else scale,
+                             chunk, load_rows)[:2]
   if q_bthd.shape[-1] != kv_bnd.shape[-1]:
     raise ValueError(f'q {q_bthd.shape} and kv {kv_bnd.shape} differ in the latent width')
   scale = 1.0 / math.sqrt(q_bthd.shape[-1]) if scale is None else scale
