@@ -1065,14 +1065,16 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
                    dspark=dspark)
 
 
-def config_from_saved(saved: dict) -> ml_collections.ConfigDict:
+def config_from_saved(saved: dict, sections: tuple[str, ...] | None = None
+                      ) -> ml_collections.ConfigDict:
   """The ConfigDict of a resolved config saved as JSON (a checkpoint's `config` item): the
   declared keys only (derived fields are rebuilt by `resolve`), lists back to tuples, source
-  lists back to their 'dir:weight,...' form."""
+  lists back to their 'dir:weight,...' form. `sections`: only these are read, the others keep
+  their defaults."""
   def tuples(v):
     return tuple(tuples(x) for x in v) if isinstance(v, list) else v
   c = base_config()
-  for section in c.keys():
+  for section in (sections or c.keys()):
     for name in c[section].keys():
       if name not in saved.get(section, {}):
         continue

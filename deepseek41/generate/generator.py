@@ -36,6 +36,10 @@ _EXECUTION_KEYS = ('moe_backend', 'eval_moe_backend', 'grouped_wgrad', 'index_im
                    'attention_impl', 'sparse_impl', 'mhc_impl', 'vision_attention_impl')
 
 
+# The train state's entries that hold the model (no optimizer state, step or rng).
+MODEL_ENTRIES = ('params', 'router_bias', 'frozen')
+
+
 class GenerateError(ValueError):
   """Bad input to generation; the message names the culprit (workdir, step, prompt, flag)."""
 
@@ -156,7 +160,8 @@ class Generator:
       tx = make_optimizer(cfg.train)
       abstract = state_lib.abstract_state(cfg, tx)
       shardings = state_lib.state_shardings(abstract, self.mesh, cfg.mesh.rules)
-      restored = ckpt.restore(step, state_lib.with_shardings(abstract, shardings), None)
+      target = state_lib.with_shardings(abstract, shardings)
+      restored = ckpt.restore_parts(step, {k: target[k] for k in MODEL_ENTRIES if k in target})
     finally:
       ckpt.close()
     graphdef = state_lib.model_def(cfg, tx).graphdef

@@ -347,24 +347,8 @@ def _copy_tokenizer(src: str, dst: str) -> list[str]:
 
 def saved_run_config(saved: dict) -> ml_collections.ConfigDict:
   """A ConfigDict of a checkpoint's saved (resolved) run config. The mesh and logging keep their
-  defaults (they do not shape the state); data sources go back to their 'path:weight' form."""
-  c = config_lib.base_config()
-  for section, values in saved.items():
-    if section not in ('model', 'train', 'checkpoint', 'dspark', 'data'):
-      continue
-    for key, value in values.items():
-      if key not in c[section]:
-        continue
-      if section == 'data' and key in ('sources', 'image_sources'):
-        value = ','.join(f'{path}:{weight}' for path, weight in value)
-      c[section][key] = _tupled(value)
-  return c
-
-
-def _tupled(v):
-  if isinstance(v, list):
-    return tuple(_tupled(x) for x in v)
-  return v
+  defaults (they do not shape the state)."""
+  return config_lib.config_from_saved(saved, ('model', 'train', 'checkpoint', 'dspark', 'data'))
 
 
 def encoded(entry: hf_layout.Entry, name: str, value: np.ndarray, dtype: str, block: int
@@ -437,7 +421,8 @@ def export_hf(workdir: str, hf_out: str, *, step: int | None = None, dtype: str 
     tx, abstract, mesh_obj, shardings = _state_pieces(run)
     ckpt.validate(step, state_lib.state_layout(abstract), run.to_dict())
     ckpt.verify(step)
-    state = ckpt.restore(step, state_lib.with_shardings(abstract, shardings), None)
+    target = state_lib.with_shardings(abstract, shardings)
+    state = ckpt.restore_parts(step, {k: target[k] for k in ('params', 'router_bias')})
   finally:
     ckpt.close()
   leaves = {**_leaves(state['params']),
