@@ -55,7 +55,8 @@ def load_initial_weights(cfg: RunConfig, state, mesh, tx=None):
     abstract = state_lib.abstract_state(src, src_tx)
     shardings = state_lib.state_shardings(abstract, mesh, cfg.mesh.rules)
     ckpt.verify(step)
-    restored = ckpt.restore(step, state_lib.with_shardings(abstract, shardings), None)
+    target = state_lib.with_shardings(abstract, shardings)
+    restored = ckpt.restore_parts(step, {k: target[k] for k in ('params', 'router_bias')})
   finally:
     ckpt.close()
   out = dict(state)
