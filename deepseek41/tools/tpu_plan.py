@@ -18,8 +18,12 @@ the attention ops), so nothing is stood in for as the CPU plan does.
 `--per_layer`: one layer of each role, the embedding, the head + loss and the optimizer update
 are compiled apart (tools/plan.compile_programs) and assembled (tools/plan.assemble) as the CPU
 plan does, now with the TPU compiler's buffers; FLOPs are the programs' sum (each role's times
-its layer count). For the released model, where the whole 40-layer step takes too long to
-compile on a small machine.
+its layer count, times 4/3 under block remat: `per_layer`). For the released model, where the
+whole 40-layer step takes too long to compile on a small machine.
+
+Meshes must lie on the slice's torus: jax.make_mesh (deepseek41/sharding.py) gives each mesh axis
+a product of whole physical axes (split ones only on v5e), so e.g. fsdp=16,expert=8,tensor=4 is
+v5p:4x8x16, not v5p:8x8x8.
 """
 
 from __future__ import annotations
