@@ -81,6 +81,8 @@ def _auto_eval_moe_backend(m: dict[str, Any], backend: str) -> str:
 
 
 def _auto_index_impl(m: dict[str, Any], backend: str) -> str:
+  if backend == 'tpu' and mosaic_index_supported(m['index_head_dim']):
+    return 'mosaic'
   fused_ok = index_scores_supported(m['index_n_heads'], m['index_head_dim'])
   return 'fused' if backend == 'gpu' and fused_ok else 'reference'
 
@@ -228,7 +230,7 @@ class ModelConfig:
   sparse_chunk: int = _key(1024)         # queries per chunk in the gathered path and the indexer
   # fused: the GPU kernel (ops/index_scores.py), for the shapes index_scores_supported() takes;
   # auto picks it wherever it can run.
-  index_impl: str = _key('auto', choices=('reference', 'fused'), auto=_auto_index_impl)
+  index_impl: str = _key('auto', choices=('reference', 'fused', 'mosaic'), auto=_auto_index_impl)
   # Fake quantization (section 3.16), each 'none' or a deepseek41.quant format name; the
   # released formats are fp4_e4m3_16 / fp4_ue8m0_32 / fp8_ue8m0_32 (configs/v41_flash.py).
   kv_quant: str = _key('none', choices=QUANT_FORMATS)  # compressed main KV, after RoPE
@@ -751,6 +753,11 @@ def attention_kernel_supported(heads: int, dim: int) -> bool:
   return index_scores_supported(heads, dim) and heads >= 16
 
 
+def mosaic_index_supported(dim: int) -> bool:
+  """The TPU indexer kernel (ops/tpu_index_scores.py) takes head widths of whole lanes."""
+  return dim % 128 == 0
+
+
 def index_scores_supported(heads: int, dim: int) -> bool:
   """Shapes the fused indexer kernel takes (ops/index_scores.py): powers of two, width >= 16."""
   pow2 = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
@@ -763,6 +770,9 @@ def _check_index_impl(m: ModelConfig, backend: str):
   _req(m.index_impl != 'fused' or (fused_ok and backend == 'gpu'), 'model.index_impl',
        f"'fused' is a GPU kernel for power-of-two index_n_heads and index_head_dim >= 16 "
        f'(got {m.index_n_heads} x {m.index_head_dim} on {backend})')
+  _req(m.index_impl != 'mosaic' or (backend == 'tpu' and mosaic_index_supported(m.index_head_dim)),
+       'model.index_impl', f"'mosaic' is a TPU kernel for index_head_dim a multiple of 128 "
+       f'(got {m.index_head_dim} on {backend})')
   for key in ('attention_impl', 'sparse_impl', 'mhc_impl'):
     _req(getattr(m, key) != 'fused' or backend == 'gpu', f'model.{key}',
          f"'fused' is a GPU kernel (Pallas on the Triton backend); this backend is {backend}")

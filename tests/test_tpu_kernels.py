@@ -102,12 +102,36 @@ def test_kernels_compile_for_tpu_deviceless(topology):
 
 def test_what_each_hot_op_takes_on_the_tpu():
   """auto on backend 'tpu' (config.py): bf16, ragged_dot experts over the ragged all-to-all, and
-  the XLA paths of the attention ops. The GPU kernels ('fused', 'threshold', 'grouped') are
-  Triton; the TPU kernels above are not the auto choice yet (tools/tpu_plan.py's report lists
-  what a plan compiled)."""
+  the XLA paths of the attention ops, the Mosaic indexer kernel ('mosaic', index_head_dim 128).
+  The GPU kernels ('fused', 'threshold', 'grouped') are Triton."""
   config = load_config_file(os.path.join(ROOT, 'configs', 'ablation_1b.py'))
   m = resolve(config, num_devices=1, backend='tpu').model
   assert (m.compute_dtype, m.moe_backend, m.expert_exchange, m.eval_moe_backend) == \
       ('bfloat16', 'ragged_dot', 'ragged', 'ragged_dot')
   assert (m.attention_impl, m.sparse_impl, m.index_impl, m.select_impl, m.mhc_impl) == \
-      ('chunked', 'gathered', 'reference', 'top_k', 'reference')
+      ('chunked', 'gathered', 'mosaic', 'top_k', 'reference')
+
+
+def test_the_model_dispatch_runs_the_mosaic_indexer():
+  """model.index_impl='mosaic' (SCORERS): interpreted on the CPU it equals the reference on the
+  visible entries; under a TPU slice's mesh, deviceless, it compiles to the Mosaic kernel on each
+  device's rows."""
+  from deepseek41.ops.index_scores import SCORERS
+  b, t, h, c, n = 2, 64, 2, 128, 96
+  keys = jax.random.split(jax.random.key(1), 3)
+  q, k, w = (jax.random.normal(keys[0], (b, t, h, c)), jax.random.normal(keys[1], (b, n, c)),
+             jax.random.normal(keys[2], (b, t, h)))
+  limit = jnp.minimum(jnp.arange(1, t + 1)[None].repeat(b, 0) + 20, n)
+  got, want = SCORERS['mosaic'](q, w, k, limit), index_scores_reference(q, w, k)
+  visible = np.arange(n)[None, None] < np.asarray(limit)[..., None]
+  np.testing.assert_allclose(np.where(visible, got, 0), np.where(visible, want, 0), atol=1e-4,
+                             rtol=1e-5)
+  pytest.importorskip('libtpu', reason="libtpu is not installed: pip install -e '.[tpu]'")
+  from deepseek41.tools.tpu_plan import topology_devices
+  mesh = Mesh(np.array(topology_devices('v5p:2x2x1')).reshape(4), ('data',))
+  rows = NamedSharding(mesh, P('data'))
+  args = [jax.ShapeDtypeStruct((4, *x.shape[1:]), x.dtype, sharding=rows) for x in (q, w, k)]
+  args.append(jax.ShapeDtypeStruct((4, t), jnp.int32, sharding=rows))
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(SCORERS['mosaic']).lower(args[0], args[1], args[2], args[3]).compile()
+  assert 'tpu_custom_call' in compiled.as_text()

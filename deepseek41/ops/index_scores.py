@@ -118,4 +118,20 @@ def index_scores_per_device(q_bthc, w_bth, k_bnc, limit_bt):
   return batch_local(kernel, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
 
 
-SCORERS = {'reference': index_scores_reference, 'fused': index_scores_per_device}  # model.index_impl
+def _interpret() -> bool:
+  """Interpret a Pallas kernel only where nothing compiles it: the platform of the mesh in
+  context (a deviceless TPU compile's mesh is the TPU's), else the default backend's."""
+  device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
+  platform = getattr(device, 'platform', None) or jax.default_backend()
+  return platform == 'cpu'
+
+
+def index_scores_mosaic_per_device(q_bthc, w_bth, k_bnc, limit_bt):
+  """The TPU (Mosaic) kernel of ops/tpu_index_scores.py on each device's batch rows."""
+  from deepseek41.ops.tpu_index_scores import index_scores_tpu  # it imports this module
+  kernel = functools.partial(index_scores_tpu, interpret=_interpret())
+  return batch_local(kernel, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
+
+
+SCORERS = {'reference': index_scores_reference, 'fused': index_scores_per_device,
+           'mosaic': index_scores_mosaic_per_device}  # model.index_impl
