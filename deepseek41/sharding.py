@@ -24,7 +24,15 @@ def make_mesh(mc: MeshConfig, devices=None) -> Mesh:
   if int(np.prod(shape)) != len(devices):
     raise ValueError(f'mesh {dict(zip(mc.AXES, shape))} needs {int(np.prod(shape))} devices, '
                      f'{len(devices)} present')
-  return jax.make_mesh(shape, mc.AXES, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
+  axis_types = (AxisType.Auto,) * len(shape)
+  try:
+    return jax.make_mesh(shape, mc.AXES, axis_types=axis_types, devices=devices)
+  except (ValueError, NotImplementedError):
+    # jax.make_mesh gives each mesh axis whole physical axes of a TPU torus; a mesh with more
+    # axes than the torus (or sizes that cut one) needs physical axes split.
+    from jax.experimental import mesh_utils
+    grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    return Mesh(grid, mc.AXES, axis_types=axis_types)
 
 
 def logical_to_spec(axes: tuple[str | None, ...], rules: Rules, mesh: Mesh | None = None) -> P:

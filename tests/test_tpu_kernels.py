@@ -135,3 +135,16 @@ def test_the_model_dispatch_runs_the_mosaic_indexer():
   with jax.set_mesh(mesh):
     compiled = jax.jit(SCORERS['mosaic']).lower(args[0], args[1], args[2], args[3]).compile()
   assert 'tpu_custom_call' in compiled.as_text()
+
+
+def test_a_mesh_with_more_axes_than_the_torus():
+  """sharding.make_mesh on a v5p slice (a 3-D torus) with five axes > 1: jax.make_mesh cannot
+  place it without splitting physical axes; make_mesh then splits them."""
+  pytest.importorskip('libtpu', reason="libtpu is not installed: pip install -e '.[tpu]'")
+  from deepseek41.config import MeshConfig
+  from deepseek41.sharding import make_mesh
+  from deepseek41.tools.tpu_plan import topology_devices
+  mc = MeshConfig(data=2, fsdp=2, expert=2, tensor=2, context=2, rules=())
+  mesh = make_mesh(mc, topology_devices('v5p:2x4x4'))
+  assert dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'expert': 2, 'tensor': 2, 'context': 2}
+  assert len({d.id for d in mesh.devices.flat}) == 32
