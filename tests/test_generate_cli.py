@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from deepseek41.data.tokenizer import train_tokenizer
-from deepseek41.generate.__main__ import with_images
+from deepseek41.generate.prompts import with_images
 from deepseek41.generate.generator import GenerateError, Generator
 from deepseek41.train.trainer import train
 from tests.util import small_config
