@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from deepseek41.config import ModelConfig
-from deepseek41.generate.cache import load, scatter_rows, store
+from deepseek41.generate.cache import drop_windows, load, scatter_rows, store
 from deepseek41.model.compressor import CompressedKV
 from deepseek41.model.csa2 import DECODE, _kv_key
 from deepseek41.model.engram import row_ids
@@ -240,30 +240,22 @@ def ced_prefill(model, cache: dict, tokens_bt, lengths_b, n_win: int, *, engram_
   keeper = CacheKeeper(cfg, dict(cache['layers']), start_b, lengths_b)
   shared = {DECODE: keeper}
   x, pre = model.residual_input(batch)
-  captured = {}
-  for block in model.blocks[:encoder]:
-    if block.layer in capture_layers:
-      captured[block.layer] = x if x.ndim == 3 else jnp.mean(x.astype(jnp.float32), axis=2)
-    x, pre, _, shared = block(x, pre, batch, shared)
+  x, pre, _, captured, shared = model.run_blocks(x, pre, batch, shared, capture_layers,
+                                                 blocks=model.blocks[:encoder])
   first_decoder = model.blocks[encoder]
   if first_decoder.attn.csa2 is not None and first_decoder.attn.csa2.owns_kv:
     shared = first_decoder.publish_global_kv(x, pre, batch, shared)
   tail_b = jnp.maximum(lengths_b - n_win, 0)
-  per_slot = ('engram_row_ids', 'row_offset', 'image_patches', 'image_grid')  # not per position
-  tail = {k: _tail_rows(v, tail_b, n_win) for k, v in batch.items() if k not in per_slot}
+  per_slot = ('row_offset', 'image_patches', 'image_grid')  # not per position
+  tail = jax.tree.map(lambda v: _tail_rows(v, tail_b, n_win),
+                      {k: v for k, v in batch.items() if k not in per_slot})
   tail.update({k: batch[k] for k in ('image_patches', 'image_grid') if k in batch})
-  if 'engram_row_ids' in batch:
-    tail['engram_row_ids'] = {l: _tail_rows(v, tail_b, n_win)
-                              for l, v in batch['engram_row_ids'].items()}
   tail['row_offset'] = tail_b[:, None]
   keeper.start_b = tail_b
-  captured = {l: _tail_rows(v, tail_b, n_win) for l, v in captured.items()}
-  x = _tail_rows(x, tail_b, n_win)
-  pre = None if pre is None else _tail_rows(pre, tail_b, n_win)
-  for block in model.blocks[encoder:]:
-    if block.layer in capture_layers:
-      captured[block.layer] = x if x.ndim == 3 else jnp.mean(x.astype(jnp.float32), axis=2)
-    x, pre, _, shared = block(x, pre, tail, shared)
+  captured, x, pre = jax.tree.map(lambda v: _tail_rows(v, tail_b, n_win), (captured, x, pre))
+  x, pre, _, decoder_captured, shared = model.run_blocks(x, pre, tail, shared, capture_layers,
+                                                         blocks=model.blocks[encoder:])
+  captured.update(decoder_captured)
   return model.logits(x, pre), captured, _finish(cache, keeper, tokens_bt, batch)
 
 
@@ -271,7 +263,6 @@ def replay_windows(model, cache: dict, n_win: int, *, engram_map=None):
   """Bounded replay: (logits [B, n_win, V], cache) after dropping every SWA window and
   recomputing only each row's last n_win tokens over the stored entries (which stay as they
   are). Rows need length >= n_win."""
-  from deepseek41.generate.cache import drop_windows
   cache = drop_windows(cache)
   start_b = cache['length'] - n_win
   tokens_bq = _tail_rows(cache['tokens'], start_b, n_win)

@@ -29,6 +29,7 @@ from deepseek41.config import RunConfig, base_config, config_from_saved, resolve
 from deepseek41.generate import sampling
 from deepseek41.generate.cache import CacheSpec, empty_cache, scatter_rows
 from deepseek41.generate.decode import ced_prefill, forward_chunk
+from deepseek41.model.ced import tail_reach
 
 # Execution choices re-resolved for the devices that generate (the checkpoint's were resolved
 # for the ones that trained).
@@ -72,9 +73,7 @@ def max_positions(cfg: RunConfig) -> int:
 def exact_n_win(cfg: RunConfig) -> int:
   """The CED tail after which the decoder's windows are exact: every row of the last window
   lies in the exact part of the tail (model/ced.py's `exact_tail_rows`)."""
-  m = cfg.model
-  reach = (m.num_layers - m.num_encoder_layers) * (max(m.sliding_window, m.image_span_max_len) - 1)
-  return reach + m.sliding_window
+  return tail_reach(cfg.model) + cfg.model.sliding_window
 
 
 def generation_config(saved: dict, backend: str | None = None) -> RunConfig:
@@ -107,16 +106,16 @@ def saved_data_config(saved: dict):
   return resolve(_portable(saved)).data
 
 
-def find_tokenizer(workdir: str, saved: dict):
+def find_tokenizer(workdir: str, data_cfg):
   """The run's tokenizer: WORKDIR/tokenizer.json (the trainer copies it there), else the one its
-  data names."""
+  data section names."""
   from deepseek41.data.tokenizer import load_tokenizer
   path = os.path.join(workdir, 'tokenizer.json')
   if os.path.isfile(path):
     return load_tokenizer(path)
   try:
     from deepseek41.data.pipeline import tokenizer_path_of
-    return load_tokenizer(tokenizer_path_of(saved_data_config(saved)))
+    return load_tokenizer(tokenizer_path_of(data_cfg))
   except Exception as e:  # synthetic data, a moved cache, an unprepared corpus
     raise GenerateError(
         f'{workdir} has no tokenizer.json, and its data config gives none ({e}); copy the '
@@ -151,7 +150,7 @@ class Generator:
       saved = ckpt.read_json_item(step, 'config')
       self.cfg = cfg = generation_config(saved)
       self.data_cfg = saved_data_config(saved)
-      self.tokenizer = find_tokenizer(workdir, saved)
+      self.tokenizer = find_tokenizer(workdir, self.data_cfg)
       if self.tokenizer.vocab_size > cfg.model.vocab_size:
         raise GenerateError(f'{workdir}: the tokenizer has {self.tokenizer.vocab_size} ids, the '
                             f'model {cfg.model.vocab_size}')

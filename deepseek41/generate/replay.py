@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from flax import nnx
 
 from deepseek41.generate.cache import CacheSpec, empty_cache
 from deepseek41.generate.decode import forward_chunk, replay_windows
@@ -36,11 +37,11 @@ def next_token_kl(model, cfg, tokens_nl: np.ndarray, n_wins, *, batch: int = 8,
   n, length = tokens_nl.shape
   spec = CacheSpec(batch=batch, max_len=length, max_chunk=1)
 
-  graph_state = _split(model)
+  graph, state = nnx.split(model)
 
   @jax.jit
   def exact_fn(state, tokens):
-    mdl = _merge(graph_state[0], state)
+    mdl = nnx.merge(graph, state)
     logits, _, cache = forward_chunk(mdl, empty_cache(cfg.model, spec), tokens,
                                      jnp.ones(tokens.shape, bool), engram_map=engram_map)
     return jax.nn.log_softmax(logits[:, -1]), cache
@@ -50,30 +51,20 @@ def next_token_kl(model, cfg, tokens_nl: np.ndarray, n_wins, *, batch: int = 8,
     if not 0 < w <= length:
       raise ValueError(f'--n_win={w} must be in [1, --context={length}]')
     replays[w] = jax.jit(lambda state, cache, w=w: jax.nn.log_softmax(
-        replay_windows(_merge(graph_state[0], state), cache, w, engram_map=engram_map)[0][:, -1]))
+        replay_windows(nnx.merge(graph, state), cache, w, engram_map=engram_map)[0][:, -1]))
 
   kls = {w: [] for w in n_wins}
   agree = {w: [] for w in n_wins}
-  for start in range(0, n - n % batch if n >= batch else 0, batch):
+  for start in range(0, n - batch + 1, batch):  # whole batches only (one compiled shape)
     rows = jnp.asarray(tokens_nl[start:start + batch])
-    logp, cache = exact_fn(graph_state[1], rows)
+    logp, cache = exact_fn(state, rows)
     for w in n_wins:
-      logq = replays[w](graph_state[1], cache)
+      logq = replays[w](state, cache)
       kls[w] += np.asarray(jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)).tolist()
       agree[w] += np.asarray(jnp.argmax(logp, -1) == jnp.argmax(logq, -1)).tolist()
   return {w: {'mean_kl': float(np.mean(kls[w])), 'max_kl': float(np.max(kls[w])),
               'top1_agree': float(np.mean(agree[w])), 'sequences': len(kls[w])}
           for w in n_wins if kls[w]}
-
-
-def _split(model):
-  from flax import nnx
-  return nnx.split(model)
-
-
-def _merge(graph, state):
-  from flax import nnx
-  return nnx.merge(graph, state)
 
 
 def held_out_sequences(data_cfg, tokenizer, context: int, count: int) -> np.ndarray:

@@ -42,9 +42,7 @@ def ced_prefill_logits(model: Transformer, batch, n_win: int):
     raise ValueError(f'n_win must be in [1, {t}], got {n_win}')
   x, pre = model.residual_input(batch)
   batch = model.with_engram_rows(batch)
-  shared = {}
-  for block in model.blocks[:encoder]:
-    x, pre, _, shared = block(x, pre, batch, shared)
+  x, pre, _, _, shared = model.run_blocks(x, pre, batch, {}, blocks=model.blocks[:encoder])
   first_decoder = model.blocks[encoder]
   if first_decoder.attn.csa2 is not None and first_decoder.attn.csa2.owns_kv:
     shared = first_decoder.publish_global_kv(x, pre, batch, shared)
@@ -52,14 +50,17 @@ def ced_prefill_logits(model: Transformer, batch, n_win: int):
   tail = _tail(batch, start)
   x = x[:, start:]
   pre = None if pre is None else pre[:, start:]
-  for block in model.blocks[encoder:]:
-    x, pre, _, shared = block(x, pre, tail, shared)
+  x, pre, _, _, _ = model.run_blocks(x, pre, tail, shared, blocks=model.blocks[encoder:])
   return model.logits(x, pre)
+
+
+def tail_reach(cfg) -> int:
+  """How far back from a decoder row the stacked windows and image spans reach."""
+  per_layer = max(cfg.sliding_window, cfg.image_span_max_len) - 1
+  return (cfg.num_layers - cfg.num_encoder_layers) * per_layer
 
 
 def exact_tail_rows(cfg, n_win: int) -> int:
   """Rows at the end of the tail that match the full forward (no truncated window or span reaches)."""
-  per_layer = max(cfg.sliding_window, cfg.image_span_max_len) - 1
-  reach = (cfg.num_layers - cfg.num_encoder_layers) * per_layer
-  return max(0, n_win - reach)
+  return max(0, n_win - tail_reach(cfg))
 

@@ -184,12 +184,13 @@ class Transformer(nnx.Module):
     logits_btv, aux, _ = self.forward(batch)
     return logits_btv, aux
 
-  def run_blocks(self, x, pre, batch, shared: dict, capture_layers: tuple[int, ...] = ()):
-    """Every layer in order: (x, pre, per-layer aux, captured inputs, shared). `batch` already
-    holds the Engram row ids (`with_engram_rows`)."""
+  def run_blocks(self, x, pre, batch, shared: dict, capture_layers: tuple[int, ...] = (),
+                 blocks=None):
+    """The layers in order (`blocks`, default all of them): (x, pre, per-layer aux, captured
+    inputs, shared). `batch` already holds the Engram row ids (`with_engram_rows`)."""
     auxes = []
     captured = {}
-    for block in self.blocks:
+    for block in self.blocks if blocks is None else blocks:
       if block.layer in capture_layers:
         captured[block.layer] = x if x.ndim == 3 else jnp.mean(x.astype(jnp.float32), axis=2)
       with jax.named_scope(f'layer{block.layer}'):
