@@ -44,8 +44,12 @@ def ring_partial(q_bthd, ring_kv_bcd, ring_pos_bc, pos_bt, valid_bt, start_b, wi
   return keyset_partial(q_bthd, ring_kv_bcd, sees_btc)
 
 
-def _ring_slots(pos_bq, keep_bq, capacity: int):
-  return jnp.where(keep_bq, pos_bq % capacity, capacity)  # out of range: dropped
+def ring_slots(pos_bq, valid_bq, end_b, capacity: int):
+  """Ring slot (pos % capacity) of each valid position among a row's last `capacity` (end_b:
+  one past the row's last); out of range (dropped by the scatter) for the others, so no two
+  positions of a chunk land in one slot."""
+  keep_bq = valid_bq & (pos_bq >= end_b[:, None] - capacity)
+  return jnp.where(keep_bq, pos_bq % capacity, capacity)
 
 
 @dataclasses.dataclass
@@ -73,8 +77,7 @@ class CacheKeeper:
     o_bthd, shared = attn.attend(x_btd, q_r_btr, q_bthd, kv_btd, batch, shared,
                                  extra_partials=(cached,))
     capacity = lc['ring_pos'].shape[1]
-    keep = valid_bt & (pos_bt >= self.end_b[:, None] - capacity)
-    slots = _ring_slots(pos_bt, keep, capacity)
+    slots = ring_slots(pos_bt, valid_bt, self.end_b, capacity)
     lc = dict(self.layers[key])  # publish (inside attend) may have updated this layer's entries
     lc['ring'] = scatter_rows(lc['ring'], self._b_idx(), slots, new_ring)
     lc['ring_pos'] = scatter_rows(lc['ring_pos'], self._b_idx(), slots, pos_bt)
@@ -146,8 +149,7 @@ class CacheKeeper:
     g0_b = self.start_b - self.start_b % r
     first_bg = g0_b[:, None] + r * jnp.arange(groups, dtype=jnp.int32)[None, :]
     complete_bg = (first_bg + r - 1 < self.end_b[:, None]) & (first_bg + r - 1 >= self.start_b[:, None])
-    keep = valid_bq & (pos_bq >= self.end_b[:, None] - cap)
-    slots = _ring_slots(pos_bq, keep, cap)
+    slots = ring_slots(pos_bq, valid_bq, self.end_b, cap)
     lc = {**lc, 'raw_kv': scatter_rows(lc['raw_kv'], b_idx, slots, kv_rows),
           'raw_gate': scatter_rows(lc['raw_gate'], b_idx, slots, gate_rows),
           'raw_pos': scatter_rows(lc['raw_pos'], b_idx, slots, pos_bq)}

@@ -28,7 +28,7 @@ from deepseek41.batch import ROLE_PATCH
 from deepseek41.config import RunConfig, base_config, config_from_saved, resolve
 from deepseek41.generate import sampling
 from deepseek41.generate.cache import CacheSpec, empty_cache, scatter_rows
-from deepseek41.generate.decode import ced_prefill, forward_chunk
+from deepseek41.generate.decode import ced_prefill, forward_chunk, ring_slots
 from deepseek41.model.ced import tail_reach
 
 # Execution choices re-resolved for the devices that generate (the checkpoint's were resolved
@@ -372,7 +372,7 @@ def _write_features(dspark, cache, captured, valid_bq, start_b):
   pos_bq = start_b[:, None] + jnp.arange(tq, dtype=jnp.int32)[None, :]
   end_b = start_b + jnp.sum(valid_bq, axis=1, dtype=jnp.int32)
   cap = cache['feat_pos'].shape[1]
-  slots = jnp.where(valid_bq & (pos_bq >= end_b[:, None] - cap), pos_bq % cap, cap)
+  slots = ring_slots(pos_bq, valid_bq, end_b, cap)
   b_idx = jnp.arange(b)[:, None]
   return {**cache, 'feat': scatter_rows(cache['feat'], b_idx, slots, m_bqd),
           'feat_pos': scatter_rows(cache['feat_pos'], b_idx, slots, pos_bq)}
