@@ -335,9 +335,8 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
     else:
       acc, nxt_dev, cache = progs.verify(cache, jnp.asarray(nxt), drafts[:, :j], q[:, :j],
                                          jnp.asarray(admit), sub, temperature, top_p)
-      acc, d = np.asarray(acc), np.asarray(drafts)
-      emitted = [list(d[i, :acc[i]]) + [int(np.asarray(nxt_dev)[i])]
-                 for i in range(len(prompts))]
+      acc, d, nxt_host = np.asarray(acc), np.asarray(drafts), np.asarray(nxt_dev)
+      emitted = [list(d[i, :acc[i]]) + [int(nxt_host[i])] for i in range(len(prompts))]
       accepted += np.where(done, 0, acc)
     nxt = np.asarray(nxt_dev)
     forwards += 1
