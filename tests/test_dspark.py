@@ -206,3 +206,22 @@ def test_stage_on_an_fsdp_expert_tensor_mesh_matches_data_parallel(pretrained, t
     losses[name] = [r['loss'] for r in rows if r.get('loss') is not None]
   assert len(losses['data8']) == 2
   np.testing.assert_allclose(losses['split'], losses['data8'], rtol=1e-5)
+
+
+def test_post_training_without_a_backbone_starts_both_from_initialization(tmp_path, caplog):
+  """post_training with no dspark.backbone_checkpoint trains backbone and drafter from their
+  initialization (its backbone changes); the frozen stage still needs one."""
+  import logging
+  overrides = {**DRAFTER, 'dspark.stage': 'post_training', 'train.steps': 2,
+               'checkpoint.every_steps': 2}
+  with caplog.at_level(logging.INFO):
+    assert train(small_config(**overrides), str(tmp_path / 'joint')).step == 2
+  assert 'both start from initialization' in caplog.text
+  cfg = resolve(small_config(**overrides))
+  trained, _ = _params_of(str(tmp_path / 'joint'), cfg, 2, 'params')
+  init, _ = dspark_stage.split(state_lib.build_model(cfg), cfg)[1:3]
+  changed = [not np.array_equal(a, b) for a, b in
+             zip(jax.tree.leaves(trained['backbone']), jax.tree.leaves(init['backbone']))]
+  assert any(changed)
+  with pytest.raises(CheckpointError, match='dspark.backbone_checkpoint'):
+    train(small_config(**DRAFTER), str(tmp_path / 'frozen'))
