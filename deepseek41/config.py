@@ -166,6 +166,11 @@ class ModelConfig:
   # Pad table rows to a multiple of this so they can shard (a sum of primes divides by few mesh
   # sizes); 1 = exact.
   engram_table_row_multiple: int = _key(1)
+  # [I] Tables split over several devices: each device sends its distinct row ids to the rows'
+  # owners in chunks of engram_exchange_capacity x (its lookups / owners) ids (at least 256);
+  # ids past a chunk read zero rows and are counted in engram_dropped_frac. 0 = chunks of every
+  # lookup (exact under any skew, owners x the bytes). ops/engram_lookup.py says why 2 is ample.
+  engram_exchange_capacity: float = _key(2.0)
   # CSA2 (sections 3.6-3.8): on in every shipped config; off = window attention only (ablation).
   csa2: bool = _key(False)
   index_n_heads: int = _key(4)           # [index_n_heads]
@@ -697,6 +702,8 @@ def _check_engram(m: ModelConfig):
        f'must be in [2, 2^24 - 2^16) (exact 32-bit hashing), got {m.engram_vocab_start}')
   _req(m.engram_compressed_vocab_size >= 0, 'model.engram_compressed_vocab_size', 'must be >= 0')
   _req(m.engram_table_row_multiple >= 1, 'model.engram_table_row_multiple', 'must be >= 1')
+  _req(m.engram_exchange_capacity >= 0, 'model.engram_exchange_capacity',
+       f'must be >= 0 (0 = exact chunks), got {m.engram_exchange_capacity}')
   _req(0 <= m.engram_pad_token_id < (m.engram_compressed_vocab_size or m.vocab_size),
        'model.engram_pad_token_id', 'must be an id of the hashed vocabulary')
 

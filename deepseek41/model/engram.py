@@ -9,7 +9,8 @@
 The row ids depend only on token ids: `row_ids` computes them once per batch for every Engram
 layer (`Transformer.with_engram_rows` calls it; engram_hash.py holds the hashing), never inside a
 layer. Tables are rows x head_dim `EngramTable` parameters (their own learning rate) with the
-logical axis `engram_rows`, so the mesh rules shard their rows.
+logical axis `engram_rows`, so the mesh rules shard their rows; ops/engram_lookup.py fetches
+each device's rows from their owners.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from deepseek41.config import ModelConfig
 from deepseek41.model import engram_hash
 from deepseek41.model.norms import rms_normalize
 from deepseek41.model.params import EngramTable, const_param, normal_param
+from deepseek41.ops.engram_lookup import lookup_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Engram(nnx.Module):
     n = cfg.hc_mult if cfg.residual != 'plain' else 1
     j = (cfg.engram_max_ngram - 1) * cfg.engram_n_heads
     self.n, self.d, self.eps = n, cfg.d_model, cfg.rms_norm_eps
+    self.capacity = cfg.engram_exchange_capacity
     padded = -(-rows // cfg.engram_table_row_multiple) * cfg.engram_table_row_multiple
     self.table = normal_param(rngs, (padded, cfg.engram_head_dim), ('engram_rows', 'engram_dim'),
                               cfg.init_std, EngramTable)  # rows past `rows` are never addressed
@@ -90,12 +93,14 @@ class Engram(nnx.Module):
     self.k_weight = const_param(1.0, (n, cfg.d_model), (None, 'norm'))
 
   def __call__(self, x, row_ids_btj, dead_bt):
-    """x: [B, T, n, D] streams (or [B, T, D] with a plain residual); returns x + g * v."""
+    """x: [B, T, n, D] streams (or [B, T, D] with a plain residual); returns (x + g * v, the
+    lookups dropped by the table exchange: int32 [])."""
     plain = x.ndim == 3
     x_btnd = x[:, :, None, :] if plain else x
     b, t = row_ids_btj.shape[:2]
     dt = x.dtype
-    rows_btjh = jnp.take(self.table[...], row_ids_btj, axis=0).astype(dt)
+    rows_btjh, dropped = lookup_rows(self.table[...], row_ids_btj, capacity=self.capacity)
+    rows_btjh = rows_btjh.astype(dt)
     kv = (rows_btjh.reshape(b, t, -1) @ self.proj[...].astype(dt)).reshape(b, t, self.n + 1, self.d)
     key_btnd, v_btd = kv[:, :, :self.n], kv[:, :, self.n]
     qk_nd = self.q_weight[...] * self.k_weight[...]
@@ -105,4 +110,4 @@ class Engram(nnx.Module):
     gate_btn = jnp.where(dead_bt[..., None], 0.0, gate_btn)
     out = x_btnd.astype(jnp.float32) + gate_btn[..., None] * v_btd.astype(jnp.float32)[:, :, None]
     out = out.astype(dt)
-    return out[:, :, 0] if plain else out
+    return (out[:, :, 0] if plain else out), dropped

@@ -53,9 +53,11 @@ class Block(nnx.Module):
   def __call__(self, x, pre_prev, batch, shared):
     """(x, pre for the next site (single pass; else None), aux, shared)."""
     valid_bt = batch['segment_ids'] > 0
+    engram_dropped = jnp.zeros((), jnp.int32)
     if self.engram is not None:  # on the whole residual, before this layer's mHC site
       with jax.named_scope('engram'):
-        x = self.engram(x, batch['engram_row_ids'][self.layer], dead_tokens(batch))
+        x, engram_dropped = self.engram(x, batch['engram_row_ids'][self.layer],
+                                        dead_tokens(batch))
 
     @jax.named_scope('attention')  # scopes name the GPU trace's kernels (trace_summary.py)
     def attention(u_btd, shared):
@@ -63,7 +65,8 @@ class Block(nnx.Module):
 
     @jax.named_scope('moe')
     def ffn(u_btd):
-      return self.moe(self.ffn_norm(u_btd), batch['modality'], valid_bt)
+      y_btd, aux = self.moe(self.ffn_norm(u_btd), batch['modality'], valid_bt)
+      return y_btd, {**aux, 'engram_dropped': engram_dropped}
 
     if self.residual == 'plain':
       attn_btd, shared = attention(x, shared)
@@ -97,7 +100,7 @@ class Block(nnx.Module):
     the layer runs.
     """
     if self.engram is not None:
-      x = self.engram(x, batch['engram_row_ids'][self.layer], dead_tokens(batch))
+      x, _ = self.engram(x, batch['engram_row_ids'][self.layer], dead_tokens(batch))
     if self.residual == 'mhc_single_pass':
       x = collapse(x, pre_prev)
     elif self.residual == 'mhc_multi_pass':
@@ -220,5 +223,6 @@ class Transformer(nnx.Module):
         'load_lme': jnp.stack([a['load_me'] for a in auxes]),
         'balance': sum(a['balance'] for a in auxes),  # one V3 term per MoE layer
         'dropped': sum(a['dropped'] for a in auxes),
+        'engram_dropped': sum(a['engram_dropped'] for a in auxes),
     }
     return logits_btv, aux, captured

@@ -168,6 +168,7 @@ def make_train_step(cfg: RunConfig, graphdef, tx):
         'tokens': n,
         'routed_tokens': jnp.sum(batch['segment_ids'] > 0),
         'dropped': aux['dropped'],
+        'engram_dropped': aux['engram_dropped'],
         'load_lme': aux['load_lme'],
         'bias_lme': stacked_router_biases(new_biases[BACKBONE]),
         'indexer_loss': aux['indexer_loss'],

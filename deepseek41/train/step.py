@@ -43,8 +43,9 @@ def _microbatches(batch, a: int):
 def accumulate_gradients(cfg: RunConfig, md: ModelDef, params, biases, batch):
   """Gradients of the global-batch objective, summed over `grad_accum_steps` microbatches.
 
-  Returns (grads, ce_sum, n_tokens, load_lme, balance, dropped, indexer_lr) where indexer_lr is
-  [indexer loss, indexer recall] averaged over microbatches.
+  Returns (grads, ce_sum, n_tokens, load_lme, balance, dropped, indexer_lr) where dropped is
+  int32 [expert assignments, Engram lookups] and indexer_lr is [indexer loss, indexer recall]
+  averaged over microbatches.
   """
   a = cfg.train.grad_accum_steps
   w_bal = cfg.model.balance_loss_weight
@@ -66,13 +67,13 @@ def accumulate_gradients(cfg: RunConfig, md: ModelDef, params, biases, batch):
     idx = jnp.stack([aux['indexer_loss'], aux['indexer_recall']]) / a
     return (jax.tree.map(jnp.add, g_acc, grads), ce_acc + ce_sum, n_acc + n,
             load_acc + aux['load_lme'], bal_acc + aux['balance'] / a,
-            drop_acc + aux['dropped'], idx_acc + idx), None
+            drop_acc + jnp.stack([aux['dropped'], aux['engram_dropped']]), idx_acc + idx), None
 
   zeros = jax.tree.map(jnp.zeros_like, params)
   num_layers, num_experts = cfg.model.num_layers, cfg.model.n_routed_experts
   init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
           jnp.zeros((num_layers, 2, num_experts), jnp.float32), jnp.zeros((), jnp.float32),
-          jnp.zeros((), jnp.int32), jnp.zeros(2, jnp.float32))
+          jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.float32))
   out, _ = jax.lax.scan(accumulate, init, _microbatches(batch, a))
   return out
 
@@ -123,7 +124,8 @@ def make_train_step(cfg: RunConfig, md: ModelDef):
           'lr': schedule(state['step']),
           'tokens': n,
           'routed_tokens': jnp.sum(batch['segment_ids'] > 0),  # every real position routes
-          'dropped': dropped,
+          'dropped': dropped[0],
+          'engram_dropped': dropped[1],
           'load_lme': load_lme,
           'bias_lme': stacked_router_biases(new_biases),
           'indexer_loss': indexer[0],
