@@ -67,7 +67,7 @@ from deepseek41.batch import batch_keys
 from deepseek41.config import MeshConfig, RunConfig, layer_roles, resolve
 from deepseek41.model.csa2 import INDEXER_TOTALS
 from deepseek41.model.params import RouterBias
-from deepseek41.sharding import batch_sharding, make_mesh
+from deepseek41.sharding import batch_sharding, fitted_spec, make_mesh
 from deepseek41.tools import info
 from deepseek41.tools.info import bytes_per_device, parse_mesh
 from deepseek41.train.optimizer import make_optimizer
@@ -187,8 +187,13 @@ def role_table(cfg: RunConfig) -> dict[tuple, list[int]]:
   return table
 
 
-def _batch_spec(mesh, rules, x, b: int):
-  """Arrays with the batch leading are sharded like the batch; anything else is replicated."""
+def _batch_spec(mesh, rules, x, b: int, t: int):
+  """Arrays with the batch leading are sharded like the batch, and [B, T, ...] ones also along
+  the sequence by the `length` rule (context parallelism: the residual between layers is split
+  so, `constrain_tokens`); anything else is replicated."""
+  if x.ndim >= 2 and x.shape[:2] == (b, t):
+    return NamedSharding(mesh, fitted_spec(('batch', 'length') + (None,) * (x.ndim - 2),
+                                           x.shape, rules, mesh))
   if x.ndim and x.shape[0] == b:
     return batch_sharding(mesh, rules, x.ndim)
   return NamedSharding(mesh, P())
@@ -298,10 +303,10 @@ def compile_programs(cfg: RunConfig, devices=None) -> dict:
   model = nnx.eval_shape(lambda: build_model(cfg))
   graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
   batch = abstract_batch(cfg)
-  b = next(iter(batch.values())).shape[0]
+  b, t = batch['tokens'].shape
 
   def spec(tree):
-    return jax.tree.map(lambda x: _batch_spec(mesh, rules, x, b), tree)
+    return jax.tree.map(lambda x: _batch_spec(mesh, rules, x, b, t), tree)
 
   # One abstract pass learns every layer's inputs (the residual, pre and CSA2's `shared`).
   def trace(params, biases, batch):
