@@ -176,7 +176,8 @@ def per_layer(cfg: RunConfig, devices, state: dict) -> dict:
   mems.append(programs['optimizer']['update'])
   return {'peak': assembled['total'], 'activations': assembled['activations'],
           'kept_by_layers': assembled['kept_by_layers'], 'peak_stage': assembled['peak_stage'],
-          'peak_stage_bytes': assembled['peak_stage_bytes'], 'flops': flops,
+          'peak_stage_bytes': assembled['peak_stage_bytes'], 'stages': assembled['stages'],
+          'flops': flops,
           'over_hbm': any(m.get('over_hbm') for m in mems),
           'compile_seconds': programs['compile_seconds'], 'role_flops': role_flops,
           'roles': {l: r['layers'] for l, r in roles.items()}}
