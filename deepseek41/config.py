@@ -401,6 +401,9 @@ class MeshConfig:
   expert: int = _key(1)
   tensor: int = _key(1)
   context: int = _key(1)                 # sequence shards (context parallelism)
+  # Sequence parallelism: with tensor > 1, the residual between layers (what block remat keeps)
+  # is split along the sequence over `tensor` too, not replicated (ops/per_device.py).
+  sequence_parallel: bool = _key(True)
   # Resolved to ((logical_axis, (mesh_axis, ...)), ...).
   rules: tuple[tuple[str, tuple[str, ...]], ...] = _key(DEFAULT_RULES)
 
@@ -955,7 +958,8 @@ def _resolve_mesh(section: ml_collections.ConfigDict, num_devices: int | None) -
   values = _read_section(MeshConfig, section, 'mesh')
   sizes = _mesh_sizes({a: values[a] for a in MeshConfig.AXES}, num_devices)
 
-  return MeshConfig(**sizes, rules=_mesh_rules(values['rules']))
+  return MeshConfig(**sizes, sequence_parallel=values['sequence_parallel'],
+                    rules=_mesh_rules(values['rules']))
 
 
 def _check_train(t: TrainConfig):

@@ -108,17 +108,19 @@ def test_bad_mesh_is_named():
                         {'fsdp': 3})
 
 
-def test_activations_split_over_context_as_the_trainer_splits_them():
-  """The residual between layers is [batch, context]-split (constrain_tokens): the plan's kept
-  layer outputs must be too, or a context-parallel plan counts every token on every shard."""
+def test_activations_split_as_the_trainer_splits_the_residual():
+  """The residual between layers is split over context and, with sequence parallelism, over
+  tensor (constrain_tokens): the plan's kept layer outputs must be too, or a context-parallel
+  plan counts every token on every shard."""
   cfg, _ = plan.planned_config(load_config_file(os.path.join(ROOT, 'configs', 'tiny.py')),
-                               {'fsdp': 2, 'context': 4})
+                               {'fsdp': 2, 'context': 2, 'tensor': 2})
   mesh = make_mesh(cfg.mesh)
+  rules = cfg.mesh.rules
   b, t = 4, 64
   x = jax.ShapeDtypeStruct((b, t, 4, 32), jnp.bfloat16)          # mHC streams
   entries = jax.ShapeDtypeStruct((b, t // 2, 32), jnp.bfloat16)   # compressed: not split
-  x_spec = plan._batch_spec(mesh, cfg.mesh.rules, x, b, t).spec
-  assert tuple(x_spec)[:2] == ('fsdp', 'context')
-  assert tuple(plan._batch_spec(mesh, cfg.mesh.rules, entries, b, t).spec)[:2] == ('fsdp', None)
-  assert plan._sharded_bytes(x, plan._batch_spec(mesh, cfg.mesh.rules, x, b, t)) == \
-      b * t * 4 * 32 * 2 // 8
+  sp = plan._batch_spec(mesh, rules, x, b, t, over_tensor=True)
+  assert tuple(sp.spec)[:2] == ('fsdp', ('context', 'tensor'))
+  assert plan._sharded_bytes(x, sp) == b * t * 4 * 32 * 2 // 8
+  assert tuple(plan._batch_spec(mesh, rules, x, b, t).spec)[:2] == ('fsdp', 'context')
+  assert tuple(plan._batch_spec(mesh, rules, entries, b, t, True).spec)[:2] == ('fsdp', None)

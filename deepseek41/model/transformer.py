@@ -29,7 +29,7 @@ from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import dtype_of, normal_param
 from deepseek41.model.vision import VisionEncoder
 from deepseek41.ops.mhc_kernel import expand_fused
-from deepseek41.ops.per_device import constrain_tokens
+from deepseek41.ops.per_device import constrain_tokens, gather_tensor_split
 
 
 class Block(nnx.Module):
@@ -108,16 +108,17 @@ class Block(nnx.Module):
     return self.attn.csa2.publish_kv(self.attn_norm(x), batch, shared)
 
 
-def _rematerialized(block: Block, x, pre_prev, batch, shared):
+def _rematerialized(block: Block, x, pre_prev, batch, shared, entry=lambda x: x):
   """Run a block whose activations are recomputed in the backward pass.
 
   A pure `jax.checkpoint` over (graph, state): the forward never mutates state, so nothing has
-  to flow back out, and NNX's lifted remat (which does propagate state) is not needed.
+  to flow back out, and NNX's lifted remat (which does propagate state) is not needed. `entry`
+  runs inside, so the input kept for the backward is x as it arrives.
   """
   graphdef, state = nnx.split(block)
 
   def run(state, x, pre_prev, batch, shared):
-    return nnx.merge(graphdef, state)(x, pre_prev, batch, shared)
+    return nnx.merge(graphdef, state)(entry(x), pre_prev, batch, shared)
   return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(
       state, x, pre_prev, batch, shared)
 
@@ -125,9 +126,11 @@ def _rematerialized(block: Block, x, pre_prev, batch, shared):
 class Transformer(nnx.Module):
   """The V4.1 backbone. `__call__(batch) -> (logits [B,T,V] fp32, aux)`."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: str = 'none'):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: str = 'none',
+               sequence_parallel: bool = True):
     self.cfg = cfg
     self.remat = remat
+    self.sequence_parallel = sequence_parallel  # mesh.sequence_parallel
     self.embed = normal_param(rngs, (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'), cfg.init_std)
     self.vision = VisionEncoder(cfg, rngs, remat) if cfg.vision else None
     rows = {l: a.rows for l, a in self._engram_addresses().items()}
@@ -152,6 +155,7 @@ class Transformer(nnx.Module):
   def logits(self, x, pre):
     """Final read of the residual (collapse for mHC), RMSNorm, LM head: fp32 [B, T, V]."""
     cfg = self.cfg
+    x = self._layer_input(x)
     if cfg.residual == 'mhc_multi_pass':
       x = collapse(x, self.hc_head(x))
     elif cfg.residual == 'mhc_single_pass':
@@ -195,22 +199,32 @@ class Transformer(nnx.Module):
     captured = {}
     for block in self.blocks if blocks is None else blocks:
       if block.layer in capture_layers:
-        captured[block.layer] = x if x.ndim == 3 else jnp.mean(x.astype(jnp.float32), axis=2)
+        u = self._layer_input(x)
+        captured[block.layer] = u if u.ndim == 3 else jnp.mean(u.astype(jnp.float32), axis=2)
       with jax.named_scope(f'layer{block.layer}'):
         if self.remat == 'block':
-          x, pre, aux, shared = _rematerialized(block, x, pre, batch, shared)
+          x, pre, aux, shared = _rematerialized(block, x, pre, batch, shared, self._layer_input)
         else:
-          x, pre, aux, shared = block(x, pre, batch, shared)
-        x = constrain_tokens(x)
+          x, pre, aux, shared = block(self._layer_input(x), pre, batch, shared)
+        # Gathered first, then split: the layer's last ops keep its usual layout.
+        x = constrain_tokens(self._layer_input(x), self.sequence_parallel)
       auxes.append(aux)
     return x, pre, auxes, captured, shared
+
+  def _layer_input(self, x):
+    """A sequence-parallel residual gathered over `tensor` where a layer (or the head) reads it
+    and where a layer's output leaves it, before it is split again: explicit layouts at both
+    ends, since XLA's partitioner (jax 0.11.2) aborts on dots whose operand or result would be
+    split along the sequence over context and tensor at once."""
+    return gather_tensor_split(x) if self.sequence_parallel else x
 
   def forward(self, batch, capture_layers: tuple[int, ...] = ()):
     """(logits [B,T,V] fp32, aux, captured): captured[l] is the residual entering layer l, the
     mean over the mHC streams ([B, T, D]; DSpark's context features)."""
     with jax.named_scope('embed'):  # top-level scopes too, so no kernel of the step is unnamed
       x, pre = self.residual_input(batch)
-      x = constrain_tokens(x)  # context parallelism: each shard holds its stretch of tokens
+      # context (and sequence) parallelism: each shard holds its stretch of tokens
+      x = constrain_tokens(self._layer_input(x), self.sequence_parallel)
       batch = self.with_engram_rows(batch)
     # shared: compressed KV and selections published by source layers (CSA2)
     x, pre, auxes, captured, shared = self.run_blocks(x, pre, batch, {}, capture_layers)

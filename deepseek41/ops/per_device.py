@@ -46,11 +46,41 @@ def token_split(mesh, b: int, t: int | None):
   return axes, ctx
 
 
-def constrain_tokens(x_bt):
-  """The residual stream [B, T, ...] split over the batch axes and, with context parallelism,
-  over `context`; unchanged without a mesh or a context axis (GSPMD propagates the batch split)."""
+def residual_spec(mesh, b: int, t: int, over_tensor: bool) -> P | None:
+  """How the residual stream [B, T, ...] lies between layers: the batch over the batch axes,
+  the sequence over `context` and, with `over_tensor` (sequence parallelism), over `tensor`
+  too, where the shards divide it. None: nothing beyond the batch split GSPMD propagates."""
+  axes, ctx = token_split(mesh, b, t)
+  seq = [ctx] if ctx else []
+  n_tp = axis_size(mesh, TENSOR_AXIS)
+  n_ctx = axis_size(mesh, CONTEXT_AXIS) if ctx else 1
+  if over_tensor and n_tp > 1 and t % (n_ctx * n_tp) == 0:
+    seq.append(TENSOR_AXIS)
+  if not seq:
+    return None
+  return P(axes or None, tuple(seq) if len(seq) > 1 else seq[0])
+
+
+def constrain_tokens(x_bt, over_tensor: bool = False):
+  """The residual stream [B, T, ...] laid out by `residual_spec`; unchanged without a mesh.
+
+  Split over `tensor` (sequence parallelism, `mesh.sequence_parallel`), the layer outputs that
+  block remat keeps for the backward take 1 / mesh.tensor of the memory they take replicated;
+  each layer gathers its input over `tensor` where it needs whole rows (GSPMD's all-gather, the
+  all-reduce of tensor parallelism becoming a reduce-scatter).
+  """
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or axis_size(mesh, CONTEXT_AXIS) == 1:
+  if mesh.empty:
+    return x_bt
+  spec = residual_spec(mesh, x_bt.shape[0], x_bt.shape[1], over_tensor)
+  return x_bt if spec is None else jax.lax.with_sharding_constraint(x_bt, spec)
+
+
+def gather_tensor_split(x_bt):
+  """The residual [B, T, ...] whole again over `tensor` (still split over batch and context);
+  unchanged without a mesh or a tensor axis."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or axis_size(mesh, TENSOR_AXIS) == 1:
     return x_bt
   axes, ctx = token_split(mesh, x_bt.shape[0], x_bt.shape[1])
   return jax.lax.with_sharding_constraint(x_bt, P(axes or None, ctx))

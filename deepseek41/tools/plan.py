@@ -67,7 +67,8 @@ from deepseek41.batch import batch_keys
 from deepseek41.config import MeshConfig, RunConfig, layer_roles, resolve
 from deepseek41.model.csa2 import INDEXER_TOTALS
 from deepseek41.model.params import RouterBias
-from deepseek41.sharding import batch_sharding, fitted_spec, make_mesh
+from deepseek41.ops.per_device import constrain_tokens, gather_tensor_split, residual_spec
+from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.tools import info
 from deepseek41.tools.info import bytes_per_device, parse_mesh
 from deepseek41.train.optimizer import make_optimizer
@@ -187,13 +188,14 @@ def role_table(cfg: RunConfig) -> dict[tuple, list[int]]:
   return table
 
 
-def _batch_spec(mesh, rules, x, b: int, t: int):
-  """Arrays with the batch leading are sharded like the batch, and [B, T, ...] ones also along
-  the sequence by the `length` rule (context parallelism: the residual between layers is split
-  so, `constrain_tokens`); anything else is replicated."""
+def _batch_spec(mesh, rules, x, b: int, t: int, over_tensor: bool = False):
+  """Arrays with the batch leading are sharded like the batch, and [B, T, ...] ones as the
+  residual between layers (`constrain_tokens`: the sequence over context and, with sequence
+  parallelism, tensor); anything else is replicated."""
   if x.ndim >= 2 and x.shape[:2] == (b, t):
-    return NamedSharding(mesh, fitted_spec(('batch', 'length') + (None,) * (x.ndim - 2),
-                                           x.shape, rules, mesh))
+    spec = residual_spec(mesh, b, t, over_tensor)
+    if spec is not None:
+      return NamedSharding(mesh, spec)
   if x.ndim and x.shape[0] == b:
     return batch_sharding(mesh, rules, x.ndim)
   return NamedSharding(mesh, P())
@@ -306,7 +308,8 @@ def compile_programs(cfg: RunConfig, devices=None) -> dict:
   b, t = batch['tokens'].shape
 
   def spec(tree):
-    return jax.tree.map(lambda x: _batch_spec(mesh, rules, x, b, t), tree)
+    return jax.tree.map(lambda x: _batch_spec(mesh, rules, x, b, t,
+                                              cfg.mesh.sequence_parallel), tree)
 
   # One abstract pass learns every layer's inputs (the residual, pre and CSA2's `shared`).
   def trace(params, biases, batch):
@@ -345,9 +348,14 @@ def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
   s_float, s_int, rebuild = _split_float(shared)
   p_sh, rb_sh = state_shardings(p, mesh, rules), state_shardings(rb, mesh, rules)
 
+  sp = cfg.mesh.sequence_parallel
+
   def forward(p, rb, x, pre, s_float, s_int, batch):
-    """(x, pre, what this layer adds to `shared`: entries, selections, indexer totals), aux."""
-    x2, pre2, aux, shared2 = nnx.merge(gd, p, rb)(x, pre, batch, rebuild(s_float, s_int))
+    """(x, pre, what this layer adds to `shared`: entries, selections, indexer totals), aux.
+    The residual's layouts at the layer's ends are Transformer.run_blocks'."""
+    x2, pre2, aux, shared2 = nnx.merge(gd, p, rb)(gather_tensor_split(x) if sp else x, pre,
+                                                  batch, rebuild(s_float, s_int))
+    x2 = constrain_tokens(gather_tensor_split(x2) if sp else x2, sp)
     new = {k: v for k, v in shared2.items() if k not in shared or k == INDEXER_TOTALS}
     return (x2, pre2, new), aux
 
@@ -411,12 +419,14 @@ class _View:
   residual_input = _T.residual_input
   with_engram_rows = _T.with_engram_rows
   _engram_addresses = _T._engram_addresses
+  _layer_input = _T._layer_input
 
-  def __init__(self, cfg, parts: dict):
+  def __init__(self, cfg, parts: dict, sequence_parallel: bool = True):
     if cfg.residual == 'mhc_multi_pass':
       raise NotImplementedError('plan: the multi-pass mHC head is not planned yet')
     self.cfg = cfg
     self.vision = None
+    self.sequence_parallel = sequence_parallel
     self.__dict__.update(parts)
 
 
@@ -441,7 +451,7 @@ def _compile_head(cfg, mesh, model, top, batch, spec) -> dict:
     defs[name], part[name] = _submodule(model, name)
 
   def loss(part, x, pre, targets, mask):
-    logits = _View(cfg.model, _merged(defs, part)).logits(x, pre)
+    logits = _View(cfg.model, _merged(defs, part), cfg.mesh.sequence_parallel).logits(x, pre)
     return cross_entropy_sum(logits, targets, mask)[0]
 
   def fwd_bwd(part, x, pre, targets, mask):

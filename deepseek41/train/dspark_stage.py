@@ -42,7 +42,8 @@ class DraftingModel(nnx.Module):
   """The backbone and its drafter, side by side (parameter paths `backbone/...`, `dspark/...`)."""
 
   def __init__(self, cfg: RunConfig, rngs: nnx.Rngs, remat: str = 'none'):
-    self.backbone = Transformer(cfg.model, rngs, remat=remat)
+    self.backbone = Transformer(cfg.model, rngs, remat=remat,
+                                sequence_parallel=cfg.mesh.sequence_parallel)
     self.dspark = DSpark(cfg.model, cfg.dspark, rngs)
 
 

@@ -40,7 +40,8 @@ def build_model(cfg: RunConfig, seed: int | None = None) -> Transformer:
     from deepseek41.train.dspark_stage import DraftingModel
     model = DraftingModel(cfg, nnx.Rngs(params=seed), remat=cfg.train.remat)
   else:
-    model = Transformer(cfg.model, nnx.Rngs(params=seed), remat=cfg.train.remat)
+    model = Transformer(cfg.model, nnx.Rngs(params=seed), remat=cfg.train.remat,
+                        sequence_parallel=cfg.mesh.sequence_parallel)
   return cast_params(model, dtype_of(cfg.model.param_dtype))
 
 
