@@ -12,6 +12,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.extend
 import numpy as np
 import pytest
 
@@ -68,3 +69,37 @@ def test_parallel_axes_match_one_device(mesh, kernels):
   # split across devices; every other gradient agrees to ~3e-7.
   for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-6)
+
+
+def _sequence_splits(jaxpr) -> int:
+  """sharding_constraint eqns (any depth) that split dim 1 over context and tensor together."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'sharding_constraint':
+      spec = tuple(eqn.params['sharding'].spec)
+      count += len(spec) > 1 and spec[1] == ('context', 'tensor')
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      count += _sequence_splits(sub)
+  return count
+
+
+@pytest.mark.parametrize('sequence_parallel', [True, False])
+def test_sequence_parallel_splits_the_kept_residual(sequence_parallel):
+  """mesh.sequence_parallel: every layer's output (what block remat keeps) is split along the
+  sequence over context x tensor; off, over context only. Numerics: the test above (its tensor
+  meshes run with it on)."""
+  cfg = resolved(num_devices=8, **MESHES['fsdp2_tensor2_context2'], **SHAPES,
+                 **{'data.seq_len': 64, 'train.remat': 'block',
+                    'mesh.sequence_parallel': sequence_parallel})
+  tx = make_optimizer(cfg.train)
+  mesh = make_mesh(cfg.mesh, jax.devices()[:8])
+  state, _ = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
+  batch = packed_batch(seed=6, docs_per_row=3, pad=5, t=64)
+  with jax.set_mesh(mesh):
+    jaxpr = jax.make_jaxpr(jax.grad(_loss_fn(cfg, tx)))(
+        state['params'], state['router_bias'], batch).jaxpr
+  splits = _sequence_splits(jaxpr)
+  if sequence_parallel:
+    assert splits >= cfg.model.num_layers + 1  # the embedding's output and every layer's
+  else:
+    assert splits == 0
