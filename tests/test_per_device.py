@@ -52,15 +52,16 @@ def _setup(n, sizes):
   return cfg, tx, mesh, state, batch
 
 
-def _kernels_outside_shard_map(jaxpr, inside=False):
-  """Names of pallas_calls not nested in a shard_map, walking every sub-jaxpr."""
+def _kernels_outside_shard_map(jaxpr, inside=False, primitive='pallas_call'):
+  """Names of `primitive` eqns (pallas_calls) not nested in a shard_map, walking every
+  sub-jaxpr."""
   found = []
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name == 'pallas_call' and not inside:
+    if name == primitive and not inside:
       found.append(eqn.params.get('name_and_src_info', name))
     for sub in _sub_jaxprs(eqn.params.values()):
-      found += _kernels_outside_shard_map(sub, inside or name == 'shard_map')
+      found += _kernels_outside_shard_map(sub, inside or name == 'shard_map', primitive)
   return found
 
 
@@ -81,6 +82,9 @@ def test_no_kernel_runs_on_the_whole_batch():
         state['params'], state['router_bias'], batch)
   kernels = _kernels_outside_shard_map(closed.jaxpr)
   assert not kernels, f'pallas_calls GSPMD would run on the whole batch: {kernels[:5]}'
+  # top_k neither: GSPMD cannot split its custom call and gathers the whole batch to every
+  # device (the MoE routing did: f32 [global batch, T, E] per layer in the released plan).
+  assert not _kernels_outside_shard_map(closed.jaxpr, primitive='top_k')
   # ... and the walk does see kernels: without a mesh nothing is wrapped.
   closed = jax.make_jaxpr(jax.value_and_grad(_loss_fn(cfg, tx)))(
       state['params'], state['router_bias'], batch)

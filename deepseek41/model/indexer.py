@@ -90,7 +90,8 @@ def _top_slots(key_btn, k: int, select_impl: str):
                                          interpret=jax.default_backend() == 'cpu'), key_btn)
   if select_impl != 'top_k':
     raise ValueError(f'select_impl must be one of {SELECT_IMPLS}, got {select_impl!r}')
-  vals_btk, idx_btk = jax.lax.top_k(key_btn, min(k, key_btn.shape[-1]))
+  # Per device: GSPMD cannot split top_k's custom call (it would gather the whole batch).
+  vals_btk, idx_btk = batch_local(lambda key: jax.lax.top_k(key, min(k, key.shape[-1])), key_btn)
   valid_btk = vals_btk > -jnp.inf
   idx_btk = jnp.where(valid_btk, idx_btk, 0).astype(jnp.int32)
   return _pad_last(idx_btk, k, 0), _pad_last(valid_btk, k, False)

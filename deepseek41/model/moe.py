@@ -9,6 +9,8 @@ state, updated after each step by the sign rule from the loads of the global bat
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,6 +21,7 @@ from deepseek41.ops.expert_gemm import clipped_swiglu
 from deepseek41.ops.expert_parallel import routed_experts
 from deepseek41.ops.fp8_matmul import dense
 from deepseek41.ops.grouped_gemm import default_tiles
+from deepseek41.ops.per_device import batch_local
 
 NUM_MODALITIES = 2  # 0 = text, 1 = image (batch field `modality`)
 
@@ -96,8 +99,11 @@ class MoE(nnx.Module):
     cfg = self.cfg
     dt = x_btd.dtype
     scores_bte = router_scores(x_btd, self.w_router[...])
-    idx_btk, weights_btk = route(scores_bte, self.router_bias[...], modality_bt,
-                                 cfg.num_experts_per_tok, cfg.route_scale)
+    # Per device: GSPMD cannot split top_k's custom call, and ran every device's routing over
+    # the whole batch (f32 [global batch, T, E] gathered per MoE layer, in the plan).
+    idx_btk, weights_btk = batch_local(
+        functools.partial(route, k=cfg.num_experts_per_tok, route_scale=cfg.route_scale),
+        scores_bte, self.router_bias[...], modality_bt, replicated=(1,))
     y_btd, dropped = routed_experts(
         x_btd, idx_btk, weights_btk, valid_bt.astype(bool),
         self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt),
