@@ -144,7 +144,8 @@ def test_a_mesh_with_more_axes_than_the_torus():
   from deepseek41.config import MeshConfig
   from deepseek41.sharding import make_mesh
   from deepseek41.tools.tpu_plan import topology_devices
-  mc = MeshConfig(data=2, fsdp=2, expert=2, tensor=2, context=2, rules=())
+  mc = MeshConfig(data=2, fsdp=2, expert=2, tensor=2, context=2,
+                  sequence_parallel=True, rules=())
   mesh = make_mesh(mc, topology_devices('v5p:2x4x4'))
   assert dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'expert': 2, 'tensor': 2, 'context': 2}
   assert len({d.id for d in mesh.devices.flat}) == 32
