@@ -108,17 +108,18 @@ class Block(nnx.Module):
     return self.attn.csa2.publish_kv(self.attn_norm(x), batch, shared)
 
 
-def _rematerialized(block: Block, x, pre_prev, batch, shared, entry=lambda x: x):
+def _rematerialized(block: Block, x, pre_prev, batch, shared, sequence_parallel: bool = False):
   """Run a block whose activations are recomputed in the backward pass.
 
   A pure `jax.checkpoint` over (graph, state): the forward never mutates state, so nothing has
-  to flow back out, and NNX's lifted remat (which does propagate state) is not needed. `entry`
-  runs inside, so the input kept for the backward is x as it arrives.
+  to flow back out, and NNX's lifted remat (which does propagate state) is not needed. A
+  sequence-parallel x is gathered inside, so the input kept for the backward stays split.
   """
   graphdef, state = nnx.split(block)
 
   def run(state, x, pre_prev, batch, shared):
-    return nnx.merge(graphdef, state)(entry(x), pre_prev, batch, shared)
+    return nnx.merge(graphdef, state)(gather_tensor_split(x, sequence_parallel), pre_prev,
+                                      batch, shared)
   return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(
       state, x, pre_prev, batch, shared)
 
@@ -155,7 +156,7 @@ class Transformer(nnx.Module):
   def logits(self, x, pre):
     """Final read of the residual (collapse for mHC), RMSNorm, LM head: fp32 [B, T, V]."""
     cfg = self.cfg
-    x = self._layer_input(x)
+    x = gather_tensor_split(x, self.sequence_parallel)
     if cfg.residual == 'mhc_multi_pass':
       x = collapse(x, self.hc_head(x))
     elif cfg.residual == 'mhc_single_pass':
@@ -199,24 +200,18 @@ class Transformer(nnx.Module):
     captured = {}
     for block in self.blocks if blocks is None else blocks:
       if block.layer in capture_layers:
-        u = self._layer_input(x)
+        u = gather_tensor_split(x, self.sequence_parallel)
         captured[block.layer] = u if u.ndim == 3 else jnp.mean(u.astype(jnp.float32), axis=2)
       with jax.named_scope(f'layer{block.layer}'):
         if self.remat == 'block':
-          x, pre, aux, shared = _rematerialized(block, x, pre, batch, shared, self._layer_input)
+          x, pre, aux, shared = _rematerialized(block, x, pre, batch, shared,
+                                                self.sequence_parallel)
         else:
-          x, pre, aux, shared = block(self._layer_input(x), pre, batch, shared)
-        # Gathered first, then split: the layer's last ops keep its usual layout.
-        x = constrain_tokens(self._layer_input(x), self.sequence_parallel)
+          x, pre, aux, shared = block(gather_tensor_split(x, self.sequence_parallel), pre,
+                                      batch, shared)
+        x = constrain_tokens(x, self.sequence_parallel)
       auxes.append(aux)
     return x, pre, auxes, captured, shared
-
-  def _layer_input(self, x):
-    """A sequence-parallel residual gathered over `tensor` where a layer (or the head) reads it
-    and where a layer's output leaves it, before it is split again: explicit layouts at both
-    ends, since XLA's partitioner (jax 0.11.2) aborts on dots whose operand or result would be
-    split along the sequence over context and tensor at once."""
-    return gather_tensor_split(x) if self.sequence_parallel else x
 
   def forward(self, batch, capture_layers: tuple[int, ...] = ()):
     """(logits [B,T,V] fp32, aux, captured): captured[l] is the residual entering layer l, the
@@ -224,7 +219,7 @@ class Transformer(nnx.Module):
     with jax.named_scope('embed'):  # top-level scopes too, so no kernel of the step is unnamed
       x, pre = self.residual_input(batch)
       # context (and sequence) parallelism: each shard holds its stretch of tokens
-      x = constrain_tokens(self._layer_input(x), self.sequence_parallel)
+      x = constrain_tokens(x, self.sequence_parallel)
       batch = self.with_engram_rows(batch)
     # shared: compressed KV and selections published by source layers (CSA2)
     x, pre, auxes, captured, shared = self.run_blocks(x, pre, batch, {}, capture_layers)

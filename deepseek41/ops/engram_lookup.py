@@ -79,8 +79,8 @@ def exchange_lookup(table_rh, ids_btj, axes, capacity: float):
   width = chunk_ids(lookups, shards, capacity)
   past_end = shards * local_rows  # sorts last, owned by no shard
 
-  uniq_u, inverse_l = jnp.unique(ids_btj.reshape(-1), size=lookups, fill_value=past_end,
-                                 return_inverse=True)
+  ids_l = ids_btj.reshape(-1)
+  uniq_u, inverse_l = jnp.unique(ids_l, size=lookups, fill_value=past_end, return_inverse=True)
   inverse_l = inverse_l.reshape(-1)
   # Sorted ids: shard s owns the contiguous run [start_s, start_s + count_s).
   bounds = jnp.arange(shards + 1, dtype=uniq_u.dtype) * local_rows
@@ -97,7 +97,7 @@ def exchange_lookup(table_rh, ids_btj, axes, capacity: float):
                         table_rh[jnp.clip(asked_sc, 0, local_rows - 1)], 0)
   rows_sch = jax.lax.all_to_all(found_sch, axes, 0, 0, tiled=True)      # [owner, C, H]
 
-  owner_l = jnp.clip(uniq_u[inverse_l] // local_rows, 0, shards - 1).astype(jnp.int32)
+  owner_l = jnp.clip(ids_l // local_rows, 0, shards - 1).astype(jnp.int32)
   rank_l = inverse_l.astype(jnp.int32) - start_s[owner_l]
   kept_l = rank_l < width
   at_l = owner_l * width + jnp.clip(rank_l, 0, width - 1)

@@ -66,21 +66,26 @@ def constrain_tokens(x_bt, over_tensor: bool = False):
 
   Split over `tensor` (sequence parallelism, `mesh.sequence_parallel`), the layer outputs that
   block remat keeps for the backward take 1 / mesh.tensor of the memory they take replicated;
-  each layer gathers its input over `tensor` where it needs whole rows (GSPMD's all-gather, the
-  all-reduce of tensor parallelism becoming a reduce-scatter).
+  each layer gathers its input over `tensor` (`gather_tensor_split`) where it needs whole rows
+  (GSPMD's all-gather, the all-reduce of tensor parallelism becoming a reduce-scatter). The
+  residual is gathered before it is split, so the ops that made it keep their usual layout: XLA's
+  partitioner (jax 0.11.2) aborts on dots whose operand or result it would split along the
+  sequence over context and tensor at once.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x_bt
+  x_bt = gather_tensor_split(x_bt, over_tensor)
   spec = residual_spec(mesh, x_bt.shape[0], x_bt.shape[1], over_tensor)
   return x_bt if spec is None else jax.lax.with_sharding_constraint(x_bt, spec)
 
 
-def gather_tensor_split(x_bt):
-  """The residual [B, T, ...] whole again over `tensor` (still split over batch and context);
-  unchanged without a mesh or a tensor axis."""
+def gather_tensor_split(x_bt, sequence_parallel: bool = True):
+  """A sequence-parallel residual [B, T, ...] whole again over `tensor` (still split over batch
+  and context), where a layer or the head reads it; unchanged without sequence parallelism, a
+  mesh or a tensor axis."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or axis_size(mesh, TENSOR_AXIS) == 1:
+  if not sequence_parallel or mesh.empty or axis_size(mesh, TENSOR_AXIS) == 1:
     return x_bt
   axes, ctx = token_split(mesh, x_bt.shape[0], x_bt.shape[1])
   return jax.lax.with_sharding_constraint(x_bt, P(axes or None, ctx))

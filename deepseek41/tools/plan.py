@@ -353,9 +353,9 @@ def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
   def forward(p, rb, x, pre, s_float, s_int, batch):
     """(x, pre, what this layer adds to `shared`: entries, selections, indexer totals), aux.
     The residual's layouts at the layer's ends are Transformer.run_blocks'."""
-    x2, pre2, aux, shared2 = nnx.merge(gd, p, rb)(gather_tensor_split(x) if sp else x, pre,
-                                                  batch, rebuild(s_float, s_int))
-    x2 = constrain_tokens(gather_tensor_split(x2) if sp else x2, sp)
+    x2, pre2, aux, shared2 = nnx.merge(gd, p, rb)(gather_tensor_split(x, sp), pre, batch,
+                                                  rebuild(s_float, s_int))
+    x2 = constrain_tokens(x2, sp)
     new = {k: v for k, v in shared2.items() if k not in shared or k == INDEXER_TOTALS}
     return (x2, pre2, new), aux
 
@@ -419,7 +419,6 @@ class _View:
   residual_input = _T.residual_input
   with_engram_rows = _T.with_engram_rows
   _engram_addresses = _T._engram_addresses
-  _layer_input = _T._layer_input
 
   def __init__(self, cfg, parts: dict, sequence_parallel: bool = True):
     if cfg.residual == 'mhc_multi_pass':
