@@ -10,6 +10,10 @@
 #                                            # process on one GPU restores and trains on
 #   bash benchmarks/gpu_scaleout.sh full     # the full structure (CSA2, FP4/FP8 QAT, mHC) 4K x 8 on
 #                                            # 1 GPU and data=2; a profile of expert=2
+#   bash benchmarks/gpu_scaleout.sh expert   # window-only 4K x 16: 1 GPU against expert=2 with the
+#                                            # allgather exchange (the default) and the padded one
+#   bash benchmarks/gpu_scaleout.sh tensor   # window-only 4K x 16: 1 GPU against tensor=2 with
+#                                            # sequence parallelism on (the default) and off
 # WARMUP (default 40) sets train.warmup_steps; STEPS (default 40) the run length; a run still going
 # DEADLINE_S (default 570) seconds after the start is killed, and later runs are skipped (a device
 # call gets 600 s and the rest must still come back). SMOKE=1 runs the
@@ -96,7 +100,17 @@ case "$mode" in
       --config.log.profile_steps=3
     python3 benchmarks/trace_summary.py /tmp/p_expert2/profile --merge-layers --depth 3 \
       > "$OUT/p_expert2_trace.txt" 2>&1; head -60 "$OUT/p_expert2_trace.txt" ;;
-  *) echo "unknown mode $mode (window | full)" >&2; exit 2 ;;
+  expert)
+    run w_gpu1 1 $WINDOW; drop_checkpoints w_gpu1
+    run w_expert2 2 $WINDOW --config.mesh.data=1 --config.mesh.expert=2; drop_checkpoints w_expert2
+    run w_expert2_padded 2 $WINDOW --config.mesh.data=1 --config.mesh.expert=2 \
+      --config.model.expert_exchange=padded; drop_checkpoints w_expert2_padded ;;
+  tensor)
+    run w_gpu1 1 $WINDOW; drop_checkpoints w_gpu1
+    run w_tensor2 2 $WINDOW --config.mesh.data=1 --config.mesh.tensor=2; drop_checkpoints w_tensor2
+    run w_tensor2_nosp 2 $WINDOW --config.mesh.data=1 --config.mesh.tensor=2 \
+      --config.mesh.sequence_parallel=False; drop_checkpoints w_tensor2_nosp ;;
+  *) echo "unknown mode $mode (window | restore | full | expert | tensor)" >&2; exit 2 ;;
 esac
 python3 benchmarks/summarize_scaleout.py "$OUT" | tee "$OUT/table.txt"
 # The device tool returns few files: the logs travel as one archive.

@@ -80,6 +80,12 @@ def _auto_eval_moe_backend(m: dict[str, Any], backend: str) -> str:
   return _DROPLESS_MOE_BACKENDS.get(backend, 'reference')
 
 
+def _auto_expert_exchange(m: dict[str, Any], backend: str) -> str:
+  if backend == 'tpu':
+    return 'ragged'
+  return 'padded' if m['expert_buffer_factor'] > 0 else 'allgather'
+
+
 def _auto_index_impl(m: dict[str, Any], backend: str) -> str:
   if backend == 'tpu' and mosaic_index_supported(m['index_head_dim']):
     return 'mosaic'
@@ -200,14 +206,20 @@ class ModelConfig:
   moe_backend: str = _key('auto', auto=_auto_moe_backend,
                          choices=('reference', 'capacity_einsum', 'ragged_dot', 'grouped'))
   capacity_factor: float = _key(1.25)    # capacity_einsum: slots per expert = ceil(cf * N * K / E)
-  # Expert parallelism (mesh.expert > 1; ops/expert_parallel.py). The dropless backends send each
-  # assignment to its expert's shard; a shard's receive buffer holds expert_buffer_factor x its
-  # own assignments, 0 = mesh.expert x them, which never overflows (rows past a smaller buffer
-  # are dropped and counted in dropped_frac). expert_exchange: ragged = ragged_all_to_all, padded
-  # = a dense all_to_all of chunks padded to the largest (mesh.expert x the bytes, but the
-  # collective every backend runs well). auto: ragged on the TPU; padded elsewhere (the CPU has
-  # no ragged collective; on the H200 XLA's ragged_all_to_all took 644 ms where the padded
-  # exchange took 12.8 ms, one device, 32K tokens: docs/performance.md 11.1).
+  # Expert parallelism (mesh.expert > 1; ops/expert_parallel.py), how the dropless backends'
+  # tokens reach their experts' shards (model.expert_exchange):
+  #   allgather: every shard's tokens gathered on each expert shard, the partial outputs summed
+  #     back (psum_scatter); a token crosses once whatever its K, never drops; sends (S-1) x N
+  #     rows each way, S = mesh.expert: the smallest exchange while S < K.
+  #   ragged: each assignment to its expert's shard by ragged_all_to_all (about N K (S-1)/S rows).
+  #   padded: the same through a dense all_to_all of chunks padded to the largest (S x the bytes,
+  #     but the collective every backend runs well).
+  # ragged and padded receive into a buffer of expert_buffer_factor x a shard's own assignments,
+  # 0 = mesh.expert x them, which never overflows (rows past a smaller buffer are dropped and
+  # counted in dropped_frac). auto: ragged on the TPU (its expert axis is large); elsewhere
+  # allgather, or padded when expert_buffer_factor bounds the buffer (the CPU has no ragged
+  # collective; on the H200 XLA's ragged_all_to_all took 644 ms where the padded exchange took
+  # 12.8 ms, one device, 32K tokens: docs/performance.md 11.1).
   expert_buffer_factor: float = _key(0.0)
   # The grouped experts' weight-gradient kernel (ops/grouped_gemm.py): our Triton tgmm, or jax's
   # Mosaic GPU transposed ragged dot (Hopper only; elsewhere it falls back to tgmm). On the H200
@@ -215,8 +227,8 @@ class ModelConfig:
   # but only 9% at the 1B ones, where the training step does not move and its compile takes 36 s
   # longer (docs/performance.md 11.1). auto: mosaic on the GPU from d_model 4096 up.
   grouped_wgrad: str = _key('auto', choices=('triton', 'mosaic'), auto=_auto_grouped_wgrad)
-  expert_exchange: str = _key('auto', choices=('ragged', 'padded'),
-                              auto=lambda m, backend: 'ragged' if backend == 'tpu' else 'padded')
+  expert_exchange: str = _key('auto', choices=('allgather', 'ragged', 'padded'),
+                              auto=_auto_expert_exchange)
   # The routed experts of held-out evaluation, dropless: auto keeps a dropless moe_backend and
   # replaces capacity_einsum (grouped on the GPU, ragged_dot on the TPU, reference on the CPU).
   eval_moe_backend: str = _key('auto', auto=_auto_eval_moe_backend,
@@ -737,6 +749,9 @@ def _check_moe(m: ModelConfig):
   _req(m.capacity_factor > 0, 'model.capacity_factor', 'must be > 0')
   _req(m.expert_buffer_factor >= 0, 'model.expert_buffer_factor',
        f'must be >= 0 (0: never overflow), got {m.expert_buffer_factor}')
+  _req(m.expert_buffer_factor == 0 or m.expert_exchange != 'allgather',
+       'model.expert_buffer_factor', 'bounds the ragged and padded exchanges\' receive buffer; '
+       'model.expert_exchange=allgather has none (it never drops): set one of them')
   _req(m.eval_moe_backend != 'capacity_einsum', 'model.eval_moe_backend',
        "'capacity_einsum' drops assignments past capacity and evaluation must not: use auto, "
        'reference, ragged_dot or grouped')

@@ -6,6 +6,7 @@ the tolerance covers sums reordered across devices (~1e-6 relative).
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -73,17 +74,50 @@ MESHES = {
 }
 
 
-# ragged_dot shares the dropless exchange with the others: one mesh is enough for it.
-CASES = [(b, m) for b in ('reference', 'grouped', 'capacity_einsum') for m in MESHES] + [
-    ('ragged_dot', 'data2_expert4')]
+# ragged_dot shares the dropless exchanges with the others: one mesh is enough for it. The
+# dropless backends run both CPU exchanges (the ragged one is padded's semantics, below).
+CASES = [(b, m, x) for b in ('reference', 'grouped') for m in MESHES
+         for x in ('allgather', 'padded')] + [
+    ('capacity_einsum', m, 'auto') for m in MESHES] + [
+    ('ragged_dot', 'data2_expert4', 'allgather'), ('ragged_dot', 'data2_expert4', 'padded')]
 
 
-@pytest.mark.parametrize('backend,mesh_name', CASES)
-def test_sharded_experts_match_one_device(backend, mesh_name):
+@pytest.mark.parametrize('backend,mesh_name,exchange', CASES)
+def test_sharded_experts_match_one_device(backend, mesh_name, exchange):
   inputs = _inputs()
   want = _run(None, backend, inputs)
-  got = _run(_mesh(**MESHES[mesh_name]), backend, inputs)
+  got = _run(_mesh(**MESHES[mesh_name]), backend, inputs, exchange=exchange)
   _assert_same(got, want)
+
+
+def test_allgather_sends_each_token_once():
+  """The allgather exchange's collectives carry each token once (N rows per shard, S*N per
+  group), never its K assignments: the forward's collectives and their result types."""
+  x, idx, wt, valid, wg, wu, wd = _inputs()
+  shards, n = 8, B * T // 8
+
+  def fwd(x, wt):
+    return ep.routed_experts(x, idx, wt, valid, wg, wu, wd, swiglu_limit=LIMIT,
+                             backend='reference', capacity_factor=1.0, exchange='allgather')[0]
+  mesh = _mesh(expert=shards)
+  with jax.set_mesh(mesh):
+    tok = jax.sharding.NamedSharding(mesh, P('expert'))
+    hlo = jax.jit(fwd).lower(jax.device_put(x, tok), jax.device_put(wt, tok)).as_text()
+  ops = re.findall(r'(?s)"stablehlo\.(all_gather|reduce_scatter|all_to_all)".*?-> tensor<([^>]*)>',
+                   hlo)
+  # tokens, router weights and expert ids out; the f32 partial outputs back.
+  assert sorted(op for op, _ in ops) == ['all_gather'] * 3 + ['reduce_scatter'], ops
+  gathered = sorted(t for op, t in ops if op == 'all_gather')
+  assert gathered == sorted([f'{shards * n}x{D}xf32', f'{shards * n}x{K}xf32',
+                             f'{shards * n}x{K}xi32']), gathered
+  assert [t for op, t in ops if op == 'reduce_scatter'] == [f'{n}x{D}xf32']
+
+
+def test_allgather_refuses_a_buffer_bound():
+  x, idx, wt, valid, wg, wu, wd = _inputs()
+  with jax.set_mesh(_mesh(expert=8)), pytest.raises(ValueError, match='expert_buffer_factor'):
+    ep.routed_experts(x, idx, wt, valid, wg, wu, wd, swiglu_limit=LIMIT, backend='reference',
+                      capacity_factor=1.0, exchange='allgather', buffer_factor=2.0)
 
 
 def test_capacity_drops_are_those_of_one_device():

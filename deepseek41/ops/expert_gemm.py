@@ -27,7 +27,9 @@ kernels and keeps the weight gradient in the compute dtype (ops/grouped_gemm.py)
 cannot take per-(expert, column) scales, so it reproduces the grouped numerics by quantize-
 dequantize: the same e4m3 values and scales, a compute-dtype ragged_dot.
 
-Padding tokens (`valid_n` false) take no capacity, are never counted as dropped, and output 0.
+Padding tokens (`valid` false) take no capacity, are never counted as dropped, and output 0.
+`valid` may also be given per assignment ([N, K]): an expert shard computes only the assignments
+to its own experts of tokens gathered from every shard (ops/expert_parallel.py).
 All backends are jit-able and differentiable in x, weight_nk and the three expert tensors; all but
 `grouped` are plain jnp and indifferent to how the weights are sharded (`grouped` computes the
 experts of the weight tensor it is given: shard it by expert under shard_map, not by D or F).
@@ -44,7 +46,7 @@ import jax.numpy as jnp
 
 from deepseek41.ops import grouped_gemm
 from deepseek41.ops.fp8_matmul import batched_fp8_matmul, check_fp8, qdq_rowwise
-from deepseek41.ops.grouped_gemm import sort_by_expert as _sort_by_expert
+from deepseek41.ops.grouped_gemm import per_assignment, sort_by_expert as _sort_by_expert
 
 BACKENDS = ('reference', 'capacity_einsum', 'ragged_dot', 'grouped')
 
@@ -81,12 +83,12 @@ def combine(y_nkd, weight_nk, dtype):
 # ---- reference ---------------------------------------------------------------------------------
 
 
-def _reference(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd,
-               limit, fp8='off'):
+def _reference(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_down_efd,
+               limit, fp8='off', out_dtype=None):
   """Every expert on every token; a dense [N, E] combine matrix picks and weights the chosen ones."""
   n_experts = w_gate_edf.shape[0]
   onehot_nke = jax.nn.one_hot(expert_idx_nk, n_experts, dtype=jnp.float32)
-  weight_nk = jnp.where(valid_n[:, None], weight_nk.astype(jnp.float32), 0.0)
+  weight_nk = jnp.where(valid_nk, weight_nk.astype(jnp.float32), 0.0)
   combine_ne = jnp.einsum('nke,nk->ne', onehot_nke, weight_nk)
   if fp8 == 'off':
     h_gate_nef = jnp.einsum('nd,edf->nef', x_nd, w_gate_edf)
@@ -98,7 +100,7 @@ def _reference(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_
                            batched_fp8_matmul(x_end, w_up_edf), limit)
     out_ned = jnp.swapaxes(batched_fp8_matmul(h_enf, w_down_efd), 0, 1)
   y_nd = jnp.einsum('ne,ned->nd', combine_ne, out_ned.astype(jnp.float32))
-  return y_nd.astype(x_nd.dtype), jnp.zeros((), jnp.int32)
+  return y_nd.astype(out_dtype or x_nd.dtype), jnp.zeros((), jnp.int32)
 
 
 # ---- capacity_einsum ---------------------------------------------------------------------------
@@ -137,10 +139,10 @@ class CapacityRoute(NamedTuple):
   dropped: jax.Array    # int32 [] valid assignments past capacity
 
 
-def capacity_route(expert_idx_nk, valid_n, n_experts: int, capacity: int) -> CapacityRoute:
+def capacity_route(expert_idx_nk, valid, n_experts: int, capacity: int) -> CapacityRoute:
   """GShard-style slots: expert e's c-th assignment (in token order) takes slot (e, c) if c < C."""
   n, k = expert_idx_nk.shape
-  order_a, rank_a, counts_e = _sort_by_expert(expert_idx_nk, valid_n, n_experts)
+  order_a, rank_a, counts_e = _sort_by_expert(expert_idx_nk, valid, n_experts)
   start_e = jnp.cumsum(counts_e) - counts_e
   # Stability of the sort makes the served assignments the earliest tokens.
   slot_c = jnp.arange(capacity, dtype=jnp.int32)
@@ -148,7 +150,7 @@ def capacity_route(expert_idx_nk, valid_n, n_experts: int, capacity: int) -> Cap
   assign_s = order_a[jnp.minimum(start_e[:, None] + slot_c[None, :], n * k - 1)].reshape(-1)
   e_a = expert_idx_nk.reshape(n * k)
   pos_a = rank_a - start_e[e_a]
-  kept_a = valid_n.repeat(k) & (pos_a < capacity)
+  kept_a = per_assignment(valid, k).reshape(n * k) & (pos_a < capacity)
   slot_a = e_a * capacity + jnp.minimum(pos_a, capacity - 1)
   dropped = jnp.sum(jnp.maximum(counts_e - capacity, 0)).astype(jnp.int32)
   return CapacityRoute(assign_s, filled_s, slot_a, kept_a, dropped)
@@ -184,17 +186,17 @@ def experts_on_buffer(buf_ecd, w_gate_edf, w_up_edf, w_down_efd, limit, fp8='off
   return batched_fp8_matmul(h_ecf, w_down_efd)
 
 
-def _capacity_einsum(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd,
-                     limit, capacity_factor, fp8='off'):
+def _capacity_einsum(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_down_efd,
+                     limit, capacity_factor, fp8='off', out_dtype=None):
   """GShard-style capacity buffer filled by gathers, then batched matmuls over experts."""
   n, k = expert_idx_nk.shape
   n_experts, d, _ = w_gate_edf.shape
   cap = expert_capacity(n, k, n_experts, capacity_factor)
-  route = capacity_route(expert_idx_nk, valid_n, n_experts, cap)
+  route = capacity_route(expert_idx_nk, valid_nk, n_experts, cap)
   buf_ecd = capacity_dispatch(x_nd, route, k).reshape(n_experts, cap, d)
   out_ecd = experts_on_buffer(buf_ecd, w_gate_edf, w_up_edf, w_down_efd, limit, fp8)
   return capacity_combine(out_ecd.reshape(n_experts * cap, d), route, weight_nk,
-                          x_nd.dtype), route.dropped
+                          out_dtype or x_nd.dtype), route.dropped
 
 
 # ---- ragged_dot --------------------------------------------------------------------------------
@@ -237,14 +239,14 @@ class SortedRows(NamedTuple):
   order_a: jax.Array     # int32 [N*K] sorted position -> assignment a = n*K + k
   rank_a: jax.Array      # int32 [N*K] assignment -> sorted position
   counts_e: jax.Array    # int32 [E] valid assignments per expert
-  valid_a: jax.Array     # bool [N*K] the assignment's token is not padding
+  valid_a: jax.Array     # bool [N*K] the assignment is computed (its token is not padding)
   in_group_a: jax.Array  # bool [N*K] sorted position holds a valid assignment
 
 
-def sort_rows(expert_idx_nk, valid_n, n_experts: int) -> SortedRows:
+def sort_rows(expert_idx_nk, valid, n_experts: int) -> SortedRows:
   n, k = expert_idx_nk.shape
-  order_a, rank_a, counts_e = _sort_by_expert(expert_idx_nk, valid_n, n_experts)
-  return SortedRows(order_a, rank_a, counts_e, valid_n.repeat(k),
+  order_a, rank_a, counts_e = _sort_by_expert(expert_idx_nk, valid, n_experts)
+  return SortedRows(order_a, rank_a, counts_e, per_assignment(valid, k).reshape(n * k),
                     jnp.arange(n * k) < jnp.sum(counts_e))
 
 
@@ -266,11 +268,11 @@ def from_sorted_rows(y_ad, rows: SortedRows, k: int):
   return y_nkd.reshape(-1, k, y_ad.shape[-1])
 
 
-def _ragged_dot(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd, limit,
-                fp8='off'):
+def _ragged_dot(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_down_efd, limit,
+                fp8='off', out_dtype=None):
   """Dropless: expert-sorted rows through lax.ragged_dot with per-expert group sizes."""
   k = expert_idx_nk.shape[1]
-  rows = sort_rows(expert_idx_nk, valid_n, w_gate_edf.shape[0])
+  rows = sort_rows(expert_idx_nk, valid_nk, w_gate_edf.shape[0])
   # Padding assignments sort past sum(counts_e): they are neither dispatched (their rows stay 0,
   # and ragged_dot leaves rows past the groups at 0) nor combined.
   x_ad = to_sorted_rows(x_nd, rows, k)
@@ -280,15 +282,15 @@ def _ragged_dot(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w
   out_ad = dot(clipped_swiglu(h_gate_af, h_up_af, limit), w_down_efd, rows.counts_e)
   y_nkd = from_sorted_rows(out_ad, rows, k)
 
-  weight_nk = jnp.where(valid_n[:, None], weight_nk.astype(jnp.float32), 0.0)
-  return combine(y_nkd, weight_nk, x_nd.dtype), jnp.zeros((), jnp.int32)
+  weight_nk = jnp.where(valid_nk, weight_nk.astype(jnp.float32), 0.0)
+  return combine(y_nkd, weight_nk, out_dtype or x_nd.dtype), jnp.zeros((), jnp.int32)
 
 
 # ---- grouped -----------------------------------------------------------------------------------
 
 
-def _grouped(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd, limit,
-             tiles, fp8='off'):
+def _grouped(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_down_efd, limit,
+             tiles, fp8='off', out_dtype=None):
   """Dropless: rows sorted by expert, each group padded to whole row tiles, Pallas grouped GEMMs.
 
   The layout and kernels are ops/grouped_gemm.py. On the CPU the kernels run in the Pallas
@@ -298,7 +300,7 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_do
   n_experts = w_gate_edf.shape[0]
   interpret = jax.default_backend() == 'cpu'
   tiles = tiles or grouped_gemm.default_tiles()
-  lay = grouped_gemm.make_layout(expert_idx_nk, valid_n, n_experts, tiles.block_m)
+  lay = grouped_gemm.make_layout(expert_idx_nk, valid_nk, n_experts, tiles.block_m)
 
   # Used rows and valid assignments are in bijection, so dispatch and combine are gathers whose
   # transposes are gathers through the other map (no scatter-add in the backward). Group padding
@@ -315,32 +317,35 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_do
   y_nkd = take_rows(out_md, lay.row_a, lay.valid_a, lay.assign_m[:, None], lay.used_m[:, None])
   y_nkd = y_nkd.reshape(n, k, -1)
 
-  weight_nk = jnp.where(valid_n[:, None], weight_nk.astype(jnp.float32), 0.0)
-  return combine(y_nkd, weight_nk, x_nd.dtype), jnp.zeros((), jnp.int32)
+  weight_nk = jnp.where(valid_nk, weight_nk.astype(jnp.float32), 0.0)
+  return combine(y_nkd, weight_nk, out_dtype or x_nd.dtype), jnp.zeros((), jnp.int32)
 
 
 # ---- public API --------------------------------------------------------------------------------
 
 
-def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd, *,
+def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_down_efd, *,
                swiglu_limit: float | None, backend: str, capacity_factor: float = 1.25,
-               grouped_tiles: grouped_gemm.Tiles | None = None, fp8: str = 'off'):
+               grouped_tiles: grouped_gemm.Tiles | None = None, fp8: str = 'off',
+               out_dtype=None):
   """Routed experts for one group of N tokens.
 
   Args:
     x_nd: [N, D] tokens in the compute dtype (the expert weights are cast to it).
     expert_idx_nk: int32 [N, K] chosen experts, distinct per token.
     weight_nk: [N, K] combine weights (normalised and scaled by the router), used in float32.
-    valid_n: bool [N]; false marks padding, which takes no capacity and outputs 0.
+    valid: bool [N], false for padding, which takes no capacity and outputs 0; or bool [N, K],
+      per assignment (an invalid assignment is neither computed nor counted as dropped).
     w_gate_edf, w_up_edf: [E, D, F]; w_down_efd: [E, F, D].
     swiglu_limit: the clamp L of the SwiGLU (None: no clamp).
     backend: one of BACKENDS; a Python string, static under jit.
     capacity_factor: capacity_einsum only; C = expert_capacity(N, K, E, capacity_factor).
     grouped_tiles: grouped only; kernel tiling (None: grouped_gemm's default for the platform).
     fp8: 'off' or 'rowwise' (model.fp8): the expert GEMMs in e4m3 (module docstring).
+    out_dtype: the dtype of y_nd (None: x's); float32 keeps the combined sum unrounded.
 
   Returns:
-    (y_nd in x's dtype, dropped): dropped is the int32 count of (valid token, expert) assignments
+    (y_nd in out_dtype, dropped): dropped is the int32 count of (valid token, expert) assignments
     left uncomputed, always 0 except for capacity_einsum.
   """
   if backend not in BACKENDS:
@@ -349,15 +354,15 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_
   dtype = x_nd.dtype
   w_gate_edf, w_up_edf, w_down_efd = (w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
   expert_idx_nk = expert_idx_nk.astype(jnp.int32)
-  valid_n = valid_n.astype(bool)
-  args = (x_nd, expert_idx_nk, weight_nk, valid_n, w_gate_edf, w_up_edf, w_down_efd, swiglu_limit)
+  valid_nk = per_assignment(valid, expert_idx_nk.shape[1])
+  args = (x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_down_efd, swiglu_limit)
   if backend == 'reference':
-    return _reference(*args, fp8=fp8)
+    return _reference(*args, fp8=fp8, out_dtype=out_dtype)
   if backend == 'capacity_einsum':
-    return _capacity_einsum(*args, capacity_factor, fp8=fp8)
+    return _capacity_einsum(*args, capacity_factor, fp8=fp8, out_dtype=out_dtype)
   if backend == 'ragged_dot':
-    return _ragged_dot(*args, fp8=fp8)
-  return _grouped(*args, grouped_tiles, fp8=fp8)
+    return _ragged_dot(*args, fp8=fp8, out_dtype=out_dtype)
+  return _grouped(*args, grouped_tiles, fp8=fp8, out_dtype=out_dtype)
 
 
 def expert_ffn_batched(x_bnd, expert_idx_bnk, weight_bnk, valid_bn, w_gate_edf, w_up_edf,

@@ -7,9 +7,18 @@ are split over `expert` (each shard holds E/S contiguous experts), the expert FF
 everything is local, so the Pallas grouped-GEMM kernels, which GSPMD cannot partition, see only
 their own rows and their own experts.
 
-Over S > 1 expert shards the assignments travel to the shard that holds their expert and back:
+Over S > 1 expert shards the tokens travel to the shards that hold their experts and back:
 
-  * dropless backends (grouped, ragged_dot, reference): each device sorts its N*K assignments by
+  * dropless backends (grouped, ragged_dot, reference), `allgather` exchange (the default off
+    the TPU): every shard's N tokens, with their expert ids and router weights, are gathered on
+    every expert shard (all_gather), each shard runs its own experts on the assignments to them
+    among those S*N tokens, combines them with the router weights into one partial output per
+    token in float32, and psum_scatter sums the S partials of each token on its own shard. A
+    token crosses to a peer once, whatever its K (the other exchanges send each of its K
+    assignments, padded or ragged), and nothing is dropped: the local buffer is S*N tokens.
+    The backward is the same two collectives transposed. Per device it sends (S-1) N rows each
+    way, against about N K (S-1)/S ragged: the better exchange while S < K.
+  * dropless backends, `ragged` and `padded` exchanges: each device sorts its N*K assignments by
     expert, so each destination's rows are contiguous, and sends them with a ragged all-to-all
     (`jax.lax.ragged_all_to_all`, or a dense all_to_all that carries each chunk padded to the
     largest possible one: model.expert_exchange says which runs where). The receiver runs
@@ -42,7 +51,7 @@ from deepseek41.ops.per_device import axis_size as _size, token_split
 # The mesh axes of the expert layout (sharding.py builds the mesh with these names).
 EXPERT_AXIS = 'expert'
 WIDTH_AXIS = 'tensor'
-EXCHANGES = ('auto', 'ragged', 'padded')
+EXCHANGES = ('auto', 'allgather', 'ragged', 'padded')
 
 
 def routed_experts(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
@@ -104,6 +113,10 @@ def _local(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_
     return _capacity_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
                               w_down_efd, experts_axis, width_axis, swiglu_limit,
                               capacity_factor, fp8)
+  if exchange_kind(exchange, buffer_factor) == 'allgather':
+    return _allgather_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf,
+                               w_up_edf, w_down_efd, experts_axis, width_axis, swiglu_limit,
+                               backend, fp8, grouped_tiles)
   return _dropless_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
                             w_down_efd, experts_axis, width_axis, swiglu_limit, backend, fp8,
                             buffer_factor, exchange, grouped_tiles)
@@ -150,6 +163,31 @@ def _capacity_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, 
   return _sum_width(y_btd, width_axis, x_btd.dtype), jnp.sum(route.dropped)
 
 
+# ---- dropless over expert shards: tokens gathered, partial outputs reduce-scattered -------------
+
+
+def _allgather_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
+                        w_down_efd, axis, width_axis, limit, backend, fp8, grouped_tiles):
+  b, t, d = x_btd.shape
+  k = expert_idx_btk.shape[-1]
+  n = b * t
+  local_e = w_gate_edf.shape[0]
+  gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=0, tiled=True)
+  # [S*N, ...]: every expert shard's tokens, source shards in order.
+  x_md = gather(x_btd.reshape(n, d))
+  weight_mk = gather(weight_btk.reshape(n, k))
+  # Padding tokens travel as expert -1, which no shard holds.
+  idx_nk = jnp.where(valid_bt.reshape(n, 1), expert_idx_btk.reshape(n, k).astype(jnp.int32), -1)
+  local_idx_mk = gather(idx_nk) - jax.lax.axis_index(axis) * local_e
+  mine_mk = (local_idx_mk >= 0) & (local_idx_mk < local_e)
+  partial_md, _ = expert_gemm.expert_ffn(
+      x_md, jnp.clip(local_idx_mk, 0, local_e - 1), weight_mk, mine_mk, w_gate_edf, w_up_edf,
+      w_down_efd, swiglu_limit=limit, backend=backend, fp8=fp8, grouped_tiles=grouped_tiles,
+      out_dtype=jnp.float32)
+  y_nd = jax.lax.psum_scatter(partial_md, axis, scatter_dimension=0, tiled=True)
+  return _sum_width(y_nd.reshape(b, t, d), width_axis, x_btd.dtype), jnp.zeros((), jnp.int32)
+
+
 # ---- dropless over expert shards (ragged all-to-all) -------------------------------------------
 
 
@@ -172,7 +210,8 @@ def _dropless_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, 
   x_ad = expert_gemm.to_sorted_rows(x_btd.reshape(n, d), sorted_rows, k)
 
   plan = exchange_plan(sorted_rows.counts_e, shards, local_e, rows, axis, me)
-  move = _ragged_exchange if _use_ragged(exchange) else padded_exchange
+  move = _ragged_exchange if exchange_kind(exchange, buffer_factor) == 'ragged' \
+      else padded_exchange
   x_rd = move(x_ad, rows, plan.send_offset_s, plan.send_s, plan.dest_offset_s, plan.recv_s, axis)
 
   y_rd, _ = expert_gemm.expert_ffn(
@@ -238,12 +277,18 @@ def exchange_plan(counts_e, shards: int, local_e: int, rows: int, axis, me):
       dropped=jnp.sum(sent_sr[me] - kept_sr[me]).astype(jnp.int32))
 
 
-def _use_ragged(exchange: str) -> bool:
+def exchange_kind(exchange: str, buffer_factor: float = 0.0) -> str:
+  """The exchange that `exchange` names here (auto: model.expert_exchange says why)."""
   if exchange not in EXCHANGES:
     raise ValueError(f'unknown expert exchange {exchange!r}; expected one of {EXCHANGES}')
   if exchange == 'auto':
-    return jax.default_backend() == 'tpu'  # model.expert_exchange says why
-  return exchange == 'ragged'
+    if jax.default_backend() == 'tpu':
+      return 'ragged'
+    return 'padded' if buffer_factor > 0 else 'allgather'
+  if exchange == 'allgather' and buffer_factor > 0:
+    raise ValueError('the allgather expert exchange has no receive buffer to bound (it never '
+                     'drops): model.expert_buffer_factor applies to the ragged and padded ones')
+  return exchange
 
 
 def _ragged_exchange(x_ad, out_rows, send_offset_s, send_s, dest_offset_s, recv_s, axis):

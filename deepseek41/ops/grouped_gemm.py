@@ -88,8 +88,16 @@ def default_tiles(wgrad: str | None = None) -> Tiles:
 # ---- layout ------------------------------------------------------------------------------------
 
 
-def sort_by_expert(expert_idx_nk, valid_n, n_experts):
-  """Stable order of the N*K assignments (a = n*K + k) by expert, padding tokens last.
+def per_assignment(valid, k: int):
+  """bool [N, K] from a validity per token [N] or per assignment [N, K]."""
+  n = valid.shape[0]
+  return jnp.broadcast_to(valid.reshape(n, -1), (n, k)).astype(bool)
+
+
+def sort_by_expert(expert_idx_nk, valid, n_experts):
+  """Stable order of the N*K assignments (a = n*K + k) by expert, invalid ones last.
+
+  valid: bool [N] (padding tokens) or [N, K] (single assignments, e.g. another shard's experts).
 
   Returns order_a (sorted position -> a), rank_a (a -> sorted position) and counts_e (valid
   assignments per expert). Stability is what makes capacity first-come-first-served: within an
@@ -97,7 +105,7 @@ def sort_by_expert(expert_idx_nk, valid_n, n_experts):
   """
   n, k = expert_idx_nk.shape
   # Padding gets the key E, one past the last expert, so it sorts after every real group.
-  key_a = jnp.where(valid_n[:, None], expert_idx_nk, n_experts).reshape(n * k)
+  key_a = jnp.where(per_assignment(valid, k), expert_idx_nk, n_experts).reshape(n * k)
   order_a = jnp.argsort(key_a, stable=True).astype(jnp.int32)
   # Inverting a permutation is a scatter of indices (integers, no gradient), not of token data.
   rank_a = jnp.zeros_like(order_a).at[order_a].set(jnp.arange(n * k, dtype=jnp.int32))
@@ -115,7 +123,7 @@ class GroupLayout(NamedTuple):
   """Where each assignment sits in the padded expert-sorted layout, and the maps back.
 
   row_a: int32 [N*K] assignment -> padded row (meaningful where valid_a).
-  valid_a: bool [N*K] the assignment's token is not padding.
+  valid_a: bool [N*K] the assignment is computed (its token is not padding).
   assign_m: int32 [M_pad] padded row -> assignment (meaningful where used_m).
   used_m: bool [M_pad] the row holds an assignment (false: group padding or unused tile).
   tile_expert_t: int32 [M_pad / block_m] tile -> expert, -1 past the last used tile.
@@ -129,17 +137,17 @@ class GroupLayout(NamedTuple):
   group_tiles_e1: jax.Array
 
 
-def make_layout(expert_idx_nk, valid_n, n_experts: int, block_m: int) -> GroupLayout:
+def make_layout(expert_idx_nk, valid, n_experts: int, block_m: int) -> GroupLayout:
   """The padded layout of the valid assignments (integers only: no gradient flows here)."""
   n, k = expert_idx_nk.shape
   m_pad = padded_rows(n * k, n_experts, block_m)
-  order_a, rank_a, counts_e = sort_by_expert(expert_idx_nk, valid_n, n_experts)
+  order_a, rank_a, counts_e = sort_by_expert(expert_idx_nk, valid, n_experts)
   start_e = jnp.cumsum(counts_e) - counts_e
   tiles_e = (counts_e + block_m - 1) // block_m
   tile_end_e = jnp.cumsum(tiles_e).astype(jnp.int32)
   row_start_e = (tile_end_e - tiles_e) * block_m
 
-  valid_a = jnp.repeat(valid_n, k)
+  valid_a = per_assignment(valid, k).reshape(n * k)
   e_a = expert_idx_nk.reshape(n * k)
   row_a = jnp.where(valid_a, row_start_e[e_a] + rank_a - start_e[e_a], 0).astype(jnp.int32)
 
