@@ -99,3 +99,20 @@ def test_parameters_are_really_sharded(runs):
   mu = runs['eight']['new_state']['opt'][1][0].mu
   assert tuple(mu['blocks'][0]['moe']['w_gate'].get_value().sharding.spec) == (
       'expert', 'fsdp', None)
+
+
+def test_prng_kernel_only_where_nothing_is_split():
+  """The GPU threefry kernel (fast compiles) draws whole tensors: init_state asks for it only
+  where every leaf of the state is replicated, and leaves the global flag as it found it."""
+  for n, overrides, pays in ((1, {'mesh.data': 1}, True), (2, {'mesh.data': 2}, True),
+                             (8, MESH8, False)):
+    cfg = resolved(num_devices=n, **overrides)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:n])
+    tx = make_optimizer(cfg.train)
+    shardings = state_lib.state_shardings(state_lib.abstract_state(cfg, tx), mesh,
+                                          cfg.mesh.rules)
+    assert state_lib.prng_kernel_pays(shardings) is pays, (n, overrides)
+  seen = []
+  with state_lib._prng_kernel(True):
+    seen.append(jax.config.jax_threefry_gpu_kernel_lowering)
+  assert seen == [True] and jax.config.jax_threefry_gpu_kernel_lowering is False

@@ -11,6 +11,7 @@ the parameters, so the optimizer (and weight decay) never sees them, and stay fp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -105,9 +106,33 @@ def init_state(cfg: RunConfig, tx, mesh: Mesh, rules):
   """Initialise directly into the target shardings: no full copy ever lives on one device."""
   abstract = abstract_state(cfg, tx)
   shardings = state_shardings(abstract, mesh, rules)
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), _prng_kernel(prng_kernel_pays(shardings)):
     state = jax.jit(_init_fn(cfg, tx), out_shardings=shardings)()
   return state, shardings
+
+
+def prng_kernel_pays(shardings) -> bool:
+  """Whether the initialisation may draw its random numbers with the GPU's threefry kernel.
+
+  XLA's GPU lowering of threefry unrolls its rounds into every random fusion: compiling the 1B
+  ablation's initialisation took 89 s on the H200, and 8.8 s with
+  `jax_threefry_gpu_kernel_lowering`, to the same values (docs/performance.md section 19). The
+  kernel is a custom call, which the partitioner cannot split: on a split state every device
+  would draw each whole tensor. So only where no leaf is split (one device, pure data
+  parallelism), where every device draws every tensor anyway.
+  """
+  return all(s.is_fully_replicated for s in jax.tree.leaves(shardings))
+
+
+@contextlib.contextmanager
+def _prng_kernel(on: bool):
+  """jax_threefry_gpu_kernel_lowering on (if `on`) for the enclosed jit, restored after."""
+  saved = jax.config.jax_threefry_gpu_kernel_lowering
+  jax.config.update('jax_threefry_gpu_kernel_lowering', on or saved)
+  try:
+    yield
+  finally:
+    jax.config.update('jax_threefry_gpu_kernel_lowering', saved)
 
 
 def count_params(tree) -> int:
