@@ -188,6 +188,24 @@ def test_padding_takes_no_capacity_and_outputs_zero(backend):
 
 
 @pytest.mark.parametrize('backend', BACKENDS)
+def test_invalid_assignments_are_not_computed(backend):
+  """valid per assignment [N, K] (an expert shard's view of gathered tokens): an invalid
+  assignment adds nothing, whatever its expert, takes no capacity and is never counted as
+  dropped; the result equals the float64 numpy MoE with those assignments' weights at 0."""
+  x, idx, weight, valid_n, wg, wu, wd = make_inputs(4)
+  valid_nk = valid_n[:, None] & (jax.random.uniform(jax.random.key(9), (N, K)) < 0.6)
+  y, dropped = run(x, idx, weight, valid_nk, wg, wu, wd, backend=backend)
+  assert int(dropped) == 0
+  want = numpy_moe(x, idx, jnp.where(valid_nk, weight, 0.0), valid_n, wg, wu, wd, LIMIT)
+  assert_close(y, want, what='y')
+  # Other experts and weights behind the invalid assignments change nothing.
+  idx2 = jnp.where(valid_nk, idx, (idx + 3) % E)
+  idx2 = jnp.where(idx2[:, :1] == idx2[:, 1:], idx, idx2)  # keep a token's experts distinct
+  y2, _ = run(x, idx2, jnp.where(valid_nk, weight, 5.0), valid_nk, wg, wu, wd, backend=backend)
+  np.testing.assert_allclose(np.asarray(y2), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
 def test_clipping_is_effective(backend):
   # Large gate weights push x @ w_gate far past the limit; x @ w_up also saturates.
   inputs = make_inputs(4, gate_scale=8.0, pad_frac=0.0)
