@@ -1,7 +1,7 @@
 """Where the device time of profiled training steps goes: a summary of a jax.profiler trace.
 
     python benchmarks/trace_summary.py WORKDIR/profile [--top 20] [--depth 3] [--merge-layers]
-        [--device-substr GPU]
+        [--device-substr GPU] [--hlo DUMP/module_*.jit_train_step.*after_optimizations.txt]
 
 Reads the newest `perfetto_trace.json.gz` (else `*.trace.json.gz`) under the directory, as
 `--config.log.profile_start_step=N` writes it, and prints
@@ -15,7 +15,12 @@ On the GPU the scope path is read from the kernel's `args`: XLA annotates each k
 add `tf_op` or HLO text with `op_name` metadata (`long_name`). Kernels launched through XLA command
 buffers (CUDA graphs) lose it: `XLA_FLAGS=--xla_gpu_enable_command_buffer=` restores it. On the
 CPU the events carry only `hlo_op`, `hlo_module`, `run_id` and `device_ordinal`: every op lands
-in `(no scope)`.
+in `(no scope)`. Some GPU kernels carry no name stack either (a sixth of the full structure's
+step, docs/performance.md section 19). `--hlo` reads the program's optimized HLO, as
+`XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*"`
+writes it (same flags otherwise, so the names match), and takes such a kernel's name stack from
+the `op_name` metadata of its HLO instruction (the event's `hlo_op`, else its name with the
+last `_N` read as `.N`).
 """
 
 from __future__ import annotations
@@ -168,9 +173,26 @@ def parse_scope(stack: str) -> tuple[list[str], str]:
   return parts, phase
 
 
-def scope_key(event: dict, depth: int, merge_layers: bool) -> tuple[str, str]:
+_HLO_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = [^\n]*?op_name="([^"]*)"', re.M)
+
+
+def hlo_op_names(path: str) -> dict[str, str]:
+  """{HLO instruction name: the op_name of its metadata} of an HLO text dump (.gz or plain)."""
+  opener = gzip.open if path.endswith('.gz') else open
+  with opener(path, 'rt') as f:
+    return dict(_HLO_INSTRUCTION.findall(f.read()))
+
+
+def _hlo_stack(event: dict, hlo_names: dict[str, str]) -> str:
+  args = event.get('args') or {}
+  op = args.get('hlo_op') or re.sub(r'_(\d+)$', r'.\1', event.get('name', ''))
+  return hlo_names.get(op, '')
+
+
+def scope_key(event: dict, depth: int, merge_layers: bool,
+              hlo_names: dict[str, str] | None = None) -> tuple[str, str]:
   """(phase, first `depth` scope components joined by '/') of one kernel."""
-  stack = name_stack(event.get('args') or {})
+  stack = name_stack(event.get('args') or {}) or _hlo_stack(event, hlo_names or {})
   if not stack:
     return 'other', '(no scope)'
   parts, phase = parse_scope(stack)
@@ -281,14 +303,14 @@ def report_windows(ops: list[dict], wins: list, steps: int = 0, max_rows: int = 
 
 
 def report(ops: list[dict], wins: list, *, depth: int, top: int, merge_layers: bool,
-           steps: int = 0) -> None:
+           steps: int = 0, hlo_names: dict[str, str] | None = None) -> None:
   report_windows(ops, wins, steps)
   kernel_us = sum(e['dur'] for e in ops)
 
   groups = collections.defaultdict(lambda: [0.0, 0])
   phases = collections.Counter()
   for e in ops:
-    phase, scope = scope_key(e, depth, merge_layers)
+    phase, scope = scope_key(e, depth, merge_layers, hlo_names)
     groups[(phase, scope)][0] += e['dur']
     groups[(phase, scope)][1] += 1
     phases[phase] += e['dur']
@@ -306,7 +328,7 @@ def report(ops: list[dict], wins: list, *, depth: int, top: int, merge_layers: b
     k = kernels[e.get('name', '?')]
     k[0] += e['dur']
     k[1] += 1
-    k[2] = k[2] or '/'.join(scope_key(e, 99, False))
+    k[2] = k[2] or '/'.join(scope_key(e, 99, False, hlo_names))
   print(f'\n(c) top {top} kernels by total time')
   print(f'{"ms":>10} {"%":>6} {"calls":>7}  kernel  [phase/scope of its first call]')
   for name, (us, n, where) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
@@ -322,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                   help="keep processes whose name contains this ('/device:GPU:0'); '' keeps all "
                        '(the CPU, whose ops run on host threads)')
   ap.add_argument('--merge-layers', action='store_true', help='sum layerN scopes as layer*')
+  ap.add_argument('--hlo', default='', help="the program's optimized HLO text (XLA's dump): the "
+                  'name stacks of kernels whose trace events carry none')
   args = ap.parse_args(argv)
 
   path = find_trace(args.trace_dir)
@@ -333,8 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f'no op events on processes matching {args.device_substr!r}; processes: '
           f'{sorted(set(procs.values()))} (try --device-substr "")')
     return 1
+  hlo_names = hlo_op_names(args.hlo) if args.hlo else None
+  if hlo_names is not None:
+    print(f'hlo: {args.hlo} ({len(hlo_names)} instructions with op_name metadata)')
   report(ops, windows(ops, events, threads), depth=args.depth, top=args.top,
-         merge_layers=args.merge_layers, steps=host_steps(events))
+         merge_layers=args.merge_layers, steps=host_steps(events), hlo_names=hlo_names)
   return 0
 
 

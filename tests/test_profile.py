@@ -105,3 +105,38 @@ def test_scope_parsing():
   assert trace_summary.name_stack(
       {'long_name': '%fusion.3 = f32[8]{0} fusion(), metadata={op_name="jit(f)/jvp(vision)/add"}'}
   ) == 'jit(f)/jvp(vision)/add'
+
+
+def test_hlo_dump_names_the_kernels_without_a_name_stack(tmp_path, capsys):
+  """A kernel whose event carries no name stack takes its HLO instruction's op_name (`--hlo`),
+  found by the event's hlo_op or, without one, by its kernel name (`_N` for `.N`)."""
+  meta = [
+      {'ph': 'M', 'pid': 1, 'name': 'process_name', 'args': {'name': '/device:GPU:0'}},
+      {'ph': 'M', 'pid': 1, 'tid': 7, 'name': 'thread_name', 'args': {'name': 'Stream #7(Kernel)'}},
+  ]
+  kernels = [
+      {'ph': 'X', 'pid': 1, 'tid': 7, 'ts': 10, 'dur': 40, 'name': 'loop_add_fusion_126',
+       'args': {'hlo_op': 'loop_add_fusion.126'}},
+      {'ph': 'X', 'pid': 1, 'tid': 7, 'ts': 60, 'dur': 25, 'name': 'input_scatter_fusion_2',
+       'args': {}},
+      {'ph': 'X', 'pid': 1, 'tid': 7, 'ts': 90, 'dur': 5, 'name': 'unknown_kernel', 'args': {}},
+  ]
+  with gzip.open(tmp_path / 'perfetto_trace.json.gz', 'wt') as f:
+    json.dump({'traceEvents': meta + kernels}, f)
+  base = 'jit(train_step)/while/body/eval_jaxpr/'
+  hlo = tmp_path / 'module_0001.jit_train_step.after_optimizations.txt'
+  hlo.write_text(
+      'ENTRY %main {\n'
+      f'  %loop_add_fusion.126 = bf16[8]{{0}} fusion(%p), kind=kLoop, calls=%fused_add.126, '
+      f'metadata={{op_name="{base}jvp(layer0)/moe/add" source_file="x.py"}}\n'
+      f'  ROOT %input_scatter_fusion.2 = f32[8]{{0}} fusion(%q), kind=kInput, '
+      f'metadata={{op_name="{base}transpose(jvp(layer9))/jvp(layer9)/checkpoint/attention/csa2/'
+      'scatter-add"}\n}\n')
+  assert trace_summary.main([str(tmp_path), '--hlo', str(hlo), '--merge-layers']) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert any('fwd  layer*/moe/add' in l and '57.14' in l for l in lines), lines
+  assert any('bwd  layer*/attention/csa2' in l for l in lines), lines
+  assert any('other  (no scope)' in l and '7.14' in l for l in lines), lines
+  # Without the dump the same kernels have no scope.
+  assert trace_summary.main([str(tmp_path)]) == 0
+  assert 'layer0' not in capsys.readouterr().out
