@@ -8,7 +8,6 @@ checksum of the parameters (to hold the values equal across variants).
 """
 
 import argparse
-import importlib.util
 import json
 import time
 
@@ -16,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepseek41.config import resolve
+from deepseek41.config import load_config_file, resolve
 from deepseek41.sharding import make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.optimizer import make_optimizer
@@ -30,10 +29,7 @@ def main():
   ap.add_argument('--run', action='store_true')
   args = ap.parse_args()
   jax.config.update('jax_threefry_gpu_kernel_lowering', args.threefry_kernel)
-  spec = importlib.util.spec_from_file_location('cfg', args.config)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  cfg = resolve(mod.get_config(), num_devices=1, backend=jax.default_backend())
+  cfg = resolve(load_config_file(args.config), num_devices=1, backend=jax.default_backend())
   tx = make_optimizer(cfg.train)
   mesh = make_mesh(cfg.mesh, jax.devices()[:1])
   t0 = time.perf_counter()

@@ -80,10 +80,15 @@ def _auto_eval_moe_backend(m: dict[str, Any], backend: str) -> str:
   return _DROPLESS_MOE_BACKENDS.get(backend, 'reference')
 
 
-def _auto_expert_exchange(m: dict[str, Any], backend: str) -> str:
+def default_expert_exchange(backend: str, buffer_factor: float) -> str:
+  """model.expert_exchange=auto (the comment at the key says why)."""
   if backend == 'tpu':
     return 'ragged'
-  return 'padded' if m['expert_buffer_factor'] > 0 else 'allgather'
+  return 'padded' if buffer_factor > 0 else 'allgather'
+
+
+def _auto_expert_exchange(m: dict[str, Any], backend: str) -> str:
+  return default_expert_exchange(backend, m['expert_buffer_factor'])
 
 
 def _auto_index_impl(m: dict[str, Any], backend: str) -> str:

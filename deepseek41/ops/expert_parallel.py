@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from deepseek41.config import default_expert_exchange
 from deepseek41.ops import expert_gemm
 from deepseek41.ops.per_device import axis_size as _size, token_split
 
@@ -113,7 +114,8 @@ def _local(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_
     return _capacity_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
                               w_down_efd, experts_axis, width_axis, swiglu_limit,
                               capacity_factor, fp8)
-  if exchange_kind(exchange, buffer_factor) == 'allgather':
+  exchange = exchange_kind(exchange, buffer_factor)
+  if exchange == 'allgather':
     return _allgather_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf,
                                w_up_edf, w_down_efd, experts_axis, width_axis, swiglu_limit,
                                backend, fp8, grouped_tiles)
@@ -194,6 +196,7 @@ def _allgather_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf,
 def _dropless_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
                        w_down_efd, axis, width_axis, limit, backend, fp8, buffer_factor,
                        exchange, grouped_tiles=None):
+  """Assignments to their experts' shards and back; exchange: 'ragged' or 'padded'."""
   b, t, d = x_btd.shape
   k = expert_idx_btk.shape[-1]
   n, a = b * t, b * t * k
@@ -210,8 +213,7 @@ def _dropless_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, 
   x_ad = expert_gemm.to_sorted_rows(x_btd.reshape(n, d), sorted_rows, k)
 
   plan = exchange_plan(sorted_rows.counts_e, shards, local_e, rows, axis, me)
-  move = _ragged_exchange if exchange_kind(exchange, buffer_factor) == 'ragged' \
-      else padded_exchange
+  move = _ragged_exchange if exchange == 'ragged' else padded_exchange
   x_rd = move(x_ad, rows, plan.send_offset_s, plan.send_s, plan.dest_offset_s, plan.recv_s, axis)
 
   y_rd, _ = expert_gemm.expert_ffn(
@@ -282,9 +284,7 @@ def exchange_kind(exchange: str, buffer_factor: float = 0.0) -> str:
   if exchange not in EXCHANGES:
     raise ValueError(f'unknown expert exchange {exchange!r}; expected one of {EXCHANGES}')
   if exchange == 'auto':
-    if jax.default_backend() == 'tpu':
-      return 'ragged'
-    return 'padded' if buffer_factor > 0 else 'allgather'
+    return default_expert_exchange(jax.default_backend(), buffer_factor)
   if exchange == 'allgather' and buffer_factor > 0:
     raise ValueError('the allgather expert exchange has no receive buffer to bound (it never '
                      'drops): model.expert_buffer_factor applies to the ragged and padded ones')
