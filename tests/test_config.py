@@ -371,3 +371,15 @@ def test_synthetic_data_cannot_feed_a_compressed_engram_vocabulary():
 def test_scale_out_keys_are_checked(key, value, message):
   with pytest.raises(ConfigError, match=message):
     resolve(small_config(**{key: value}), num_devices=1, backend='cpu')
+
+
+def test_expert_exchange_auto_and_buffer_bound():
+  """auto: ragged on the TPU; elsewhere allgather, or padded once a buffer factor bounds the
+  receive buffer; allgather has no buffer, so a factor with it is refused by name."""
+  def exchange(backend, **kw):
+    return resolve(small_config(**kw), num_devices=1, backend=backend).model.expert_exchange
+  assert [exchange(b) for b in ('gpu', 'cpu', 'tpu')] == ['allgather', 'allgather', 'ragged']
+  bounded = {'model.expert_buffer_factor': 2.0}
+  assert [exchange(b, **bounded) for b in ('gpu', 'tpu')] == ['padded', 'ragged']
+  with pytest.raises(ConfigError, match=r'model\.expert_buffer_factor: .*allgather'):
+    exchange('gpu', **bounded, **{'model.expert_exchange': 'allgather'})
