@@ -177,3 +177,43 @@ def test_kernels_lower_to_triton_at_h200_shapes():
     assert 'moe_gmm_fp8' in text and 'moe_gmm_t_fp8' in text and 'f8E4M3FN' in text
   finally:
     pcr.gpu_info_lib.get_gpu_info = saved
+
+
+@pytest.mark.parametrize('fp8', ['off', 'rowwise'])
+def test_shapes_only_stand_in_holds_the_kernels_buffers_and_never_runs(fp8):
+  """tools.plan's stand-in: within shapes_only the routed experts compile with the grouped
+  layout's buffers but without the interpreter's loops (which copy the kernels' operands); a
+  program traced within refuses to run, and a program traced outside runs the kernels."""
+  from deepseek41.ops import expert_gemm
+  n, d, f, e, k = 512, 64, 32, 8, 2
+  ks = jax.random.split(jax.random.key(0), 6)
+  x = jax.random.normal(ks[0], (n, d))
+  idx = jax.lax.top_k(jax.random.normal(ks[1], (n, e)), k)[1]
+  wt = jax.nn.softmax(jax.random.normal(ks[2], (n, k)))
+  ws = [jax.random.normal(kk, s) / 8 for kk, s in zip(ks[3:], ((e, d, f), (e, d, f), (e, f, d)))]
+
+  def grads(backend):
+    def loss(x, wt, *ws):
+      y, _ = expert_gemm.expert_ffn(x, idx, wt, jnp.ones(n, bool), *ws, swiglu_limit=10.0,
+                                    backend=backend, fp8=fp8)
+      return jnp.sum(y ** 2)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+  interpreted = grads('grouped').lower(x, wt, *ws).compile()
+  stand_in = grads('grouped')
+  with gg.shapes_only():
+    compiled = stand_in.lower(x, wt, *ws).compile()
+  hlo = compiled.as_text()
+  # Three projections forward, then dgrad and wgrad of each: nine opaque kernels.
+  assert hlo.count('custom_call_target="xla_python_cpu_callback"') + \
+      hlo.count('custom_call_target="xla_ffi_python_cpu_callback"') == 9, hlo[:2000]
+  m_pad = gg.padded_rows(n * k, e, TILES.block_m)
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp >= m_pad * d * 4  # at least the layout's rows and their cotangent
+  assert temp < interpreted.memory_analysis().temp_size_in_bytes
+  with pytest.raises(Exception, match='compile-only stand-in'):
+    jax.block_until_ready(stand_in(x, wt, *ws))
+  got = grads('grouped')(x, wt, *ws)
+  want = grads('reference')(x, wt, *ws)
+  for g, w in zip(got, want):
+    assert_close(g, w, rtol=1e-4 if fp8 == 'off' else 0.1)

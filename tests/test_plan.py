@@ -71,7 +71,7 @@ def test_role_table_groups_identical_layers():
   table = plan.role_table(cfg)
   assert sum(len(v) for v in table.values()) == 40
   assert len(table) < 12  # 40 layers, a handful of programs
-  assert cfg.model.compute_dtype == 'bfloat16' and cfg.model.moe_backend == 'capacity_einsum'
+  assert cfg.model.compute_dtype == 'bfloat16' and cfg.model.moe_backend == 'grouped'
 
 
 def test_plan_matches_compiled_full_step():

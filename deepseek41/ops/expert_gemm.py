@@ -308,7 +308,7 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_d
   x_md = take_rows(x_nd, lay.assign_m // k, lay.used_m, lay.row_a.reshape(n, k),
                     lay.valid_a.reshape(n, k))
 
-  matmul = grouped_gemm.grouped_matmul if fp8 == 'off' else grouped_gemm.grouped_matmul_fp8
+  matmul = grouped_gemm.projection(fp8)
 
   def proj(a_md, w_edf):
     return matmul(a_md, w_edf, lay.tile_expert_t, lay.group_tiles_e1, tiles, interpret)

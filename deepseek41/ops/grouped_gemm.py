@@ -31,6 +31,8 @@ expert slice and a layout built over local expert ids.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import NamedTuple
@@ -411,6 +413,79 @@ def _grouped_matmul_fp8_bwd(tiles, interpret, res, dy_mf):
 
 
 grouped_matmul_fp8.defvjp(_grouped_matmul_fp8_fwd, _grouped_matmul_fp8_bwd)
+
+
+
+# ---- compile-only stand-in (tools.plan) ----------------------------------------------------------
+
+_SHAPES_ONLY = contextvars.ContextVar('grouped_kernels_shapes_only', default=False)
+
+
+@contextlib.contextmanager
+def shapes_only():
+  """Within: `projection` gives the grouped projection as opaque calls that hold only the
+  kernels' operands and results, for programs that are compiled and never run.
+
+  tools.plan reads the GPU's buffers of the dropless experts from the CPU compiler this way: a
+  Pallas GPU kernel keeps nothing in device memory beyond its operands and results, whereas the
+  Pallas interpreter's loops copy them (about twice the routed experts' temporaries). A program
+  traced within must not run (jit caches its trace): the stand-ins raise if it does.
+  """
+  token = _SHAPES_ONLY.set(True)
+  try:
+    yield
+  finally:
+    _SHAPES_ONLY.reset(token)
+
+
+def projection(fp8: str):
+  """The differentiable grouped projection (x_md, w_edf, tile_expert_t, group_tiles_e1, tiles,
+  interpret) -> y_mf for model.fp8: the kernels, or their stand-in within `shapes_only`."""
+  if _SHAPES_ONLY.get():
+    return _OPAQUE[fp8 != 'off']
+  return grouped_matmul if fp8 == 'off' else grouped_matmul_fp8
+
+
+def _never_run(*_):
+  raise RuntimeError('a compile-only stand-in of the grouped kernels ran: a program traced '
+                     'within grouped_gemm.shapes_only() was executed; trace it outside to run it')
+
+
+def _opaque(shape, dtype, *operands):
+  return jax.pure_callback(_never_run, jax.ShapeDtypeStruct(shape, dtype), *operands)
+
+
+def _opaque_gmm(a_mk, w_edf, tile_expert_t, transpose_rhs: bool, fp8: bool):
+  """gmm's buffers: its operands (e4m3 copies and scales with fp8) and its result."""
+  n = w_edf.shape[1] if transpose_rhs else w_edf.shape[2]
+  operands = (a_mk, w_edf)
+  if fp8:
+    operands = (*quantize_rowwise(a_mk, axis=1), *quantize_rowwise(w_edf, 2 if transpose_rhs else 1))
+  return _opaque((a_mk.shape[0], n), a_mk.dtype, tile_expert_t, *operands)
+
+
+def _opaque_matmul(fp8: bool):
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+  def matmul(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
+    del group_tiles_e1, tiles, interpret
+    return _opaque_gmm(x_md, w_edf, tile_expert_t, False, fp8)
+
+  def fwd(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
+    y = matmul(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret)
+    return y, (x_md, w_edf, tile_expert_t, group_tiles_e1)
+
+  def bwd(tiles, interpret, res, dy_mf):
+    x_md, w_edf, tile_expert_t, group_tiles_e1 = res
+    dy_mf = dy_mf.astype(x_md.dtype)
+    dx_md = _opaque_gmm(dy_mf, w_edf, tile_expert_t, True, fp8)
+    dw_edf = _opaque(w_edf.shape, w_edf.dtype, group_tiles_e1, x_md, dy_mf)  # wgrad: compute dtype
+    return dx_md, dw_edf, None, None
+
+  matmul.defvjp(fwd, bwd)
+  return matmul
+
+
+_OPAQUE = {False: _opaque_matmul(False), True: _opaque_matmul(True)}
 
 
 def grouped_matmul_fp8_reference(x_md, w_edf, tile_expert_t, transpose_rhs: bool = False):

@@ -32,14 +32,20 @@ are live at once. Checked against the compiled whole step (`full_step_memory`,
 tiny model and ablation_1b on 8 devices), about one parameter-sized buffer the whole program
 keeps that no single-layer program shows.
 
-The production kernels (Pallas on the GPU, the TPU grouped GEMM) cannot be compiled on the CPU,
+The production kernels (Pallas on the GPU, the TPU grouped GEMM) cannot be compiled for the CPU,
 so the compiled programs use the plain-jnp paths of the same math (`cpu_stand_ins`): chunked
-window attention, gathered sparse attention, reference mHC and indexer, and the routed experts
-through the capacity einsum at the config's capacity factor (ceil(cf N K / E) slots per expert
-and sequence) in place of the dropless grouped GEMM / ragged_dot, whose expert-parallel receive
-buffer holds up to mesh.expert x N K rows by default (model.expert_buffer_factor = 0). XLA's CPU
-buffer assignment is not the GPU's or the TPU's either: the numbers are the CPU compiler's, at
-the target's dtypes.
+window attention, gathered sparse attention, reference mHC and indexer. The routed experts keep
+their real buffers on a GPU device kind: the dropless `grouped` backend with its expert-sorted
+layout and, under expert parallelism, the allgather exchange's S N gathered tokens and S N K
+layout rows per device; its Pallas kernels compile as opaque calls that hold their operands and
+results, as a GPU kernel does (`grouped_gemm.shapes_only`; the interpreter's loops would copy
+them, about doubling the experts' temporaries), and the row tile is the CPU's 32 where the
+GPU's is 128 (< E x 96 rows fewer). On a TPU device kind (without --topology) they
+go through the capacity einsum at the config's capacity factor (ceil(cf N K / E) slots per
+expert and sequence) in place of the TPU's grouped GEMM and ragged exchange, whose receive
+buffer (mesh.expert x N K rows by default, model.expert_buffer_factor) is not counted: the
+--topology plan has it. XLA's CPU buffer assignment is not the GPU's or the TPU's either: the
+numbers are the CPU compiler's, at the target's dtypes.
 
 `--topology=v5p:8x8x4` (any TPU slice; the tpu extra): the TPU compiler's plan instead, the
 step compiled deviceless for that slice with the TPU's own kernels and buffers
@@ -67,6 +73,7 @@ from deepseek41.batch import batch_keys
 from deepseek41.config import MeshConfig, RunConfig, layer_roles, resolve
 from deepseek41.model.csa2 import INDEXER_TOTALS
 from deepseek41.model.params import RouterBias
+from deepseek41.ops import grouped_gemm
 from deepseek41.ops.per_device import constrain_tokens, gather_tensor_split, residual_spec
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.tools import info
@@ -119,7 +126,13 @@ def cpu_stand_ins(model: ml_collections.ConfigDict, backend: str) -> list[str]:
     if model[key] in ('auto', 'fused', 'threshold'):
       notes.append(f'{key}: {model[key]} -> {plain}')
       model[key] = plain
-  if model.moe_backend in ('auto', 'grouped', 'ragged_dot'):
+  if backend == 'gpu' and model.moe_backend in ('auto', 'ragged_dot'):
+    # The GPU's dropless experts, with their layout and the expert exchange's buffers (the
+    # allgather exchange's S*N tokens and S*N*K rows); the Pallas kernels run interpreted.
+    notes.append(f'moe_backend: {model.moe_backend} -> grouped (kernels as their operands '
+                 'and results)')
+    model.moe_backend = 'grouped'
+  elif backend != 'gpu' and model.moe_backend in ('auto', 'grouped', 'ragged_dot'):
     notes.append(f'moe_backend: {model.moe_backend} -> capacity_einsum (capacity factor '
                  f'{model.capacity_factor})')
     model.moe_backend = 'capacity_einsum'
@@ -529,7 +542,9 @@ def plan(config, mesh_sizes: dict[str, int], *, batch: int | None = None,
   hbm = hbm if hbm_bytes is None else hbm_bytes
   cfg, notes = planned_config(config, mesh_sizes, batch=batch, seq_len=seq_len, backend=backend)
   state = state_bytes(cfg)
-  programs = compile_programs(cfg, devices)
+  with grouped_gemm.shapes_only():  # compiled, never run
+    programs = compile_programs(cfg, devices)
+    full_step = full_step_memory(cfg, devices) if check_full_step else None
   per_device = assemble(state, programs)
   n = math.prod(mesh_sizes.values())
   batch_shards = math.prod(getattr(cfg.mesh, a) for name, axes in cfg.mesh.rules
@@ -544,7 +559,7 @@ def plan(config, mesh_sizes: dict[str, int], *, batch: int | None = None,
       'fits': bool(hbm and per_device['total'] <= hbm),
       'headroom_bytes': hbm - per_device['total'] if hbm else None,
       'compile_seconds': programs['compile_seconds'], 'programs': programs,
-      'full_step': full_step_memory(cfg, devices) if check_full_step else None,
+      'full_step': full_step,
   }
 
 
