@@ -234,6 +234,13 @@ class ModelConfig:
   grouped_wgrad: str = _key('auto', choices=('triton', 'mosaic'), auto=_auto_grouped_wgrad)
   expert_exchange: str = _key('auto', choices=('allgather', 'ragged', 'padded'),
                               auto=_auto_expert_exchange)
+  # The allgather exchange's partial outputs (each expert shard's weighted sum of its experts'
+  # outputs for every gathered token), as they are reduce-scattered back: float32 (the sum over
+  # shards unrounded, as one device's combine) or the compute dtype (bf16: a third fewer bytes
+  # each way, 2 + 2 instead of 2 + 4 per token row and D, and half the partials' memory; each
+  # shard's partial is rounded once and the shards' sum is taken in bf16). The ragged and padded
+  # exchanges return each assignment's row in the compute dtype already.
+  expert_partials: str = _key('float32', choices=('float32', 'compute'))
   # The routed experts of held-out evaluation, dropless: auto keeps a dropless moe_backend and
   # replaces capacity_einsum (grouped on the GPU, ragged_dot on the TPU, reference on the CPU).
   eval_moe_backend: str = _key('auto', auto=_auto_eval_moe_backend,

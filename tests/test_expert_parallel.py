@@ -225,3 +225,31 @@ def test_model_with_dropless_expert_parallelism_matches_one_device():
   np.testing.assert_allclose(l8, l1, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
+
+
+def test_allgather_partials_in_the_compute_dtype():
+  """model.expert_partials=compute: the partial outputs travel back in bf16 (the reduce-scatter's
+  type) and the result stays within bf16 rounding of one device's; float32 keeps f32 partials."""
+  x, idx, wt, valid, wg, wu, wd = _inputs()
+  x, wg, wu, wd = (a.astype(jnp.bfloat16) for a in (x, wg, wu, wd))
+  shards, n = 4, B * T // 4
+
+  def fwd(x, wt, partials):
+    return ep.routed_experts(x, idx, wt, valid, wg, wu, wd, swiglu_limit=LIMIT,
+                             backend='reference', capacity_factor=1.0, exchange='allgather',
+                             partials=partials)[0]
+  want = np.asarray(fwd(x, wt, 'float32').astype(jnp.float32))
+  mesh = _mesh(expert=shards)
+  with jax.set_mesh(mesh):
+    tok = jax.sharding.NamedSharding(mesh, P('expert'))
+    xs, wts = jax.device_put(x, tok), jax.device_put(wt, tok)
+    for partials, dtype in (('float32', 'f32'), ('compute', 'bf16')):
+      step = jax.jit(functools.partial(fwd, partials=partials))
+      hlo = step.lower(xs, wts).as_text()
+      scattered = re.findall(r'(?s)"stablehlo\.reduce_scatter".*?-> tensor<([^>]*)>', hlo)
+      assert scattered == [f'{n}x{D}x{dtype}'], scattered
+      got = np.asarray(step(xs, wts).astype(jnp.float32))
+      # bf16 output either way; the compute-dtype partials add a rounding per shard.
+      np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+  with pytest.raises(ValueError, match='expert partials'):
+    fwd(x, wt, 'float16')

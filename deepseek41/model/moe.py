@@ -110,6 +110,7 @@ class MoE(nnx.Module):
         swiglu_limit=cfg.swiglu_limit, backend=cfg.moe_backend,
         capacity_factor=cfg.capacity_factor, fp8=cfg.fp8,
         buffer_factor=cfg.expert_buffer_factor, exchange=cfg.expert_exchange,
+        partials=cfg.expert_partials,
         grouped_tiles=default_tiles(cfg.grouped_wgrad) if cfg.moe_backend == 'grouped' else None)
     if cfg.n_shared_experts:
       y_btd = y_btd + self.shared_experts(x_btd)

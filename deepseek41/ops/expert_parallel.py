@@ -13,9 +13,10 @@ Over S > 1 expert shards the tokens travel to the shards that hold their experts
     the TPU): every shard's N tokens, with their expert ids and router weights, are gathered on
     every expert shard (all_gather), each shard runs its own experts on the assignments to them
     among those S*N tokens, combines them with the router weights into one partial output per
-    token in float32, and psum_scatter sums the S partials of each token on its own shard. A
-    token crosses to a peer once, whatever its K (the other exchanges send each of its K
-    assignments, padded or ragged), and nothing is dropped: the local buffer is S*N tokens.
+    token (float32, or the compute dtype: model.expert_partials), and psum_scatter sums the S
+    partials of each token on its own shard. A token crosses to a peer once, whatever its K
+    (the other exchanges send each of its K assignments, padded or ragged), and nothing is
+    dropped: the local buffer is S*N tokens.
     The backward is the same two collectives transposed. Per device it sends (S-1) N rows each
     way, against about N K (S-1)/S ragged: the better exchange while S < K.
   * dropless backends, `ragged` and `padded` exchanges: each device sorts its N*K assignments by
@@ -53,16 +54,24 @@ from deepseek41.ops.per_device import axis_size as _size, token_split
 EXPERT_AXIS = 'expert'
 WIDTH_AXIS = 'tensor'
 EXCHANGES = ('auto', 'allgather', 'ragged', 'padded')
+PARTIALS = ('float32', 'compute')
 
 
 def routed_experts(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
                    w_down_efd, *, swiglu_limit, backend: str, capacity_factor: float,
                    fp8: str = 'off', buffer_factor: float = 0.0, exchange: str = 'auto',
-                   grouped_tiles=None):
-  """The routed experts' output [B, T, D] and the count of dropped assignments (int32 [])."""
+                   grouped_tiles=None, partials: str = 'float32'):
+  """The routed experts' output [B, T, D] and the count of dropped assignments (int32 []).
+
+  partials (model.expert_partials): the dtype of the allgather exchange's reduce-scattered
+  partial outputs, 'float32' or 'compute' (x's dtype).
+  """
+  if partials not in PARTIALS:
+    raise ValueError(f'unknown expert partials {partials!r}; expected one of {PARTIALS}')
   mesh = jax.sharding.get_abstract_mesh()
   kw = dict(swiglu_limit=swiglu_limit, backend=backend, capacity_factor=capacity_factor, fp8=fp8,
-            buffer_factor=buffer_factor, exchange=exchange, grouped_tiles=grouped_tiles)
+            buffer_factor=buffer_factor, exchange=exchange, grouped_tiles=grouped_tiles,
+            partials=partials)
   if mesh.empty:
     return _local(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd,
                   experts_axis=None, width_axis=None, **kw)
@@ -99,7 +108,7 @@ def routed_experts(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up
 
 def _local(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd, *,
            experts_axis, width_axis, swiglu_limit, backend, capacity_factor, fp8, buffer_factor,
-           exchange, grouped_tiles):
+           exchange, grouped_tiles, partials):
   """One device's tokens against its experts (all of them when experts_axis is None)."""
   dtype = x_btd.dtype
   w_gate_edf, w_up_edf, w_down_efd = (w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
@@ -118,7 +127,7 @@ def _local(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_
   if exchange == 'allgather':
     return _allgather_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf,
                                w_up_edf, w_down_efd, experts_axis, width_axis, swiglu_limit,
-                               backend, fp8, grouped_tiles)
+                               backend, fp8, grouped_tiles, partials)
   return _dropless_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
                             w_down_efd, experts_axis, width_axis, swiglu_limit, backend, fp8,
                             buffer_factor, exchange, grouped_tiles)
@@ -169,7 +178,8 @@ def _capacity_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, 
 
 
 def _allgather_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
-                        w_down_efd, axis, width_axis, limit, backend, fp8, grouped_tiles):
+                        w_down_efd, axis, width_axis, limit, backend, fp8, grouped_tiles,
+                        partials):
   b, t, d = x_btd.shape
   k = expert_idx_btk.shape[-1]
   n = b * t
@@ -185,7 +195,7 @@ def _allgather_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf,
   partial_md, _ = expert_gemm.expert_ffn(
       x_md, jnp.clip(local_idx_mk, 0, local_e - 1), weight_mk, mine_mk, w_gate_edf, w_up_edf,
       w_down_efd, swiglu_limit=limit, backend=backend, fp8=fp8, grouped_tiles=grouped_tiles,
-      out_dtype=jnp.float32)
+      out_dtype=jnp.float32 if partials == 'float32' else x_btd.dtype)
   y_nd = jax.lax.psum_scatter(partial_md, axis, scatter_dimension=0, tiled=True)
   return _sum_width(y_nd.reshape(b, t, d), width_axis, x_btd.dtype), jnp.zeros((), jnp.int32)
 
