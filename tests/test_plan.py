@@ -124,3 +124,13 @@ def test_activations_split_as_the_trainer_splits_the_residual():
   assert plan._sharded_bytes(x, sp) == b * t * 4 * 32 * 2 // 8
   assert tuple(plan._batch_spec(mesh, rules, x, b, t).spec)[:2] == ('fsdp', 'context')
   assert tuple(plan._batch_spec(mesh, rules, entries, b, t, True).spec)[:2] == ('fsdp', None)
+
+
+def test_gpu_plan_compiles_the_dropless_experts():
+  """On a GPU device kind the routed experts are planned as they run there: the grouped backend
+  behind the allgather exchange, its kernels as opaque calls (never the capacity einsum)."""
+  config = _four_layer_tiny()
+  p = plan.plan(config, MESH, device_kind='h200', devices=jax.devices()[:8])
+  assert p['moe_backend'] == 'grouped'
+  assert any(n.startswith('moe_backend: auto -> grouped') for n in p['stand_ins'])
+  assert p['per_device']['activations'] > 0 and p['fits']
