@@ -323,19 +323,30 @@ def tgmm(x_md, dy_mf, group_tiles_e1, *, block_m: int, out_dtype=None, tiles: Ti
 # ---- differentiable grouped projection ---------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def grouped_matmul(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles: Tiles, interpret: bool):
-  """y_m = x_m @ W_{e(m)} in the padded layout; forward and backward are Pallas kernels.
+def _differentiable(product, weight_grad, doc: str):
+  """A grouped projection (x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret) -> y_mf
+  with its backward: product(a_mk, w_edf, tile_expert_t, transpose_rhs, tiles, interpret) gives
+  y and dx (in a's dtype), weight_grad(x_md, dy_mf, w_edf, tile_expert_t, group_tiles_e1, tiles,
+  interpret) dW."""
+  def matmul(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles: Tiles, interpret: bool):
+    del group_tiles_e1
+    return product(x_md, w_edf, tile_expert_t, False, tiles, interpret)
+  matmul.__doc__ = doc
+  matmul = jax.custom_vjp(matmul, nondiff_argnums=(4, 5))
 
-  Padding rows of x must be zero (then they are zero in y, and the weight gradient ignores them).
-  """
-  del group_tiles_e1
-  return gmm(x_md, w_edf, tile_expert_t, tiles=tiles, interpret=interpret)
+  def fwd(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
+    y = matmul(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret)
+    return y, (x_md, w_edf, tile_expert_t, group_tiles_e1)
 
+  def bwd(tiles, interpret, res, dy_mf):
+    x_md, w_edf, tile_expert_t, group_tiles_e1 = res
+    dy_mf = dy_mf.astype(x_md.dtype)
+    dx_md = product(dy_mf, w_edf, tile_expert_t, True, tiles, interpret)
+    dw_edf = weight_grad(x_md, dy_mf, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret)
+    return dx_md, dw_edf, None, None
 
-def _grouped_matmul_fwd(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
-  y = gmm(x_md, w_edf, tile_expert_t, tiles=tiles, interpret=interpret)
-  return y, (x_md, w_edf, tile_expert_t, group_tiles_e1)
+  matmul.defvjp(fwd, bwd)
+  return matmul
 
 
 def mosaic_wgrad_supported(d: int, f: int, dtype) -> bool:
@@ -368,26 +379,16 @@ def _weight_grad(x_md, dy_mf, w_edf, tile_expert_t, group_tiles_e1, tiles, inter
               interpret=interpret)
 
 
-def _grouped_matmul_bwd(tiles, interpret, res, dy_mf):
-  x_md, w_edf, tile_expert_t, group_tiles_e1 = res
-  dy_mf = dy_mf.astype(x_md.dtype)
-  dx_md = gmm(dy_mf, w_edf, tile_expert_t, transpose_rhs=True, tiles=tiles, interpret=interpret)
-  dw_edf = _weight_grad(x_md, dy_mf, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret)
-  return dx_md, dw_edf, None, None
+def _gmm(a_mk, w_edf, tile_expert_t, transpose_rhs, tiles, interpret):
+  return gmm(a_mk, w_edf, tile_expert_t, transpose_rhs=transpose_rhs, tiles=tiles,
+             interpret=interpret)
 
 
-grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+grouped_matmul = _differentiable(_gmm, _weight_grad, """y_m = x_m @ W_{e(m)} in the padded
+  layout; forward and backward are Pallas kernels.
 
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def grouped_matmul_fp8(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles: Tiles, interpret: bool):
-  """grouped_matmul with the forward and dgrad in e4m3 (row-wise power-of-two scales, float32
-  accumulation); the weight gradient stays in the compute dtype (module docstring).
-
-  x per row over its contraction, W per (expert, output column); padding rows quantize to 0.
-  """
-  del group_tiles_e1
-  return _gmm_fp8(x_md, w_edf, tile_expert_t, False, tiles, interpret).astype(x_md.dtype)
+  Padding rows of x must be zero (then they are zero in y, and the weight gradient ignores them).
+  """)
 
 
 def _gmm_fp8(a_mk, w_edf, tile_expert_t, transpose_rhs, tiles, interpret, out_dtype=None):
@@ -399,21 +400,12 @@ def _gmm_fp8(a_mk, w_edf, tile_expert_t, transpose_rhs, tiles, interpret, out_dt
              tiles=tiles, interpret=interpret, out_dtype=out_dtype or a_mk.dtype)
 
 
-def _grouped_matmul_fp8_fwd(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
-  y = grouped_matmul_fp8(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret)
-  return y, (x_md, w_edf, tile_expert_t, group_tiles_e1)
+grouped_matmul_fp8 = _differentiable(_gmm_fp8, _weight_grad, """grouped_matmul with the
+  forward and dgrad in e4m3 (row-wise power-of-two scales, float32 accumulation); the weight
+  gradient stays in the compute dtype (module docstring).
 
-
-def _grouped_matmul_fp8_bwd(tiles, interpret, res, dy_mf):
-  x_md, w_edf, tile_expert_t, group_tiles_e1 = res
-  dy_mf = dy_mf.astype(x_md.dtype)
-  dx_md = _gmm_fp8(dy_mf, w_edf, tile_expert_t, True, tiles, interpret, out_dtype=x_md.dtype)
-  dw_edf = _weight_grad(x_md, dy_mf, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret)
-  return dx_md, dw_edf, None, None
-
-
-grouped_matmul_fp8.defvjp(_grouped_matmul_fp8_fwd, _grouped_matmul_fp8_bwd)
-
+  x per row over its contraction, W per (expert, output column); padding rows quantize to 0.
+  """)
 
 
 # ---- compile-only stand-in (tools.plan) ----------------------------------------------------------
@@ -460,29 +452,20 @@ def _opaque_gmm(a_mk, w_edf, tile_expert_t, transpose_rhs: bool, fp8: bool):
   n = w_edf.shape[1] if transpose_rhs else w_edf.shape[2]
   operands = (a_mk, w_edf)
   if fp8:
-    operands = (*quantize_rowwise(a_mk, axis=1), *quantize_rowwise(w_edf, 2 if transpose_rhs else 1))
+    operands = (*quantize_rowwise(a_mk, axis=1),
+                *quantize_rowwise(w_edf, axis=2 if transpose_rhs else 1))
   return _opaque((a_mk.shape[0], n), a_mk.dtype, tile_expert_t, *operands)
 
 
 def _opaque_matmul(fp8: bool):
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-  def matmul(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
-    del group_tiles_e1, tiles, interpret
-    return _opaque_gmm(x_md, w_edf, tile_expert_t, False, fp8)
+  def product(a_mk, w_edf, tile_expert_t, transpose_rhs, tiles, interpret):
+    del tiles, interpret
+    return _opaque_gmm(a_mk, w_edf, tile_expert_t, transpose_rhs, fp8)
 
-  def fwd(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
-    y = matmul(x_md, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret)
-    return y, (x_md, w_edf, tile_expert_t, group_tiles_e1)
-
-  def bwd(tiles, interpret, res, dy_mf):
-    x_md, w_edf, tile_expert_t, group_tiles_e1 = res
-    dy_mf = dy_mf.astype(x_md.dtype)
-    dx_md = _opaque_gmm(dy_mf, w_edf, tile_expert_t, True, fp8)
-    dw_edf = _opaque(w_edf.shape, w_edf.dtype, group_tiles_e1, x_md, dy_mf)  # wgrad: compute dtype
-    return dx_md, dw_edf, None, None
-
-  matmul.defvjp(fwd, bwd)
-  return matmul
+  def weight_grad(x_md, dy_mf, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
+    del tile_expert_t, tiles, interpret  # the compute dtype, as tgmm
+    return _opaque(w_edf.shape, w_edf.dtype, group_tiles_e1, x_md, dy_mf)
+  return _differentiable(product, weight_grad, 'The grouped projection\'s buffers only.')
 
 
 _OPAQUE = {False: _opaque_matmul(False), True: _opaque_matmul(True)}
