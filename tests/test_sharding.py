@@ -116,3 +116,30 @@ def test_prng_kernel_only_where_nothing_is_split():
   with state_lib._prng_kernel(True):
     seen.append(jax.config.jax_threefry_gpu_kernel_lowering)
   assert seen == [True] and jax.config.jax_threefry_gpu_kernel_lowering is False
+
+
+def test_replicated_init_draws_the_split_state_exactly():
+  """A split state drawn whole on every device and sliced (init_state's path for a state that
+  fits one GPU, with the threefry kernel there) equals the one drawn split, value for value
+  and sharding for sharding; and the rule asks for it only on a split state that fits."""
+  cfg = resolved(num_devices=8, **MESH8, **FULL)
+  tx = make_optimizer(cfg.train)
+  mesh = make_mesh(cfg.mesh, jax.devices()[:8])
+  split, shardings = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules, replicated=False)
+  sliced, _ = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules, replicated=True)
+  leaves, want = jax.tree.leaves(sliced), jax.tree.leaves(split)
+  assert len(leaves) == len(want)
+  for got, ref in zip(leaves, want):
+    assert got.sharding.is_equivalent_to(ref.sharding, got.ndim), (got.sharding, ref.sharding)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+  assert any(not x.sharding.is_fully_replicated for x in leaves)
+
+  abstract = state_lib.abstract_state(cfg, tx)
+  whole = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+  pays = state_lib.replicated_init_pays
+  assert pays(abstract, shardings, int(whole / state_lib.REPLICATED_INIT_SHARE) + 1)
+  assert not pays(abstract, shardings, int(whole))           # too large for the device
+  assert not pays(abstract, shardings, None)                  # not a GPU
+  one = make_mesh(resolved(num_devices=1, **{'mesh.data': 1}).mesh, jax.devices()[:1])
+  unsplit = state_lib.state_shardings(abstract, one, cfg.mesh.rules)
+  assert not pays(abstract, unsplit, 10**15)                  # nothing split: the kernel in place

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import math
 from typing import Any
 
 import jax
@@ -25,6 +27,8 @@ from deepseek41.config import RunConfig
 from deepseek41.model.params import RouterBias, cast_params, dtype_of
 from deepseek41.model.transformer import Transformer
 from deepseek41.sharding import variable_sharding
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +106,28 @@ def model_def(cfg: RunConfig, tx) -> ModelDef:
   return ModelDef(graphdef=graphdef, tx=tx)
 
 
-def init_state(cfg: RunConfig, tx, mesh: Mesh, rules):
-  """Initialise directly into the target shardings: no full copy ever lives on one device."""
+def init_state(cfg: RunConfig, tx, mesh: Mesh, rules, *, replicated: bool | None = None):
+  """Initialise into the target shardings: no full copy lives on a device unless it fits.
+
+  A split state whose whole fits comfortably in one device's memory (`replicated_init_pays`,
+  or `replicated=True`) is drawn whole on every device with the GPU's threefry kernel, then
+  sliced to its shardings (a local slice, no communication): the same values (threefry is
+  partitionable, and the kernel draws what XLA's lowering draws), for a program that compiles
+  in seconds instead of a minute or more (docs/performance.md section 19).
+  """
   abstract = abstract_state(cfg, tx)
   shardings = state_shardings(abstract, mesh, rules)
-  with jax.set_mesh(mesh), _prng_kernel(prng_kernel_pays(shardings)):
-    state = jax.jit(_init_fn(cfg, tx), out_shardings=shardings)()
+  if replicated is None:
+    replicated = replicated_init_pays(abstract, shardings, _device_bytes())
+  with jax.set_mesh(mesh):
+    if replicated and not prng_kernel_pays(shardings):
+      log.info('initialisation: the split state drawn whole on each device, then sliced')
+      whole = jax.tree.map(lambda s: NamedSharding(mesh, P()), shardings)
+      with _prng_kernel(True):
+        state = jax.jit(_init_fn(cfg, tx), out_shardings=whole)()
+      return jax.jit(lambda s: s, out_shardings=shardings)(state), shardings
+    with _prng_kernel(prng_kernel_pays(shardings)):
+      state = jax.jit(_init_fn(cfg, tx), out_shardings=shardings)()
   return state, shardings
 
 
@@ -122,6 +142,30 @@ def prng_kernel_pays(shardings) -> bool:
   parallelism), where every device draws every tensor anyway.
   """
   return all(s.is_fully_replicated for s in jax.tree.leaves(shardings))
+
+
+# A split state is drawn whole on every device (then sliced) if the whole takes at most this share
+# of a device's memory: the whole and its slices live together for a moment, beside the
+# initialisation's temporaries.
+REPLICATED_INIT_SHARE = 0.4
+
+
+def replicated_init_pays(abstract, shardings, device_bytes: int | None) -> bool:
+  """Whether to draw a split state whole on every device with the threefry kernel (init_state):
+  on the GPU only (device_bytes, its memory, is None elsewhere: the kernel is the GPU's), for a
+  state that is split and whose whole fits REPLICATED_INIT_SHARE of the device."""
+  if not device_bytes or prng_kernel_pays(shardings):
+    return False
+  whole = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract))
+  return whole <= REPLICATED_INIT_SHARE * device_bytes
+
+
+def _device_bytes() -> int | None:
+  """A GPU's memory (bytes_limit of the first local device); None on other platforms."""
+  device = jax.local_devices()[0]
+  if device.platform != 'gpu':
+    return None
+  return (device.memory_stats() or {}).get('bytes_limit')
 
 
 @contextlib.contextmanager
