@@ -80,15 +80,13 @@ def _auto_eval_moe_backend(m: dict[str, Any], backend: str) -> str:
   return _DROPLESS_MOE_BACKENDS.get(backend, 'reference')
 
 
-def default_expert_exchange(backend: str, buffer_factor: float) -> str:
+def default_expert_exchange(backend: str) -> str:
   """model.expert_exchange=auto (the comment at the key says why)."""
-  if backend == 'tpu':
-    return 'ragged'
-  return 'padded' if buffer_factor > 0 else 'allgather'
+  return 'ragged' if backend == 'tpu' else 'allgather'
 
 
 def _auto_expert_exchange(m: dict[str, Any], backend: str) -> str:
-  return default_expert_exchange(backend, m['expert_buffer_factor'])
+  return default_expert_exchange(backend)
 
 
 def _auto_index_impl(m: dict[str, Any], backend: str) -> str:
@@ -219,12 +217,14 @@ class ModelConfig:
   #   ragged: each assignment to its expert's shard by ragged_all_to_all (about N K (S-1)/S rows).
   #   padded: the same through a dense all_to_all of chunks padded to the largest (S x the bytes,
   #     but the collective every backend runs well).
-  # ragged and padded receive into a buffer of expert_buffer_factor x a shard's own assignments,
-  # 0 = mesh.expert x them, which never overflows (rows past a smaller buffer are dropped and
-  # counted in dropped_frac). auto: ragged on the TPU (its expert axis is large); elsewhere
-  # allgather, or padded when expert_buffer_factor bounds the buffer (the CPU has no ragged
-  # collective; on the H200 XLA's ragged_all_to_all took 644 ms where the padded exchange took
-  # 12.8 ms, one device, 32K tokens: docs/performance.md 11.1).
+  # Each expert shard computes at most expert_buffer_factor x N K assignments (N K: a shard's
+  # own tokens' assignments, the average load): the ragged and padded exchanges' receive buffer,
+  # the allgather exchange's expert-sorted rows (of the S N K its gathered tokens could bring).
+  # 0 = mesh.expert x N K, which never overflows; past a smaller bound the shard's assignments
+  # to its highest-numbered experts are dropped and counted in dropped_frac. auto: ragged on the
+  # TPU (its expert axis is large); elsewhere allgather (the CPU has no ragged collective; on
+  # the H200 XLA's ragged_all_to_all took 644 ms where the padded exchange took 12.8 ms, one
+  # device, 32K tokens: docs/performance.md 11.1).
   expert_buffer_factor: float = _key(0.0)
   # The grouped experts' weight-gradient kernel (ops/grouped_gemm.py): our Triton tgmm, or jax's
   # Mosaic GPU transposed ragged dot (Hopper only; elsewhere it falls back to tgmm). On the H200
@@ -761,9 +761,6 @@ def _check_moe(m: ModelConfig):
   _req(m.capacity_factor > 0, 'model.capacity_factor', 'must be > 0')
   _req(m.expert_buffer_factor >= 0, 'model.expert_buffer_factor',
        f'must be >= 0 (0: never overflow), got {m.expert_buffer_factor}')
-  _req(m.expert_buffer_factor == 0 or m.expert_exchange != 'allgather',
-       'model.expert_buffer_factor', 'bounds the ragged and padded exchanges\' receive buffer; '
-       'model.expert_exchange=allgather has none (it never drops): set one of them')
   _req(m.eval_moe_backend != 'capacity_einsum', 'model.eval_moe_backend',
        "'capacity_einsum' drops assignments past capacity and evaluation must not: use auto, "
        'reference, ragged_dot or grouped')

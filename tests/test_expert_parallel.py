@@ -113,11 +113,37 @@ def test_allgather_sends_each_token_once():
   assert [t for op, t in ops if op == 'reduce_scatter'] == [f'{n}x{D}xf32']
 
 
-def test_allgather_refuses_a_buffer_bound():
-  x, idx, wt, valid, wg, wu, wd = _inputs()
-  with jax.set_mesh(_mesh(expert=8)), pytest.raises(ValueError, match='expert_buffer_factor'):
-    ep.routed_experts(x, idx, wt, valid, wg, wu, wd, swiglu_limit=LIMIT, backend='reference',
-                      capacity_factor=1.0, exchange='allgather', buffer_factor=2.0)
+@pytest.mark.parametrize('backend', ['reference', 'grouped'])
+def test_bounded_allgather_drops_exactly_the_overflow(backend):
+  """expert_buffer_factor with the allgather exchange: each expert shard computes the first
+  buffer_factor * N * K of its assignments in (local expert, token) order and drops the rest,
+  counted. Against one device given the same assignments (numpy picks them), forward and every
+  gradient."""
+  x, idx, wt, valid, *w = inputs = _inputs(hot=True)
+  shards, factor = 4, 1.5
+  n_local, e_local = B * T // shards, E // shards
+  bound = int(np.ceil(factor * n_local * K))
+  idx_a = np.asarray(idx).reshape(-1)
+  mine_a = np.broadcast_to(np.asarray(valid).reshape(-1, 1), (B * T, K)).reshape(-1)
+  kept_a = np.zeros_like(mine_a)
+  for s in range(shards):
+    ours = np.flatnonzero(mine_a & (idx_a // e_local == s))
+    order = ours[np.argsort(idx_a[ours], kind='stable')]  # by expert, then token
+    kept_a[order[:bound]] = True
+  dropped_want = int(mine_a.sum() - kept_a.sum())
+  assert dropped_want > 0  # the hot experts overflow their shard's bound
+
+  def one_device(x, wt, *w):
+    from deepseek41.ops.expert_gemm import expert_ffn
+    y, _ = expert_ffn(x.reshape(B * T, D), idx.reshape(B * T, K), wt.reshape(B * T, K),
+                      jnp.asarray(kept_a.reshape(B * T, K)), *w, swiglu_limit=LIMIT,
+                      backend=backend)
+    y = y.reshape(B, T, D)
+    return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))), (y, dropped_want)
+  want = jax.jit(jax.value_and_grad(one_device, argnums=(0, 1, 2, 3, 4), has_aux=True))(
+      x, wt, *w)
+  got = _run(_mesh(expert=shards), backend, inputs, exchange='allgather', buffer_factor=factor)
+  _assert_same(got, want)
 
 
 def test_capacity_drops_are_those_of_one_device():
@@ -135,9 +161,11 @@ def test_skewed_routing_is_dropless_with_the_default_buffer():
   _assert_same(got, want)
 
 
-def test_a_small_buffer_drops_and_counts():
+@pytest.mark.parametrize('exchange', ['allgather', 'padded'])
+def test_a_small_buffer_drops_and_counts(exchange):
   inputs = _inputs(hot=True)
-  (_, (y, dropped)), _ = _run(_mesh(expert=8), 'reference', inputs, buffer_factor=1.0)
+  (_, (y, dropped)), _ = _run(_mesh(expert=8), 'reference', inputs, buffer_factor=1.0,
+                              exchange=exchange)
   (_, (y0, _)), _ = _run(None, 'reference', inputs)
   assert int(dropped) > 0
   # Every assignment either arrived or was counted: the outputs differ exactly where one dropped.

@@ -290,7 +290,7 @@ def _ragged_dot(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, 
 
 
 def _grouped(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_down_efd, limit,
-             tiles, fp8='off', out_dtype=None):
+             tiles, fp8='off', out_dtype=None, max_valid=None):
   """Dropless: rows sorted by expert, each group padded to whole row tiles, Pallas grouped GEMMs.
 
   The layout and kernels are ops/grouped_gemm.py. On the CPU the kernels run in the Pallas
@@ -300,7 +300,7 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_d
   n_experts = w_gate_edf.shape[0]
   interpret = jax.default_backend() == 'cpu'
   tiles = tiles or grouped_gemm.default_tiles()
-  lay = grouped_gemm.make_layout(expert_idx_nk, valid_nk, n_experts, tiles.block_m)
+  lay = grouped_gemm.make_layout(expert_idx_nk, valid_nk, n_experts, tiles.block_m, max_valid)
 
   # Used rows and valid assignments are in bijection, so dispatch and combine are gathers whose
   # transposes are gathers through the other map (no scatter-add in the backward). Group padding
@@ -327,7 +327,7 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_d
 def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_down_efd, *,
                swiglu_limit: float | None, backend: str, capacity_factor: float = 1.25,
                grouped_tiles: grouped_gemm.Tiles | None = None, fp8: str = 'off',
-               out_dtype=None):
+               out_dtype=None, max_valid: int | None = None):
   """Routed experts for one group of N tokens.
 
   Args:
@@ -343,6 +343,9 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_do
     grouped_tiles: grouped only; kernel tiling (None: grouped_gemm's default for the platform).
     fp8: 'off' or 'rowwise' (model.fp8): the expert GEMMs in e4m3 (module docstring).
     out_dtype: the dtype of y_nd (None: x's); float32 keeps the combined sum unrounded.
+    max_valid: grouped only; a static bound the caller guarantees on the valid assignments
+      (None: N*K), which sizes the expert-sorted layout (ops/expert_parallel.py's bounded
+      allgather exchange).
 
   Returns:
     (y_nd in out_dtype, dropped): dropped is the int32 count of (valid token, expert) assignments
@@ -362,7 +365,7 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_do
     return _capacity_einsum(*args, capacity_factor, fp8=fp8, out_dtype=out_dtype)
   if backend == 'ragged_dot':
     return _ragged_dot(*args, fp8=fp8, out_dtype=out_dtype)
-  return _grouped(*args, grouped_tiles, fp8=fp8, out_dtype=out_dtype)
+  return _grouped(*args, grouped_tiles, fp8=fp8, out_dtype=out_dtype, max_valid=max_valid)
 
 
 def expert_ffn_batched(x_bnd, expert_idx_bnk, weight_bnk, valid_bn, w_gate_edf, w_up_edf,

@@ -15,8 +15,10 @@ Over S > 1 expert shards the tokens travel to the shards that hold their experts
     among those S*N tokens, combines them with the router weights into one partial output per
     token (float32, or the compute dtype: model.expert_partials), and psum_scatter sums the S
     partials of each token on its own shard. A token crosses to a peer once, whatever its K
-    (the other exchanges send each of its K assignments, padded or ragged), and nothing is
-    dropped: the local buffer is S*N tokens.
+    (the other exchanges send each of its K assignments, padded or ragged). By default nothing
+    is dropped: a shard may compute all S*N*K assignments of its gathered tokens;
+    `expert_buffer_factor` bounds that to buffer_factor * N*K (its expert-sorted rows, so the
+    grouped backend's layout, shrink with it) and drops the rest, counted.
     The backward is the same two collectives transposed. Per device it sends (S-1) N rows each
     way, against about N K (S-1)/S ragged: the better exchange while S < K.
   * dropless backends, `ragged` and `padded` exchanges: each device sorts its N*K assignments by
@@ -48,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from deepseek41.config import default_expert_exchange
 from deepseek41.ops import expert_gemm
+from deepseek41.ops.grouped_gemm import sort_by_expert
 from deepseek41.ops.per_device import axis_size as _size, token_split
 
 # The mesh axes of the expert layout (sharding.py builds the mesh with these names).
@@ -123,11 +126,11 @@ def _local(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_
     return _capacity_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
                               w_down_efd, experts_axis, width_axis, swiglu_limit,
                               capacity_factor, fp8)
-  exchange = exchange_kind(exchange, buffer_factor)
+  exchange = exchange_kind(exchange)
   if exchange == 'allgather':
     return _allgather_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf,
                                w_up_edf, w_down_efd, experts_axis, width_axis, swiglu_limit,
-                               backend, fp8, grouped_tiles, partials)
+                               backend, fp8, grouped_tiles, partials, buffer_factor)
   return _dropless_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
                             w_down_efd, experts_axis, width_axis, swiglu_limit, backend, fp8,
                             buffer_factor, exchange, grouped_tiles)
@@ -179,11 +182,13 @@ def _capacity_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, 
 
 def _allgather_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
                         w_down_efd, axis, width_axis, limit, backend, fp8, grouped_tiles,
-                        partials):
+                        partials, buffer_factor):
   b, t, d = x_btd.shape
   k = expert_idx_btk.shape[-1]
   n = b * t
   local_e = w_gate_edf.shape[0]
+  shards = jax.lax.axis_size(axis)
+  bound = receive_rows(n * k, shards, buffer_factor)  # assignments this shard may compute
   gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=0, tiled=True)
   # [S*N, ...]: every expert shard's tokens, source shards in order.
   x_md = gather(x_btd.reshape(n, d))
@@ -192,12 +197,21 @@ def _allgather_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf,
   idx_nk = jnp.where(valid_bt.reshape(n, 1), expert_idx_btk.reshape(n, k).astype(jnp.int32), -1)
   local_idx_mk = gather(idx_nk) - jax.lax.axis_index(axis) * local_e
   mine_mk = (local_idx_mk >= 0) & (local_idx_mk < local_e)
+  local_idx_mk = jnp.clip(local_idx_mk, 0, local_e - 1)
+  dropped = jnp.zeros((), jnp.int32)
+  if bound < shards * n * k:
+    # The first `bound` of this shard's assignments in expert order stay: under overload its
+    # highest-numbered experts lose theirs, as in the ragged exchange's buffer.
+    _, rank_a, _ = sort_by_expert(local_idx_mk, mine_mk, local_e)
+    kept_mk = mine_mk & (rank_a.reshape(mine_mk.shape) < bound)
+    dropped = jnp.sum(mine_mk & ~kept_mk).astype(jnp.int32)
+    mine_mk = kept_mk
   partial_md, _ = expert_gemm.expert_ffn(
-      x_md, jnp.clip(local_idx_mk, 0, local_e - 1), weight_mk, mine_mk, w_gate_edf, w_up_edf,
-      w_down_efd, swiglu_limit=limit, backend=backend, fp8=fp8, grouped_tiles=grouped_tiles,
-      out_dtype=jnp.float32 if partials == 'float32' else x_btd.dtype)
+      x_md, local_idx_mk, weight_mk, mine_mk, w_gate_edf, w_up_edf, w_down_efd,
+      swiglu_limit=limit, backend=backend, fp8=fp8, grouped_tiles=grouped_tiles,
+      out_dtype=jnp.float32 if partials == 'float32' else x_btd.dtype, max_valid=bound)
   y_nd = jax.lax.psum_scatter(partial_md, axis, scatter_dimension=0, tiled=True)
-  return _sum_width(y_nd.reshape(b, t, d), width_axis, x_btd.dtype), jnp.zeros((), jnp.int32)
+  return _sum_width(y_nd.reshape(b, t, d), width_axis, x_btd.dtype), dropped
 
 
 # ---- dropless over expert shards (ragged all-to-all) -------------------------------------------
@@ -289,15 +303,12 @@ def exchange_plan(counts_e, shards: int, local_e: int, rows: int, axis, me):
       dropped=jnp.sum(sent_sr[me] - kept_sr[me]).astype(jnp.int32))
 
 
-def exchange_kind(exchange: str, buffer_factor: float = 0.0) -> str:
+def exchange_kind(exchange: str) -> str:
   """The exchange that `exchange` names here (auto: model.expert_exchange says why)."""
   if exchange not in EXCHANGES:
     raise ValueError(f'unknown expert exchange {exchange!r}; expected one of {EXCHANGES}')
   if exchange == 'auto':
-    return default_expert_exchange(jax.default_backend(), buffer_factor)
-  if exchange == 'allgather' and buffer_factor > 0:
-    raise ValueError('the allgather expert exchange has no receive buffer to bound (it never '
-                     'drops): model.expert_buffer_factor applies to the ragged and padded ones')
+    return default_expert_exchange(jax.default_backend())
   return exchange
 
 

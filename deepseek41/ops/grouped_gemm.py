@@ -139,10 +139,15 @@ class GroupLayout(NamedTuple):
   group_tiles_e1: jax.Array
 
 
-def make_layout(expert_idx_nk, valid, n_experts: int, block_m: int) -> GroupLayout:
-  """The padded layout of the valid assignments (integers only: no gradient flows here)."""
+def make_layout(expert_idx_nk, valid, n_experts: int, block_m: int,
+                max_valid: int | None = None) -> GroupLayout:
+  """The padded layout of the valid assignments (integers only: no gradient flows here).
+
+  max_valid: a static bound on the valid assignments that the caller guarantees (default N*K);
+  the layout's rows M_pad are sized by it.
+  """
   n, k = expert_idx_nk.shape
-  m_pad = padded_rows(n * k, n_experts, block_m)
+  m_pad = padded_rows(min(n * k, max_valid or n * k), n_experts, block_m)
   order_a, rank_a, counts_e = sort_by_expert(expert_idx_nk, valid, n_experts)
   start_e = jnp.cumsum(counts_e) - counts_e
   tiles_e = (counts_e + block_m - 1) // block_m
