@@ -7,9 +7,10 @@ runs the collectives there.
 
 With --emulate S (one device) it also times what one device of an S-way expert split computes
 under `allgather`, without the collectives: its E/S experts on the S x N gathered tokens, only
-the assignments to them valid, partial outputs in f32; against one device's E experts on its
-N tokens. The difference is the exchange's local overhead; the collectives' bytes are printed
-for an estimate at a given link speed.
+the assignments to them valid, partial outputs in f32 (and bf16, and with a bounded
+expert_buffer_factor); against one device's E experts on its N tokens. The difference is the
+exchange's local overhead; the collectives' bytes are printed for an estimate at a given link
+speed.
 
     python benchmarks/check_expert_exchange.py [--backend grouped] [--tokens 8192] [--emulate 2]
 """
@@ -40,6 +41,8 @@ def main():
   ap.add_argument('--experts', type=int, default=64)
   ap.add_argument('--k', type=int, default=6)
   ap.add_argument('--emulate', type=int, default=0, help='S: one device of an S-way split')
+  ap.add_argument('--buffer_factors', type=float, nargs='*', default=[1.25],
+                  help='--emulate: also the shard with model.expert_buffer_factor at these')
   ap.add_argument('--reps', type=int, default=10)
   ap.add_argument('--profile', default='', help='a directory: trace 3 calls of each exchange')
   args = ap.parse_args()
@@ -109,13 +112,16 @@ def emulate(args):
                                   backend=args.backend)
     return jnp.sum(y.astype(jnp.float32) ** 2)
 
-  def shard_of_s(partial_dtype):
+  def shard_of_s(partial_dtype, buffer_factor=0.0):
+    bound = ep.receive_rows(n * k, s, buffer_factor)
+
     def loss(x, idx, wt, w):
-      # Shard 0 of S: the gathered S*N tokens, its experts [0, E/S) valid.
-      mine = idx < local_e
-      y, _ = expert_gemm.expert_ffn(x, jnp.where(mine, idx, 0), wt, mine, *w,
-                                    swiglu_limit=10.0, backend=args.backend,
-                                    out_dtype=partial_dtype)
+      # Shard 0 of S: the gathered S*N tokens, its experts [0, E/S) valid (at most `bound`).
+      local = jnp.where(idx < local_e, idx, 0)
+      mine, _ = ep.first_assignments(local, idx < local_e, local_e, bound)
+      y, _ = expert_gemm.expert_ffn(x, local, wt, mine, *w, swiglu_limit=10.0,
+                                    backend=args.backend, out_dtype=partial_dtype,
+                                    max_valid=bound)
       return jnp.sum(y.astype(jnp.float32) ** 2)
     return loss
 
@@ -132,7 +138,9 @@ def emulate(args):
 
   cases = [('one_device', one_device, n, e)] + [
       (f'allgather_shard_of_{s}_{dt}', shard_of_s(dt), s * n, local_e)
-      for dt in ('float32', 'bfloat16')]
+      for dt in ('float32', 'bfloat16')] + [
+      (f'allgather_shard_of_{s}_float32_buffer_{bf}', shard_of_s('float32', bf), s * n, local_e)
+      for bf in args.buffer_factors]
   for name, fn, rows, experts in cases:
     grad = jax.jit(jax.value_and_grad(fn, argnums=(0, 2, 3)))
     ms, compile_s = time_fn(grad, make(rows, experts), args.reps)

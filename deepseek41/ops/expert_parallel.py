@@ -198,14 +198,7 @@ def _allgather_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf,
   local_idx_mk = gather(idx_nk) - jax.lax.axis_index(axis) * local_e
   mine_mk = (local_idx_mk >= 0) & (local_idx_mk < local_e)
   local_idx_mk = jnp.clip(local_idx_mk, 0, local_e - 1)
-  dropped = jnp.zeros((), jnp.int32)
-  if bound < shards * n * k:
-    # The first `bound` of this shard's assignments in expert order stay: under overload its
-    # highest-numbered experts lose theirs, as in the ragged exchange's buffer.
-    _, rank_a, _ = sort_by_expert(local_idx_mk, mine_mk, local_e)
-    kept_mk = mine_mk & (rank_a.reshape(mine_mk.shape) < bound)
-    dropped = jnp.sum(mine_mk & ~kept_mk).astype(jnp.int32)
-    mine_mk = kept_mk
+  mine_mk, dropped = first_assignments(local_idx_mk, mine_mk, local_e, bound)
   partial_md, _ = expert_gemm.expert_ffn(
       x_md, local_idx_mk, weight_mk, mine_mk, w_gate_edf, w_up_edf, w_down_efd,
       swiglu_limit=limit, backend=backend, fp8=fp8, grouped_tiles=grouped_tiles,
@@ -251,6 +244,17 @@ def _dropless_exchange(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, 
   weight_nk = jnp.where(valid_n[:, None], weight_btk.reshape(n, k).astype(jnp.float32), 0.0)
   y_nd = expert_gemm.combine(y_nkd, weight_nk, jnp.float32)
   return _sum_width(y_nd.reshape(b, t, d), width_axis, x_btd.dtype), plan.dropped
+
+
+def first_assignments(local_idx_mk, mine_mk, local_e: int, bound: int):
+  """(kept_mk, dropped): the first `bound` of a shard's assignments (mine_mk) in (local expert,
+  token) order, and the int32 count of the others. Under overload the shard's highest-numbered
+  experts lose theirs, as in the ragged exchange's buffer."""
+  if bound >= mine_mk.size:
+    return mine_mk, jnp.zeros((), jnp.int32)
+  _, rank_a, _ = sort_by_expert(local_idx_mk, mine_mk, local_e)
+  kept_mk = mine_mk & (rank_a.reshape(mine_mk.shape) < bound)
+  return kept_mk, jnp.sum(mine_mk & ~kept_mk).astype(jnp.int32)
 
 
 def receive_rows(assignments: int, shards: int, buffer_factor: float) -> int:
