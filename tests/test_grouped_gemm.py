@@ -184,7 +184,7 @@ def test_shapes_only_stand_in_holds_the_kernels_buffers_and_never_runs(fp8):
   """tools.plan's stand-in: within shapes_only the routed experts compile with the grouped
   layout's buffers but without the interpreter's loops (which copy the kernels' operands); a
   program traced within refuses to run, and a program traced outside runs the kernels."""
-  from deepseek41.ops import expert_gemm
+  from deepseek41.ops import expert_gemm, stand_in
   n, d, f, e, k = 512, 64, 32, 8, 2
   ks = jax.random.split(jax.random.key(0), 6)
   x = jax.random.normal(ks[0], (n, d))
@@ -200,9 +200,9 @@ def test_shapes_only_stand_in_holds_the_kernels_buffers_and_never_runs(fp8):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
   interpreted = grads('grouped').lower(x, wt, *ws).compile()
-  stand_in = grads('grouped')
-  with gg.shapes_only():
-    compiled = stand_in.lower(x, wt, *ws).compile()
+  traced_within = grads('grouped')
+  with stand_in.shapes_only():
+    compiled = traced_within.lower(x, wt, *ws).compile()
   hlo = compiled.as_text()
   # Three projections forward, then dgrad and wgrad of each: nine opaque kernels.
   assert hlo.count('custom_call_target="xla_python_cpu_callback"') + \
@@ -212,7 +212,7 @@ def test_shapes_only_stand_in_holds_the_kernels_buffers_and_never_runs(fp8):
   assert temp >= m_pad * d * 4  # at least the layout's rows and their cotangent
   assert temp < interpreted.memory_analysis().temp_size_in_bytes
   with pytest.raises(Exception, match='compile-only stand-in'):
-    jax.block_until_ready(stand_in(x, wt, *ws))
+    jax.block_until_ready(traced_within(x, wt, *ws))
   got = grads('grouped')(x, wt, *ws)
   want = grads('reference')(x, wt, *ws)
   for g, w in zip(got, want):

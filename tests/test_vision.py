@@ -160,6 +160,34 @@ def test_fused_attention_equals_reference_with_padding():
     assert np.all(np.isfinite(np.asarray(fn(q, k, v, jnp.array([0, 0, 0], jnp.int32)))))
 
 
+def test_plan_stand_in_keeps_a_flash_kernels_buffers():
+  """tools.plan's stand-in for the fused vision attention (stand_in.shapes_only): forward +
+  backward compile without any [P, P] buffer, far under the dense path's temporaries, with the
+  gradients' shapes and dtypes; a program traced within refuses to run."""
+  from deepseek41.model.vision import vit_attention
+  from deepseek41.ops import stand_in
+  s, p, h, d = 2, 512, 2, 16
+  q, k, v = (jax.ShapeDtypeStruct((s, p, h, d), jnp.bfloat16) for _ in range(3))
+  lengths = jax.ShapeDtypeStruct((s,), jnp.int32)
+
+  def grads(impl):
+    def loss(q, k, v, n):
+      return jnp.sum(vit_attention(q, k, v, n, impl).astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  dense = grads('reference').lower(q, k, v, lengths).compile()
+  within = grads('fused')
+  with stand_in.shapes_only():
+    lowered = within.lower(q, k, v, lengths)
+    compiled = lowered.compile()
+  assert [(g.shape, g.dtype) for g in lowered.out_info] == [((s, p, h, d), jnp.bfloat16)] * 3
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  scores = s * h * p * p * 4
+  assert temp < scores <= dense.memory_analysis().temp_size_in_bytes, (temp, scores)
+  with pytest.raises(Exception, match='compile-only stand-in'):
+    ones = jnp.ones((s, p, h, d), jnp.bfloat16)
+    jax.block_until_ready(within(ones, ones, ones, jnp.full((s,), p, jnp.int32)))
+
+
 # ---------------------------------------------------------------------------------------------
 # The encoder
 

@@ -31,8 +31,6 @@ expert slice and a layout built over local expert ids.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 from typing import NamedTuple
@@ -41,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from deepseek41.ops import stand_in
 from deepseek41.ops.fp8_matmul import qdq_rowwise, quantize_rowwise
 from deepseek41.ops.index_scores import MIN_DOT, pad_axis
 
@@ -413,43 +412,16 @@ grouped_matmul_fp8 = _differentiable(_gmm_fp8, _weight_grad, """grouped_matmul w
   """)
 
 
-# ---- compile-only stand-in (tools.plan) ----------------------------------------------------------
-
-_SHAPES_ONLY = contextvars.ContextVar('grouped_kernels_shapes_only', default=False)
-
-
-@contextlib.contextmanager
-def shapes_only():
-  """Within: `projection` gives the grouped projection as opaque calls that hold only the
-  kernels' operands and results, for programs that are compiled and never run.
-
-  tools.plan reads the GPU's buffers of the dropless experts from the CPU compiler this way: a
-  Pallas GPU kernel keeps nothing in device memory beyond its operands and results, whereas the
-  Pallas interpreter's loops copy them (about twice the routed experts' temporaries). A program
-  traced within must not run (jit caches its trace): the stand-ins raise if it does.
-  """
-  token = _SHAPES_ONLY.set(True)
-  try:
-    yield
-  finally:
-    _SHAPES_ONLY.reset(token)
+# ---- compile-only stand-in (tools.plan; ops/stand_in.py) -------------------------------------
 
 
 def projection(fp8: str):
   """The differentiable grouped projection (x_md, w_edf, tile_expert_t, group_tiles_e1, tiles,
-  interpret) -> y_mf for model.fp8: the kernels, or their stand-in within `shapes_only`."""
-  if _SHAPES_ONLY.get():
+  interpret) -> y_mf for model.fp8: the kernels, or their stand-in within
+  `stand_in.shapes_only()`."""
+  if stand_in.active():
     return _OPAQUE[fp8 != 'off']
   return grouped_matmul if fp8 == 'off' else grouped_matmul_fp8
-
-
-def _never_run(*_):
-  raise RuntimeError('a compile-only stand-in of the grouped kernels ran: a program traced '
-                     'within grouped_gemm.shapes_only() was executed; trace it outside to run it')
-
-
-def _opaque(shape, dtype, *operands):
-  return jax.pure_callback(_never_run, jax.ShapeDtypeStruct(shape, dtype), *operands)
 
 
 def _opaque_gmm(a_mk, w_edf, tile_expert_t, transpose_rhs: bool, fp8: bool):
@@ -459,7 +431,7 @@ def _opaque_gmm(a_mk, w_edf, tile_expert_t, transpose_rhs: bool, fp8: bool):
   if fp8:
     operands = (*quantize_rowwise(a_mk, axis=1),
                 *quantize_rowwise(w_edf, axis=2 if transpose_rhs else 1))
-  return _opaque((a_mk.shape[0], n), a_mk.dtype, tile_expert_t, *operands)
+  return stand_in.opaque((a_mk.shape[0], n), a_mk.dtype, tile_expert_t, *operands)
 
 
 def _opaque_matmul(fp8: bool):
@@ -469,7 +441,7 @@ def _opaque_matmul(fp8: bool):
 
   def weight_grad(x_md, dy_mf, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
     del tile_expert_t, tiles, interpret  # the compute dtype, as tgmm
-    return _opaque(w_edf.shape, w_edf.dtype, group_tiles_e1, x_md, dy_mf)
+    return stand_in.opaque(w_edf.shape, w_edf.dtype, group_tiles_e1, x_md, dy_mf)
   return _differentiable(product, weight_grad, 'The grouped projection\'s buffers only.')
 
 

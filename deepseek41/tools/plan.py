@@ -34,17 +34,18 @@ keeps that no single-layer program shows.
 
 The production kernels (Pallas on the GPU, the TPU grouped GEMM) cannot be compiled for the CPU,
 so the compiled programs use the plain-jnp paths of the same math (`cpu_stand_ins`): chunked
-window attention, gathered sparse attention, reference mHC and indexer. The routed experts keep
-their real buffers on a GPU device kind: the dropless `grouped` backend with its expert-sorted
-layout and, under expert parallelism, the allgather exchange's S N gathered tokens and S N K
-layout rows per device; its Pallas kernels compile as opaque calls that hold their operands and
-results, as a GPU kernel does (`grouped_gemm.shapes_only`; the interpreter's loops would copy
-them, about doubling the experts' temporaries), and the row tile is the CPU's 32 where the
-GPU's is 128 (< E x 96 rows fewer). On a TPU device kind (without --topology) they
-go through the capacity einsum at the config's capacity factor (ceil(cf N K / E) slots per
-expert and sequence) in place of the TPU's grouped GEMM and ragged exchange, whose receive
-buffer (mesh.expert x N K rows by default, model.expert_buffer_factor) is not counted: the
---topology plan has it. XLA's CPU buffer assignment is not the GPU's or the TPU's either: the
+window attention, gathered sparse attention, reference mHC and indexer. Two GPU kernels are
+kept, as their buffers (`ops/stand_in.py`: opaque calls that hold exactly a kernel's operands
+and results, as a GPU kernel does): the vision tower's flash attention (XLA's dense attention
+would keep the [P, P] probabilities of every layer) and the routed experts' grouped GEMMs, so a
+GPU device kind plans the dropless `grouped` backend with its expert-sorted layout and, under
+expert parallelism, the allgather exchange's S N gathered tokens and their layout rows (the
+Pallas interpreter would copy the kernels' operands through its loops, about doubling the
+experts' temporaries; its row tile is the CPU's 32 where the GPU's is 128: < E x 96 rows fewer).
+On a TPU device kind (without --topology) the routed experts go through the capacity einsum at
+the config's capacity factor (ceil(cf N K / E) slots per expert and sequence) in place of the
+TPU's grouped GEMM and ragged exchange, whose receive buffer (mesh.expert x N K rows by
+default, model.expert_buffer_factor) is not counted: the --topology plan has it. XLA's CPU buffer assignment is not the GPU's or the TPU's either: the
 numbers are the CPU compiler's, at the target's dtypes.
 
 `--topology=v5p:8x8x4` (any TPU slice; the tpu extra): the TPU compiler's plan instead, the
@@ -73,7 +74,7 @@ from deepseek41.batch import batch_keys
 from deepseek41.config import MeshConfig, RunConfig, layer_roles, resolve
 from deepseek41.model.csa2 import INDEXER_TOTALS
 from deepseek41.model.params import RouterBias
-from deepseek41.ops import grouped_gemm
+from deepseek41.ops import stand_in
 from deepseek41.ops.per_device import constrain_tokens, gather_tensor_split, residual_spec
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.tools import info
@@ -120,11 +121,14 @@ def cpu_stand_ins(model: ml_collections.ConfigDict, backend: str) -> list[str]:
   if backend == 'cpu':
     return []
   notes = []
+  # The GPU's vision attention (cuDNN flash) compiles as its buffers (ops/stand_in.py).
+  vision_attention = 'fused' if backend == 'gpu' else 'reference'
   for key, plain in (('attention_impl', 'chunked'), ('sparse_impl', 'gathered'),
                      ('mhc_impl', 'reference'), ('index_impl', 'reference'),
-                     ('select_impl', 'top_k'), ('vision_attention_impl', 'reference')):
+                     ('select_impl', 'top_k'), ('vision_attention_impl', vision_attention)):
     if model[key] in ('auto', 'fused', 'threshold'):
-      notes.append(f'{key}: {model[key]} -> {plain}')
+      notes.append(f'{key}: {model[key]} -> {plain}' + (
+          ' (its buffers)' if plain == 'fused' else ''))
       model[key] = plain
   if backend == 'gpu' and model.moe_backend in ('auto', 'ragged_dot'):
     # The GPU's dropless experts, with their layout and the expert exchange's buffers (the
@@ -542,7 +546,7 @@ def plan(config, mesh_sizes: dict[str, int], *, batch: int | None = None,
   hbm = hbm if hbm_bytes is None else hbm_bytes
   cfg, notes = planned_config(config, mesh_sizes, batch=batch, seq_len=seq_len, backend=backend)
   state = state_bytes(cfg)
-  with grouped_gemm.shapes_only():  # compiled, never run
+  with stand_in.shapes_only():  # compiled, never run
     programs = compile_programs(cfg, devices)
     full_step = full_step_memory(cfg, devices) if check_full_step else None
   per_device = assemble(state, programs)
