@@ -40,6 +40,8 @@ def main():
   ap.add_argument('--f', type=int, default=384)
   ap.add_argument('--experts', type=int, default=64)
   ap.add_argument('--k', type=int, default=6)
+  ap.add_argument('--exchanges', nargs='*', default=['allgather', 'ragged', 'padded'],
+                  choices=['allgather', 'ragged', 'padded'])
   ap.add_argument('--emulate', type=int, default=0, help='S: one device of an S-way split')
   ap.add_argument('--buffer_factors', type=float, nargs='*', default=[1.25],
                   help='--emulate: also the shard with model.expert_buffer_factor at these')
@@ -61,11 +63,11 @@ def main():
   want = jax.jit(lambda *a: expert_gemm.expert_ffn_batched(
       *a, swiglu_limit=10.0, backend=args.backend)[0])(x, idx, wt, valid, *w)
 
-  for exchange in ('allgather', 'ragged', 'padded'):
+  for exchange in args.exchanges:
     def local(x, idx, wt, valid, wg, wu, wd):
       if exchange == 'allgather':
         y, dropped = ep._allgather_exchange(x, idx, wt, valid, wg, wu, wd, 'expert', None,
-                                            10.0, args.backend, 'off', None)
+                                            10.0, args.backend, 'off', None, 'float32', 0.0)
       else:
         y, dropped = ep._dropless_exchange(x, idx, wt, valid, wg, wu, wd, 'expert', None,
                                            10.0, args.backend, 'off', 0.0, exchange)
