@@ -281,3 +281,27 @@ def test_allgather_partials_in_the_compute_dtype():
       np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
   with pytest.raises(ValueError, match='expert partials'):
     fwd(x, wt, 'float16')
+
+
+def test_exchange_benchmark_runs_every_case():
+  """benchmarks/check_expert_exchange.py (the GPU call's microbenchmark) at CPU shapes: every
+  exchange runs and matches the experts without one, and every emulated case is timed."""
+  import json
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': '', 'PYTHONPATH': root}
+  out = subprocess.run(
+      [sys.executable, os.path.join(root, 'benchmarks', 'check_expert_exchange.py'),
+       '--backend', 'reference', '--tokens', '64', '--d', '16', '--f', '8', '--experts', '4',
+       '--k', '2', '--reps', '1', '--exchanges', 'allgather', 'padded', '--emulate', '2'],
+      capture_output=True, text=True, env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{')]
+  exchanges = [r for r in rows if 'exchange' in r]
+  assert [r['exchange'] for r in exchanges] == ['allgather', 'padded']
+  assert all(r['ok'] and r['max_err'] <= 1e-2 * r['scale'] for r in exchanges), exchanges
+  cases = {r['case'] for r in rows if 'case' in r}
+  assert {'one_device', 'allgather_shard_of_2_float32', 'allgather_shard_of_2_bfloat16',
+          'allgather_shard_of_2_float32_buffer_1.25'} <= cases, cases
