@@ -12,7 +12,8 @@
 #                                            # 1 GPU and data=2; a profile of expert=2
 #   bash benchmarks/gpu_scaleout.sh expert   # window-only 4K x 16: 1 GPU against expert=2 with the
 #                                            # allgather exchange (the default), with its partials
-#                                            # in bf16, and with the padded exchange
+#                                            # in bf16, bounded at 1.25 N K, and padded (last: the
+#                                            # deadline may cut it)
 #   bash benchmarks/gpu_scaleout.sh tensor   # window-only 4K x 16: 1 GPU against tensor=2 with
 #                                            # sequence parallelism on (the default) and off
 # WARMUP (default 40) sets train.warmup_steps; STEPS (default 40) the run length; a run still going
@@ -106,6 +107,8 @@ case "$mode" in
     run w_expert2 2 $WINDOW --config.mesh.data=1 --config.mesh.expert=2; drop_checkpoints w_expert2
     run w_expert2_bf16 2 $WINDOW --config.mesh.data=1 --config.mesh.expert=2 \
       --config.model.expert_partials=compute; drop_checkpoints w_expert2_bf16
+    run w_expert2_bound 2 $WINDOW --config.mesh.data=1 --config.mesh.expert=2 \
+      --config.model.expert_buffer_factor=1.25; drop_checkpoints w_expert2_bound
     run w_expert2_padded 2 $WINDOW --config.mesh.data=1 --config.mesh.expert=2 \
       --config.model.expert_exchange=padded; drop_checkpoints w_expert2_padded ;;
   tensor)

@@ -20,6 +20,7 @@ RUNS = {
     'w_data2': (2, 'w_gpu1', 'w_gpu1'),
     'w_expert2': (2, 'w_gpu1', 'w_gpu1'),
     'w_expert2_bf16': (2, 'w_gpu1', 'w_gpu1'),
+    'w_expert2_bound': (2, 'w_gpu1', 'w_gpu1'),
     'w_expert2_padded': (2, 'w_gpu1', 'w_gpu1'),
     'w_fsdp2': (2, 'w_gpu1', 'w_gpu1'),
     'w_tensor2': (2, 'w_gpu1', 'w_gpu1'),
