@@ -85,10 +85,6 @@ def default_expert_exchange(backend: str) -> str:
   return 'ragged' if backend == 'tpu' else 'allgather'
 
 
-def _auto_expert_exchange(m: dict[str, Any], backend: str) -> str:
-  return default_expert_exchange(backend)
-
-
 def _auto_index_impl(m: dict[str, Any], backend: str) -> str:
   if backend == 'tpu' and mosaic_index_supported(m['index_head_dim']):
     return 'mosaic'
@@ -233,7 +229,7 @@ class ModelConfig:
   # longer (docs/performance.md 11.1). auto: mosaic on the GPU from d_model 4096 up.
   grouped_wgrad: str = _key('auto', choices=('triton', 'mosaic'), auto=_auto_grouped_wgrad)
   expert_exchange: str = _key('auto', choices=('allgather', 'ragged', 'padded'),
-                              auto=_auto_expert_exchange)
+                              auto=lambda m, backend: default_expert_exchange(backend))
   # The allgather exchange's partial outputs (each expert shard's weighted sum of its experts'
   # outputs for every gathered token), as they are reduce-scattered back: float32 (the sum over
   # shards unrounded, as one device's combine) or the compute dtype (bf16: a third fewer bytes

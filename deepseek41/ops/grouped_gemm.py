@@ -440,7 +440,7 @@ def _opaque_matmul(fp8: bool):
     return _opaque_gmm(a_mk, w_edf, tile_expert_t, transpose_rhs, fp8)
 
   def weight_grad(x_md, dy_mf, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
-    del tile_expert_t, tiles, interpret  # the compute dtype, as tgmm
+    del tile_expert_t, tiles, interpret  # dW in the compute dtype whatever fp8, as tgmm
     return stand_in.opaque(w_edf.shape, w_edf.dtype, group_tiles_e1, x_md, dy_mf)
   return _differentiable(product, weight_grad, 'The grouped projection\'s buffers only.')
 

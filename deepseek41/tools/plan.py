@@ -45,8 +45,9 @@ experts' temporaries; its row tile is the CPU's 32 where the GPU's is 128: < E x
 On a TPU device kind (without --topology) the routed experts go through the capacity einsum at
 the config's capacity factor (ceil(cf N K / E) slots per expert and sequence) in place of the
 TPU's grouped GEMM and ragged exchange, whose receive buffer (mesh.expert x N K rows by
-default, model.expert_buffer_factor) is not counted: the --topology plan has it. XLA's CPU buffer assignment is not the GPU's or the TPU's either: the
-numbers are the CPU compiler's, at the target's dtypes.
+default, model.expert_buffer_factor) is not counted: the --topology plan has it. XLA's CPU
+buffer assignment is not the GPU's or the TPU's either: the numbers are the CPU compiler's, at
+the target's dtypes.
 
 `--topology=v5p:8x8x4` (any TPU slice; the tpu extra): the TPU compiler's plan instead, the
 step compiled deviceless for that slice with the TPU's own kernels and buffers
@@ -132,7 +133,7 @@ def cpu_stand_ins(model: ml_collections.ConfigDict, backend: str) -> list[str]:
       model[key] = plain
   if backend == 'gpu' and model.moe_backend in ('auto', 'ragged_dot'):
     # The GPU's dropless experts, with their layout and the expert exchange's buffers (the
-    # allgather exchange's S*N tokens and S*N*K rows); the Pallas kernels run interpreted.
+    # allgather exchange's S*N tokens and S*N*K rows); the kernels compile as their buffers.
     notes.append(f'moe_backend: {model.moe_backend} -> grouped (kernels as their operands '
                  'and results)')
     model.moe_backend = 'grouped'

@@ -117,16 +117,17 @@ def init_state(cfg: RunConfig, tx, mesh: Mesh, rules, *, replicated: bool | None
   """
   abstract = abstract_state(cfg, tx)
   shardings = state_shardings(abstract, mesh, rules)
+  unsplit = prng_kernel_pays(shardings)
   if replicated is None:
     replicated = replicated_init_pays(abstract, shardings, _device_bytes())
   with jax.set_mesh(mesh):
-    if replicated and not prng_kernel_pays(shardings):
+    if replicated and not unsplit:
       log.info('initialisation: the split state drawn whole on each device, then sliced')
       whole = jax.tree.map(lambda s: NamedSharding(mesh, P()), shardings)
       with _prng_kernel(True):
         state = jax.jit(_init_fn(cfg, tx), out_shardings=whole)()
       return jax.jit(lambda s: s, out_shardings=shardings)(state), shardings
-    with _prng_kernel(prng_kernel_pays(shardings)):
+    with _prng_kernel(unsplit):
       state = jax.jit(_init_fn(cfg, tx), out_shardings=shardings)()
   return state, shardings
 
