@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_kernels.sh layers       # one CSA2 layer vs cuDNN dense (bench_csa2.py)
 # Runs (model overrides): xla = the jnp paths (gathered, chunked, top_k); sparse = fused sparse
 # kernel only; fused = every kernel (sparse, window, threshold select); prof = fused + profile;
-# grouped = the defaults with the dropless grouped-GEMM experts; mhc = the fused mHC kernels.
+# grouped = the defaults with the dropless grouped-GEMM experts; mhc = the fused mHC kernels;
+# selref = the defaults with the indexer's selected-entry scores on the jnp path (the kernel's A/B).
 set -uo pipefail
 mode=${1:-micro}; shift || true
 source benchmarks/device_env.sh
@@ -16,6 +17,7 @@ SPARSE="--config.model.sparse_impl=fused --config.model.attention_impl=chunked -
 FUSED="--config.model.sparse_impl=fused --config.model.attention_impl=${ATT:-fused} --config.model.select_impl=${SEL:-threshold}"
 flags() { case "$1" in auto) echo "";; xla) echo $XLA;; sparse) echo $SPARSE;; fused|prof) echo $FUSED;;
   grouped) echo "--config.model.moe_backend=grouped";; mhc) echo "--config.model.mhc_impl=fused";;
+  selref) echo "--config.model.selected_scores_impl=reference";;
   *) echo "unknown run $1" >&2; exit 2;; esac; }
 train() {  # shape name run
   local shape=$1 run=$2 wd=/tmp/k_$1_$2_$$ extra=""
@@ -45,6 +47,10 @@ case "$mode" in
       case $r in 4kprof) XLA_FLAGS=--xla_gpu_enable_command_buffer= train 4k prof;;
         64k) train 64k fused;; 64kauto) train 64k auto;; *) train 4k $r;; esac
     done ;;
+  selected)  # the selected-entry indexer scores alone (tile sweep), then the 4K runs given
+    python3 benchmarks/bench_selected_scores.py --block_k 32,64,128 --num_warps 4,8 \
+      --out "$OUT/selected.jsonl" 2>&1 | grep '^{' | cut -c1-300
+    for r in "$@"; do train 4k $r; done ;;
   micro)
     python3 benchmarks/bench_sparse_kernel.py --out "$OUT/sparse.jsonl" --block_k 64 --num_warps 4,8 \
       2>&1 | grep '^{' | cut -c1-230 ;;

@@ -88,6 +88,10 @@ def default_expert_exchange(backend: str) -> str:
 def _auto_index_impl(m: dict[str, Any], backend: str) -> str:
   if backend == 'tpu' and mosaic_index_supported(m['index_head_dim']):
     return 'mosaic'
+  return _auto_selected_scores_impl(m, backend)
+
+
+def _auto_selected_scores_impl(m: dict[str, Any], backend: str) -> str:
   fused_ok = index_scores_supported(m['index_n_heads'], m['index_head_dim'])
   return 'fused' if backend == 'gpu' and fused_ok else 'reference'
 
@@ -256,6 +260,10 @@ class ModelConfig:
   # fused: the GPU kernel (ops/index_scores.py), for the shapes index_scores_supported() takes;
   # auto picks it wherever it can run.
   index_impl: str = _key('auto', choices=('reference', 'fused', 'mosaic'), auto=_auto_index_impl)
+  # The selected entries' indexer scores, which train the indexer (ops/selected_scores.py):
+  # fused is the GPU kernel, for the same shapes as index_impl's.
+  selected_scores_impl: str = _key('auto', choices=('reference', 'fused'),
+                                   auto=_auto_selected_scores_impl)
   # Fake quantization (section 3.16), each 'none' or a deepseek41.quant format name; the
   # released formats are fp4_e4m3_16 / fp4_ue8m0_32 / fp8_ue8m0_32 (configs/v41_flash.py).
   kv_quant: str = _key('none', choices=QUANT_FORMATS)  # compressed main KV, after RoPE
@@ -797,9 +805,10 @@ def index_scores_supported(heads: int, dim: int) -> bool:
 def _check_index_impl(m: ModelConfig, backend: str):
   """A requested 'fused' indexer must be able to run here ('auto' only picks it where it can)."""
   fused_ok = index_scores_supported(m.index_n_heads, m.index_head_dim)
-  _req(m.index_impl != 'fused' or (fused_ok and backend == 'gpu'), 'model.index_impl',
-       f"'fused' is a GPU kernel for power-of-two index_n_heads and index_head_dim >= 16 "
-       f'(got {m.index_n_heads} x {m.index_head_dim} on {backend})')
+  for key in ('index_impl', 'selected_scores_impl'):
+    _req(getattr(m, key) != 'fused' or (fused_ok and backend == 'gpu'), f'model.{key}',
+         f"'fused' is a GPU kernel for power-of-two index_n_heads and index_head_dim >= 16 "
+         f'(got {m.index_n_heads} x {m.index_head_dim} on {backend})')
   _req(m.index_impl != 'mosaic' or (backend == 'tpu' and mosaic_index_supported(m.index_head_dim)),
        'model.index_impl', f"'mosaic' is a TPU kernel for index_head_dim a multiple of 128 "
        f'(got {m.index_head_dim} on {backend})')

@@ -206,6 +206,7 @@ def test_no_auto_choice_survives_resolution(backend):
   model = resolve(base_config(), num_devices=1, backend=backend).model
   assert 'auto' not in dataclasses.asdict(model).values()
   assert model.index_impl == ('fused' if backend == 'gpu' else 'reference')
+  assert model.selected_scores_impl == model.index_impl  # base_config's 16 x 32 indexer
   assert model.vision_attention_impl == ('reference' if backend == 'cpu' else 'fused')
   gpu = backend == 'gpu'
   assert model.attention_impl == 'chunked'  # base_config's 4 heads: the window kernel needs 16

@@ -38,6 +38,8 @@ def test_fused_scores_are_a_gpu_choice():
     resolved(**{'model.csa2': True, 'model.index_impl': 'fused'})       # CPU
   with pytest.raises(ConfigError, match='model.index_impl'):
     resolved(**{'model.index_impl': 'triton'})
+  with pytest.raises(ConfigError, match='model.selected_scores_impl'):
+    resolved(**{'model.csa2': True, 'model.selected_scores_impl': 'fused'})  # CPU
   assert resolved(**{'model.csa2': True}).model.index_impl == 'reference'  # auto on the CPU
 
 

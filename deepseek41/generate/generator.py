@@ -34,7 +34,8 @@ from deepseek41.model.ced import tail_reach
 # Execution choices re-resolved for the devices that generate (the checkpoint's were resolved
 # for the ones that trained).
 _EXECUTION_KEYS = ('moe_backend', 'eval_moe_backend', 'grouped_wgrad', 'index_impl',
-                   'attention_impl', 'sparse_impl', 'mhc_impl', 'vision_attention_impl')
+                   'selected_scores_impl', 'attention_impl', 'sparse_impl', 'mhc_impl',
+                   'vision_attention_impl')
 
 
 # The train state's entries that hold the model (no optimizer state, step or rng).

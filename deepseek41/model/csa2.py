@@ -36,7 +36,8 @@ from deepseek41.model.compressor import Compressor, document_first_entry_bt, vis
 from deepseek41.model.indexer import IndexKeys, IndexQuery
 from deepseek41.ops.chunking import map_query_chunks
 from deepseek41.ops.index_scores import SCORERS, index_scores_reference
-from deepseek41.ops.sparse_attention import compressed_partial, gather_rows
+from deepseek41.ops.selected_scores import selected_scores
+from deepseek41.ops.sparse_attention import compressed_partial
 from deepseek41.quant import get_fake_quant
 
 
@@ -107,24 +108,6 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
   return out['idx'], out['valid'], blocks
 
 
-def selected_scores(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, chunk: int):
-  """Indexer scores of the selected entries only: [B, T, K] fp32, `chunk` queries at a time.
-
-  Invalid slots score entry 0 and pass it no gradient (`gather_rows`).
-  """
-  def per_chunk(c, offset):  # q: chunk of queries, e: index head dim
-    del offset
-    k_bqke = gather_rows(k_bnc, c['idx'], c['valid'])
-    logits_bqhk = jnp.einsum('bqhe,bqke->bqhk', c['q'], k_bqke,
-                             preferred_element_type=jnp.float32)
-    h, dim = c['q'].shape[-2:]
-    return jnp.einsum('bqh,bqhk->bqk', c['w'], jax.nn.relu(logits_bqhk)) * (h * dim) ** -0.5
-  # Recomputed in the backward pass: saving each chunk's gathered keys would cost
-  # [T, K, d_I] per index source, the very size chunking avoids.
-  xs = {'q': q_bthc, 'w': w_bth, 'idx': idx_btk, 'valid': valid_btk}
-  return map_query_chunks(jax.checkpoint(per_chunk), xs, chunk)
-
-
 class CSA2(nnx.Module):
   """The compressed sparse branch of one layer; `None` modules where the role needs none."""
 
@@ -185,7 +168,9 @@ class CSA2(nnx.Module):
         with_mass=distill, load_rows=comp.load_rows)
     if distill:
       mass_btk, = mass
-      student_btk = selected_scores(q_idx, w_bth, k_bnc, sel_idx, sel_valid, cfg.sparse_chunk)
+      student_btk = selected_scores(q_idx, w_bth, k_bnc, sel_idx, sel_valid,
+                                    impl=cfg.selected_scores_impl,
+                                    chunk=cfg.sparse_chunk)
       kl_sum, counted, recall_sum = idx_lib.indexer_distillation(student_btk, mass_btk, sel_valid)
       totals = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))
       shared[INDEXER_TOTALS] = totals + jnp.stack([kl_sum, counted, recall_sum])

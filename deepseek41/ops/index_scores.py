@@ -12,7 +12,7 @@ matmul per head, relu and the weighted sum in registers) and skips key tiles pas
 limit of its query rows (written as 0).
 
 The kernel has no gradient: selection stops gradients, and the indexer's training signal uses
-the scores of the selected entries only (`csa2.selected_scores`).
+the scores of the selected entries only (ops/selected_scores.py).
 """
 
 from __future__ import annotations

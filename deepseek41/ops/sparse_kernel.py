@@ -172,7 +172,7 @@ def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_r
   dq_ref[...] = (dq_hd * scale).astype(dq_ref.dtype)
 
 
-def _prepare(kv_bnd, idx_btk, valid_btk, block_k):
+def prepare_rows(kv_bnd, idx_btk, valid_btk, block_k):
   """Pad kv with a zero dummy row n (invalid slots point there) and K to whole blocks.
 
   Returns (kv_bmd, idx_btk int32 with invalid -> n, nblk_bt1 blocks up to the last valid slot, bk).
@@ -190,7 +190,7 @@ def _prepare(kv_bnd, idx_btk, valid_btk, block_k):
   return kv_bmd, idx_btk, nblk_bt1, bk
 
 
-def _specs(h, d, rows, k_pad):
+def per_query_specs(h, d, rows, k_pad):
   """BlockSpecs of a grid (query, batch[, head group]); `h` is the heads of one program."""
   def per_query(shape, by_head=False):
     def index(i, j, g=0):
@@ -215,9 +215,9 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_
   b, t, h, d = q_bthd.shape
   k = idx_btk.shape[-1]
   n = kv_bnd.shape[1]
-  kv_bmd, idx_btk, nblk_bt1, bk = _prepare(kv_bnd, idx_btk, valid_btk, block_k)
+  kv_bmd, idx_btk, nblk_bt1, bk = prepare_rows(kv_bnd, idx_btk, valid_btk, block_k)
   rows, k_pad = kv_bmd.shape[1], idx_btk.shape[-1]
-  spec = _specs(h, d, rows, k_pad)
+  spec = per_query_specs(h, d, rows, k_pad)
   out_shape = [jax.ShapeDtypeStruct((b, t, h, d), kv_bnd.dtype),
                jax.ShapeDtypeStruct((b, t, h), jnp.float32)]
   out_specs = [spec['q'], spec['h']]
@@ -243,9 +243,9 @@ def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse
   b, t, h, d = q_bthd.shape
   n = kv_bnd.shape[1]
   hg = min(head_group, h)
-  kv_bmd, idx_btk, nblk_bt1, bk = _prepare(kv_bnd, idx_btk, valid_btk, block_k)
+  kv_bmd, idx_btk, nblk_bt1, bk = prepare_rows(kv_bnd, idx_btk, valid_btk, block_k)
   rows, k_pad = kv_bmd.shape[1], idx_btk.shape[-1]
-  spec = _specs(hg, d, rows, k_pad)
+  spec = per_query_specs(hg, d, rows, k_pad)
   dkv_spec = spec['kv']
   dq_bthd, dkv_bmd = pl.pallas_call(
       functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale, interpret=interpret),
