@@ -126,7 +126,8 @@ def cpu_stand_ins(model: ml_collections.ConfigDict, backend: str) -> list[str]:
   vision_attention = 'fused' if backend == 'gpu' else 'reference'
   for key, plain in (('attention_impl', 'chunked'), ('sparse_impl', 'gathered'),
                      ('mhc_impl', 'reference'), ('index_impl', 'reference'),
-                     ('selected_scores_impl', 'reference'), ('select_impl', 'top_k'), ('vision_attention_impl', vision_attention)):
+                     ('selected_scores_impl', 'reference'), ('select_impl', 'top_k'),
+                     ('vision_attention_impl', vision_attention)):
     if model[key] in ('auto', 'fused', 'threshold'):
       notes.append(f'{key}: {model[key]} -> {plain}' + (
           ' (its buffers)' if plain == 'fused' else ''))

@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 EXECUTION_ONLY_MODEL_KEYS = frozenset({'moe_backend', 'attention_impl', 'compute_dtype',
                                        'capacity_factor', 'sparse_impl', 'sparse_chunk',
                                        'index_impl', 'selected_scores_impl',
-                                       'vision_attention_impl', 'select_impl', 'eval_moe_backend', 'mhc_impl', 'fp8',
+                                       'vision_attention_impl', 'select_impl',
+                                       'eval_moe_backend', 'mhc_impl', 'fp8',
                                        'expert_buffer_factor', 'expert_exchange',
                                        'grouped_wgrad'})
 
