@@ -135,3 +135,24 @@ def test_model_with_the_fused_indexer_equals_reference():
   flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(g_k)}
   indexer = {p: v for p, v in flat.items() if 'index_keys' in p or 'index_query' in p}
   assert len(indexer) >= 4 and all(float(jnp.abs(v).max()) > 0 for v in indexer.values())
+
+
+def test_benchmark_runs_at_cpu_shapes():
+  """benchmarks/bench_selected_scores.py (the GPU call's microbenchmark), the kernel interpreted:
+  its check passes and every path is timed."""
+  import json
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': '', 'PYTHONPATH': root}
+  out = subprocess.run(
+      [sys.executable, os.path.join(root, 'benchmarks', 'bench_selected_scores.py'),
+       '--interpret', '--batch', '1', '--seq_len', '64', '--topk', '16', '--chunk', '32',
+       '--reps', '1', '--ratios', '2', '--block_k', '16'],
+      capture_output=True, text=True, env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{')]
+  assert [r['ok'] for r in rows if 'check' in r] == [True]
+  timed = {(r['impl'], r['mode']) for r in rows if 'ms' in r}
+  assert timed == {(i, m) for i in ('reference', 'fused') for m in ('fwd', 'fwd_bwd')}, rows

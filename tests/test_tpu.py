@@ -62,7 +62,8 @@ def test_full_train_step_compiles_for_a_v5p_slice(tiny_plan):
   # ragged all-to-all, the XLA paths of the attention ops (config.py's auto for 'tpu').
   assert p['compute_dtype'] == 'bfloat16'
   assert p['impls'] == {'attention_impl': 'chunked', 'sparse_impl': 'gathered',
-                        'index_impl': 'reference', 'select_impl': 'top_k',
+                        'index_impl': 'reference', 'selected_scores_impl': 'reference',
+                        'select_impl': 'top_k',
                         'mhc_impl': 'reference', 'moe_backend': 'ragged_dot',
                         'expert_exchange': 'ragged'}
   s, c = p['state'], p['compiled']
