@@ -7,7 +7,8 @@
 # Runs (model overrides): xla = the jnp paths (gathered, chunked, top_k); sparse = fused sparse
 # kernel only; fused = every kernel (sparse, window, threshold select); prof = fused + profile;
 # grouped = the defaults with the dropless grouped-GEMM experts; mhc = the fused mHC kernels;
-# selref = the defaults with the indexer's selected-entry scores on the jnp path (the kernel's A/B).
+# selref = the defaults with the indexer's selected-entry scores on the jnp path (the kernel's A/B);
+# nosave = the defaults with block remat saving nothing (benchmarks/remat_nothing_saved.py).
 set -uo pipefail
 mode=${1:-micro}; shift || true
 source benchmarks/device_env.sh
@@ -17,7 +18,7 @@ SPARSE="--config.model.sparse_impl=fused --config.model.attention_impl=chunked -
 FUSED="--config.model.sparse_impl=fused --config.model.attention_impl=${ATT:-fused} --config.model.select_impl=${SEL:-threshold}"
 flags() { case "$1" in auto) echo "";; xla) echo $XLA;; sparse) echo $SPARSE;; fused|prof) echo $FUSED;;
   grouped) echo "--config.model.moe_backend=grouped";; mhc) echo "--config.model.mhc_impl=fused";;
-  selref) echo "--config.model.selected_scores_impl=reference";;
+  selref) echo "--config.model.selected_scores_impl=reference";; nosave) echo "";;
   *) echo "unknown run $1" >&2; exit 2;; esac; }
 train() {  # shape name run
   local shape=$1 run=$2 wd=/tmp/k_$1_$2_$$ extra=""
@@ -27,7 +28,8 @@ train() {  # shape name run
   else
     shape_flags="--config.train.steps=${STEPS:-16} --config.log.every_steps=4"
   fi
-  XLA_FLAGS=${XLA_FLAGS:-} python3 -m deepseek41.train --config=configs/ablation_1b.py --workdir=$wd \
+  local main="-m deepseek41.train"; [ "$run" = nosave ] && main=benchmarks/remat_nothing_saved.py
+  XLA_FLAGS=${XLA_FLAGS:-} python3 $main --config=configs/ablation_1b.py --workdir=$wd \
     $SYN $shape_flags $(flags $run) $extra > "$OUT/train${shape}_$run.log" 2>&1
   echo "train${shape} $run exit $?"
   cp $wd/metrics.jsonl "$OUT/train${shape}_$run.jsonl" 2>/dev/null

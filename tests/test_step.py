@@ -44,3 +44,48 @@ def test_same_update(baseline, overrides):
   # The router biases follow the summed loads exactly.
   for a, b in zip(jax.tree.leaves(state['router_bias']), jax.tree.leaves(base_state['router_bias'])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_block_remat_with_csa2_same_update_without_reselecting():
+  """With CSA2 on, block remat gives the same update (the indexer's distillation included) and
+  saves each index source's selection: its backward reruns no selection top-k, only the MoE
+  routing's (the recomputed layers' own top-k)."""
+  grads_none, _, metrics_none = _one_step(**{'model.csa2': True})
+  grads, _, metrics = _one_step(**{'model.csa2': True, 'train.remat': 'block'})
+  np.testing.assert_allclose(metrics['loss'], metrics_none['loss'], rtol=1e-6)
+  assert float(metrics['indexer_loss']) > 0
+  np.testing.assert_allclose(metrics['indexer_loss'], metrics_none['indexer_loss'], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_none)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
+
+  import jax.numpy as jnp
+  from flax import nnx
+  from deepseek41.model.transformer import Transformer
+
+  def top_ks(jaxpr):  # (MoE routing, others) top_k eqns, every sub-jaxpr walked
+    moe = other = 0
+    for e in jaxpr.eqns:
+      if e.primitive.name == 'top_k':
+        moe, other = (moe + 1, other) if 'moe' in str(e.source_info.name_stack) else \
+            (moe, other + 1)
+      for v in e.params.values():
+        for sub in v if isinstance(v, (list, tuple)) else [v]:
+          sub = getattr(sub, 'jaxpr', sub)
+          if hasattr(sub, 'eqns'):
+            m, o = top_ks(sub)
+            moe, other = moe + m, other + o
+    return moe, other
+
+  cfg = resolved(**{'model.csa2': True}).model
+  batch = {k: jnp.asarray(v)[:2] for k, v in packed_batch(seed=5).items()}
+  counts = {}
+  for remat in ('none', 'block'):
+    graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(params=0), remat=remat))
+
+    def loss(params, graphdef=graphdef):
+      logits, aux = nnx.merge(graphdef, params)(batch)
+      return jnp.mean(logits) + aux['indexer_loss']
+    counts[remat] = top_ks(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+  (moe_none, sel_none), (moe_block, sel_block) = counts['none'], counts['block']
+  assert sel_none > 0 and sel_block == sel_none, counts
+  assert moe_block == 2 * moe_none, counts  # the routing is recomputed: the check sees remat

@@ -29,6 +29,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from deepseek41.config import SWA, LayerRole, ModelConfig
 from deepseek41.model import indexer as idx_lib
@@ -42,6 +43,9 @@ from deepseek41.quant import get_fake_quant
 
 
 INDEXER_TOTALS = 'indexer'  # shared[...]: [sum of per-query KL, queries counted, sum of recall]
+# The checkpoint name of an index source's selection (and published candidate blocks): block
+# remat saves them (model/transformer.py), so the backward does not rescore and reselect.
+SELECTION = 'csa2_selection'
 # shared[DECODE]: generation's cache keeper (generate/decode.py); its `attention` and `publish`
 # replace the in-sequence versions for a chunk of new tokens.
 DECODE = 'decode'
@@ -155,6 +159,7 @@ class CSA2(nnx.Module):
           publish_blocks=cfg.candidate_topk_blocks if role.publishes_candidates else 0,
           topk_block=cfg.index_topk_block, scores_fn=SCORERS[cfg.index_impl],
           row_offset=row_offset, select_impl=cfg.select_impl)
+      sel_idx, sel_valid, blocks = checkpoint_name((sel_idx, sel_valid, blocks), SELECTION)
       shared[_sel_key(role.layer)] = (sel_idx, sel_valid)
       if blocks is not None:
         shared[_pool_key(role.layer)] = blocks

@@ -20,7 +20,7 @@ from flax import nnx
 
 from deepseek41.config import LayerRole, ModelConfig, layer_roles
 from deepseek41.model.attention import Attention
-from deepseek41.model.csa2 import INDEXER_TOTALS
+from deepseek41.model.csa2 import INDEXER_TOTALS, SELECTION
 from deepseek41.model.engram import Engram, dead_tokens, layer_addresses, row_ids
 from deepseek41.model.mhc import (MHCHead, MHCSite, collapse, expand, fused_expand_site_collapse,
                                   fused_site_collapse)
@@ -114,13 +114,16 @@ def _rematerialized(block: Block, x, pre_prev, batch, shared, sequence_parallel:
   A pure `jax.checkpoint` over (graph, state): the forward never mutates state, so nothing has
   to flow back out, and NNX's lifted remat (which does propagate state) is not needed. A
   sequence-parallel x is gathered inside, so the input kept for the backward stays split.
+  Saved besides the block's inputs: an index source's selection (`csa2.SELECTION`, int32
+  [B, T, K] and its mask), whose recomputation would rescore every visible entry (the
+  indexer's O(T N) scores) and rerun the top-k, for a few hundred MB at 64K tokens.
   """
   graphdef, state = nnx.split(block)
 
   def run(state, x, pre_prev, batch, shared):
     return nnx.merge(graphdef, state)(gather_tensor_split(x, sequence_parallel), pre_prev,
                                       batch, shared)
-  return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(
+  return jax.checkpoint(run, policy=jax.checkpoint_policies.save_only_these_names(SELECTION))(
       state, x, pre_prev, batch, shared)
 
 
