@@ -13,8 +13,9 @@ import sys
 
 import jax
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-jax.checkpoint_policies.save_only_these_names = (
-    lambda *names: jax.checkpoint_policies.nothing_saveable)
-sys.argv[0] = 'deepseek41.train'
-runpy.run_module('deepseek41.train', run_name='__main__')
+if __name__ == '__main__':  # not in the data loader's worker processes, which import __main__
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+  jax.checkpoint_policies.save_only_these_names = (
+      lambda *names: jax.checkpoint_policies.nothing_saveable)
+  sys.argv[0] = 'deepseek41.train'
+  runpy.run_module('deepseek41.train', run_name='__main__')
