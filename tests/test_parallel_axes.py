@@ -5,7 +5,8 @@ are tests/test_expert_parallel.py.) The tiny model with CSA2 (compressed entries
 Engram and single-pass mHC, packed documents and padding: loss and every gradient. Once on the
 jnp paths (GSPMD partitions them) and once with every Pallas kernel (interpreted; each runs on
 its own stretch of queries, the window kernel with its halo from the previous shard). f32; the
-tolerance covers sums reordered across devices and kernel tiles.
+tolerance covers sums reordered across devices and kernel tiles. `model.fp8` stays off: its
+rowwise scales follow each device's tokens (docs/performance.md section 10.4).
 """
 
 import dataclasses
