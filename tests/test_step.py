@@ -1,9 +1,12 @@
 """Train-step options: gradient accumulation and block remat leave the update unchanged."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from deepseek41.model.transformer import Transformer
 from deepseek41.sharding import make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.optimizer import make_optimizer
@@ -57,10 +60,6 @@ def test_block_remat_with_csa2_same_update_without_reselecting():
   np.testing.assert_allclose(metrics['indexer_loss'], metrics_none['indexer_loss'], rtol=1e-6)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_none)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
-
-  import jax.numpy as jnp
-  from flax import nnx
-  from deepseek41.model.transformer import Transformer
 
   def top_ks(jaxpr):  # (MoE routing, others) top_k eqns, every sub-jaxpr walked
     moe = other = 0

@@ -29,7 +29,7 @@ from deepseek41.ops.chunking import map_query_chunks
 from deepseek41.ops.index_scores import MIN_DOT
 from deepseek41.ops.per_device import batch_local
 from deepseek41.ops.sparse_attention import gather_rows
-from deepseek41.ops.sparse_kernel import per_query_specs, prepare_rows
+from deepseek41.ops.sparse_kernel import compiler_params, per_query_specs, prepare_rows
 
 IMPLS = ('reference', 'fused')
 
@@ -109,13 +109,6 @@ def _bwd_kernel(nblk_ref, q_ref, w_ref, k_ref, idx_ref, ds_ref, _dk_in_ref, dq_r
   dw_ref[...] = dw_h
 
 
-def _compiler_params(num_warps, interpret):
-  if interpret:
-    return None
-  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
-  return plt.CompilerParams(num_warps=num_warps, num_stages=2)
-
-
 def _forward(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, scale, block_k, num_warps, interpret):
   b, t, h, c = q_bthc.shape
   k_bmc, idx_btk, nblk_bt1, bk = prepare_rows(k_bnc, idx_btk, valid_btk, block_k)
@@ -127,7 +120,7 @@ def _forward(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, scale, block_k, num_warps
       grid=(t, b),  # queries fastest: neighbours share selected keys in L2
       in_specs=[spec['nblk'], spec['q'], spec['h'], spec['kv'], spec['idx']],
       out_specs=spec['idx'],
-      compiler_params=_compiler_params(num_warps, interpret),
+      compiler_params=None if interpret else compiler_params(num_warps, 2),
       interpret=interpret,
       name='csa2_selected_scores',
   )(nblk_bt1, q_bthc, w_bth.astype(jnp.float32), k_bmc, idx_btk)
@@ -153,7 +146,7 @@ def _backward(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, ds_btk, scale, block_k, 
                 spec['kv']],
       out_specs=[spec['q'], spec['h'], spec['kv']],
       input_output_aliases={6: 2},
-      compiler_params=_compiler_params(num_warps, interpret),
+      compiler_params=None if interpret else compiler_params(num_warps, 2),
       interpret=interpret,
       name='csa2_selected_scores_bwd',
   )(nblk_bt1, q_bthc, w_bth.astype(jnp.float32), k_bmc, idx_btk, ds_btk,

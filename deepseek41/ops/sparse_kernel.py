@@ -205,7 +205,7 @@ def per_query_specs(h, d, rows, k_pad):
   }
 
 
-def _compiler_params(num_warps, num_stages):
+def compiler_params(num_warps, num_stages):
   from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
   return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -230,7 +230,7 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_
       grid=(t, b),  # queries fastest: neighbours share selected rows in L2
       in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx']],
       out_specs=out_specs,
-      compiler_params=None if interpret else _compiler_params(num_warps, 2),
+      compiler_params=None if interpret else compiler_params(num_warps, 2),
       interpret=interpret,
       name='csa2_sparse_fwd',
   )(nblk_bt1, q_bthd, kv_bmd, idx_btk)
@@ -256,7 +256,7 @@ def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse
                 spec['h'], spec['h'], dkv_spec],
       out_specs=[spec['q'], dkv_spec],
       input_output_aliases={8: 1},
-      compiler_params=None if interpret else _compiler_params(num_warps, 1),
+      compiler_params=None if interpret else compiler_params(num_warps, 1),
       interpret=interpret,
       name='csa2_sparse_bwd',
   )(nblk_bt1, q_bthd, kv_bmd, idx_btk, o_bthd, do_bthd.astype(q_bthd.dtype),
