@@ -56,12 +56,12 @@ def make_inputs(seed, t, h, d, ratio, k, dtype):
   return q, kv, idx, valid, ct
 
 
-def partial_fn(impl, with_mass, tiles=None):
+def partial_fn(impl, with_mass, tiles=None, bwd_tiles=None):
   def fn(q, kv, idx, valid):
     scale = q.shape[-1] ** -0.5
     if impl == 'fused':
       out = sparse_partial_fused(q, kv, idx, valid, scale=scale, with_mass=with_mass,
-                                 fwd_tiles=tiles, bwd_tiles=tiles and (*tiles, 32))
+                                 fwd_tiles=tiles, bwd_tiles=bwd_tiles or (tiles and (*tiles, 32)))
       return out if with_mass else out[:2]
     return compressed_partial(q, kv, idx, valid, impl=impl, chunk=1024, scale=scale,
                               with_mass=with_mass)
@@ -77,14 +77,17 @@ def set_atomics(mode):
   elif mode == 'none':
     from jax.experimental.pallas import triton as plt  # noqa: PLC0415
     plt.atomic_add = lambda *a, **k: None
+  elif mode == 'store':  # the same gradient tiles written by plain (racing) stores
+    from jax.experimental.pallas import triton as plt  # noqa: PLC0415
+    plt.atomic_add = lambda ref, idx, val, mask=None: ref.__setitem__(idx, val)
 
 
-def check(dtype, tol, h=16):
+def check(dtype, tol, h=16, bwd_tiles=None):
   t, d, ratio, k = 2048, 512, 2, 512
   q, kv, idx, valid, ct = make_inputs(7, t, h, d, ratio, k, dtype)
   res = {}
   for impl in ('reference', 'fused'):
-    fn = partial_fn(impl, True)
+    fn = partial_fn(impl, True, bwd_tiles=bwd_tiles)
 
     def loss(q, kv):
       o, lse, _ = fn(q, kv, idx, valid)
@@ -97,7 +100,8 @@ def check(dtype, tol, h=16):
     fin = np.isfinite(b)
     errs[name] = float(np.linalg.norm((a - b)[fin]) / max(np.linalg.norm(b[fin]), 1e-30))
   ok = all(e < tol for e in errs.values())
-  return {'check': str(jnp.dtype(dtype)), 'heads': h, 'rel_err': errs, 'ok': ok}
+  return {'check': str(jnp.dtype(dtype)), 'heads': h, 'bwd_tiles': bwd_tiles, 'rel_err': errs,
+          'ok': ok}
 
 
 def main(argv=None):
@@ -108,9 +112,14 @@ def main(argv=None):
   p.add_argument('--block_k', default='64,16', help='fused tile sweep: rows per step')
   p.add_argument('--num_warps', default='4,8', help='fused tile sweep: warps per program')
   p.add_argument('--modes', default='fwd,fwd_mass,fwd_bwd')
-  p.add_argument('--atomics', default='relaxed', choices=('acq_rel', 'relaxed', 'none'),
+  p.add_argument('--bwd_tiles', default='',
+                 help='backward tile sweep (fwd_bwd only, default forward tiles): comma-separated '
+                      'block_k:num_warps:head_group:dkv_chunk')
+  p.add_argument('--atomics', default='relaxed',
+                 choices=('acq_rel', 'relaxed', 'none', 'store'),
                  help='experiment: the semantics of the backward atomics (none: skip them, '
-                      'which gives wrong gradients: a floor for the rest of the kernel)')
+                      'which gives wrong gradients: a floor for the rest of the kernel; store: '
+                      'plain racing stores of the same tiles, also wrong)')
   p.add_argument('--reps', type=int, default=5)
   p.add_argument('--no-gathered', dest='gathered', action='store_false')
   p.add_argument('--no-check', dest='check', action='store_false')
@@ -124,18 +133,24 @@ def main(argv=None):
     emit(check(jnp.float32, 1e-3))  # Triton's fp32 dot is tf32: ~3e-4
     emit(check(jnp.bfloat16, 2e-2))
     emit(check(jnp.bfloat16, 2e-2, h=64))  # the slot mass from bf16 scores (V4.1's heads)
+    for v in filter(None, args.bwd_tiles.split(',')):  # the swept backward tiles too
+      emit(check(jnp.bfloat16, 2e-2, bwd_tiles=tuple(map(int, v.split(':')))))
   t, k = args.seq_len, args.topk
   for case in args.cases.split(','):
     h, d, ratio = CASES[case]['h'], CASES[case]['d'], CASES[case]['ratio']
     valid_slots = float(jnp.sum(make_inputs(0, t, h, d, ratio, k, jnp.bfloat16)[3]))
     fwd_flops = 4 * h * d * valid_slots
-    variants = [('fused', bk, nw) for bk in map(int, args.block_k.split(','))
-                for nw in map(int, args.num_warps.split(','))]
+    if args.bwd_tiles:
+      variants = [('fused', None, None, tuple(map(int, v.split(':'))))
+                  for v in args.bwd_tiles.split(',')]
+    else:
+      variants = [('fused', bk, nw, None) for bk in map(int, args.block_k.split(','))
+                  for nw in map(int, args.num_warps.split(','))]
     if args.gathered:
-      variants.append(('gathered', None, None))
-    for impl, bk, nw in variants:
-      for mode in args.modes.split(','):
-        fn = partial_fn(impl, mode == 'fwd_mass', (bk, nw) if impl == 'fused' else None)
+      variants.append(('gathered', None, None, None))
+    for impl, bk, nw, bwd in variants:
+      for mode in ['fwd_bwd'] if bwd else args.modes.split(','):
+        fn = partial_fn(impl, mode == 'fwd_mass', (bk, nw) if bk else None, bwd)
         if mode == 'fwd_bwd':
           def step(q, kv, idx, valid, ct, fn=fn):
             def loss(q, kv):
@@ -150,11 +165,12 @@ def main(argv=None):
           ms, compile_s = time_fn(run, lambda s: make_inputs(s, t, h, d, ratio, k, jnp.bfloat16),
                                   args.reps)
         except Exception as e:  # noqa: BLE001 - report and go on to the next variant
-          emit({'case': case, 'impl': impl, 'block_k': bk, 'num_warps': nw, 'mode': mode,
-                'error': f'{type(e).__name__}: {str(e)[:300]}'})
+          emit({'case': case, 'impl': impl, 'block_k': bk, 'num_warps': nw, 'bwd_tiles': bwd,
+                'mode': mode, 'error': f'{type(e).__name__}: {str(e)[:300]}'})
           continue
         flops = fwd_flops * (3.5 if mode == 'fwd_bwd' else 1.0)
-        emit({'case': case, 'impl': impl, 'block_k': bk, 'num_warps': nw, 'mode': mode, 't': t,
+        emit({'case': case, 'impl': impl, 'block_k': bk, 'num_warps': nw, 'bwd_tiles': bwd,
+              'mode': mode, 't': t,
               'atomics': args.atomics,
               'ms': round(ms, 3), 'compile_s': round(compile_s, 1),
               'useful_tflops': round(flops / ms / 1e9, 1)})

@@ -34,7 +34,7 @@ def _selection(key, b, t, n, k, ratio=2, prefix=True):
   return idx_btk, valid_btk
 
 
-def _both(q, kv, idx, valid, block_k):
+def _both(q, kv, idx, valid, block_k, dkv_chunk=sparse_kernel.FULL_WIDTH):
   """(value, aux, grads) of a loss with nonzero cotangents on o AND lse, for both paths."""
   scale = q.shape[-1] ** -0.5
 
@@ -42,7 +42,8 @@ def _both(q, kv, idx, valid, block_k):
     def loss(q, kv):
       if fused:
         o, lse, mass = sparse_partial_fused(q, kv, idx, valid, scale=scale, with_mass=True,
-                                            fwd_tiles=(block_k, 4), bwd_tiles=(block_k, 4, 8),
+                                            fwd_tiles=(block_k, 4),
+                                            bwd_tiles=(block_k, 4, 8, dkv_chunk),
                                             interpret=True)
       else:
         o, lse, mass = compressed_partial(q, kv, idx, valid, impl='reference', scale=scale,
@@ -55,9 +56,11 @@ def _both(q, kv, idx, valid, block_k):
 
 
 @pytest.mark.parametrize('dtype,tol', [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
-@pytest.mark.parametrize('prefix,mass_on_chip', [(True, True), (False, True), (False, False)])
+@pytest.mark.parametrize('prefix,mass_on_chip,dkv_chunk',
+                         [(True, True, D), (False, True, 16), (False, False, D)])
 def test_fused_equals_reference_in_outputs_mass_and_gradients(dtype, tol, prefix, mass_on_chip,
-                                                              monkeypatch):
+                                                              dkv_chunk, monkeypatch):
+  # dkv_chunk < D: the backward adds the key/value gradient 16 columns at a time.
   # mass_on_chip False: too many scores to keep in registers, the mass takes a second walk.
   if not mass_on_chip:
     monkeypatch.setattr(sparse_kernel, 'MASS_SCORES_ON_CHIP', 0)
@@ -67,7 +70,8 @@ def test_fused_equals_reference_in_outputs_mass_and_gradients(dtype, tol, prefix
   kv = jax.random.normal(ks[1], (b, n, D)).astype(dtype)
   idx, valid = _selection(ks[2], b, t, n, k, prefix=prefix)
   assert not valid.any(-1).all() and valid.any()  # some queries see nothing, some see entries
-  ((_, (o_r, lse_r, m_r)), g_r), ((_, (o_f, lse_f, m_f)), g_f) = _both(q, kv, idx, valid, 16)
+  ((_, (o_r, lse_r, m_r)), g_r), ((_, (o_f, lse_f, m_f)), g_f) = _both(q, kv, idx, valid, 16,
+                                                                      dkv_chunk)
   np.testing.assert_array_equal(np.isfinite(lse_r), np.isfinite(lse_f))
   fin = np.isfinite(lse_r)
   np.testing.assert_allclose(np.asarray(lse_f)[fin], np.asarray(lse_r)[fin], atol=tol, rtol=tol)

@@ -32,9 +32,28 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from deepseek41.ops.index_scores import MIN_DOT
+
+# The checkpoint name of the CSA2 kernels' outputs (this kernel's, the window kernel's and the
+# indexer's selected scores): `train.remat=block_keep_attention` saves them, so the backward
+# pass does not run the forward kernels again. A custom_vjp's residuals are values of their own
+# to a remat policy, so each forward rule names them as well as its caller names the outputs.
+KERNEL_OUTPUTS = 'csa2_kernel_outputs'
+
+
+def name_outputs(*xs):
+  """`checkpoint_name(x, KERNEL_OUTPUTS)` of each x (None passes through)."""
+  return tuple(None if x is None else checkpoint_name(x, KERNEL_OUTPUTS) for x in xs)
+
+
+def droppable(kernel):
+  """A forward kernel (a pallas_call) wrapped in a jit. JAX's dead-code rule for pallas_call
+  keeps every call, so a remat that saved the outputs would still trace the kernel into its
+  recomputation; a jit whose outputs nobody uses is dropped whole."""
+  return jax.jit(kernel)
 
 # The slot mass needs every head's score of every slot against the final log-sum-exp. Up to
 # this many fp32 scores per query (16 heads x 512 slots: 64 registers per thread at 4 warps)
@@ -137,7 +156,7 @@ def _fwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, lse_ref, *mass_ref, n, 
 
 
 def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_ref, _dkv_in_ref,
-                dq_ref, dkv_ref, *, n, bk, scale, interpret):
+                dq_ref, dkv_ref, *, n, bk, scale, dkv_chunk, interpret):
   from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
   h, d = q_ref.shape
   q_hd, do_hd = q_ref[...], do_ref[...]
@@ -146,7 +165,7 @@ def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_r
   lse_safe_h = jnp.where(lse_h == -jnp.inf, 0.0, lse_h)  # such a query has no visible slot
   delta_h = jnp.sum(do_hd.astype(jnp.float32) * o_ref[...].astype(jnp.float32), axis=1) - \
       dlse_ref[...]
-  cols_d = jnp.arange(d, dtype=jnp.int32)
+  cols_c = jnp.arange(dkv_chunk, dtype=jnp.int32)
 
   def block(j, dq_hd):
     rows_k = idx_ref[pl.ds(j * bk, bk)]
@@ -157,15 +176,20 @@ def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_r
     ds_hk = p_hk * (dp_hk - delta_h[:, None])
     dq_hd = dq_hd + jax.lax.dot_general(ds_hk.astype(dt), kv_kd, (((1,), (0,)), ((), ())),
                                         preferred_element_type=jnp.float32)
-    dkv_kd = (jax.lax.dot_general(ds_hk.astype(dt), q_hd, (((0,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32) * scale +
-              jax.lax.dot_general(p_hk.astype(dt), do_hd, (((0,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32))
     # Invalid slots all hold the dummy row n: on the GPU they are masked out of the atomics;
     # the interpreter takes no mask, and the dummy row is cut off by the caller anyway.
-    mask = None if interpret else jnp.broadcast_to((rows_k < n)[:, None], (bk, d))
-    plt.atomic_add(dkv_ref, (jnp.broadcast_to(rows_k[:, None], (bk, d)),
-                             jnp.broadcast_to(cols_d[None, :], (bk, d))), dkv_kd, mask=mask)
+    mask = None if interpret else jnp.broadcast_to((rows_k < n)[:, None], (bk, dkv_chunk))
+    rows_kc = jnp.broadcast_to(rows_k[:, None], (bk, dkv_chunk))
+    # The key/value gradient dS^T q + P^T dO, `dkv_chunk` columns at a time: a [bk, d] fp32
+    # tile and its layout change for the atomics would crowd the program's registers.
+    for c in range(0, d, dkv_chunk):
+      cols = pl.ds(c, dkv_chunk)
+      dkv_kc = (jax.lax.dot_general(ds_hk.astype(dt), q_ref[:, cols], (((0,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32) * scale +
+                jax.lax.dot_general(p_hk.astype(dt), do_ref[:, cols], (((0,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32))
+      plt.atomic_add(dkv_ref, (rows_kc, jnp.broadcast_to(c + cols_c[None, :], (bk, dkv_chunk))),
+                     dkv_kc, mask=mask)
     return dq_hd
 
   dq_hd = jax.lax.fori_loop(0, nblk_ref[0], block, jnp.zeros((h, d), jnp.float32))
@@ -224,7 +248,7 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_
   if with_mass:
     out_shape.append(jax.ShapeDtypeStruct((b, t, k_pad), jnp.float32))
     out_specs.append(spec['idx'])
-  outs = pl.pallas_call(
+  outs = droppable(pl.pallas_call(
       functools.partial(_fwd_kernel, n=n, bk=bk, scale=scale, heads=heads),
       out_shape=out_shape,
       grid=(t, b),  # queries fastest: neighbours share selected rows in L2
@@ -233,13 +257,13 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_
       compiler_params=None if interpret else compiler_params(num_warps, 2),
       interpret=interpret,
       name='csa2_sparse_fwd',
-  )(nblk_bt1, q_bthd, kv_bmd, idx_btk)
+  ))(nblk_bt1, q_bthd, kv_bmd, idx_btk)
   mass_btk = outs[2][..., :k] if with_mass else None
   return outs[0], outs[1], mass_btk
 
 
 def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse_bth, scale,
-              block_k, num_warps, head_group, interpret):
+              block_k, num_warps, head_group, dkv_chunk, interpret):
   b, t, h, d = q_bthd.shape
   n = kv_bnd.shape[1]
   hg = min(head_group, h)
@@ -248,7 +272,8 @@ def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse
   spec = per_query_specs(hg, d, rows, k_pad)
   dkv_spec = spec['kv']
   dq_bthd, dkv_bmd = pl.pallas_call(
-      functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale, interpret=interpret),
+      functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale, dkv_chunk=min(dkv_chunk, d),
+                        interpret=interpret),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype),
                  jax.ShapeDtypeStruct((b, rows, d), jnp.float32)],
       grid=(t, b, h // hg),  # head groups add into the same rows: fewer heads, more atomics
@@ -278,7 +303,7 @@ def _sparse_partial_fwd(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, he
   del bwd_tiles
   o, lse, mass = _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads,
                           *fwd_tiles, interpret)
-  return (o, lse, mass), (q_bthd, kv_bnd, idx_btk, valid_btk, o, lse)
+  return (o, lse, mass), (q_bthd, kv_bnd, idx_btk, valid_btk, *name_outputs(o, lse))
 
 
 def _sparse_partial_bwd(scale, with_mass, heads, fwd_tiles, bwd_tiles, interpret, res, cts):
@@ -296,16 +321,22 @@ _sparse_partial.defvjp(_sparse_partial_fwd, _sparse_partial_bwd)
 
 
 def default_tiles(heads: int):
-  """((block_k, num_warps), (block_k, num_warps, head_group)) of the forward and backward.
+  """((block_k, num_warps), (block_k, num_warps, head_group, dkv_chunk)): forward and backward.
 
-  Measured on the H200 (docs/performance.md section 9): the forward gathers 64 rows per step;
-  the backward holds q, dO, the dq accumulator and a [block_k, d] fp32 key/value gradient at
-  once, so it takes 32-row steps and at most 32 heads per program (64 heads x 512 overflow
+  Measured on the H200 (docs/performance.md sections 9 and 22): the forward gathers 64 rows per
+  step; the backward holds q, dO, the dq accumulator and a [block_k, d] fp32 key/value gradient
+  at once, so it takes 32-row steps and at most 32 heads per program (64 heads x 512 overflow
   shared memory). Up to 16 heads one warp group (4 warps) is faster in both passes (backward
-  35 vs 45 ms at configs/ablation_1b.py's shapes); wider programs need 8 warps.
+  35 vs 45 ms at configs/ablation_1b.py's shapes); wider programs need 8 warps. At 16 heads the
+  key/value gradient goes out 256 columns at a time (backward 9% faster than 512 at once, 128
+  and 64 in between and slower); at 64 heads whole (128 columns at a time was 8% slower).
   """
-  warps = 4 if heads <= 16 else 8
-  return (64, warps), (32, warps, 32)
+  if heads <= 16:
+    return (64, 4), (32, 4, 32, 256)
+  return (64, 8), (32, 8, 32, FULL_WIDTH)
+
+
+FULL_WIDTH = 1 << 30  # dkv_chunk: the whole head width at once
 
 
 def _kernel_size(x: int) -> int:
@@ -314,13 +345,13 @@ def _kernel_size(x: int) -> int:
 
 def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
                          with_mass: bool = False, fwd_tiles: tuple[int, int] | None = None,
-                         bwd_tiles: tuple[int, int, int] | None = None,
+                         bwd_tiles: tuple[int, ...] | None = None,
                          interpret: bool = False):
   """(o_bthd in kv's dtype, lse_bth fp32, mass_btk fp32 or None), as `compressed_partial`.
 
   The slot mass carries no gradient (it is the indexer's stop-gradient target).
-  fwd_tiles: (selected rows gathered per step, warps per program); bwd_tiles: the same and the
-  heads per program; `default_tiles` by default.
+  fwd_tiles: (selected rows gathered per step, warps per program); bwd_tiles: the same, the
+  heads per program and the key/value-gradient columns per product; `default_tiles` by default.
   `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
   """
   h, d = q_bthd.shape[-2:]
@@ -331,8 +362,9 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
   fwd_default, bwd_default = default_tiles(h_pad)
   fwd_tiles = tuple(map(int, fwd_tiles or fwd_default))
   bwd_tiles = tuple(map(int, bwd_tiles or bwd_default))
-  o, lse, mass = _sparse_partial(q_bthd, kv_bnd.astype(q_bthd.dtype), idx_btk, valid_btk,
-                                 float(scale), bool(with_mass), h, fwd_tiles, bwd_tiles,
-                                 bool(interpret))
+  bwd_tiles += bwd_default[len(bwd_tiles):]  # (block_k, warps, head_group) takes dkv_chunk's
+  o, lse, mass = name_outputs(*_sparse_partial(
+      q_bthd, kv_bnd.astype(q_bthd.dtype), idx_btk, valid_btk, float(scale), bool(with_mass), h,
+      fwd_tiles, bwd_tiles, bool(interpret)))
   o, lse = o[..., :h, :d], lse[..., :h]
   return o, lse, None if mass is None else jax.lax.stop_gradient(mass)

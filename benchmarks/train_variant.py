@@ -1,0 +1,41 @@
+"""The trainer with one internal choice reverted, for side-by-side runs (benchmark only).
+
+    python benchmarks/train_variant.py VARIANT --config=... [train flags]
+
+Variants (what they undo, and the docs/performance.md section that measured it):
+  remat_nothing_saved   block remat saves nothing, so each index source's backward rescores and
+                        reselects (`save_only_these_names(csa2.SELECTION)` in
+                        model/transformer.py becomes `nothing_saveable`; section 21)
+  sparse_bwd_full_width the sparse kernel's backward forms each block's key/value gradient over
+                        the whole head width at once (`dkv_chunk`, ops/sparse_kernel.py; section 22)
+"""
+
+import os
+import runpy
+import sys
+
+import jax
+
+
+def _remat_nothing_saved():
+  jax.checkpoint_policies.save_only_these_names = (
+      lambda *names: jax.checkpoint_policies.nothing_saveable)
+
+
+def _sparse_bwd_full_width():
+  from deepseek41.ops import sparse_kernel  # noqa: PLC0415 (after sys.path is set)
+  default = sparse_kernel.default_tiles
+  sparse_kernel.default_tiles = lambda heads: (
+      default(heads)[0], default(heads)[1][:3] + (sparse_kernel.FULL_WIDTH,))
+
+
+VARIANTS = {'remat_nothing_saved': _remat_nothing_saved,
+            'sparse_bwd_full_width': _sparse_bwd_full_width}
+
+if __name__ == '__main__':  # not in the data loader's worker processes, which import __main__
+  if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:
+    sys.exit(f'usage: train_variant.py {{{",".join(VARIANTS)}}} --config=... [train flags]')
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+  VARIANTS[sys.argv.pop(1)]()
+  sys.argv[0] = 'deepseek41.train'
+  runpy.run_module('deepseek41.train', run_name='__main__')
