@@ -66,7 +66,9 @@ def get_config():
   c.train.schedule = 'wsd'
   c.train.eval_every_steps = 200
   c.train.eval_batches = 4
-  c.train.remat = 'block'        # 64K tokens: without it the step needs 118 GiB
+  # 64K tokens: without remat the step needs 118 GiB; keeping the attention kernels' outputs
+  # (54 GB peak on the H200) runs 7-8% faster than plain block remat (33 GB).
+  c.train.remat = 'block_keep_attention'
 
   c.checkpoint.every_steps = 500
   c.checkpoint.max_to_keep = 2      # 13 GB each (params + Adam moments in fp32)

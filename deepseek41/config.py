@@ -376,7 +376,8 @@ class TrainConfig:
   # while a table embedding row barely moves; at a text-tuned lr the spans become large,
   # near-constant vectors the LM cannot read (docs/performance.md section 7.2).
   vision_lr_multiplier: float = _key(1.0)
-  remat: str = _key('none', choices=('none', 'block'))
+  # block_keep_attention: block remat that also keeps the GPU attention kernels' outputs
+  remat: str = _key('none', choices=('none', 'block', 'block_keep_attention'))
   eval_every_steps: int = _key(50)       # 0 disables evaluation
   eval_batches: int = _key(4)
   peak_tflops: float = _key(0.0)         # per-device peak for MFU; 0 = look up by device kind

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from deepseek41.config import load_config_file
+from deepseek41.config import layer_roles, load_config_file, resolve
 from deepseek41.sharding import make_mesh
 from deepseek41.tools import plan
 from deepseek41.train import state as state_lib
@@ -134,3 +134,23 @@ def test_gpu_plan_compiles_the_dropless_experts():
   assert p['moe_backend'] == 'grouped'
   assert any(n.startswith('moe_backend: auto -> grouped') for n in p['stand_ins'])
   assert p['per_device']['activations'] > 0 and p['fits']
+
+
+def test_block_keep_attention_counts_the_kernel_outputs_each_layer_keeps():
+  """A window partial at every layer, a sparse partial at CSA2 layers, slot masses and selected
+  scores at index sources: [B, T, H, d] compute dtype + [B, T, H] fp32 each, [B, T, K] fp32."""
+  cfg = resolve(_four_layer_tiny())
+  m = cfg.model
+  b, t = 2, 64
+  batch = {'tokens': jax.ShapeDtypeStruct((b, t), jnp.int32)}
+  mesh = jax.make_mesh((1,), ('data',), devices=jax.devices()[:1])
+
+  def spec(tree):
+    return jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+                        tree)
+  itemsize = 2 if m.compute_dtype == 'bfloat16' else 4
+  partial = b * t * m.num_heads * (m.head_dim * itemsize + 4)
+  scores = b * t * m.index_topk * 4
+  got = {r.layer: plan._kernel_output_bytes(m, r, batch, spec) for r in layer_roles(m)}
+  assert got == {0: partial, 1: 2 * partial + 2 * scores, 2: 2 * partial + 2 * scores,
+                 3: 2 * partial + 2 * scores}, got

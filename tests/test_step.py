@@ -1,5 +1,7 @@
 """Train-step options: gradient accumulation and block remat leave the update unchanged."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,3 +90,47 @@ def test_block_remat_with_csa2_same_update_without_reselecting():
   (moe_none, sel_none), (moe_block, sel_block) = counts['none'], counts['block']
   assert sel_none > 0 and sel_block == sel_none, counts
   assert moe_block == 2 * moe_none, counts  # the routing is recomputed: the check sees remat
+
+
+def _pallas_calls(jaxpr, counts=None):
+  """{kernel name: pallas_call eqns}, every sub-jaxpr walked."""
+  counts = {} if counts is None else counts
+  for e in jaxpr.eqns:
+    if e.primitive.name == 'pallas_call':
+      name = e.params['name']
+      counts[name] = counts.get(name, 0) + 1
+    for v in e.params.values():
+      for sub in v if isinstance(v, (list, tuple)) else [v]:
+        sub = getattr(sub, 'jaxpr', sub)
+        if hasattr(sub, 'eqns'):
+          _pallas_calls(sub, counts)
+  return counts
+
+
+def test_block_keep_attention_runs_no_forward_kernel_again():
+  """With the GPU attention kernels (interpreted on the CPU), remat=block_keep_attention gives
+  the update of no remat, and its backward runs none of the forward kernels again (window,
+  sparse, selected scores), where plain block remat runs each once more."""
+  cfg = resolved(**{'model.csa2': True, 'model.num_heads': 16, 'model.o_groups': 2,
+                    'model.index_n_heads': 16, 'model.index_head_dim': 16,
+                    'model.sparse_chunk': 16}).model
+  # The config takes these kernels on the GPU only; on the CPU they run interpreted.
+  cfg = dataclasses.replace(cfg, sparse_impl='fused', attention_impl='fused',
+                            selected_scores_impl='fused')
+  batch = {k: jnp.asarray(v)[:2] for k, v in packed_batch(seed=5, docs_per_row=2).items()}
+  counts, grads = {}, {}
+  for remat in ('none', 'block', 'block_keep_attention'):
+    graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(params=0), remat=remat))
+
+    def loss(params, graphdef=graphdef):
+      logits, aux = nnx.merge(graphdef, params)(batch)
+      return jnp.mean(logits) + aux['indexer_loss']
+    counts[remat] = _pallas_calls(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+    grads[remat] = jax.jit(jax.grad(loss))(params)
+  forward = ('swa_window_fwd', 'csa2_sparse_fwd', 'csa2_selected_scores')
+  assert all(counts['none'].get(k, 0) > 0 for k in forward), counts
+  for k in forward:
+    assert counts['block_keep_attention'][k] == counts['none'][k], (k, counts)
+    assert counts['block'][k] == 2 * counts['none'][k], (k, counts)
+  for a, b in zip(jax.tree.leaves(grads['block_keep_attention']), jax.tree.leaves(grads['none'])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)

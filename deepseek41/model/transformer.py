@@ -30,6 +30,7 @@ from deepseek41.model.params import dtype_of, normal_param
 from deepseek41.model.vision import VisionEncoder
 from deepseek41.ops.mhc_kernel import expand_fused
 from deepseek41.ops.per_device import constrain_tokens, gather_tensor_split
+from deepseek41.ops.sparse_kernel import KERNEL_OUTPUTS
 
 
 class Block(nnx.Module):
@@ -108,7 +109,8 @@ class Block(nnx.Module):
     return self.attn.csa2.publish_kv(self.attn_norm(x), batch, shared)
 
 
-def _rematerialized(block: Block, x, pre_prev, batch, shared, sequence_parallel: bool = False):
+def _rematerialized(block: Block, x, pre_prev, batch, shared, sequence_parallel: bool = False,
+                    keep_kernel_outputs: bool = False):
   """Run a block whose activations are recomputed in the backward pass.
 
   A pure `jax.checkpoint` over (graph, state): the forward never mutates state, so nothing has
@@ -117,13 +119,18 @@ def _rematerialized(block: Block, x, pre_prev, batch, shared, sequence_parallel:
   Saved besides the block's inputs: an index source's selection (`csa2.SELECTION`, int32
   [B, T, K] and its mask), whose recomputation would rescore every visible entry (the
   indexer's O(T N) scores) and rerun the top-k, for a few hundred MB at 64K tokens.
+  keep_kernel_outputs (`train.remat=block_keep_attention`): also the GPU attention kernels'
+  outputs (`KERNEL_OUTPUTS`: window and sparse partials, slot masses, the indexer's selected
+  scores), so the backward runs no forward kernel again; about 2 GB a layer at 64K tokens of
+  configs/ablation_1b.py. The jnp paths (CPU, TPU) name nothing: there it is plain block remat.
   """
   graphdef, state = nnx.split(block)
+  names = (SELECTION, KERNEL_OUTPUTS) if keep_kernel_outputs else (SELECTION,)
 
   def run(state, x, pre_prev, batch, shared):
     return nnx.merge(graphdef, state)(gather_tensor_split(x, sequence_parallel), pre_prev,
                                       batch, shared)
-  return jax.checkpoint(run, policy=jax.checkpoint_policies.save_only_these_names(SELECTION))(
+  return jax.checkpoint(run, policy=jax.checkpoint_policies.save_only_these_names(*names))(
       state, x, pre_prev, batch, shared)
 
 
@@ -206,9 +213,10 @@ class Transformer(nnx.Module):
         u = gather_tensor_split(x, self.sequence_parallel)
         captured[block.layer] = u if u.ndim == 3 else jnp.mean(u.astype(jnp.float32), axis=2)
       with jax.named_scope(f'layer{block.layer}'):
-        if self.remat == 'block':
-          x, pre, aux, shared = _rematerialized(block, x, pre, batch, shared,
-                                                self.sequence_parallel)
+        if self.remat != 'none':
+          x, pre, aux, shared = _rematerialized(
+              block, x, pre, batch, shared, self.sequence_parallel,
+              keep_kernel_outputs=self.remat == 'block_keep_attention')
         else:
           x, pre, aux, shared = block(gather_tensor_split(x, self.sequence_parallel), pre,
                                       batch, shared)

@@ -322,7 +322,7 @@ class VisionEncoder(nnx.Module):
     x_spd = (x_spc.astype(dtype) @ self.w_patch[...].astype(dtype)
              + self.b_patch[...].astype(dtype))
     for block in self.blocks:
-      if self.remat == 'block':
+      if self.remat != 'none':  # block_keep_attention: the tower names no kernel outputs
         x_spd = _rematerialized(block, x_spd, rows_sp, cols_sp, lengths_s)
       else:
         x_spd = block(x_spd, rows_sp, cols_sp, lengths_s)

@@ -29,7 +29,8 @@ from deepseek41.ops.chunking import map_query_chunks
 from deepseek41.ops.index_scores import MIN_DOT
 from deepseek41.ops.per_device import batch_local
 from deepseek41.ops.sparse_attention import gather_rows
-from deepseek41.ops.sparse_kernel import compiler_params, per_query_specs, prepare_rows
+from deepseek41.ops.sparse_kernel import (compiler_params, droppable, name_outputs,
+                                          per_query_specs, prepare_rows)
 
 IMPLS = ('reference', 'fused')
 
@@ -114,7 +115,7 @@ def _forward(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, scale, block_k, num_warps
   k_bmc, idx_btk, nblk_bt1, bk = prepare_rows(k_bnc, idx_btk, valid_btk, block_k)
   rows, k_pad = k_bmc.shape[1], idx_btk.shape[-1]
   spec = per_query_specs(h, c, rows, k_pad)
-  s_btk = pl.pallas_call(
+  s_btk = droppable(pl.pallas_call(
       functools.partial(_fwd_kernel, bk=bk, scale=scale),
       out_shape=jax.ShapeDtypeStruct((b, t, k_pad), jnp.float32),
       grid=(t, b),  # queries fastest: neighbours share selected keys in L2
@@ -123,7 +124,7 @@ def _forward(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, scale, block_k, num_warps
       compiler_params=None if interpret else compiler_params(num_warps, 2),
       interpret=interpret,
       name='csa2_selected_scores',
-  )(nblk_bt1, q_bthc, w_bth.astype(jnp.float32), k_bmc, idx_btk)
+  ))(nblk_bt1, q_bthc, w_bth.astype(jnp.float32), k_bmc, idx_btk)
   return s_btk[..., :valid_btk.shape[-1]]
 
 
@@ -188,8 +189,10 @@ def selected_scores_fused(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, *, block_k: 
   if h_pad != h:
     q_bthc = jnp.pad(q_bthc, ((0, 0), (0, 0), (0, h_pad - h), (0, 0)))
     w_bth = jnp.pad(w_bth, ((0, 0), (0, 0), (0, h_pad - h)))
-  return _selected_scores(q_bthc, w_bth, k_bnc.astype(q_bthc.dtype), idx_btk, valid_btk,
-                          (h * c) ** -0.5, int(block_k), int(num_warps), bool(interpret))
+  scores_btk, = name_outputs(_selected_scores(
+      q_bthc, w_bth, k_bnc.astype(q_bthc.dtype), idx_btk, valid_btk, (h * c) ** -0.5,
+      int(block_k), int(num_warps), bool(interpret)))
+  return scores_btk
 
 
 def selected_scores(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, *, impl: str = 'reference',

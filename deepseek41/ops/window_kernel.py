@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepseek41.ops.index_scores import MIN_DOT, pad_axis
+from deepseek41.ops.sparse_kernel import droppable, name_outputs
 ROWS = 32     # default query rows (queries x heads) per forward / dq block (at least H)
 ROWS_DKV = 32  # default query rows per dkv step (at least H: one query)
 SMEM_BUDGET = 200 * 1024
@@ -271,7 +272,7 @@ def _forward(st: _Static, q_brd, kv_btd, seg_bt, span_bt):
   b, n_rows, d = q_brd.shape
   t = seg_bt.shape[1]
   rows = st.bq * st.heads
-  return pl.pallas_call(
+  return droppable(pl.pallas_call(
       functools.partial(_fwd_kernel, st=st),
       out_shape=[jax.ShapeDtypeStruct((b, n_rows, d), kv_btd.dtype),
                  jax.ShapeDtypeStruct((b, n_rows), jnp.float32)],
@@ -281,7 +282,7 @@ def _forward(st: _Static, q_brd, kv_btd, seg_bt, span_bt):
       compiler_params=_params(st, 0),
       interpret=st.interpret,
       name='swa_window_fwd',
-  )(seg_bt, span_bt, q_brd, kv_btd)
+  ))(seg_bt, span_bt, q_brd, kv_btd)
 
 
 def _backward(st: _Static, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br, do_brd, dlse_br):
@@ -323,7 +324,7 @@ def _window_partial(st, q_brd, kv_btd, seg_bt, span_bt):
 
 def _window_partial_fwd(st, q_brd, kv_btd, seg_bt, span_bt):
   o_brd, lse_br = _forward(st, q_brd, kv_btd, seg_bt, span_bt)
-  return (o_brd, lse_br), (q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br)
+  return (o_brd, lse_br), (q_brd, kv_btd, seg_bt, span_bt, *name_outputs(o_brd, lse_br))
 
 
 def _window_partial_bwd(st, res, cts):
@@ -402,7 +403,7 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
   seg_bt = pad_axis(segment_ids_bt.astype(jnp.int32), 1, block)
   span_bt = (jnp.zeros_like(seg_bt) if span_ids_bt is None else
              pad_axis(span_ids_bt.astype(jnp.int32), 1, block))
-  o_brd, lse_br = _window_partial(st, q_brd, kv_btd, seg_bt, span_bt)
+  o_brd, lse_br = name_outputs(*_window_partial(st, q_brd, kv_btd, seg_bt, span_bt))
   o_bthd = o_brd.reshape(b, t_pad, h, d)[:, :t]
   lse_bth = lse_br.reshape(b, t_pad, h)[:, :t]
   return o_bthd, lse_bth

@@ -25,6 +25,9 @@ publishes) stay live from its forward to its backward, so
   optimizer phase = params + optimizer + gradients + the AdamW update's compiled temp
   total = the larger of the two
 
+train.remat = 'block_keep_attention': as 'block', plus the GPU attention kernels' outputs each
+layer keeps (`_kernel_output_bytes`, from their shapes).
+
 train.remat = 'none': each layer keeps the residuals a `jax.vjp` of it returns (compiled)
 instead of its outputs. The state is donated (as the trainer jits the step) and all gradients
 are live at once. Checked against the compiled whole step (`full_step_memory`,
@@ -358,6 +361,23 @@ def compile_programs(cfg: RunConfig, devices=None) -> dict:
   return out
 
 
+def _kernel_output_bytes(m, role, batch, spec) -> int:
+  """What train.remat=block_keep_attention keeps of a layer besides its outputs: the GPU
+  attention kernels' outputs (model/transformer.py `_rematerialized`), counted from their
+  shapes, as the CPU stand-ins name none: the window partial, and at CSA2 layers the sparse
+  partial, at index sources also the slot mass and the indexer's selected scores."""
+  b, t = batch['tokens'].shape
+  dt = jnp.bfloat16 if m.compute_dtype == 'bfloat16' else jnp.float32
+  partial = [jax.ShapeDtypeStruct((b, t, m.num_heads, m.head_dim), dt),
+             jax.ShapeDtypeStruct((b, t, m.num_heads), jnp.float32)]
+  kept = list(partial)
+  if m.csa2 and role.ratio:
+    kept += partial
+    if role.index_source == role.layer:
+      kept += [jax.ShapeDtypeStruct((b, t, m.index_topk), jnp.float32)] * 2
+  return _sharded_bytes(kept, spec(kept))
+
+
 def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
   """One block, forward + backward: the recompute and backward of one layer under block remat,
   with the cotangents of its outputs as arguments (what the layers above send back)."""
@@ -400,6 +420,8 @@ def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
       'cotangent_out_bytes': _sharded_bytes((x, pre, s_float), in_ct_sh),
       'grad_bytes': _sharded_bytes(p, p_sh),
   }
+  if cfg.train.remat == 'block_keep_attention':
+    result['kept_bytes'] += _kernel_output_bytes(cfg.model, block.attn.role, batch, spec)
   if cfg.train.remat == 'none':  # every layer keeps its vjp residuals instead
     def residuals(p, rb, x, pre, s_float, s_int, batch):
       return jax.vjp(lambda p, x, pre, s: forward(p, rb, x, pre, s, s_int, batch)[0],

@@ -166,7 +166,7 @@ def per_layer(cfg: RunConfig, devices, state: dict) -> dict:
   programs = cpu_plan.compile_programs(cfg, devices)
   assembled = cpu_plan.assemble(state, programs)
   roles = programs['roles']
-  recompute = 4 / 3 if cfg.train.remat == 'block' else 1.0
+  recompute = 1.0 if cfg.train.remat == 'none' else 4 / 3  # the TPU's paths name no kernel outputs
   role_flops = {l: r['fwd_bwd']['flops'] * recompute for l, r in roles.items()}
   flops = (sum(f * len(roles[l]['layers']) for l, f in role_flops.items()) +
            programs['head']['fwd_bwd']['flops'] + programs['embed']['fwd_bwd']['flops'] +
