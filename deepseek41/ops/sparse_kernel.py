@@ -320,6 +320,9 @@ def _sparse_partial_bwd(scale, with_mass, heads, fwd_tiles, bwd_tiles, interpret
 _sparse_partial.defvjp(_sparse_partial_fwd, _sparse_partial_bwd)
 
 
+FULL_WIDTH = 1 << 30  # dkv_chunk: the whole head width at once
+
+
 def default_tiles(heads: int):
   """((block_k, num_warps), (block_k, num_warps, head_group, dkv_chunk)): forward and backward.
 
@@ -328,15 +331,12 @@ def default_tiles(heads: int):
   at once, so it takes 32-row steps and at most 32 heads per program (64 heads x 512 overflow
   shared memory). Up to 16 heads one warp group (4 warps) is faster in both passes (backward
   35 vs 45 ms at configs/ablation_1b.py's shapes); wider programs need 8 warps. At 16 heads the
-  key/value gradient goes out 256 columns at a time (backward 9% faster than 512 at once, 128
-  and 64 in between and slower); at 64 heads whole (128 columns at a time was 8% slower).
+  key/value gradient goes out 256 columns at a time (backward 9% faster than 512 at once; 128
+  columns 5% faster, 64 8% slower); at 64 heads whole (128 columns at a time was 8% slower).
   """
   if heads <= 16:
     return (64, 4), (32, 4, 32, 256)
   return (64, 8), (32, 8, 32, FULL_WIDTH)
-
-
-FULL_WIDTH = 1 << 30  # dkv_chunk: the whole head width at once
 
 
 def _kernel_size(x: int) -> int:
