@@ -59,7 +59,6 @@ def pair_lists(idx_btk, valid_btk, n, bk):
 
 def _pair_kernel(nblk_a_ref, nblk_c_ref, a_ref, shared_ref, c_ref, q_ref, kv_ref, o_ref, do_ref,
                  lse_ref, dkv_in_ref, dq_ref, dkv_ref, *, n, bk, scale, chunk, interpret):
-  from jax.experimental.pallas import triton as plt  # noqa: PLC0415
   del dkv_in_ref
   _, h, d = q_ref.shape  # [2, H, d]: the pair's two queries
   q = [q_ref[i] for i in range(2)]
@@ -68,7 +67,6 @@ def _pair_kernel(nblk_a_ref, nblk_c_ref, a_ref, shared_ref, c_ref, q_ref, kv_ref
   lse = [jnp.where(lse_ref[i] == -jnp.inf, 0.0, lse_ref[i]) for i in range(2)]
   delta = [jnp.sum(do_ref[i].astype(jnp.float32) * o_ref[i].astype(jnp.float32), axis=1)
            for i in range(2)]
-  cols_c = jnp.arange(chunk, dtype=jnp.int32)
 
   def probs(i, kv_kd, keep_k):
     s = jax.lax.dot_general(q[i], kv_kd, (((1,), (1,)), ((), ())),
@@ -79,8 +77,6 @@ def _pair_kernel(nblk_a_ref, nblk_c_ref, a_ref, shared_ref, c_ref, q_ref, kv_ref
     return p, p * (dp - delta[i][:, None])
 
   def add_rows(rows_k, terms):  # sum of the queries' dS^T q + P^T dO, chunk columns at a time
-    mask = None if interpret else jnp.broadcast_to((rows_k < n)[:, None], (bk, chunk))
-    rows_kc = jnp.broadcast_to(rows_k[:, None], (bk, chunk))
     for c in range(0, d, chunk):
       cols = pl.ds(c, chunk)
       acc = None
@@ -90,8 +86,7 @@ def _pair_kernel(nblk_a_ref, nblk_c_ref, a_ref, shared_ref, c_ref, q_ref, kv_ref
                 jax.lax.dot_general(p.astype(dt), do_ref[i, :, cols], (((0,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32))
         acc = part if acc is None else acc + part
-      plt.atomic_add(dkv_ref, (rows_kc, jnp.broadcast_to(c + cols_c[None, :], (bk, chunk))),
-                     acc, mask=mask)
+      sparse_kernel.add_rows(dkv_ref, rows_k, c, acc, n=n, interpret=interpret)
 
   def walk_first(j, carry):
     dq0, dq1 = carry

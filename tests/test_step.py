@@ -1,5 +1,6 @@
 """Train-step options: gradient accumulation and block remat leave the update unchanged."""
 
+import collections
 import dataclasses
 
 import jax
@@ -14,6 +15,17 @@ from deepseek41.train import state as state_lib
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.step import accumulate_gradients, make_train_step
 from tests.util import packed_batch, resolved
+
+
+def _eqns(jaxpr):
+  """Every equation of a jaxpr, its sub-jaxprs' included."""
+  for e in jaxpr.eqns:
+    yield e
+    for v in e.params.values():
+      for sub in v if isinstance(v, (list, tuple)) else [v]:
+        sub = getattr(sub, 'jaxpr', sub)
+        if hasattr(sub, 'eqns'):
+          yield from _eqns(sub)
 
 
 def _one_step(**overrides):
@@ -63,19 +75,10 @@ def test_block_remat_with_csa2_same_update_without_reselecting():
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_none)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
 
-  def top_ks(jaxpr):  # (MoE routing, others) top_k eqns, every sub-jaxpr walked
-    moe = other = 0
-    for e in jaxpr.eqns:
-      if e.primitive.name == 'top_k':
-        moe, other = (moe + 1, other) if 'moe' in str(e.source_info.name_stack) else \
-            (moe, other + 1)
-      for v in e.params.values():
-        for sub in v if isinstance(v, (list, tuple)) else [v]:
-          sub = getattr(sub, 'jaxpr', sub)
-          if hasattr(sub, 'eqns'):
-            m, o = top_ks(sub)
-            moe, other = moe + m, other + o
-    return moe, other
+  def top_ks(jaxpr):  # (MoE routing, others) top_k eqns
+    stacks = [str(e.source_info.name_stack) for e in _eqns(jaxpr) if e.primitive.name == 'top_k']
+    moe = sum('moe' in st for st in stacks)
+    return moe, len(stacks) - moe
 
   cfg = resolved(**{'model.csa2': True}).model
   batch = {k: jnp.asarray(v)[:2] for k, v in packed_batch(seed=5).items()}
@@ -92,19 +95,10 @@ def test_block_remat_with_csa2_same_update_without_reselecting():
   assert moe_block == 2 * moe_none, counts  # the routing is recomputed: the check sees remat
 
 
-def _pallas_calls(jaxpr, counts=None):
-  """{kernel name: pallas_call eqns}, every sub-jaxpr walked."""
-  counts = {} if counts is None else counts
-  for e in jaxpr.eqns:
-    if e.primitive.name == 'pallas_call':
-      name = e.params['name']
-      counts[name] = counts.get(name, 0) + 1
-    for v in e.params.values():
-      for sub in v if isinstance(v, (list, tuple)) else [v]:
-        sub = getattr(sub, 'jaxpr', sub)
-        if hasattr(sub, 'eqns'):
-          _pallas_calls(sub, counts)
-  return counts
+def _pallas_calls(jaxpr):
+  """{kernel name: pallas_call eqns}."""
+  return collections.Counter(e.params['name'] for e in _eqns(jaxpr)
+                             if e.primitive.name == 'pallas_call')
 
 
 def test_block_keep_attention_runs_no_forward_kernel_again():

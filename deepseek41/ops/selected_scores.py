@@ -29,7 +29,7 @@ from deepseek41.ops.chunking import map_query_chunks
 from deepseek41.ops.index_scores import MIN_DOT
 from deepseek41.ops.per_device import batch_local
 from deepseek41.ops.sparse_attention import gather_rows
-from deepseek41.ops.sparse_kernel import (compiler_params, droppable, name_outputs,
+from deepseek41.ops.sparse_kernel import (add_rows, compiler_params, droppable, name_outputs,
                                           per_query_specs, prepare_rows)
 
 IMPLS = ('reference', 'fused')
@@ -79,11 +79,9 @@ def _fwd_kernel(nblk_ref, q_ref, w_ref, k_ref, idx_ref, s_ref, *, bk, scale):
 
 def _bwd_kernel(nblk_ref, q_ref, w_ref, k_ref, idx_ref, ds_ref, _dk_in_ref, dq_ref, dw_ref,
                 dk_ref, *, n, bk, scale, interpret):
-  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
   h, c = q_ref.shape
   q_hc, w_h = q_ref[...], w_ref[...]
   dt = q_hc.dtype
-  cols_c = jnp.arange(c, dtype=jnp.int32)
 
   def block(j, carry):
     dq_hc, dw_h = carry
@@ -97,11 +95,7 @@ def _bwd_kernel(nblk_ref, q_ref, w_ref, k_ref, idx_ref, ds_ref, _dk_in_ref, dq_r
                                         preferred_element_type=jnp.float32)
     dk_kc = jax.lax.dot_general(ddots_hk, q_hc, (((0,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32)
-    # As in ops/sparse_kernel.py: invalid slots (the zero row n) are masked out of the atomics
-    # on the GPU; the interpreter takes no mask, and the caller cuts row n off.
-    mask = None if interpret else jnp.broadcast_to((rows_k < n)[:, None], (bk, c))
-    plt.atomic_add(dk_ref, (jnp.broadcast_to(rows_k[:, None], (bk, c)),
-                            jnp.broadcast_to(cols_c[None, :], (bk, c))), dk_kc, mask=mask)
+    add_rows(dk_ref, rows_k, 0, dk_kc, n=n, interpret=interpret)
     return dq_hc, dw_h
 
   dq_hc, dw_h = jax.lax.fori_loop(0, nblk_ref[0], block, (jnp.zeros((h, c), jnp.float32),

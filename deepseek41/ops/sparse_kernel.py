@@ -68,7 +68,8 @@ def _relax_pallas_triton_atomics():
   acquire-release, which orders every one of the backward's key/value-gradient adds (nothing
   here synchronises through them). Relaxed adds made the backward at configs/ablation_1b.py's
   shapes 2.6x faster (docs/performance.md section 9.2). This sets the default of the lowering's
-  helper, so it holds for every Pallas Triton atomic in the process; the project has no other.
+  helper, so it holds for every Pallas Triton atomic in the process: the project's are all
+  gradient adds through `add_rows`, which nothing reads back before the kernel ends.
   Left alone if the helper's signature is not the one this was written against.
   """
   try:
@@ -155,9 +156,20 @@ def _fwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, lse_ref, *mass_ref, n, 
   jax.lax.fori_loop(0, nblk, mass_block, 0)
 
 
+def add_rows(ref, rows_k, col0, vals_kc, *, n, interpret):
+  """ref[rows_k, col0:col0 + c] += vals_kc with (relaxed) atomics. Invalid slots all point at the
+  dummy row n: on the GPU they are masked out of the atomics, so they do not serialise on one
+  row; the interpreter takes no mask, and callers cut row n off."""
+  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
+  bk, c = vals_kc.shape
+  cols_c = col0 + jnp.arange(c, dtype=jnp.int32)
+  mask = None if interpret else jnp.broadcast_to((rows_k < n)[:, None], (bk, c))
+  plt.atomic_add(ref, (jnp.broadcast_to(rows_k[:, None], (bk, c)),
+                       jnp.broadcast_to(cols_c[None, :], (bk, c))), vals_kc, mask=mask)
+
+
 def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_ref, _dkv_in_ref,
                 dq_ref, dkv_ref, *, n, bk, scale, dkv_chunk, interpret):
-  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
   h, d = q_ref.shape
   q_hd, do_hd = q_ref[...], do_ref[...]
   dt = q_hd.dtype
@@ -165,7 +177,6 @@ def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_r
   lse_safe_h = jnp.where(lse_h == -jnp.inf, 0.0, lse_h)  # such a query has no visible slot
   delta_h = jnp.sum(do_hd.astype(jnp.float32) * o_ref[...].astype(jnp.float32), axis=1) - \
       dlse_ref[...]
-  cols_c = jnp.arange(dkv_chunk, dtype=jnp.int32)
 
   def block(j, dq_hd):
     rows_k = idx_ref[pl.ds(j * bk, bk)]
@@ -176,10 +187,6 @@ def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_r
     ds_hk = p_hk * (dp_hk - delta_h[:, None])
     dq_hd = dq_hd + jax.lax.dot_general(ds_hk.astype(dt), kv_kd, (((1,), (0,)), ((), ())),
                                         preferred_element_type=jnp.float32)
-    # Invalid slots all hold the dummy row n: on the GPU they are masked out of the atomics;
-    # the interpreter takes no mask, and the dummy row is cut off by the caller anyway.
-    mask = None if interpret else jnp.broadcast_to((rows_k < n)[:, None], (bk, dkv_chunk))
-    rows_kc = jnp.broadcast_to(rows_k[:, None], (bk, dkv_chunk))
     # The key/value gradient dS^T q + P^T dO, `dkv_chunk` columns at a time: a [bk, d] fp32
     # tile and its layout change for the atomics would crowd the program's registers.
     for c in range(0, d, dkv_chunk):
@@ -188,8 +195,7 @@ def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_r
                                     preferred_element_type=jnp.float32) * scale +
                 jax.lax.dot_general(p_hk.astype(dt), do_ref[:, cols], (((0,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32))
-      plt.atomic_add(dkv_ref, (rows_kc, jnp.broadcast_to(c + cols_c[None, :], (bk, dkv_chunk))),
-                     dkv_kc, mask=mask)
+      add_rows(dkv_ref, rows_k, c, dkv_kc, n=n, interpret=interpret)
     return dq_hd
 
   dq_hd = jax.lax.fori_loop(0, nblk_ref[0], block, jnp.zeros((h, d), jnp.float32))
