@@ -10,9 +10,7 @@
 # selref = the defaults with the indexer's selected-entry scores on the jnp path (the kernel's A/B);
 # nosave = the defaults with block remat saving nothing; fullbwd = the sparse backward's key/value
 # gradient over the whole head width at once (both through benchmarks/train_variant.py);
-# keep = block remat keeping the attention kernels' outputs (train.remat=block_keep_attention);
-# optax = the optimizer as the optax chain (train.optimizer_impl=optax; the GPU default is fused).
-#   bash benchmarks/gpu_kernels.sh optimizer A B  # bench_optimizer.py, then the 4K runs given
+# keep = block remat keeping the attention kernels' outputs (train.remat=block_keep_attention).
 set -uo pipefail
 mode=${1:-micro}; shift || true
 source benchmarks/device_env.sh
@@ -24,7 +22,6 @@ flags() { case "$1" in auto) echo "";; xla) echo $XLA;; sparse) echo $SPARSE;; f
   grouped) echo "--config.model.moe_backend=grouped";; mhc) echo "--config.model.mhc_impl=fused";;
   selref) echo "--config.model.selected_scores_impl=reference";; nosave|fullbwd) echo "";;
   keep) echo "--config.train.remat=block_keep_attention";;
-  optax) echo "--config.train.optimizer_impl=optax";;
   *) echo "unknown run $1" >&2; exit 2;; esac; }
 train() {  # shape name run
   local shape=$1 run=$2 wd=/tmp/k_$1_$2_$$ extra=""
@@ -60,9 +57,6 @@ case "$mode" in
   selected)  # the selected-entry indexer scores alone (tile sweep), then the 4K runs given
     python3 benchmarks/bench_selected_scores.py --block_k 32,64,128 --num_warps 4,8 \
       --out "$OUT/selected.jsonl" 2>&1 | grep '^{' | cut -c1-300
-    for r in "$@"; do train 4k $r; done ;;
-  optimizer)
-    python3 benchmarks/bench_optimizer.py --out "$OUT/optimizer.jsonl" 2>&1 | grep '^{' | cut -c1-300
     for r in "$@"; do train 4k $r; done ;;
   micro)
     python3 benchmarks/bench_sparse_kernel.py --out "$OUT/sparse.jsonl" --block_k 64 --num_warps 4,8 \

@@ -122,10 +122,6 @@ def _auto_vision_attention_impl(m: dict[str, Any], backend: str) -> str:
   return 'reference' if backend == 'cpu' else 'fused'
 
 
-def _auto_optimizer_impl(t: dict[str, Any], backend: str) -> str:
-  return 'fused' if backend == 'gpu' else 'optax'
-
-
 QUANT_FORMATS = ('none', 'fp4_e4m3_16', 'fp4_ue8m0_32', 'fp8_ue8m0_32')
 
 
@@ -380,9 +376,6 @@ class TrainConfig:
   # while a table embedding row barely moves; at a text-tuned lr the spans become large,
   # near-constant vectors the LM cannot read (docs/performance.md section 7.2).
   vision_lr_multiplier: float = _key(1.0)
-  # The same AdamW either way: `optax` is the chain of optax transforms (train/optimizer.py),
-  # `fused` one kernel pass per parameter (ops/adamw_kernel.py; docs/performance.md section 23).
-  optimizer_impl: str = _key('auto', choices=('optax', 'fused'), auto=_auto_optimizer_impl)
   # block_keep_attention: block remat that also keeps the GPU attention kernels' outputs
   remat: str = _key('none', choices=('none', 'block', 'block_keep_attention'))
   eval_every_steps: int = _key(50)       # 0 disables evaluation
@@ -1105,7 +1098,7 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
   model = _resolve_model(cfg.model, backend)
   mesh = _resolve_mesh(cfg.mesh, num_devices)
   data = _resolve_data(cfg.data, model)
-  train = TrainConfig(**_read_section(TrainConfig, cfg.train, 'train', backend))
+  train = TrainConfig(**_read_section(TrainConfig, cfg.train, 'train'))
   _check_train(train)
   _check_batch_split(train, mesh)
   _check_expert_split(model, mesh)

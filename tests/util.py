@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from deepseek41.config import base_config, resolve
@@ -165,21 +161,3 @@ def first_update_ratios(overrides: dict, scaled: dict, plain: dict, ratio_of) ->
     np.testing.assert_allclose(np.asarray(a), ratio * np.asarray(b), rtol=1e-6, err_msg=name)
     scaled_leaves += ratio != 1.0
   return scaled_leaves
-
-
-@contextlib.contextmanager
-def h100_class_gpu_for_lowering():
-  """Answer Pallas's GPU query as an sm_90 device, so kernels lower to Triton IR on the CPU
-  (`jax.jit(f).trace(...).lower(lowering_platforms=('cuda',))`); skips where jax has no hook."""
-  try:
-    from jax._src.pallas.triton import pallas_call_registration as pcr  # noqa: PLC0415
-    import jax.experimental.pallas.triton  # noqa: F401,PLC0415
-    pcr.gpu_info_lib.get_gpu_info  # noqa: B018
-  except (ImportError, AttributeError):
-    pytest.skip('no Triton lowering hook in this jax')
-  saved = pcr.gpu_info_lib.get_gpu_info
-  pcr.gpu_info_lib.get_gpu_info = lambda *a, **k: types.SimpleNamespace(compute_capability=90)
-  try:
-    yield
-  finally:
-    pcr.gpu_info_lib.get_gpu_info = saved

@@ -141,7 +141,7 @@ def stage_loss(cfg: RunConfig, graphdef, params, fixed, biases, batch, key,
 
 def make_train_step(cfg: RunConfig, graphdef, tx):
   """The stage's update step (grad_accum_steps is 1: the config check)."""
-  from deepseek41.train.optimizer import apply_gradients, learning_rate_schedule
+  from deepseek41.train.optimizer import learning_rate_schedule
   from deepseek41.train.step import stacked_router_biases
   schedule = learning_rate_schedule(cfg.train)
   m = cfg.model
@@ -152,12 +152,12 @@ def make_train_step(cfg: RunConfig, graphdef, tx):
     loss_fn = lambda p: stage_loss(cfg, graphdef, p, fixed, biases, batch, key)
     (_, (ce_sum, n, aux, drafts, targets_nkv, d_loss, terms)), grads = jax.value_and_grad(
         loss_fn, has_aux=True)(params)
-    new_params, opt = apply_gradients(tx, grads, state['opt'], params)
+    updates, opt = tx.update(grads, state['opt'], params)
     rate = m.router_bias_rate
     new_biases = replace_under(biases, DRAFTER, _bias_rule(_draft_loads(drafts), rate))
     if not frozen(cfg):
       new_biases = replace_under(new_biases, BACKBONE, _bias_rule(aux['load_lme'], rate))
-    new_state = {**state, 'params': new_params, 'opt': opt,
+    new_state = {**state, 'params': optax.apply_updates(params, updates), 'opt': opt,
                  'router_bias': new_biases, 'step': state['step'] + 1}
     backbone_loss = ce_sum / jnp.maximum(n, 1.0)
     accept = objective.acceptance_metrics(drafts.logits_nkv, targets_nkv, drafts.valid_nk)

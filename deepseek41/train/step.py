@@ -15,7 +15,7 @@ import optax
 
 from deepseek41.config import RunConfig
 from deepseek41.model.moe import update_router_bias
-from deepseek41.train.optimizer import apply_gradients, learning_rate_schedule
+from deepseek41.train.optimizer import learning_rate_schedule
 from deepseek41.train.state import ModelDef, merge_model
 
 
@@ -111,7 +111,8 @@ def make_train_step(cfg: RunConfig, md: ModelDef):
         cfg, md, params, biases, batch)
 
     with jax.named_scope('optimizer'):
-      new_params, opt = apply_gradients(md.tx, grads, state['opt'], params)
+      updates, opt = md.tx.update(grads, state['opt'], params)
+      new_params = optax.apply_updates(params, updates)
       new_biases = updated_router_biases(biases, load_lme, cfg.model.router_bias_rate)
     new_state = {'params': new_params, 'router_bias': new_biases, 'opt': opt,
                  'step': state['step'] + 1, 'rng': state['rng']}
