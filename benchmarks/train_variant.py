@@ -8,6 +8,9 @@ Variants (what they undo, and the docs/performance.md section that measured it):
                         model/transformer.py becomes `nothing_saveable`; section 21)
   sparse_bwd_full_width the sparse kernel's backward forms each block's key/value gradient over
                         the whole head width at once (`dkv_chunk`, ops/sparse_kernel.py; section 22)
+  head_fp32_backward    the LM head's backward by autodiff of its fp32-output product (fp32 /
+                        TF32 GEMMs over the vocabulary; `head_logits`, model/transformer.py;
+                        section 23)
 """
 
 import os
@@ -29,8 +32,16 @@ def _sparse_bwd_full_width():
       default(heads)[0], default(heads)[1][:3] + (sparse_kernel.FULL_WIDTH,))
 
 
+def _head_fp32_backward():
+  import jax.numpy as jnp  # noqa: PLC0415
+  from deepseek41.model import transformer  # noqa: PLC0415
+  transformer.head_logits = lambda x, w: jnp.einsum('btd,dv->btv', x, w,
+                                                    preferred_element_type=jnp.float32)
+
+
 VARIANTS = {'remat_nothing_saved': _remat_nothing_saved,
-            'sparse_bwd_full_width': _sparse_bwd_full_width}
+            'sparse_bwd_full_width': _sparse_bwd_full_width,
+            'head_fp32_backward': _head_fp32_backward}
 
 if __name__ == '__main__':  # not in the data loader's worker processes, which import __main__
   if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:

@@ -1,11 +1,12 @@
 """Model behaviour: causality and document isolation by perturbation, backend equivalence."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from deepseek41.model.transformer import Transformer
+from deepseek41.model.transformer import Transformer, head_logits
 from deepseek41.train.step import cross_entropy_sum
 from tests.util import packed_batch, resolved, token_ce
 
@@ -115,3 +116,27 @@ def test_output_depends_on_relative_positions_only(model, monkeypatch):
                       lambda x, p, f, inverse=False: x if inverse else rope(x, p, f))
   ce = nnx.jit(lambda m, b: token_ce(m, b))
   assert np.abs(np.asarray(ce(model, shifted)) - np.asarray(ce(model, batch))).max() > 1e-3
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_head_backward_runs_in_the_compute_dtype(dtype):
+  """The LM head's gradients are those of its fp32-output product with the logits' cotangent
+  rounded to the compute dtype, and its backward holds no fp32 product over the vocabulary."""
+  dt = jnp.dtype(dtype)
+  x = jax.random.normal(jax.random.key(0), (2, 8, 16)).astype(dt)
+  w = jax.random.normal(jax.random.key(1), (16, 64)).astype(dt)
+  g = jax.random.normal(jax.random.key(2), (2, 8, 64), jnp.float32)
+  plain = lambda x, w: jnp.einsum('btd,dv->btv', x, w, preferred_element_type=jnp.float32)
+  logits, vjp = jax.vjp(head_logits, x, w)
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(plain(x, w)))
+  dx, dw = vjp(g)
+  assert dx.dtype == dt and dw.dtype == dt
+  # the reference: autodiff of the plain product, fed the cotangent as the compute dtype rounds it
+  want_dx, want_dw = jax.vjp(plain, x.astype(jnp.float32), w.astype(jnp.float32))[1](
+      g.astype(dt).astype(jnp.float32))
+  tol = 1e-6 if dtype == 'float32' else 1e-2
+  np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(want_dx), rtol=tol, atol=tol)
+  np.testing.assert_allclose(np.asarray(dw, np.float32), np.asarray(want_dw), rtol=tol, atol=tol)
+  bwd = jax.make_jaxpr(lambda x, w, g: jax.vjp(head_logits, x, w)[1](g))(x, w, g)
+  dots = [e for e in bwd.eqns if e.primitive.name == 'dot_general']
+  assert len(dots) == 2 and all(v.aval.dtype == dt for e in dots for v in e.invars)  # dx, dW

@@ -33,6 +33,34 @@ from deepseek41.ops.per_device import constrain_tokens, gather_tensor_split
 from deepseek41.ops.sparse_kernel import KERNEL_OUTPUTS
 
 
+
+@jax.custom_vjp
+def head_logits(x_btd, w_dv):
+  """fp32 logits [B, T, V] of compute-dtype x and W, whose backward runs in the compute dtype.
+
+  Autodiff of the fp32-output product would transpose it with the fp32 cotangent, promoting
+  the bf16 operand: two fp32 (TF32) GEMMs of [tokens, vocab] on the GPU, 6.5 ms of the
+  8 x 4,096 step (docs/performance.md section 23). Rounding the cotangent to x's dtype first
+  makes them bf16 GEMMs like every other layer's backward (W's gradient is rounded to W's
+  dtype either way). With fp32 compute (the CPU) nothing changes.
+  """
+  return jnp.einsum('btd,dv->btv', x_btd, w_dv, preferred_element_type=jnp.float32)
+
+
+def _head_logits_fwd(x_btd, w_dv):
+  return head_logits(x_btd, w_dv), (x_btd, w_dv)
+
+
+def _head_logits_bwd(res, g_btv):
+  x_btd, w_dv = res
+  g_btv = g_btv.astype(x_btd.dtype)
+  dx_btd = jnp.einsum('btv,dv->btd', g_btv, w_dv)
+  dw_dv = jnp.einsum('btd,btv->dv', x_btd, g_btv, preferred_element_type=jnp.float32)
+  return dx_btd, dw_dv.astype(w_dv.dtype)
+
+
+head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
+
 class Block(nnx.Module):
   """One layer: attention and MoE sublayers on the residual (`attention` picks the attention
   module: DSpark's draft blocks pass their own)."""
@@ -171,9 +199,7 @@ class Transformer(nnx.Module):
       x = collapse(x, self.hc_head(x))
     elif cfg.residual == 'mhc_single_pass':
       x = collapse(x, pre)
-    return jnp.einsum('btd,dv->btv', self.final_norm(x),
-                      self.head[...].astype(dtype_of(cfg.compute_dtype)),
-                      preferred_element_type=jnp.float32)
+    return head_logits(self.final_norm(x), self.head[...].astype(dtype_of(cfg.compute_dtype)))
 
   def embed_inputs(self, batch):
     """[B, T, D] input embeddings: the table, with image spans filled in by the vision path."""
