@@ -191,8 +191,12 @@ def _hlo_stack(event: dict, hlo_names: dict[str, str]) -> str:
 
 def scope_key(event: dict, depth: int, merge_layers: bool,
               hlo_names: dict[str, str] | None = None) -> tuple[str, str]:
-  """(phase, first `depth` scope components joined by '/') of one kernel."""
-  stack = name_stack(event.get('args') or {}) or _hlo_stack(event, hlo_names or {})
+  """(phase, first `depth` scope components joined by '/') of one kernel.
+
+  The HLO dump's op_name, where given, wins over the event's own stack: for fusions in the
+  grad-accumulation scan the event's stack stops at the step (the optimizer update and the
+  expert and attention glue all read "(top level)" in the 2026-12-02 profile)."""
+  stack = _hlo_stack(event, hlo_names or {}) or name_stack(event.get('args') or {})
   if not stack:
     return 'other', '(no scope)'
   parts, phase = parse_scope(stack)

@@ -120,6 +120,9 @@ def test_hlo_dump_names_the_kernels_without_a_name_stack(tmp_path, capsys):
       {'ph': 'X', 'pid': 1, 'tid': 7, 'ts': 60, 'dur': 25, 'name': 'input_scatter_fusion_2',
        'args': {}},
       {'ph': 'X', 'pid': 1, 'tid': 7, 'ts': 90, 'dur': 5, 'name': 'unknown_kernel', 'args': {}},
+      # a stack that stops at the step: the dump's op_name wins
+      {'ph': 'X', 'pid': 1, 'tid': 7, 'ts': 100, 'dur': 30, 'name': 'loop_convert_fusion',
+       'args': {'tf_op': 'jit(train_step)'}},
   ]
   with gzip.open(tmp_path / 'perfetto_trace.json.gz', 'wt') as f:
     json.dump({'traceEvents': meta + kernels}, f)
@@ -131,12 +134,17 @@ def test_hlo_dump_names_the_kernels_without_a_name_stack(tmp_path, capsys):
       f'metadata={{op_name="{base}jvp(layer0)/moe/add" source_file="x.py"}}\n'
       f'  ROOT %input_scatter_fusion.2 = f32[8]{{0}} fusion(%q), kind=kInput, '
       f'metadata={{op_name="{base}transpose(jvp(layer9))/jvp(layer9)/checkpoint/attention/csa2/'
-      'scatter-add"}\n}\n')
+      'scatter-add"}\n'
+      f'  %loop_convert_fusion = bf16[8]{{0}} fusion(%r), kind=kLoop, '
+      f'metadata={{op_name="{base}transpose(jvp(layer11))/attention/convert_element_type"}}\n}}\n')
   assert trace_summary.main([str(tmp_path), '--hlo', str(hlo), '--merge-layers']) == 0
   lines = capsys.readouterr().out.splitlines()
-  assert any('fwd  layer*/moe/add' in l and '57.14' in l for l in lines), lines
+  assert any('fwd  layer*/moe/add' in l and '40.00' in l for l in lines), lines
   assert any('bwd  layer*/attention/csa2' in l for l in lines), lines
-  assert any('other  (no scope)' in l and '7.14' in l for l in lines), lines
+  assert any('bwd  layer*/attention/convert_element_type' in l and '30.00' in l
+             for l in lines), lines
+  assert any('other  (no scope)' in l and '5.00' in l for l in lines), lines
+  assert not any('(top level)' in l for l in lines), lines
   # Without the dump the same kernels have no scope.
   assert trace_summary.main([str(tmp_path)]) == 0
   assert 'layer0' not in capsys.readouterr().out
