@@ -66,9 +66,13 @@ def get_config():
   c.train.schedule = 'wsd'
   c.train.eval_every_steps = 200
   c.train.eval_batches = 4
-  # 64K tokens: without remat the step needs 118 GiB; keeping the attention kernels' outputs
-  # (54 GB peak on the H200) runs 7-8% faster than plain block remat (33 GB).
+  # 64K tokens on one H200 (docs/performance.md section 23): block remat that keeps the
+  # attention kernels' outputs, on layers 0-5 only (6-11 keep their residuals): 99 GB peak and
+  # 3-8% faster than remat on every layer (remat_layers=0: 54 GB; remat='block': 33 GB, 7-8%
+  # slower again). Layers 0-3 only measured the same speed at 101 GB. On an 80 GB GPU set
+  # train.remat_layers=0.
   c.train.remat = 'block_keep_attention'
+  c.train.remat_layers = 6
 
   c.checkpoint.every_steps = 500
   c.checkpoint.max_to_keep = 2      # 13 GB each (params + Adam moments in fp32)

@@ -378,6 +378,9 @@ class TrainConfig:
   vision_lr_multiplier: float = _key(1.0)
   # block_keep_attention: block remat that also keeps the GPU attention kernels' outputs
   remat: str = _key('none', choices=('none', 'block', 'block_keep_attention'))
+  # With remat (ignored under 'none'): how many layers, from the first, are rematerialized
+  # (0 = all). The others keep their residuals for the backward: less recompute, more memory.
+  remat_layers: int = _key(0)
   eval_every_steps: int = _key(50)       # 0 disables evaluation
   eval_batches: int = _key(4)
   peak_tflops: float = _key(0.0)         # per-device peak for MFU; 0 = look up by device kind
@@ -1007,6 +1010,19 @@ def _check_train(t: TrainConfig):
   _req(t.grad_clip_norm >= 0, 'train.grad_clip_norm', 'must be >= 0')
   _req(t.engram_table_lr_multiplier > 0, 'train.engram_table_lr_multiplier', 'must be > 0')
   _req(t.vision_lr_multiplier > 0, 'train.vision_lr_multiplier', 'must be > 0')
+  _req(t.remat_layers >= 0, 'train.remat_layers', f'must be >= 0, got {t.remat_layers}')
+
+
+def remats_layer(remat: str, remat_layers: int, layer: int) -> bool:
+  """Whether backbone layer `layer` runs under remat (`train.remat`, `train.remat_layers`)."""
+  return remat != 'none' and (remat_layers == 0 or layer < remat_layers)
+
+
+def remat_label(t: TrainConfig) -> str:
+  """train.remat as the plans print it: 'block', or 'block (layers 0-5)' with remat_layers."""
+  if t.remat == 'none' or t.remat_layers == 0:
+    return t.remat
+  return f'{t.remat} (layers 0-{t.remat_layers - 1})'
 
 
 def _check_batch_split(t: TrainConfig, mesh: MeshConfig):
@@ -1100,6 +1116,8 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
   data = _resolve_data(cfg.data, model)
   train = TrainConfig(**_read_section(TrainConfig, cfg.train, 'train'))
   _check_train(train)
+  _req(train.remat_layers <= model.num_layers, 'train.remat_layers',
+       f'must be <= model.num_layers={model.num_layers}, got {train.remat_layers}')
   _check_batch_split(train, mesh)
   _check_expert_split(model, mesh)
   _check_context_split(data, model, mesh)

@@ -11,7 +11,8 @@ import jax
 import pytest
 
 from deepseek41.config import (FULL, REINDEX, REUSE, SECTIONS, SWA, ConfigError, ModelConfig,
-                               base_config, layer_roles, load_config_file, parse_sources, resolve)
+                               base_config, layer_roles, load_config_file, parse_sources,
+                               remats_layer, resolve)
 from deepseek41.train.state import abstract_state, count_params
 from deepseek41.train.optimizer import make_optimizer
 from tests.util import small_config
@@ -73,6 +74,20 @@ def test_tiny_roles_match_the_reference_toy():
 def test_inconsistent_values_name_the_key(key, value, culprit):
   with pytest.raises(ConfigError, match=culprit.replace('.', r'\.')):
     resolve(small_config(**{key: value}), num_devices=8, backend='cpu')
+
+
+@pytest.mark.parametrize('layers', [-1, 5])   # the small config has 4 layers
+def test_remat_layers_within_the_model(layers):
+  with pytest.raises(ConfigError, match=r'train\.remat_layers'):
+    resolve(small_config(**{'train.remat': 'block', 'train.remat_layers': layers}),
+            num_devices=8, backend='cpu')
+  ok = resolve(small_config(**{'train.remat': 'block', 'train.remat_layers': 4}),
+               num_devices=8, backend='cpu')
+  assert ok.train.remat_layers == 4
+  # remat 'none' remats nothing, whatever the count (scripts switch remat off over a config
+  # that sets one)
+  off = resolve(small_config(**{'train.remat_layers': 2}), num_devices=8, backend='cpu').train
+  assert not any(remats_layer(off.remat, off.remat_layers, layer) for layer in range(4))
 
 
 @pytest.mark.parametrize('key, value', [

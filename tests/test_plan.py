@@ -64,6 +64,16 @@ def test_exact_parts_match_real_sharded_arrays():
   assert want['params'] < whole / 2
 
 
+def test_role_table_splits_layers_by_remat():
+  config = _four_layer_tiny()
+  config.train.remat_layers = 3
+  cfg = resolve(config)
+  table = plan.role_table(cfg)
+  assert sorted(l for ls in table.values() for l in ls) == [0, 1, 2, 3]
+  assert {key[-1] for key, ls in table.items() for l in ls if l < 3} == {True}
+  assert [key[-1] for key, ls in table.items() if 3 in ls] == [False]
+
+
 def test_role_table_groups_identical_layers():
   cfg, _ = plan.planned_config(load_config_file(os.path.join(ROOT, 'configs', 'v41_flash.py')),
                                {'fsdp': 32, 'expert': 8}, batch=256, seq_len=4096,
@@ -74,8 +84,10 @@ def test_role_table_groups_identical_layers():
   assert cfg.model.compute_dtype == 'bfloat16' and cfg.model.moe_backend == 'grouped'
 
 
-def test_plan_matches_compiled_full_step():
+@pytest.mark.parametrize('remat_layers', [0, 2])   # every layer; layers 0-1 (2-3 keep residuals)
+def test_plan_matches_compiled_full_step(remat_layers):
   config = _four_layer_tiny()
+  config.train.remat_layers = remat_layers
   result = {}
   # The plan compiles in a worker process (its CLI path) while this one compiles the full step:
   # two cores, about half the wall time.
@@ -94,9 +106,23 @@ def test_plan_matches_compiled_full_step():
       p['programs']['batch_bytes']
   assert full['alias'] == full['argument'] - p['programs']['batch_bytes']  # state donated
   step_peak = full['peak']
-  assert abs(d['total'] - step_peak) <= TOLERANCE * step_peak, (d['total'], step_peak, full)
+  if remat_layers:
+    # A layer without remat keeps its own vjp residuals in the plan, some of which the whole
+    # program shares between layers: at this size the plan overcounts (measured +38% here, and
+    # +32% with remat 'none'), never undercounts.
+    assert step_peak <= d['total'] <= (1 + 2 * TOLERANCE) * step_peak, (d['total'], step_peak)
+  else:
+    assert abs(d['total'] - step_peak) <= TOLERANCE * step_peak, (d['total'], step_peak, full)
   # Every role was compiled once and stands for its layers.
-  assert sorted(l for r in p['programs']['roles'].values() for l in r['layers']) == [0, 1, 2, 3]
+  roles = p['programs']['roles'].values()
+  assert sorted(l for r in roles for l in r['layers']) == [0, 1, 2, 3]
+  if remat_layers:  # no role mixes layers with and without remat; those without keep more
+    assert all(max(r['layers']) < remat_layers or min(r['layers']) >= remat_layers
+               for r in roles)
+    kept = {min(r['layers']) < remat_layers: [] for r in roles}
+    for r in roles:
+      kept[min(r['layers']) < remat_layers].append(r['kept_bytes'])
+    assert min(kept[False]) > 10 * max(kept[True]), kept
   assert d['activations'] > d['kept_by_layers'] > 0
   print(f"plan {d['total']:,} vs full step {step_peak:,} bytes "
         f"({d['total'] / step_peak - 1:+.1%}) in {time.perf_counter() - t0:.0f} s")

@@ -48,7 +48,8 @@ def baseline():
 
 @pytest.mark.parametrize('overrides', [{'train.grad_accum_steps': 2},
                                        {'train.grad_accum_steps': 4},
-                                       {'train.remat': 'block'}])
+                                       {'train.remat': 'block'},
+                                       {'train.remat': 'block', 'train.remat_layers': 1}])
 def test_same_update(baseline, overrides):
   grads, state, metrics = _one_step(**overrides)
   base_grads, base_state, base_metrics = baseline
@@ -93,6 +94,31 @@ def test_block_remat_with_csa2_same_update_without_reselecting():
   (moe_none, sel_none), (moe_block, sel_block) = counts['none'], counts['block']
   assert sel_none > 0 and sel_block == sel_none, counts
   assert moe_block == 2 * moe_none, counts  # the routing is recomputed: the check sees remat
+
+
+def test_remat_layers_recomputes_the_first_layers_only():
+  """train.remat_layers=n: layers 0..n-1 run under remat (a checkpoint each, whose backward
+  recomputes the MoE routing's top-k), the rest keep their residuals; 0 means every layer."""
+  cfg = resolved().model
+  batch = {k: jnp.asarray(v)[:2] for k, v in packed_batch(seed=5).items()}
+
+  def checkpoints_and_routing(**kw):
+    graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(params=0), **kw))
+
+    def loss(params):
+      return jnp.mean(nnx.merge(graphdef, params)(batch)[0])
+    forward = jax.make_jaxpr(loss)(params).jaxpr
+    wrapped = [str(e.source_info.name_stack) for e in forward.eqns
+               if e.primitive.name == 'remat2']
+    routing = sum(e.primitive.name == 'top_k' and 'moe' in str(e.source_info.name_stack)
+                  for e in _eqns(jax.make_jaxpr(jax.grad(loss))(params).jaxpr))
+    return wrapped, routing
+  wrapped, routing_none = checkpoints_and_routing(remat='none')
+  assert wrapped == [] and routing_none == cfg.num_layers
+  for n, want in ((1, ['layer0']), (3, ['layer0', 'layer1', 'layer2']),
+                  (0, [f'layer{l}' for l in range(cfg.num_layers)])):
+    wrapped, routing = checkpoints_and_routing(remat='block', remat_layers=n)
+    assert wrapped == want and routing == routing_none + len(want), (n, wrapped, routing)
 
 
 def _pallas_calls(jaxpr):

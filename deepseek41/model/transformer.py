@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from deepseek41.config import LayerRole, ModelConfig, layer_roles
+from deepseek41.config import LayerRole, ModelConfig, layer_roles, remats_layer
 from deepseek41.model.attention import Attention
 from deepseek41.model.csa2 import INDEXER_TOTALS, SELECTION
 from deepseek41.model.engram import Engram, dead_tokens, layer_addresses, row_ids
@@ -166,9 +166,10 @@ class Transformer(nnx.Module):
   """The V4.1 backbone. `__call__(batch) -> (logits [B,T,V] fp32, aux)`."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: str = 'none',
-               sequence_parallel: bool = True):
+               sequence_parallel: bool = True, remat_layers: int = 0):
     self.cfg = cfg
     self.remat = remat
+    self.remat_layers = remat_layers  # train.remat_layers: the first n layers (0: all)
     self.sequence_parallel = sequence_parallel  # mesh.sequence_parallel
     self.embed = normal_param(rngs, (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'), cfg.init_std)
     self.vision = VisionEncoder(cfg, rngs, remat) if cfg.vision else None
@@ -239,7 +240,7 @@ class Transformer(nnx.Module):
         u = gather_tensor_split(x, self.sequence_parallel)
         captured[block.layer] = u if u.ndim == 3 else jnp.mean(u.astype(jnp.float32), axis=2)
       with jax.named_scope(f'layer{block.layer}'):
-        if self.remat != 'none':
+        if remats_layer(self.remat, self.remat_layers, block.layer):
           x, pre, aux, shared = _rematerialized(
               block, x, pre, batch, shared, self.sequence_parallel,
               keep_kernel_outputs=self.remat == 'block_keep_attention')

@@ -28,8 +28,8 @@ publishes) stay live from its forward to its backward, so
 train.remat = 'block_keep_attention': as 'block', plus the GPU attention kernels' outputs each
 layer keeps (`_kernel_output_bytes`, from their shapes).
 
-train.remat = 'none': each layer keeps the residuals a `jax.vjp` of it returns (compiled)
-instead of its outputs. The state is donated (as the trainer jits the step) and all gradients
+train.remat = 'none' (and the layers past `train.remat_layers` when it is set): each such
+layer keeps the residuals a `jax.vjp` of it returns (compiled) instead of its outputs. The state is donated (as the trainer jits the step) and all gradients
 are live at once. Checked against the compiled whole step (`full_step_memory`,
 `--check_full_step`; tests/test_plan.py): the assembly comes out 12-13% under it (the 4-layer
 tiny model and ablation_1b on 8 devices), about one parameter-sized buffer the whole program
@@ -75,7 +75,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from deepseek41.batch import batch_keys
-from deepseek41.config import MeshConfig, RunConfig, layer_roles, resolve
+from deepseek41.config import (MeshConfig, RunConfig, layer_roles, remat_label, remats_layer,
+                               resolve)
 from deepseek41.model.csa2 import INDEXER_TOTALS
 from deepseek41.model.params import RouterBias
 from deepseek41.ops import stand_in
@@ -203,10 +204,13 @@ def layer_signature(role) -> tuple:
 
 
 def role_table(cfg: RunConfig) -> dict[tuple, list[int]]:
-  """signature -> the layers that have it (the first is the one compiled)."""
+  """signature (+ whether the layer runs under remat) -> the layers that have it (the first
+  is the one compiled)."""
   table: dict[tuple, list[int]] = {}
+  t = cfg.train
   for role in layer_roles(cfg.model):
-    table.setdefault(layer_signature(role), []).append(role.layer)
+    key = layer_signature(role) + (remats_layer(t.remat, t.remat_layers, role.layer),)
+    table.setdefault(key, []).append(role.layer)
   return table
 
 
@@ -420,9 +424,10 @@ def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
       'cotangent_out_bytes': _sharded_bytes((x, pre, s_float), in_ct_sh),
       'grad_bytes': _sharded_bytes(p, p_sh),
   }
-  if cfg.train.remat == 'block_keep_attention':
+  rematted = remats_layer(cfg.train.remat, cfg.train.remat_layers, block.layer)
+  if rematted and cfg.train.remat == 'block_keep_attention':
     result['kept_bytes'] += _kernel_output_bytes(cfg.model, block.attn.role, batch, spec)
-  if cfg.train.remat == 'none':  # every layer keeps its vjp residuals instead
+  if not rematted:  # the layer keeps its vjp residuals instead
     def residuals(p, rb, x, pre, s_float, s_int, batch):
       return jax.vjp(lambda p, x, pre, s: forward(p, rb, x, pre, s, s_int, batch)[0],
                      p, x, pre, s_float)[1]
@@ -581,7 +586,7 @@ def plan(config, mesh_sizes: dict[str, int], *, batch: int | None = None,
       'mesh': mesh_sizes, 'devices': n, 'device_kind': device_kind, 'hbm_bytes': hbm,
       'batch': cfg.train.batch_size, 'seq_len': cfg.data.seq_len,
       'per_device_batch': cfg.train.batch_size // cfg.train.grad_accum_steps // batch_shards,
-      'remat': cfg.train.remat, 'compute_dtype': cfg.model.compute_dtype,
+      'remat': remat_label(cfg.train), 'compute_dtype': cfg.model.compute_dtype,
       'param_dtype': cfg.model.param_dtype, 'moe_backend': cfg.model.moe_backend,
       'stand_ins': notes, 'per_device': per_device,
       'fits': bool(hbm and per_device['total'] <= hbm),

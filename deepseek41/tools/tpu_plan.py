@@ -36,7 +36,7 @@ import time
 import jax
 from jax.experimental import topologies
 
-from deepseek41.config import MeshConfig, RunConfig, resolve
+from deepseek41.config import MeshConfig, RunConfig, remat_label, remats_layer, resolve
 from deepseek41.tools import plan as cpu_plan
 
 GIB = 2**30
@@ -166,8 +166,11 @@ def per_layer(cfg: RunConfig, devices, state: dict) -> dict:
   programs = cpu_plan.compile_programs(cfg, devices)
   assembled = cpu_plan.assemble(state, programs)
   roles = programs['roles']
-  recompute = 1.0 if cfg.train.remat == 'none' else 4 / 3  # the TPU's paths name no kernel outputs
-  role_flops = {l: r['fwd_bwd']['flops'] * recompute for l, r in roles.items()}
+  t = cfg.train
+
+  def recompute(layer):  # the TPU's paths name no kernel outputs: remat recomputes it all
+    return 4 / 3 if remats_layer(t.remat, t.remat_layers, layer) else 1.0
+  role_flops = {l: r['fwd_bwd']['flops'] * recompute(int(l)) for l, r in roles.items()}
   flops = (sum(f * len(roles[l]['layers']) for l, f in role_flops.items()) +
            programs['head']['fwd_bwd']['flops'] + programs['embed']['fwd_bwd']['flops'] +
            programs['optimizer']['update']['flops'])
@@ -215,7 +218,7 @@ def tpu_plan(config, topology: str, mesh_sizes: dict[str, int] | None = None, *,
       'chips': len(devices), 'hbm_bytes': hbm, 'mesh': mesh_sizes,
       'batch': cfg.train.batch_size, 'seq_len': cfg.data.seq_len,
       'per_chip_batch': cfg.train.batch_size // cfg.train.grad_accum_steps / batch_shards,
-      'remat': cfg.train.remat, 'compute_dtype': m.compute_dtype, 'param_dtype': m.param_dtype,
+      'remat': remat_label(cfg.train), 'compute_dtype': m.compute_dtype, 'param_dtype': m.param_dtype,
       'impls': {k: getattr(m, k) for k in ('attention_impl', 'sparse_impl', 'index_impl',
                                           'selected_scores_impl', 'select_impl', 'mhc_impl',
                                           'moe_backend', 'expert_exchange')},

@@ -43,7 +43,8 @@ class DraftingModel(nnx.Module):
 
   def __init__(self, cfg: RunConfig, rngs: nnx.Rngs, remat: str = 'none'):
     self.backbone = Transformer(cfg.model, rngs, remat=remat,
-                                sequence_parallel=cfg.mesh.sequence_parallel)
+                                sequence_parallel=cfg.mesh.sequence_parallel,
+                                remat_layers=cfg.train.remat_layers)
     self.dspark = DSpark(cfg.model, cfg.dspark, rngs)
 
 

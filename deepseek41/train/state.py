@@ -46,7 +46,8 @@ def build_model(cfg: RunConfig, seed: int | None = None) -> Transformer:
     model = DraftingModel(cfg, nnx.Rngs(params=seed), remat=cfg.train.remat)
   else:
     model = Transformer(cfg.model, nnx.Rngs(params=seed), remat=cfg.train.remat,
-                        sequence_parallel=cfg.mesh.sequence_parallel)
+                        sequence_parallel=cfg.mesh.sequence_parallel,
+                        remat_layers=cfg.train.remat_layers)
   return cast_params(model, dtype_of(cfg.model.param_dtype))
 
 
