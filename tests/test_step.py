@@ -14,18 +14,7 @@ from deepseek41.sharding import make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.step import accumulate_gradients, make_train_step
-from tests.util import packed_batch, resolved
-
-
-def _eqns(jaxpr):
-  """Every equation of a jaxpr, its sub-jaxprs' included."""
-  for e in jaxpr.eqns:
-    yield e
-    for v in e.params.values():
-      for sub in v if isinstance(v, (list, tuple)) else [v]:
-        sub = getattr(sub, 'jaxpr', sub)
-        if hasattr(sub, 'eqns'):
-          yield from _eqns(sub)
+from tests.util import jaxpr_eqns, packed_batch, resolved
 
 
 def _one_step(**overrides):
@@ -77,7 +66,7 @@ def test_block_remat_with_csa2_same_update_without_reselecting():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
 
   def top_ks(jaxpr):  # (MoE routing, others) top_k eqns
-    stacks = [str(e.source_info.name_stack) for e in _eqns(jaxpr) if e.primitive.name == 'top_k']
+    stacks = [str(e.source_info.name_stack) for e in jaxpr_eqns(jaxpr) if e.primitive.name == 'top_k']
     moe = sum('moe' in st for st in stacks)
     return moe, len(stacks) - moe
 
@@ -111,7 +100,7 @@ def test_remat_layers_recomputes_the_first_layers_only():
     wrapped = [str(e.source_info.name_stack) for e in forward.eqns
                if e.primitive.name == 'remat2']
     routing = sum(e.primitive.name == 'top_k' and 'moe' in str(e.source_info.name_stack)
-                  for e in _eqns(jax.make_jaxpr(jax.grad(loss))(params).jaxpr))
+                  for e in jaxpr_eqns(jax.make_jaxpr(jax.grad(loss))(params).jaxpr))
     return wrapped, routing
   wrapped, routing_none = checkpoints_and_routing(remat='none')
   assert wrapped == [] and routing_none == cfg.num_layers
@@ -123,7 +112,7 @@ def test_remat_layers_recomputes_the_first_layers_only():
 
 def _pallas_calls(jaxpr):
   """{kernel name: pallas_call eqns}."""
-  return collections.Counter(e.params['name'] for e in _eqns(jaxpr)
+  return collections.Counter(e.params['name'] for e in jaxpr_eqns(jaxpr)
                              if e.primitive.name == 'pallas_call')
 
 

@@ -161,3 +161,14 @@ def first_update_ratios(overrides: dict, scaled: dict, plain: dict, ratio_of) ->
     np.testing.assert_allclose(np.asarray(a), ratio * np.asarray(b), rtol=1e-6, err_msg=name)
     scaled_leaves += ratio != 1.0
   return scaled_leaves
+
+
+def jaxpr_eqns(jaxpr):
+  """Every equation of a jaxpr, its sub-jaxprs' included."""
+  for e in jaxpr.eqns:
+    yield e
+    for v in e.params.values():
+      for sub in v if isinstance(v, (list, tuple)) else [v]:
+        sub = getattr(sub, 'jaxpr', sub)
+        if hasattr(sub, 'eqns'):
+          yield from jaxpr_eqns(sub)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepseek41.config import index_scores_supported
+from deepseek41.ops import stand_in
 from deepseek41.ops.per_device import batch_local
 
 MIN_DOT = 16  # Triton's smallest matmul dimension
@@ -96,7 +97,7 @@ def index_scores_fused(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 64, blo
   k_bnc = pad_axis(k_bnc.astype(dt), 1, bn)
   tp, np_ = q_btf.shape[1], k_bnc.shape[1]
   kernel = functools.partial(_kernel, heads=h, dim=c, bq=bq, bn=bn, scale=(h * c) ** -0.5)
-  out = pl.pallas_call(
+  out = stand_in.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((b, tp, np_), jnp.float32),
       grid=(b, tp // bq, np_ // bn),

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from deepseek41.ops import stand_in
 from deepseek41.ops.chunking import map_query_chunks
 from deepseek41.ops.index_scores import MIN_DOT
 from deepseek41.ops.per_device import batch_local
@@ -109,7 +110,7 @@ def _forward(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, scale, block_k, num_warps
   k_bmc, idx_btk, nblk_bt1, bk = prepare_rows(k_bnc, idx_btk, valid_btk, block_k)
   rows, k_pad = k_bmc.shape[1], idx_btk.shape[-1]
   spec = per_query_specs(h, c, rows, k_pad)
-  s_btk = droppable(pl.pallas_call(
+  s_btk = droppable(stand_in.pallas_call(
       functools.partial(_fwd_kernel, bk=bk, scale=scale),
       out_shape=jax.ShapeDtypeStruct((b, t, k_pad), jnp.float32),
       grid=(t, b),  # queries fastest: neighbours share selected keys in L2
@@ -131,7 +132,7 @@ def _backward(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, ds_btk, scale, block_k, 
   spec = per_query_specs(h, c, rows, k_pad)
   ds_btk = jnp.pad(jnp.where(valid_btk, ds_btk, 0.0).astype(jnp.float32),
                    ((0, 0), (0, 0), (0, k_pad - k)))
-  dq_bthc, dw_bth, dk_bmc = pl.pallas_call(
+  dq_bthc, dw_bth, dk_bmc = stand_in.pallas_call(
       functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale, interpret=interpret),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, c), q_bthc.dtype),
                  jax.ShapeDtypeStruct((b, t, h), jnp.float32),

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
+from deepseek41.ops import stand_in
 from deepseek41.ops.index_scores import MIN_DOT
 
 # The checkpoint name of the CSA2 kernels' outputs (this kernel's, the window kernel's and the
@@ -254,7 +255,7 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_
   if with_mass:
     out_shape.append(jax.ShapeDtypeStruct((b, t, k_pad), jnp.float32))
     out_specs.append(spec['idx'])
-  outs = droppable(pl.pallas_call(
+  outs = droppable(stand_in.pallas_call(
       functools.partial(_fwd_kernel, n=n, bk=bk, scale=scale, heads=heads),
       out_shape=out_shape,
       grid=(t, b),  # queries fastest: neighbours share selected rows in L2
@@ -277,7 +278,7 @@ def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse
   rows, k_pad = kv_bmd.shape[1], idx_btk.shape[-1]
   spec = per_query_specs(hg, d, rows, k_pad)
   dkv_spec = spec['kv']
-  dq_bthd, dkv_bmd = pl.pallas_call(
+  dq_bthd, dkv_bmd = stand_in.pallas_call(
       functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale, dkv_chunk=min(dkv_chunk, d),
                         interpret=interpret),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype),

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from deepseek41.ops import stand_in
 from deepseek41.ops.index_scores import MIN_DOT, pad_axis
 from deepseek41.ops.sparse_kernel import droppable, name_outputs
 ROWS = 32     # default query rows (queries x heads) per forward / dq block (at least H)
@@ -272,7 +273,7 @@ def _forward(st: _Static, q_brd, kv_btd, seg_bt, span_bt):
   b, n_rows, d = q_brd.shape
   t = seg_bt.shape[1]
   rows = st.bq * st.heads
-  return droppable(pl.pallas_call(
+  return droppable(stand_in.pallas_call(
       functools.partial(_fwd_kernel, st=st),
       out_shape=[jax.ShapeDtypeStruct((b, n_rows, d), kv_btd.dtype),
                  jax.ShapeDtypeStruct((b, n_rows), jnp.float32)],
@@ -289,7 +290,7 @@ def _backward(st: _Static, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br, do_brd
   b, n_rows, d = q_brd.shape
   t = seg_bt.shape[1]
   rows = st.bq * st.heads
-  dq_brd, delta_br = pl.pallas_call(
+  dq_brd, delta_br = stand_in.pallas_call(
       functools.partial(_dq_kernel, st=st),
       out_shape=[jax.ShapeDtypeStruct((b, n_rows, d), q_brd.dtype),
                  jax.ShapeDtypeStruct((b, n_rows), jnp.float32)],
@@ -302,7 +303,7 @@ def _backward(st: _Static, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br, do_brd
       interpret=st.interpret,
       name='swa_window_dq',
   )(seg_bt, span_bt, q_brd, kv_btd, o_brd, do_brd, lse_br, dlse_br)
-  dkv_btd = pl.pallas_call(
+  dkv_btd = stand_in.pallas_call(
       functools.partial(_dkv_kernel, st=st),
       out_shape=jax.ShapeDtypeStruct((b, t, d), kv_btd.dtype),
       grid=(t // st.bk_dkv, b),

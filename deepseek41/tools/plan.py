@@ -126,16 +126,18 @@ def cpu_stand_ins(model: ml_collections.ConfigDict, backend: str) -> list[str]:
   if backend == 'cpu':
     return []
   notes = []
-  # The GPU's vision attention (cuDNN flash) compiles as its buffers (ops/stand_in.py).
-  vision_attention = 'fused' if backend == 'gpu' else 'reference'
-  for key, plain in (('attention_impl', 'chunked'), ('sparse_impl', 'gathered'),
-                     ('mhc_impl', 'reference'), ('index_impl', 'reference'),
-                     ('selected_scores_impl', 'reference'), ('select_impl', 'top_k'),
-                     ('vision_attention_impl', vision_attention)):
-    if model[key] in ('auto', 'fused', 'threshold'):
-      notes.append(f'{key}: {model[key]} -> {plain}' + (
-          ' (its buffers)' if plain == 'fused' else ''))
-      model[key] = plain
+  if backend == 'gpu':
+    # The GPU's own paths, resolved for the GPU; its Pallas kernels, grouped GEMMs and flash
+    # attention compile as their operands and results (ops/stand_in.py).
+    notes.append('GPU kernels (Pallas, cuDNN flash attention): as their operands and results')
+  else:
+    for key, plain in (('attention_impl', 'chunked'), ('sparse_impl', 'gathered'),
+                       ('mhc_impl', 'reference'), ('index_impl', 'reference'),
+                       ('selected_scores_impl', 'reference'), ('select_impl', 'top_k'),
+                       ('vision_attention_impl', 'reference')):
+      if model[key] in ('auto', 'fused', 'threshold'):
+        notes.append(f'{key}: {model[key]} -> {plain}')
+        model[key] = plain
   if backend == 'gpu' and model.moe_backend in ('auto', 'ragged_dot'):
     # The GPU's dropless experts, with their layout and the expert exchange's buffers (the
     # allgather exchange's S*N tokens and S*N*K rows); the kernels compile as their buffers.
@@ -166,7 +168,8 @@ def planned_config(config, mesh_sizes: dict[str, int], *, batch: int | None = No
   if compile_for == 'tpu':
     return resolve(config, num_devices=math.prod(mesh_sizes.values()), backend='tpu'), []
   notes = cpu_stand_ins(config.model, backend)
-  return resolve(config, num_devices=math.prod(mesh_sizes.values()), backend='cpu'), notes
+  resolve_for = 'gpu' if backend == 'gpu' else 'cpu'   # the GPU's choices, compiled as above
+  return resolve(config, num_devices=math.prod(mesh_sizes.values()), backend=resolve_for), notes
 
 
 # ---------------------------------------------------------------------------------------------
