@@ -35,17 +35,19 @@ are live at once. Checked against the compiled whole step (`full_step_memory`,
 tiny model and ablation_1b on 8 devices), about one parameter-sized buffer the whole program
 keeps that no single-layer program shows.
 
-The production kernels (Pallas on the GPU, the TPU grouped GEMM) cannot be compiled for the CPU,
-so the compiled programs use the plain-jnp paths of the same math (`cpu_stand_ins`): chunked
-window attention, gathered sparse attention, reference mHC and indexer. Two GPU kernels are
-kept, as their buffers (`ops/stand_in.py`: opaque calls that hold exactly a kernel's operands
-and results, as a GPU kernel does): the vision tower's flash attention (XLA's dense attention
-would keep the [P, P] probabilities of every layer) and the routed experts' grouped GEMMs, so a
-GPU device kind plans the dropless `grouped` backend with its expert-sorted layout and, under
-expert parallelism, the allgather exchange's S N gathered tokens and their layout rows (the
-Pallas interpreter would copy the kernels' operands through its loops, about doubling the
-experts' temporaries; its row tile is the CPU's 32 where the GPU's is 128: < E x 96 rows fewer).
-On a TPU device kind (without --topology) the routed experts go through the capacity einsum at
+The production kernels (Pallas on the GPU, the TPU grouped GEMM) cannot be compiled for the CPU.
+For a GPU device kind the config is resolved for the GPU and its own code paths are compiled,
+each kernel as its buffers (`ops/stand_in.py`: an opaque call that holds exactly a kernel's
+operands and results, as a GPU kernel does): every Pallas kernel (`stand_in.pallas_call`, so the
+custom VJPs around them keep the GPU's residuals), the routed experts' grouped GEMMs (the
+dropless `grouped` backend with its expert-sorted layout and, under expert parallelism, the
+allgather exchange's S N gathered tokens and their layout rows) and the vision tower's flash
+attention (XLA's dense attention would keep the [P, P] probabilities of every layer). A layer
+without remat is still overcounted: its residuals are compiled as a program's outputs, so the
+fp32 upcasts that the whole step's fusions recompute are stored (docs/performance.md 23).
+On a TPU device kind (without --topology) the plain-jnp paths of the same math are compiled
+(chunked window attention, gathered sparse attention, reference mHC and indexer), and the
+routed experts go through the capacity einsum at
 the config's capacity factor (ceil(cf N K / E) slots per expert and sequence) in place of the
 TPU's grouped GEMM and ragged exchange, whose receive buffer (mesh.expert x N K rows by
 default, model.expert_buffer_factor) is not counted: the --topology plan has it. XLA's CPU
