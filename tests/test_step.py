@@ -66,7 +66,8 @@ def test_block_remat_with_csa2_same_update_without_reselecting():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
 
   def top_ks(jaxpr):  # (MoE routing, others) top_k eqns
-    stacks = [str(e.source_info.name_stack) for e in jaxpr_eqns(jaxpr) if e.primitive.name == 'top_k']
+    stacks = [str(e.source_info.name_stack) for e in jaxpr_eqns(jaxpr)
+              if e.primitive.name == 'top_k']
     moe = sum('moe' in st for st in stacks)
     return moe, len(stacks) - moe
 

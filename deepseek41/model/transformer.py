@@ -33,7 +33,6 @@ from deepseek41.ops.per_device import constrain_tokens, gather_tensor_split
 from deepseek41.ops.sparse_kernel import KERNEL_OUTPUTS
 
 
-
 @jax.custom_vjp
 def head_logits(x_btd, w_dv):
   """fp32 logits [B, T, V] of compute-dtype x and W, whose backward runs in the compute dtype.
@@ -60,6 +59,7 @@ def _head_logits_bwd(res, g_btv):
 
 
 head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
+
 
 class Block(nnx.Module):
   """One layer: attention and MoE sublayers on the residual (`attention` picks the attention

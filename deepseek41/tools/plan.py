@@ -29,11 +29,13 @@ train.remat = 'block_keep_attention': as 'block', plus the GPU attention kernels
 layer keeps (`_kernel_output_bytes`, from their shapes).
 
 train.remat = 'none' (and the layers past `train.remat_layers` when it is set): each such
-layer keeps the residuals a `jax.vjp` of it returns (compiled) instead of its outputs. The state is donated (as the trainer jits the step) and all gradients
-are live at once. Checked against the compiled whole step (`full_step_memory`,
-`--check_full_step`; tests/test_plan.py): the assembly comes out 12-13% under it (the 4-layer
-tiny model and ablation_1b on 8 devices), about one parameter-sized buffer the whole program
-keeps that no single-layer program shows.
+layer keeps the residuals a `jax.vjp` of it returns (compiled) instead of its outputs.
+
+The state is donated (as the trainer jits the step) and all gradients are live at once.
+Checked against the compiled whole step (`full_step_memory`, `--check_full_step`;
+tests/test_plan.py): with block remat the assembly comes out 12-13% under it (the 4-layer tiny
+model and ablation_1b on 8 devices), about one parameter-sized buffer the whole program keeps
+that no single-layer program shows; layers without remat come out over it (below).
 
 The production kernels (Pallas on the GPU, the TPU grouped GEMM) cannot be compiled for the CPU.
 For a GPU device kind the config is resolved for the GPU and its own code paths are compiled,
@@ -123,8 +125,9 @@ _WORKER_ENV = 'DS41_PLAN_WORKER'
 
 
 def cpu_stand_ins(model: ml_collections.ConfigDict, backend: str) -> list[str]:
-  """Replace what only compiles on the target (Pallas kernels, TPU grouped GEMM) by the plain-jnp
-  path of the same math; returns what was replaced, for the report."""
+  """Make the config compile on the CPU for `backend`: for the GPU its own paths (the kernels
+  compile as their buffers within `stand_in.shapes_only()`), for the TPU the plain-jnp paths of
+  the same math; returns what stands in for what, for the report."""
   if backend == 'cpu':
     return []
   notes = []
