@@ -8,8 +8,9 @@ flash kernel never writes). Within `shapes_only()` the kernels that support it t
 `opaque` calls with exactly their operands and results: the Pallas kernels through
 `pallas_call` (so every custom VJP around them keeps the GPU's residuals), the grouped GEMMs and
 the vision tower's flash attention at their own level. jit caches what it traced, so a program
-traced within must not run (the stand-ins raise if it does), and `shapes_only` clears JAX's
-caches on the way in and out: no kernel traced outside is reused within, nor the reverse.
+traced within must not run: the stand-ins raise if it does. (The reverse, a kernel wrapper
+traced outside and reused within at the same shapes, would plan the interpreter's buffers; the
+tools.plan CLI plans in a fresh process.)
 """
 
 from __future__ import annotations
@@ -26,13 +27,11 @@ _SHAPES_ONLY = contextvars.ContextVar('kernels_shapes_only', default=False)
 @contextlib.contextmanager
 def shapes_only():
   """Within: the kernels trace as their operands and results only (module docstring)."""
-  jax.clear_caches()
   token = _SHAPES_ONLY.set(True)
   try:
     yield
   finally:
     _SHAPES_ONLY.reset(token)
-    jax.clear_caches()
 
 
 def active() -> bool:
