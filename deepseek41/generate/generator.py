@@ -85,7 +85,7 @@ def generation_config(saved: dict, backend: str | None = None) -> RunConfig:
   c.model.index_impl = 'reference'
   c.model.sparse_impl = 'gathered'
   c.data.synthetic = True  # nothing is read: resolve checks no data
-  c.train.remat, c.train.remat_layers = 'none', 0
+  c.train.remat = 'none'
   cfg = resolve(c, backend=backend)
   return dataclasses.replace(cfg, model=dataclasses.replace(
       cfg.model, moe_backend=cfg.model.eval_moe_backend))
