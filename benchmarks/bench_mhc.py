@@ -4,6 +4,7 @@ Usage (GPU):  python benchmarks/bench_mhc.py [--d 1024,5120] [--check] [--out mh
               [--configs 128x16x8/64x16x4,...]  (block_t x block_d x num_warps of the
               forward / of the backward; one 'BTxBDxNW' sets both; one run each; a fourth
               number on the forward's, e.g. 128x16x8x3, sets Triton's num_stages for both)
+              [--prefetch 0,1]  (each config without / with the walks' look-ahead loads)
 
 Cases, at B x T tokens, n = 4 streams, bf16 streams (the model's compute dtype):
   site_collapse         single-pass layer start: the attention site's coefficients from X and
@@ -143,6 +144,7 @@ def main(argv=None):
   p.add_argument('--cases', default='site_collapse,expand_site_collapse,expand,layer,layer_multi')
   p.add_argument('--modes', default='fwd,fwd_bwd')
   p.add_argument('--configs', default='128x16x8/64x16x4,64x32x8/16x32x4,64x16x4/128x16x8')
+  p.add_argument('--prefetch', default='0')
   p.add_argument('--reps', type=int, default=10)
   p.add_argument('--check', action='store_true')
   p.add_argument('--skip_jnp', action='store_true')
@@ -165,19 +167,20 @@ def main(argv=None):
         units = stream_units(case)[mode == 'fwd_bwd']
         x_bytes = units[0] * x_bytes_unit + units[1] * x_bytes_unit // N
         impls = [] if args.skip_jnp else [('jnp', None)]
-        impls += [('fused', c) for c in configs]
+        impls += [('fused', (c, int(pf))) for c in configs for pf in args.prefetch.split(',')]
         want = None
         for impl, cfg in impls:
           if impl == 'jnp':
             run = ref_cases[case]
           else:
-            (bt, bd, nw, *ns), (btb, bdb, nwb, *_) = cfg
+            ((bt, bd, nw, *ns), (btb, bdb, nwb, *_)), pf = cfg
             run = fused_cases(dict(block_t=bt, block_d=bd, num_warps=nw, block_t_bwd=btb,
                                    block_d_bwd=bdb, num_warps_bwd=nwb,
-                                   num_stages=ns[0] if ns else 1))[case]
+                                   num_stages=ns[0] if ns else 1, prefetch=bool(pf)))[case]
           fn = jax.jit(run) if mode == 'fwd' else fwd_bwd(run)
           rec = dict(case=case, mode=mode, impl=impl, d=d, batch=b, seq=t, dtype=args.dtype,
-                     config=None if cfg is None else '/'.join('x'.join(map(str, h)) for h in cfg))
+                     config=None if cfg is None else '/'.join('x'.join(map(str, h)) for h in cfg[0]),
+                     prefetch=None if cfg is None else bool(cfg[1]))
           try:
             if args.check:
               got = fn(*make_args(123))

@@ -11,6 +11,8 @@ Variants (what they undo, and the docs/performance.md section that measured it):
   head_fp32_backward    the LM head's backward by autodiff of its fp32-output product (fp32 /
                         TF32 GEMMs over the vocabulary; `head_logits`, model/transformer.py;
                         section 23)
+  mhc_no_prefetch       the fused mHC kernels' walks without look-ahead loads, at their earlier
+                        tiles (128 x 16 x 8 warps forward, 64 x 16 x 4 backward; section 24)
 """
 
 import os
@@ -39,9 +41,15 @@ def _head_fp32_backward():
                                                     preferred_element_type=jnp.float32)
 
 
+def _mhc_no_prefetch():
+  from deepseek41.ops import mhc_kernel  # noqa: PLC0415
+  mhc_kernel._KNOBS.update(block_d=16, block_d_bwd=16, num_warps_bwd=4, prefetch=False)
+
+
 VARIANTS = {'remat_nothing_saved': _remat_nothing_saved,
             'sparse_bwd_full_width': _sparse_bwd_full_width,
-            'head_fp32_backward': _head_fp32_backward}
+            'head_fp32_backward': _head_fp32_backward,
+            'mhc_no_prefetch': _mhc_no_prefetch}
 
 if __name__ == '__main__':  # not in the data loader's worker processes, which import __main__
   if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:

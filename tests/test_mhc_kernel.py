@@ -1,6 +1,8 @@
 """The fused mHC kernels (Pallas interpreter) against the jnp site, collapse and expand of mhc.py:
 outputs and gradients (X, F, the coefficients, fn, base, scale), fp32 and bf16 streams."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,8 +67,8 @@ def _reference(kind, given, iters, eps, norm_eps):
   return run
 
 
-def _fused(kind, given, iters, eps, norm_eps):
-  kw = dict(KNOBS, iters=iters, eps=eps, norm_eps=norm_eps)
+def _fused(kind, given, iters, eps, norm_eps, **knobs):
+  kw = dict(KNOBS, iters=iters, eps=eps, norm_eps=norm_eps, **knobs)
 
   def run(p):
     pre = p.get('pre') if given else None
@@ -86,12 +88,12 @@ USES = {'expand': ('x', 'f', 'post', 'comb'), 'collapse': ('x', 'pre'),
         'expand_site_collapse': ('x', 'f', 'post', 'comb', 'fn', 'base', 'scale')}
 
 
-def _check(kind, given, dtype, iters=5, eps=1e-6, norm_eps=1e-6, d=64):
+def _check(kind, given, dtype, iters=5, eps=1e-6, norm_eps=1e-6, d=64, **knobs):
   p, key = _inputs(dtype, d=d)
   names = USES[kind] + (('pre',) if given and 'site' in kind else ())
   p = {k: p[k] for k in names}
   ref, fused = _reference(kind, given, iters, eps, norm_eps), _fused(kind, given, iters, eps,
-                                                                       norm_eps)
+                                                                       norm_eps, **knobs)
   want = ref(p)
   got = fused(p)
   assert len(got) == len(want)
@@ -132,6 +134,21 @@ def test_expand_site_collapse(given, dtype):
 def test_expand_and_collapse(kind):
   _check(kind, True, jnp.float32)
   _check(kind, True, jnp.bfloat16)
+
+
+@pytest.mark.parametrize('kind', ['site_collapse', 'expand_site_collapse', 'expand'])
+def test_prefetched_walks(kind):
+  """The walks that load the next D chunk ahead give the same values and gradients (four
+  chunks forward, two backward: the last chunk's look-ahead stays in bounds)."""
+  for given in (True, False) if 'site' in kind else (True,):
+    _check(kind, given, jnp.bfloat16, prefetch=True)
+
+
+def test_block_d_narrows_to_divide_d_model():
+  """d_model 48 with the default 32-wide chunks (and a 64-wide backward) walks 16 at a time."""
+  _check('expand_site_collapse', True, jnp.float32, d=48, block_d=32, block_d_bwd=64)
+  with pytest.raises(ValueError, match='d_model 40'):
+    _check('expand', True, jnp.float32, d=40)
 
 
 def test_released_sinkhorn_iterations():
@@ -176,7 +193,9 @@ def test_kernels_lower_for_triton():
   original = registration.gpu_info_lib.get_gpu_info
   registration.gpu_info_lib.get_gpu_info = lambda *a, **k: h200
   try:
-    for op in ops:
+    for op, prefetch in itertools.product(ops, (False, True)):
+      kw.update(prefetch=prefetch)
+
       def loss(x, f, op=op):
         return sum(jnp.sum(o.astype(jnp.float32)) for o in op(x, f))
       text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(p['x'], p['f']).lower(

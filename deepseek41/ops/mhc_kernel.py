@@ -176,6 +176,7 @@ class _Spec(NamedTuple):
   block_d_bwd: int
   num_warps_bwd: int
   num_stages: int          # Triton software pipelining of the walks' loads (1 = none)
+  prefetch: bool           # issue the next D chunk's loads before this chunk's work (`_walk`)
   interpret: bool
 
   def backward(self):
@@ -223,14 +224,48 @@ def _pop(refs, count):
   return tuple(refs.pop(0) for _ in range(count))
 
 
-def _chunk(spec, x_ref, f_ref, post, comb, d0):
-  """(X chunks fp32, X' chunks fp32 as stored, X' chunks fp32 unrounded, F chunk) at d0;
-  post and comb are lists of [tb, 1] columns."""
-  n, bd = spec.n, spec.block_d
-  xs = [x_ref[:, k, pl.ds(d0, bd)].astype(jnp.float32) for k in range(n)]
+def _load(spec, x_ref, f_ref, d0, *extra):
+  """One D chunk's tiles as stored: the n X tiles, F's (expand), then `extra` refs' tiles
+  ([tb, n, D] refs give n tiles, [tb, D] refs one)."""
+  bd = spec.block_d
+  tiles = [x_ref[:, k, pl.ds(d0, bd)] for k in range(spec.n)]
+  if spec.expand:
+    tiles.append(f_ref[:, pl.ds(d0, bd)])
+  for ref in extra:
+    tiles += ([ref[:, k, pl.ds(d0, bd)] for k in range(spec.n)] if len(ref.shape) == 3
+              else [ref[:, pl.ds(d0, bd)]])
+  return tuple(tiles)
+
+
+def _walk(spec, load, body, init):
+  """fori_loop over the D chunks: body(d0, tiles, carry) with tiles = load(d0).
+
+  With `spec.prefetch` the next chunk's loads are issued before this chunk's work and carried
+  in registers, so they are in flight while it computes: each program otherwise waits out a
+  full memory latency per chunk, which bounded the kernels at a third of the copy bandwidth
+  (docs/performance.md 10.1, 24), and Triton's own pipelining (`num_stages`) does not apply to
+  loads that feed no dot.
+  """
+  bd, steps = spec.block_d, spec.d // spec.block_d
+  at = lambda ci: pl.multiple_of(ci * bd, bd)  # noqa: E731
+  if not spec.prefetch:
+    return jax.lax.fori_loop(0, steps, lambda ci, c: body(at(ci), load(at(ci)), c), init)
+
+  def step(ci, carry):
+    tiles, c = carry
+    ahead = load(at(jnp.minimum(ci + 1, steps - 1)))
+    return ahead, body(at(ci), tiles, c)
+  return jax.lax.fori_loop(0, steps, step, (load(0), init))[1]
+
+
+def _chunk(spec, tiles, post, comb, dtype):
+  """(X chunks fp32, X' chunks fp32 as stored, X' chunks fp32 unrounded, F chunk) from one
+  chunk's tiles (`_load`); post and comb are lists of [tb, 1] columns."""
+  n = spec.n
+  xs = [v.astype(jnp.float32) for v in tiles[:n]]
   if not spec.expand:
     return xs, xs, xs, None
-  f = f_ref[:, pl.ds(d0, bd)].astype(jnp.float32)
+  f = tiles[n].astype(jnp.float32)
   xp = []
   for k in range(n):
     acc = post[k] * f
@@ -238,7 +273,7 @@ def _chunk(spec, x_ref, f_ref, post, comb, d0):
       acc = acc + comb[j * n + k] * xs[j]
     xp.append(acc)
   # The site and the collapse read X' as stored (the reference reads the cast array).
-  xq = [v.astype(x_ref.dtype).astype(jnp.float32) for v in xp]
+  xq = [v.astype(dtype).astype(jnp.float32) for v in xp]
   return xs, xq, xp, f
 
 
@@ -253,28 +288,32 @@ def _fwd_kernel(*refs, spec: _Spec):
   u_ref = refs.pop(0) if spec.collapse != 'none' else None
   pre_ref, posto_ref, combo_ref, m_ref = refs if spec.site else (None,) * 4
   tb = x_ref.shape[0]
-  steps = spec.d // bd
   post, comb = _cols_of(post_ref, n), _cols_of(comb_ref, n * n)
   pin = _cols_of(pin_ref, n)
 
-  def walk1(ci, carry):
+  def load(d0):
+    tiles = _load(spec, x_ref, f_ref, d0)
+    if spec.site:
+      tiles += tuple(wt_ref[k, pl.ds(d0, bd), :] for k in range(n))
+    return tiles
+
+  def walk1(d0, tiles, carry):
     sumsq, proj = carry
-    d0 = pl.multiple_of(ci * bd, bd)
-    _, xq, xp, _ = _chunk(spec, x_ref, f_ref, post, comb, d0)
+    _, xq, xp, _ = _chunk(spec, tiles, post, comb, x_ref.dtype)
+    w = tiles[n + spec.expand:]
     if spec.expand:
       for k in range(n):
         xo_ref[:, k, pl.ds(d0, bd)] = xp[k].astype(xo_ref.dtype)
     if spec.site:
       for k in range(n):
         sumsq = sumsq + jnp.sum(xq[k] * xq[k], axis=1)
-        proj = proj + jnp.dot(xq[k], wt_ref[k, pl.ds(d0, bd), :],
-                              preferred_element_type=jnp.float32)
+        proj = proj + jnp.dot(xq[k], w[k], preferred_element_type=jnp.float32)
     if spec.collapse == 'given':
       u = functools.reduce(jnp.add, [pin[k] * xq[k] for k in range(n)])
       u_ref[:, pl.ds(d0, bd)] = u.astype(u_ref.dtype)
     return sumsq, proj
   init = (jnp.zeros((tb,), jnp.float32), jnp.zeros((tb, spec.cols), jnp.float32))
-  sumsq, proj = jax.lax.fori_loop(0, steps, walk1, init)
+  sumsq, proj = _walk(spec, load, walk1, init)
   if not spec.site:
     return
   r = 1.0 / jnp.sqrt(sumsq / (n * spec.d) + spec.norm_eps)
@@ -288,13 +327,12 @@ def _fwd_kernel(*refs, spec: _Spec):
   posto_ref[...] = _matrix(post_o, n)
   combo_ref[...] = _matrix(comb_o, n * n)
   if spec.collapse == 'own':
-    def walk2(ci, carry):
-      d0 = pl.multiple_of(ci * bd, bd)
-      _, xq, _, _ = _chunk(spec, x_ref, f_ref, post, comb, d0)
+    def walk2(d0, tiles, carry):
+      _, xq, _, _ = _chunk(spec, tiles, post, comb, x_ref.dtype)
       u = functools.reduce(jnp.add, [pre[k][:, None] * xq[k] for k in range(n)])
       u_ref[:, pl.ds(d0, bd)] = u.astype(u_ref.dtype)
       return carry
-    jax.lax.fori_loop(0, steps, walk2, 0)
+    _walk(spec, lambda d0: _load(spec, x_ref, f_ref, d0), walk2, 0)
 
 
 def _coef_bwd_kernel(m_ref, sb_ref, dpre_ref, dpost_ref, dcomb_ref, da_ref, *, spec: _Spec):
@@ -322,14 +360,14 @@ def _own_kernel(*refs, spec: _Spec):
   f_ref, post_ref, comb_ref = _pop(refs, 3) if spec.expand else (None,) * 3
   du_ref, o_ref = refs
 
-  def walk0(ci, acc):
-    d0 = pl.multiple_of(ci * bd, bd)
-    _, xq, _, _ = _chunk(spec, x_ref, f_ref, _cols_of(post_ref, n, True),
-                         _cols_of(comb_ref, n * n, True), d0)
-    du = du_ref[:, pl.ds(d0, bd)].astype(jnp.float32)
+  def walk0(d0, tiles, acc):
+    _, xq, _, _ = _chunk(spec, tiles, _cols_of(post_ref, n, True),
+                         _cols_of(comb_ref, n * n, True), x_ref.dtype)
+    du = tiles[-1].astype(jnp.float32)
     return tuple(acc[k] + jnp.sum(du * xq[k], axis=1) for k in range(n))
   zeros = jnp.zeros((x_ref.shape[0],), jnp.float32)
-  own = jax.lax.fori_loop(0, spec.d // bd, walk0, (zeros,) * n)
+  load = lambda d0: _load(spec, x_ref, f_ref, d0, du_ref)  # noqa: E731
+  own = _walk(spec, load, walk0, (zeros,) * n)
   o_ref[...] = _matrix(list(own), n)
 
 
@@ -349,7 +387,6 @@ def _bwd_kernel(*refs, spec: _Spec):
   dpin_ref = refs.pop(0) if spec.collapse == 'given' else None
   assert not refs
   tb = x_ref.shape[0]
-  steps = spec.d // bd
   f32 = jnp.float32
   zeros = jnp.zeros((tb,), f32)
 
@@ -361,24 +398,32 @@ def _bwd_kernel(*refs, spec: _Spec):
     shrink = r * r * jnp.sum(dm_mat * mp, axis=1) / (n * spec.d)   # mp's r column meets dm 0
     rdm = (dm_mat * r[:, None]).astype(w_ref.dtype)  # bf16 streams: a bf16 MMA, fp32 sums
 
-  def walk(ci, carry):
+  streams = [r for r in (dxo_ref, du_ref) if r is not None]
+
+  def load(d0):
+    tiles = _load(spec, x_ref, f_ref, d0, *streams)
+    if spec.site:
+      tiles += tuple(w_ref[k, :, pl.ds(d0, bd)] for k in range(n))
+    return tiles
+
+  def walk(d0, tiles, carry):
     dpin, dpost, dcomb = carry
-    d0 = pl.multiple_of(ci * bd, bd)
     post, comb = _cols_of(post_ref, n, True), _cols_of(comb_ref, n * n, True)
-    xs, xq, _, f = _chunk(spec, x_ref, f_ref, post, comb, d0)
+    xs, xq, _, f = _chunk(spec, tiles, post, comb, x_ref.dtype)
+    rest = list(tiles[n + spec.expand:])
     pre_c = _cols_of(pin_ref, n, True) if spec.collapse != 'none' else None
     if spec.expand:
-      g = [dxo_ref[:, k, pl.ds(d0, bd)].astype(f32) for k in range(n)]
+      g = [rest.pop(0).astype(f32) for _ in range(n)]
     else:
       g = [jnp.zeros_like(xq[0]) for _ in range(n)]
     if spec.collapse != 'none':
-      du = du_ref[:, pl.ds(d0, bd)].astype(f32)
+      du = rest.pop(0).astype(f32)
       g = [g[k] + pre_c[k] * du for k in range(n)]
       if spec.collapse == 'given':
         dpin = tuple(dpin[k] + jnp.sum(du * xq[k], axis=1) for k in range(n))
     if spec.site:
-      g = [g[k] + jnp.dot(rdm, w_ref[k, :, pl.ds(d0, bd)], preferred_element_type=f32)
-           - shrink[:, None] * xq[k] for k in range(n)]
+      g = [g[k] + jnp.dot(rdm, rest[k], preferred_element_type=f32) - shrink[:, None] * xq[k]
+           for k in range(n)]
     if spec.expand:
       dpost = tuple(dpost[k] + jnp.sum(g[k] * f, axis=1) for k in range(n))
       dcomb = tuple(dcomb[i] + jnp.sum(xs[i // n] * g[i % n], axis=1) for i in range(n * n))
@@ -392,7 +437,7 @@ def _bwd_kernel(*refs, spec: _Spec):
         dx_ref[:, k, pl.ds(d0, bd)] = g[k].astype(dx_ref.dtype)
     return dpin, dpost, dcomb
   init = ((zeros,) * n, (zeros,) * n, (zeros,) * (n * n))
-  dpin, dpost, dcomb = jax.lax.fori_loop(0, steps, walk, init)
+  dpin, dpost, dcomb = _walk(spec, load, walk, init)
   if spec.expand:
     dposti_ref[...] = _matrix(list(dpost), n)
     dcombi_ref[...] = _matrix(list(dcomb), n * n)
@@ -570,13 +615,21 @@ def _run(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, **kw):
                      pre_btn, fn, base, scale, replicated=(5, 6, 7))
 
 
+def _fit_block_d(d, block):
+  """The widest power of two <= block that divides d (d_model 48 walks 16 columns at a time)."""
+  v = block
+  while v > MIN_DOT and (v > d or d % v):
+    v //= 2
+  return v
+
+
 def _run_local(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, site, collapse,
                iters, eps, norm_eps, block_t, block_d, num_warps, block_t_bwd, block_d_bwd,
-               num_warps_bwd, num_stages, interpret):
+               num_warps_bwd, num_stages, prefetch, interpret):
   b, t, n, d = x_btnd.shape
   if n & (n - 1):
     raise ValueError(f'the fused mHC kernels need a power-of-two hc_mult, got {n}')
-  bd, bd_b = min(block_d, d), min(block_d_bwd or block_d, d)
+  bd, bd_b = _fit_block_d(d, block_d), _fit_block_d(d, block_d_bwd or block_d)
   for v in (bd, bd_b):
     if d % v or v < MIN_DOT or v & (v - 1):
       raise ValueError(f'd_model {d} must be a multiple of a power-of-two block_d >= 16 ({v})')
@@ -587,7 +640,8 @@ def _run_local(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, 
   tb, tb_b = min(block_t, cap), min(block_t_bwd or block_t, cap)
   expand = f_btd is not None
   spec = _Spec(n, d, expand, site, collapse, iters, float(eps), float(norm_eps), tb, bd,
-               num_warps, tb_b, bd_b, num_warps_bwd or num_warps, num_stages, bool(interpret))
+               num_warps, tb_b, bd_b, num_warps_bwd or num_warps, num_stages, bool(prefetch),
+               bool(interpret))
   pad_to = max(tb, tb_b, min(_COEF_BLOCK, cap))
   def flat(a, *tail):
     return None if a is None else pad_axis(a.reshape((rows,) + tail), 0, pad_to)
@@ -603,8 +657,9 @@ def _run_local(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, 
 # block, so block_t sets its L2 traffic relative to X's: fp32 W in the forward at 128 tokens is
 # 0.5x, bf16 W in the backward at 64 tokens 0.5x. Forward 128 x 16 x 8 warps: 80-140 registers;
 # backward 64 x 16 x 4 warps: the expand + site + collapse kernel at 254, no spills.
-_KNOBS = dict(iters=20, eps=1e-6, norm_eps=1e-6, block_t=128, block_d=16, num_warps=8,
-              block_t_bwd=64, block_d_bwd=16, num_warps_bwd=4, num_stages=1, interpret=None)
+_KNOBS = dict(iters=20, eps=1e-6, norm_eps=1e-6, block_t=128, block_d=32, num_warps=8,
+              block_t_bwd=64, block_d_bwd=32, num_warps_bwd=8, num_stages=1, prefetch=True,
+              interpret=None)
 
 
 def site_collapse(x_btnd, fn, base, scale, pre_btn=None, **kw):
