@@ -652,11 +652,12 @@ def _run_local(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, 
   return (unflat(xo, n, d), unflat(u, d), unflat(pre, n), unflat(post, n), unflat(comb, n, n))
 
 
-# Block sizes from ptxas (sm_90) register counts of the lowered kernels, not yet from GPU timings
-# (benchmarks/bench_mhc.py sweeps them). fn's tile [32 cols, block_d] is re-read by every token
-# block, so block_t sets its L2 traffic relative to X's: fp32 W in the forward at 128 tokens is
-# 0.5x, bf16 W in the backward at 64 tokens 0.5x. Forward 128 x 16 x 8 warps: 80-140 registers;
-# backward 64 x 16 x 4 warps: the expand + site + collapse kernel at 254, no spills.
+# Block sizes from GPU sweeps of one layer's forward + backward (benchmarks/bench_mhc.py,
+# docs/performance.md 24): with look-ahead loads, 128 tokens x 32 columns x 8 warps forward and
+# 64 x 32 x 8 backward were fastest (16 warps, wider or narrower chunks all slower). fn's tile
+# [32 cols, block_d] is re-read by every token block, so block_t also sets its L2 traffic
+# relative to X's (fp32 W in the forward at 128 tokens: 0.5x). Nsight Compute: the forward
+# kernels hold one 8-warp block per SM (registers), the backward two; DRAM at 21-44% of peak.
 _KNOBS = dict(iters=20, eps=1e-6, norm_eps=1e-6, block_t=128, block_d=32, num_warps=8,
               block_t_bwd=64, block_d_bwd=32, num_warps_bwd=8, num_stages=1, prefetch=True,
               interpret=None)
@@ -669,7 +670,8 @@ def site_collapse(x_btnd, fn, base, scale, pre_btn=None, **kw):
   collapse(X, this site's pre) (multi pass: a second walk). fn [(2+n)n, n*D], base, scale as
   `MHCSite` holds them; keyword knobs: iters, eps, norm_eps (the config's hc_sinkhorn_iters,
   hc_eps, rms_norm_eps), block_t, block_d, num_warps (forward) and block_t_bwd, block_d_bwd,
-  num_warps_bwd (backward), num_stages (both), interpret (None: on unless the backend is a GPU).
+  num_warps_bwd (backward), num_stages and prefetch (both: Triton pipelining, look-ahead loads),
+  interpret (None: on unless the backend is a GPU).
   """
   kw = {**_KNOBS, **kw}
   _, u, pre, post, comb = _run(x_btnd, None, None, None, pre_btn, fn, base, scale, site=True,
