@@ -4,7 +4,7 @@ Usage (GPU):  python benchmarks/bench_mhc.py [--d 1024,5120] [--check] [--out mh
               [--configs 128x16x8/64x16x4,...]  (block_t x block_d x num_warps of the
               forward / of the backward; one 'BTxBDxNW' sets both; one run each; a fourth
               number on the forward's, e.g. 128x16x8x3, sets Triton's num_stages for both)
-              [--prefetch 0,1]  (each config without / with the walks' look-ahead loads)
+              [--prefetch 0,1]  (each config without / with the walks' look-ahead loads; default 1)
 
 Cases, at B x T tokens, n = 4 streams, bf16 streams (the model's compute dtype):
   site_collapse         single-pass layer start: the attention site's coefficients from X and
@@ -143,8 +143,8 @@ def main(argv=None):
   p.add_argument('--dtype', default='bfloat16')
   p.add_argument('--cases', default='site_collapse,expand_site_collapse,expand,layer,layer_multi')
   p.add_argument('--modes', default='fwd,fwd_bwd')
-  p.add_argument('--configs', default='128x16x8/64x16x4,64x32x8/16x32x4,64x16x4/128x16x8')
-  p.add_argument('--prefetch', default='0')
+  p.add_argument('--configs', default='128x32x8/64x32x8,128x16x8/64x16x4,64x32x8/32x32x4')
+  p.add_argument('--prefetch', default='1')
   p.add_argument('--reps', type=int, default=10)
   p.add_argument('--check', action='store_true')
   p.add_argument('--skip_jnp', action='store_true')
