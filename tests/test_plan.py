@@ -21,11 +21,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = {'fsdp': 4, 'expert': 2}
 
 # The full step's compiled peak (argument + temp + non-aliased output) against the plan's total.
-# Measured: 24.2 MB vs 27.8 MB here at fsdp=8 (-13%), 11.04 vs 12.62 GiB for ablation_1b at
-# fsdp=8, 8 x 4096 tokens (-12.6%): the whole program keeps about one parameter-sized buffer more
-# than the per-layer programs show (plan.assemble). 25% catches a lost term (the gradients alone
-# are 17% of the step here) or a double count.
-TOLERANCE = 0.25
+# Measured here (fsdp=4 x expert=2): -8.3% with block remat, -8.1% with it on layers 0-1, -6.6%
+# without remat; -12.6% for ablation_1b at fsdp=8, 8 x 4096 tokens, block remat: the whole
+# program keeps about one parameter-sized buffer more than the per-layer programs show
+# (plan.assemble). 15% catches a lost term (the gradients alone are 17% of the step here) or
+# a double count (the plan once came out +32% without remat and +38% with remat on half).
+TOLERANCE = 0.15
 
 
 def _four_layer_tiny():
@@ -85,10 +86,11 @@ def test_role_table_groups_identical_layers():
   assert cfg.model.compute_dtype == 'bfloat16' and cfg.model.moe_backend == 'grouped'
 
 
-@pytest.mark.parametrize('remat_layers', [0, 2])   # every layer; layers 0-1 (2-3 keep residuals)
-def test_plan_matches_compiled_full_step(remat_layers):
+@pytest.mark.parametrize('remat,remat_layers', [('block', 0), ('block', 2), ('none', 0)])
+def test_plan_matches_compiled_full_step(remat, remat_layers):
+  """Block remat on every layer, on layers 0-1 only (2-3 keep what their backward reads), none."""
   config = _four_layer_tiny()
-  config.train.remat_layers = remat_layers
+  config.train.remat, config.train.remat_layers = remat, remat_layers
   result = {}
   # The plan compiles in a worker process (its CLI path) while this one compiles the full step:
   # two cores, about half the wall time.
@@ -107,13 +109,7 @@ def test_plan_matches_compiled_full_step(remat_layers):
       p['programs']['batch_bytes']
   assert full['alias'] == full['argument'] - p['programs']['batch_bytes']  # state donated
   step_peak = full['peak']
-  if remat_layers:
-    # A layer without remat keeps its own vjp residuals in the plan, some of which the whole
-    # program shares between layers: at this size the plan overcounts (measured +38% here, and
-    # +32% with remat 'none'), never undercounts.
-    assert step_peak <= d['total'] <= (1 + 2 * TOLERANCE) * step_peak, (d['total'], step_peak)
-  else:
-    assert abs(d['total'] - step_peak) <= TOLERANCE * step_peak, (d['total'], step_peak, full)
+  assert abs(d['total'] - step_peak) <= TOLERANCE * step_peak, (d['total'], step_peak, full)
   # Every role was compiled once and stands for its layers.
   roles = p['programs']['roles'].values()
   assert sorted(l for r in roles for l in r['layers']) == [0, 1, 2, 3]

@@ -18,10 +18,12 @@ Assembly (`assemble`), train.remat = 'block' (each block a `jax.checkpoint` savi
 every layer's outputs (the residual streams, the single-pass pre-mix and the CSA2 entries it
 publishes) stay live from its forward to its backward, so
 
-  backward phase = params + optimizer + gradients + batch + sum over layers of the kept bytes
-                   (their shard sizes) + the largest stage: a layer's fwd+bwd temp (its
-                   recompute and backward) plus the cotangents it takes and makes, or the head +
-                   loss, or the embedding
+  backward phase = params + optimizer + gradients + batch + the largest, walking the
+                   backward from the top, of: the kept bytes (their shard sizes) still live
+                   (every layer's at the head; layers 0..l at layer l's backward; none at the
+                   embedding) + that stage: a layer's fwd+bwd temp (its recompute and
+                   backward) plus the cotangents it takes and makes, or the head + loss, or the
+                   embedding
   optimizer phase = params + optimizer + gradients + the AdamW update's compiled temp
   total = the larger of the two
 
@@ -29,13 +31,15 @@ train.remat = 'block_keep_attention': as 'block', plus the GPU attention kernels
 layer keeps (`_kernel_output_bytes`, from their shapes).
 
 train.remat = 'none' (and the layers past `train.remat_layers` when it is set): each such
-layer keeps the residuals a `jax.vjp` of it returns (compiled) instead of its outputs.
+layer keeps what its backward reads instead of its outputs, measured as what a second
+application of the layer adds to a compiled forward + backward (so the values XLA recomputes
+in the backward's fusions are not counted), and its stage is its temp less those bytes.
 
 The state is donated (as the trainer jits the step) and all gradients are live at once.
 Checked against the compiled whole step (`full_step_memory`, `--check_full_step`;
-tests/test_plan.py): with block remat the assembly comes out 12-13% under it (the 4-layer tiny
-model and ablation_1b on 8 devices), about one parameter-sized buffer the whole program keeps
-that no single-layer program shows; layers without remat come out over it (below).
+tests/test_plan.py): the assembly comes out 7-13% under it (the 4-layer tiny model with block
+remat, remat on half its layers and none, and ablation_1b on 8 devices with block remat), about
+one parameter-sized buffer the whole program keeps that no single-layer program shows.
 
 The production kernels (Pallas on the GPU, the TPU grouped GEMM) cannot be compiled for the CPU.
 For a GPU device kind the config is resolved for the GPU and its own code paths are compiled,
@@ -44,9 +48,10 @@ operands and results, as a GPU kernel does): every Pallas kernel (`stand_in.pall
 custom VJPs around them keep the GPU's residuals), the routed experts' grouped GEMMs (the
 dropless `grouped` backend with its expert-sorted layout and, under expert parallelism, the
 allgather exchange's S N gathered tokens and their layout rows) and the vision tower's flash
-attention (XLA's dense attention would keep the [P, P] probabilities of every layer). A layer
-without remat is still overcounted: its residuals are compiled as a program's outputs, so the
-fp32 upcasts that the whole step's fusions recompute are stored (docs/performance.md 23).
+attention (XLA's dense attention would keep the [P, P] probabilities of every layer). The CPU
+compiler fuses less than the GPU's, so on the GPU the plan is an upper bound: at 65,536 tokens
+on one H200, 70.7 GiB against 50.5 measured with remat on every layer, 164.0 against 92.1 with
+remat on the first six (docs/performance.md 24).
 On a TPU device kind (without --topology) the plain-jnp paths of the same math are compiled
 (chunked window attention, gathered sparse attention, reference mHC and indexer), and the
 routed experts go through the capacity einsum at
@@ -435,13 +440,26 @@ def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
   rematted = remats_layer(cfg.train.remat, cfg.train.remat_layers, block.layer)
   if rematted and cfg.train.remat == 'block_keep_attention':
     result['kept_bytes'] += _kernel_output_bytes(cfg.model, block.attn.role, batch, spec)
-  if not rematted:  # the layer keeps its vjp residuals instead
-    def residuals(p, rb, x, pre, s_float, s_int, batch):
-      return jax.vjp(lambda p, x, pre, s: forward(p, rb, x, pre, s, s_int, batch)[0],
-                     p, x, pre, s_float)[1]
-    res, t_res = _compile(residuals, args, shardings, name=f'layer {block.layer} residuals')
-    result['kept_bytes'] = res['output'] + _sharded_bytes(o_int, spec(o_int))
-    result['compile_seconds'] += t_res
+  if not rematted:
+    # The layer keeps what its backward reads instead. Which of those values XLA stores, and
+    # which it recomputes inside the backward's fusions (an fp32 upcast of a bf16 input, say),
+    # shows only in a program that holds more than one layer: the kept bytes are what a second
+    # application of the layer adds to the temp. (The vjp's residuals compiled as outputs
+    # overcounted by a third on the test model and 2x for the GPU paths.)
+    def twice(p, rb, x, pre, s_float, s_int, batch, cts):
+      def objective(p, x, pre, s_float):
+        (x2, pre2, _), aux1 = forward(p, rb, x, pre, s_float, s_int, batch)
+        kept, aux2 = forward(p, rb, x2, pre2, s_float, s_int, batch)
+        return _dot(_split_float(kept)[0], cts) + aux1['balance'] + aux2['balance']
+      return jax.grad(objective, argnums=(0, 1, 2, 3))(p, x, pre, s_float)
+    mem2, t2 = _compile(twice, args + (o_float,), shardings + (spec(o_float),),
+                        (p_sh,) + in_ct_sh, name=f'layer {block.layer} twice, forward + backward')
+    result['kept_bytes'] = max(mem2['temp'] - mem['temp'], result['kept_bytes'])
+    result['compile_seconds'] += t2
+    # Its one-layer temp holds those values too (less its input, an argument there), and the
+    # assembly counts them with the kept bytes: the stage is the backward's own transient.
+    result['stage_temp'] = max(
+        mem['temp'] - (result['kept_bytes'] - result['cotangent_out_bytes']), 0)
   return result
 
 
@@ -552,25 +570,35 @@ def _compile_embed(cfg, mesh, model, batch, spec) -> dict:
 def assemble(state: dict[str, float], programs: dict) -> dict:
   """Per-device bytes of one step from the exact state and the compiled programs.
 
-  Backward phase: every layer's kept bytes (all of them: the peak is near the top of the
-  backward, where nearly all are still live) + the batch + the largest stage transient, a
-  stage being one program's temp plus the cotangents it takes and makes (its parameter
-  gradients are in `gradients` already). Optimizer phase: AdamW's temp (the activations are
-  gone by then). Both phases hold params + optimizer + gradients.
+  Backward phase, walked from the top as the step runs it: at the head, every layer's kept
+  bytes are live; at layer l's backward, those of layers 0..l (the layers above have freed
+  theirs), plus that stage's transient: one program's temp plus the cotangents it takes and
+  makes (its parameter gradients are in `gradients` already); at the embedding, none. The
+  largest of these plus the batch are the activations. Optimizer phase: AdamW's temp (the
+  activations are gone by then). Both phases hold params + optimizer + gradients.
   """
   roles = programs['roles']
-  kept = sum(r['kept_bytes'] * len(r['layers']) for r in roles.values())
-  stages = {f'layer {l}': r['fwd_bwd']['temp'] + r['cotangent_in_bytes'] +
-            r['cotangent_out_bytes'] for l, r in roles.items()}
+  order = sorted((layer, r) for r in roles.values() for layer in r['layers'])
+  kept_all = sum(r['kept_bytes'] for _, r in order)
+  stages, live = {}, {}
+  below = 0
+  for layer, r in order:
+    below += r['kept_bytes']
+    stages[f'layer {layer}'] = (r.get('stage_temp', r['fwd_bwd']['temp']) +
+                                r['cotangent_in_bytes'] + r['cotangent_out_bytes'])
+    live[f'layer {layer}'] = below
   stages['head'] = programs['head']['fwd_bwd']['temp'] + programs['head']['cotangent_out_bytes']
+  live['head'] = kept_all
   stages['embed'] = programs['embed']['fwd_bwd']['temp'] + \
       programs['embed']['cotangent_in_bytes']
-  peak = max(stages, key=stages.get)
-  activations = programs['batch_bytes'] + kept + stages[peak]
+  live['embed'] = 0
+  peak = max(stages, key=lambda k: live[k] + stages[k])
+  activations = programs['batch_bytes'] + live[peak] + stages[peak]
   update_temp = programs['optimizer']['update']['temp']
   exact = state['params'] + state['optimizer'] + state.get('router_bias', 0) + state['gradients']
-  return {**state, 'activations': activations, 'kept_by_layers': kept, 'peak_stage': peak,
-          'peak_stage_bytes': stages[peak], 'stages': stages, 'optimizer_update_temp': update_temp,
+  return {**state, 'activations': activations, 'kept_by_layers': live[peak],
+          'kept_all_layers': kept_all, 'peak_stage': peak, 'peak_stage_bytes': stages[peak],
+          'stages': stages, 'optimizer_update_temp': update_temp,
           'total': exact + max(activations, update_temp)}
 
 
@@ -618,8 +646,8 @@ def report(p: dict) -> str:
       f"  gradients    {g(d['gradients'])}   exact (param-shaped, param dtype)",
       f"  router bias  {g(d.get('router_bias', 0))}",
       f"  activations  {g(d['activations'])}   compiled: {len(roles)} role program(s) for "
-      f"{sum(len(r['layers']) for r in roles.values())} layers; kept by layers "
-      f"{d['kept_by_layers'] / GIB:.2f} GiB + peak stage ({d['peak_stage']}) "
+      f"{sum(len(r['layers']) for r in roles.values())} layers; kept by the layers below "
+      f"it {d['kept_by_layers'] / GIB:.2f} GiB + peak stage ({d['peak_stage']}) "
       f"{d['peak_stage_bytes'] / GIB:.2f} GiB",
       f"  total        {g(d['total'])}   of {p['hbm_bytes'] / GIB:.2f} GiB: " +
       (('fits, headroom ' if p['fits'] else 'DOES NOT FIT, short by ') +

@@ -255,7 +255,7 @@ def report(p: dict) -> str:
               f"aliased to the donated state"]
   else:
     lines += [f"  activations  {g(c['activations'])}   TPU compiler, per-layer programs: kept by "
-              f"the layers {c['kept_by_layers'] / GIB:.2f} GiB + peak stage ({c['peak_stage']}) "
+              f"the layers below it {c['kept_by_layers'] / GIB:.2f} GiB + peak stage ({c['peak_stage']}) "
               f"{c['peak_stage_bytes'] / GIB:.2f} GiB"]
   if c.get('over_hbm'):
     lines.append('  (the TPU compiler refused a program as larger than HBM: its sizes are those '
