@@ -354,7 +354,7 @@ def _coef_bwd_kernel(m_ref, sb_ref, dpre_ref, dpost_ref, dcomb_ref, da_ref, *, s
 
 def _own_kernel(*refs, spec: _Spec):
   """Multi pass: the collapse's share of d pre, <du, X'[k]> per token (X' recomputed)."""
-  n, bd = spec.n, spec.block_d
+  n = spec.n
   refs = list(refs)
   x_ref = refs.pop(0)
   f_ref, post_ref, comb_ref = _pop(refs, 3) if spec.expand else (None,) * 3

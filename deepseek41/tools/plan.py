@@ -418,7 +418,7 @@ def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
   args = (p, rb, x, pre, s_float, s_int, batch)
   shardings = (p_sh, rb_sh, spec(x), spec(pre), spec(s_float), spec(s_int), spec(batch))
   outs = jax.eval_shape(lambda *a: forward(*a)[0], *args)
-  o_float, o_int, _ = _split_float(outs)
+  o_float, _, _ = _split_float(outs)
 
   def fwd_bwd(p, rb, x, pre, s_float, s_int, batch, cts):
     def objective(p, x, pre, s_float):
