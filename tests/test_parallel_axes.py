@@ -67,9 +67,13 @@ def test_parallel_axes_match_one_device(mesh, kernels):
   np.testing.assert_allclose(l8, l1, rtol=1e-6)
   # Measured: the Engram tables' gradients (scatter-added sums over every token hashing to a
   # row, largely cancelling) move by up to 1.1e-6 absolute on values of ~3e-4 when the sums are
-  # split across devices; every other gradient agrees to ~3e-7.
+  # split across devices; every other gradient agrees to ~3e-7, except, with the kernels, the
+  # mHC sites' fn (a sum over every token of the Sinkhorn backward's output): 2.5e-6 on one
+  # element of 2.1e-3 at context=8. The sums' rounding scales with the leaf, hence the second
+  # absolute term.
   for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-6)
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6 + 1e-4 * float(np.abs(b).max()))
 
 
 def _sequence_splits(jaxpr) -> int:
