@@ -67,13 +67,14 @@ def test_parallel_axes_match_one_device(mesh, kernels):
   np.testing.assert_allclose(l8, l1, rtol=1e-6)
   # Measured: the Engram tables' gradients (scatter-added sums over every token hashing to a
   # row, largely cancelling) move by up to 1.1e-6 absolute on values of ~3e-4 when the sums are
-  # split across devices; every other gradient agrees to ~3e-7, except, with the kernels, the
-  # mHC sites' fn (a sum over every token of the Sinkhorn backward's output): 2.5e-6 on one
-  # element of 2.1e-3 at context=8. The sums' rounding scales with the leaf, hence the second
-  # absolute term.
-  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
+  # split across devices; every other gradient agrees to ~6e-7, except the token embedding's
+  # (scatter-added the same way, on values up to 3.2e-2): 2.5e-6 on one element with the
+  # kernels at context=8. Its rounding scales with the table, hence its second absolute term.
+  for (path, b), a in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g8)):
     a, b = np.asarray(a), np.asarray(b)
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6 + 1e-4 * float(np.abs(b).max()))
+    table = jax.tree_util.keystr(path).startswith("['embed']")
+    atol = 2e-6 + (1e-4 * float(np.abs(b).max()) if table else 0.0)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
 def _sequence_splits(jaxpr) -> int:
