@@ -68,6 +68,7 @@ step compiled deviceless for that slice with the TPU's own kernels and buffers
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -420,15 +421,21 @@ def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
   outs = jax.eval_shape(lambda *a: forward(*a)[0], *args)
   o_float, _, _ = _split_float(outs)
 
-  def fwd_bwd(p, rb, x, pre, s_float, s_int, batch, cts):
+  def fwd_bwd(p, rb, x, pre, s_float, s_int, batch, cts, applications=1):
+    """Gradients through `applications` chained copies of the layer (the same parameters)."""
     def objective(p, x, pre, s_float):
-      kept, aux = forward(p, rb, x, pre, s_float, s_int, batch)
-      return _dot(_split_float(kept)[0], cts) + aux['balance']
+      kept, balance = (x, pre, None), 0.0
+      for _ in range(applications):
+        kept, aux = forward(p, rb, kept[0], kept[1], s_float, s_int, batch)
+        balance = balance + aux['balance']
+      return _dot(_split_float(kept)[0], cts) + balance
     return jax.grad(objective, argnums=(0, 1, 2, 3))(p, x, pre, s_float)
 
   in_ct_sh = (spec(x), spec(pre), spec(s_float))
-  mem, seconds = _compile(fwd_bwd, args + (o_float,), shardings + (spec(o_float),),
-                          (p_sh,) + in_ct_sh, name=f'layer {block.layer} forward + backward')
+  compile_fwd_bwd = functools.partial(
+      _compile, args=args + (o_float,), shardings=shardings + (spec(o_float),),
+      out_shardings=(p_sh,) + in_ct_sh)
+  mem, seconds = compile_fwd_bwd(fwd_bwd, name=f'layer {block.layer} forward + backward')
   result = {
       'fwd_bwd': mem, 'compile_seconds': seconds,
       # Under block remat a layer keeps exactly its outputs until its backward.
@@ -446,14 +453,8 @@ def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
     # shows only in a program that holds more than one layer: the kept bytes are what a second
     # application of the layer adds to the temp. (The vjp's residuals compiled as outputs
     # overcounted by a third on the test model and 2x for the GPU paths.)
-    def twice(p, rb, x, pre, s_float, s_int, batch, cts):
-      def objective(p, x, pre, s_float):
-        (x2, pre2, _), aux1 = forward(p, rb, x, pre, s_float, s_int, batch)
-        kept, aux2 = forward(p, rb, x2, pre2, s_float, s_int, batch)
-        return _dot(_split_float(kept)[0], cts) + aux1['balance'] + aux2['balance']
-      return jax.grad(objective, argnums=(0, 1, 2, 3))(p, x, pre, s_float)
-    mem2, t2 = _compile(twice, args + (o_float,), shardings + (spec(o_float),),
-                        (p_sh,) + in_ct_sh, name=f'layer {block.layer} twice, forward + backward')
+    mem2, t2 = compile_fwd_bwd(functools.partial(fwd_bwd, applications=2),
+                               name=f'layer {block.layer} twice, forward + backward')
     result['kept_bytes'] = max(mem2['temp'] - mem['temp'], result['kept_bytes'])
     result['compile_seconds'] += t2
     # Its one-layer temp holds those values too (less its input, an argument there), and the
