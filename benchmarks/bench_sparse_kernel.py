@@ -3,7 +3,6 @@
 Usage (GPU):
     python benchmarks/bench_sparse_kernel.py --out sparse.jsonl
     python benchmarks/bench_sparse_kernel.py --cases 1b --block_k 16,32,64   # tile sweep
-    python benchmarks/bench_sparse_kernel.py --cases 1b --modes uses --uses 1,3,4  # shared kv
 
 Cases: `1b` = configs/ablation_1b.py's shapes (16 heads x 512, ratio-2 source: N = T/2) and
 `v41` = the released model's (64 heads x 512, ratio 4: N = T/4), both 64K queries, top-512.
@@ -12,10 +11,6 @@ as neighbouring queries overlap in real selections). Useful work is counted as
 4 * heads * d * valid slots per query for the forward and 2.5x that for the backward (the
 flash-attention convention: five matrix products against two). Check: at 2,048 queries the
 kernel's outputs and gradients against the dense jnp reference, bf16 and fp32.
-
-Mode `uses`: the backward alone of U attention calls over the same kv and selection (CSA2's
-Reuse layers), as U fused backwards against the split backward (U dq kernels, then one
-key/value-gradient kernel for all U, or one per call).
 """
 
 from __future__ import annotations
@@ -34,8 +29,7 @@ from timing import jsonl_emitter, time_fn  # noqa: E402  (benchmarks/timing.py)
 from deepseek41.ops.sparse_attention import compressed_partial  # noqa: E402
 from deepseek41.ops.sparse_kernel import sparse_partial_fused  # noqa: E402
 
-CASES = {'1b': dict(h=16, d=512, ratio=2), '1b_r1': dict(h=16, d=512, ratio=1),
-         'v41': dict(h=64, d=512, ratio=4)}
+CASES = {'1b': dict(h=16, d=512, ratio=2), 'v41': dict(h=64, d=512, ratio=4)}
 
 
 def selection(key, t, n, k, ratio):
@@ -60,44 +54,6 @@ def make_inputs(seed, t, h, d, ratio, k, dtype):
   idx, valid = selection(ks[2], t, n, k, ratio)
   ct = jax.random.normal(ks[3], (1, t, h, d), dtype)
   return q, kv, idx, valid, ct
-
-
-def uses_inputs(seed, t, h, d, ratio, k, uses, batch):
-  """Batch rows of U calls' (q, o, lse, dO) over one kv and selection: [U, B, T, H, d]."""
-  rows = [make_inputs(seed * 1000 + r, t, h, d, ratio, k, jnp.bfloat16) for r in range(batch)]
-  kv, idx, valid = (jnp.concatenate([r[i] for r in rows]) for i in (1, 2, 3))
-  ks = jax.random.split(jax.random.key(seed), 2)
-  q = jax.random.normal(ks[0], (uses, batch, t, h, d), jnp.bfloat16)
-  do = jax.random.normal(ks[1], (uses, batch, t, h, d), jnp.bfloat16)
-  fwd = jax.jit(lambda q: sparse_partial_fused(q, kv, idx, valid, scale=d ** -0.5)[:2])
-  o, lse = zip(*[fwd(q[u]) for u in range(uses)])
-  return q, kv, idx, valid, jnp.stack(o), jnp.stack(lse), do
-
-
-def uses_backward(variant, scale):
-  """The backward of U calls sharing kv and selection: (dq per call, summed fp32 dkv)."""
-  from deepseek41.ops import sparse_kernel as sk  # noqa: PLC0415
-  bk, nw, hg, chunk = 32, 4, 32, 256
-
-  def run(q, kv, idx, valid, o, lse, do):
-    uses = q.shape[0]
-    dlse = jnp.zeros(lse.shape[1:], jnp.float32)
-    if variant == 'fused':
-      outs = [sk._backward(q[u], kv, idx, valid, o[u], lse[u], do[u], dlse, scale, bk, nw, hg,
-                           chunk, 0, False) for u in range(uses)]
-      return [x[0] for x in outs], sum(x[1].astype(jnp.float32) for x in outs)
-    dqs, parts = [], []
-    for u in range(uses):
-      dq, ds, p = sk.dq_and_coefficients(q[u], kv, idx, valid, o[u], lse[u], do[u], dlse,
-                                         scale=scale, block_k=bk, num_warps=nw, head_group=hg,
-                                         interpret=False)
-      dqs.append(dq)
-      parts.append((ds, p, q[u], do[u]))
-    kw = dict(block_k=bk, num_warps=nw, dkv_chunk=chunk, interpret=False)
-    if variant == 'split_group':
-      return dqs, sk.dkv_from_coefficients(kv.shape, idx, valid, parts, **kw)
-    return dqs, sum(sk.dkv_from_coefficients(kv.shape, idx, valid, [x], **kw) for x in parts)
-  return run
 
 
 def partial_fn(impl, with_mass, tiles=None, bwd_tiles=None):
@@ -164,8 +120,6 @@ def main(argv=None):
                  help='experiment: the semantics of the backward atomics (none: skip them, '
                       'which gives wrong gradients: a floor for the rest of the kernel; store: '
                       'plain racing stores of the same tiles, also wrong)')
-  p.add_argument('--uses', default='1,3,4', help='mode uses: calls sharing kv and selection')
-  p.add_argument('--batch', type=int, default=1, help='mode uses: rows of seq_len queries')
   p.add_argument('--reps', type=int, default=5)
   p.add_argument('--no-gathered', dest='gathered', action='store_false')
   p.add_argument('--no-check', dest='check', action='store_false')
@@ -182,20 +136,6 @@ def main(argv=None):
     for v in filter(None, args.bwd_tiles.split(',')):  # the swept backward tiles too
       emit(check(jnp.bfloat16, 2e-2, bwd_tiles=tuple(map(int, v.split(':')))))
   t, k = args.seq_len, args.topk
-  if 'uses' in args.modes.split(','):
-    for case in args.cases.split(','):
-      h, d, ratio = CASES[case]['h'], CASES[case]['d'], CASES[case]['ratio']
-      for uses in map(int, args.uses.split(',')):
-        for variant in ('fused', 'split_group', 'split_each'):
-          if uses == 1 and variant == 'split_each':
-            continue
-          run = jax.jit(uses_backward(variant, d ** -0.5))
-          ms, compile_s = time_fn(run, lambda s: uses_inputs(s, t, h, d, ratio, k, uses,
-                                                            args.batch), args.reps)
-          emit({'case': case, 'mode': 'uses', 'uses': uses, 'variant': variant, 't': t,
-                'batch': args.batch, 'ms': round(ms, 3), 'ms_per_use': round(ms / uses, 3),
-                'compile_s': round(compile_s, 1)})
-    return
   for case in args.cases.split(','):
     h, d, ratio = CASES[case]['h'], CASES[case]['d'], CASES[case]['ratio']
     valid_slots = float(jnp.sum(make_inputs(0, t, h, d, ratio, k, jnp.bfloat16)[3]))

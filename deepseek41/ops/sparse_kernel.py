@@ -169,116 +169,38 @@ def add_rows(ref, rows_k, col0, vals_kc, *, n, interpret):
                        jnp.broadcast_to(cols_c[None, :], (bk, c))), vals_kc, mask=mask)
 
 
-def _bwd_setup(q_ref, o_ref, do_ref, lse_ref, dlse_ref):
-  """(q_hd, dO_hd, lse_h with -inf -> 0, delta_h - dlse_h) of one query's backward."""
+def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_ref, _dkv_in_ref,
+                dq_ref, dkv_ref, *, n, bk, scale, dkv_chunk, interpret):
+  h, d = q_ref.shape
   q_hd, do_hd = q_ref[...], do_ref[...]
+  dt = q_hd.dtype
   lse_h = lse_ref[...]
   lse_safe_h = jnp.where(lse_h == -jnp.inf, 0.0, lse_h)  # such a query has no visible slot
   delta_h = jnp.sum(do_hd.astype(jnp.float32) * o_ref[...].astype(jnp.float32), axis=1) - \
       dlse_ref[...]
-  return q_hd, do_hd, lse_safe_h, delta_h
-
-
-def _bwd_probs(q_hd, do_hd, kv_kd, rows_k, n, scale, lse_safe_h, delta_h):
-  """(P_hk, dS_hk) fp32 of one block of slots, P recomputed from the saved log-sum-exp."""
-  p_hk = jnp.exp(_masked_scores(q_hd, kv_kd, rows_k, n, scale) - lse_safe_h[:, None])
-  dp_hk = jax.lax.dot_general(do_hd, kv_kd, (((1,), (1,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-  return p_hk, p_hk * (dp_hk - delta_h[:, None])
-
-
-def _dkv_terms(ds_hk, q_hc, p_hk, do_hc):
-  """dS^T q + P^T dO: [k, c] fp32, the key/value gradient of a block's rows (key = value)."""
-  return (jax.lax.dot_general(ds_hk, q_hc, (((0,), (0,)), ((), ())),
-                              preferred_element_type=jnp.float32) +
-          jax.lax.dot_general(p_hk, do_hc, (((0,), (0,)), ((), ())),
-                              preferred_element_type=jnp.float32))
-
-
-def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_ref, _dkv_in_ref,
-                dq_ref, dkv_ref, *, n, bk, scale, dkv_chunk, interpret):
-  h, d = q_ref.shape
-  q_hd, do_hd, lse_safe_h, delta_h = _bwd_setup(q_ref, o_ref, do_ref, lse_ref, dlse_ref)
-  dt = q_hd.dtype
 
   def block(j, dq_hd):
     rows_k = idx_ref[pl.ds(j * bk, bk)]
     kv_kd = _gather(kv_ref, rows_k, d)
-    p_hk, ds_hk = _bwd_probs(q_hd, do_hd, kv_kd, rows_k, n, scale, lse_safe_h, delta_h)
+    p_hk = jnp.exp(_masked_scores(q_hd, kv_kd, rows_k, n, scale) - lse_safe_h[:, None])
+    dp_hk = jax.lax.dot_general(do_hd, kv_kd, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+    ds_hk = p_hk * (dp_hk - delta_h[:, None])
     dq_hd = dq_hd + jax.lax.dot_general(ds_hk.astype(dt), kv_kd, (((1,), (0,)), ((), ())),
                                         preferred_element_type=jnp.float32)
-    # The key/value gradient `dkv_chunk` columns at a time: a [bk, d] fp32 tile and its layout
-    # change for the atomics would crowd the program's registers.
-    ds_scaled_hk = (ds_hk * scale).astype(dt)
+    # The key/value gradient dS^T q + P^T dO, `dkv_chunk` columns at a time: a [bk, d] fp32
+    # tile and its layout change for the atomics would crowd the program's registers.
     for c in range(0, d, dkv_chunk):
       cols = pl.ds(c, dkv_chunk)
-      add_rows(dkv_ref, rows_k, c,
-               _dkv_terms(ds_scaled_hk, q_ref[:, cols], p_hk.astype(dt), do_ref[:, cols]),
-               n=n, interpret=interpret)
+      dkv_kc = (jax.lax.dot_general(ds_hk.astype(dt), q_ref[:, cols], (((0,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32) * scale +
+                jax.lax.dot_general(p_hk.astype(dt), do_ref[:, cols], (((0,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32))
+      add_rows(dkv_ref, rows_k, c, dkv_kc, n=n, interpret=interpret)
     return dq_hd
 
   dq_hd = jax.lax.fori_loop(0, nblk_ref[0], block, jnp.zeros((h, d), jnp.float32))
   dq_ref[...] = (dq_hd * scale).astype(dq_ref.dtype)
-
-
-def _bwd_dq_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_ref,
-                   dq_ref, ds_ref, p_ref, *, n, bk, scale):
-  """The split backward's first half: dq, and each slot's dS * scale and P in the compute dtype
-  ([h, K] per query), from which `_dkv_kernel` forms the key/value gradient."""
-  h, d = q_ref.shape
-  q_hd, do_hd, lse_safe_h, delta_h = _bwd_setup(q_ref, o_ref, do_ref, lse_ref, dlse_ref)
-  dt = q_hd.dtype
-
-  def block(j, dq_hd):
-    slots = pl.ds(j * bk, bk)
-    rows_k = idx_ref[slots]
-    kv_kd = _gather(kv_ref, rows_k, d)
-    p_hk, ds_hk = _bwd_probs(q_hd, do_hd, kv_kd, rows_k, n, scale, lse_safe_h, delta_h)
-    ds_ref[:, slots] = (ds_hk * scale).astype(ds_ref.dtype)
-    p_ref[:, slots] = p_hk.astype(p_ref.dtype)
-    return dq_hd + jax.lax.dot_general(ds_hk.astype(dt), kv_kd, (((1,), (0,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
-
-  dq_hd = jax.lax.fori_loop(0, nblk_ref[0], block, jnp.zeros((h, d), jnp.float32))
-  dq_ref[...] = (dq_hd * scale).astype(dq_ref.dtype)
-
-
-def _dkv_kernel(nblk_ref, idx_ref, *refs, n, bk, uses, dkv_chunk, interpret):
-  """The split backward's second half, over `uses` attention calls that share (kv, selection):
-  each slot's rows get sum over uses of dS^T q + P^T dO, added once (one atomic per element
-  for all uses, where separate backwards add once per use)."""
-  part_refs, dkv_ref = refs[:4 * uses], refs[-1]
-  d = dkv_ref.shape[-1]
-
-  def block(j, carry):
-    slots = pl.ds(j * bk, bk)
-    rows_k = idx_ref[slots]
-    for c in range(0, d, dkv_chunk):
-      cols = pl.ds(c, dkv_chunk)
-      terms = [_dkv_terms(ds_ref[:, slots], q_ref[:, cols], p_ref[:, slots], do_ref[:, cols])
-               for ds_ref, p_ref, q_ref, do_ref in zip(*[iter(part_refs)] * 4)]
-      add_rows(dkv_ref, rows_k, c, functools.reduce(jnp.add, terms), n=n, interpret=interpret)
-    return carry
-
-  jax.lax.fori_loop(0, nblk_ref[0], block, 0)
-
-
-def prepare_slots(idx_btk, valid_btk, n, block_k):
-  """(idx_btk int32 with invalid -> n and K padded to whole blocks, nblk_bt1 blocks up to the
-  last valid slot, bk)."""
-  k = idx_btk.shape[-1]
-  k_pad = max(MIN_DOT, pl.next_power_of_2(k))
-  bk = min(block_k, k_pad)
-  idx_btk = jnp.where(valid_btk, idx_btk, n).astype(jnp.int32)
-  idx_btk = jnp.pad(idx_btk, ((0, 0), (0, 0), (0, k_pad - k)), constant_values=n)
-  last_bt = jnp.max(jnp.where(valid_btk, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=-1)
-  nblk_bt1 = (-(-last_bt // bk))[..., None].astype(jnp.int32)
-  return idx_btk, nblk_bt1, bk
-
-
-def padded_rows(n):
-  """Rows of kv with the zero dummy row n that invalid slots point at."""
-  return -(-(n + 1) // MIN_DOT) * MIN_DOT
 
 
 def prepare_rows(kv_bnd, idx_btk, valid_btk, block_k):
@@ -286,9 +208,17 @@ def prepare_rows(kv_bnd, idx_btk, valid_btk, block_k):
 
   Returns (kv_bmd, idx_btk int32 with invalid -> n, nblk_bt1 blocks up to the last valid slot, bk).
   """
-  n = kv_bnd.shape[1]
-  kv_bmd = jnp.pad(kv_bnd, ((0, 0), (0, padded_rows(n) - n), (0, 0)))
-  return (kv_bmd, *prepare_slots(idx_btk, valid_btk, n, block_k))
+  b, n, d = kv_bnd.shape
+  k = idx_btk.shape[-1]
+  k_pad = max(MIN_DOT, pl.next_power_of_2(k))
+  bk = min(block_k, k_pad)
+  rows = -(-(n + 1) // MIN_DOT) * MIN_DOT
+  kv_bmd = jnp.pad(kv_bnd, ((0, 0), (0, rows - n), (0, 0)))
+  idx_btk = jnp.where(valid_btk, idx_btk, n).astype(jnp.int32)
+  idx_btk = jnp.pad(idx_btk, ((0, 0), (0, 0), (0, k_pad - k)), constant_values=n)
+  last_bt = jnp.max(jnp.where(valid_btk, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=-1)
+  nblk_bt1 = (-(-last_bt // bk))[..., None].astype(jnp.int32)
+  return kv_bmd, idx_btk, nblk_bt1, bk
 
 
 def per_query_specs(h, d, rows, k_pad):
@@ -340,15 +270,7 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_
 
 
 def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse_bth, scale,
-              block_k, num_warps, head_group, dkv_chunk, split, interpret):
-  if split:
-    dq_bthd, ds_bthk, p_bthk = dq_and_coefficients(
-        q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse_bth, scale=scale,
-        block_k=block_k, num_warps=num_warps, head_group=head_group, interpret=interpret)
-    dkv_bnd = dkv_from_coefficients(
-        kv_bnd.shape, idx_btk, valid_btk, [(ds_bthk, p_bthk, q_bthd, do_bthd)],
-        block_k=block_k, num_warps=num_warps, dkv_chunk=dkv_chunk, interpret=interpret)
-    return dq_bthd, dkv_bnd.astype(kv_bnd.dtype)
+              block_k, num_warps, head_group, dkv_chunk, interpret):
   b, t, h, d = q_bthd.shape
   n = kv_bnd.shape[1]
   hg = min(head_group, h)
@@ -373,65 +295,6 @@ def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse
     lse_bth.astype(jnp.float32), dlse_bth.astype(jnp.float32),
     jnp.zeros((b, rows, d), jnp.float32))
   return dq_bthd, dkv_bmd[:, :n].astype(kv_bnd.dtype)
-
-
-def dq_and_coefficients(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse_bth,
-                        *, scale, block_k, num_warps, head_group, interpret):
-  """The split backward's first kernel: (dq_bthd, dS * scale [B, T, H, K'], P [B, T, H, K']).
-
-  The coefficients are in q's dtype (what the fused kernel rounds them to for its key/value
-  products); K' is K padded to whole blocks, and slots after a query's last valid block are
-  not written (`dkv_from_coefficients` does not read them).
-  """
-  b, t, h, d = q_bthd.shape
-  n = kv_bnd.shape[1]
-  hg = min(head_group, h)
-  kv_bmd, idx_btk, nblk_bt1, bk = prepare_rows(kv_bnd, idx_btk, valid_btk, block_k)
-  rows, k_pad = kv_bmd.shape[1], idx_btk.shape[-1]
-  spec = per_query_specs(hg, d, rows, k_pad)
-  coef_spec = pl.BlockSpec((None, None, hg, k_pad), lambda i, j, g=0: (j, i, g, 0))
-  coef_shape = jax.ShapeDtypeStruct((b, t, h, k_pad), q_bthd.dtype)
-  return stand_in.pallas_call(
-      functools.partial(_bwd_dq_kernel, n=n, bk=bk, scale=scale),
-      out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype), coef_shape, coef_shape],
-      grid=(t, b, h // hg),
-      in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx'], spec['q'], spec['q'],
-                spec['h'], spec['h']],
-      out_specs=[spec['q'], coef_spec, coef_spec],
-      compiler_params=None if interpret else compiler_params(num_warps, 1),
-      interpret=interpret,
-      name='csa2_sparse_bwd_dq',
-  )(nblk_bt1, q_bthd, kv_bmd, idx_btk, o_bthd, do_bthd.astype(q_bthd.dtype),
-    lse_bth.astype(jnp.float32), dlse_bth.astype(jnp.float32))
-
-
-def dkv_from_coefficients(kv_shape, idx_btk, valid_btk, parts, *, block_k, num_warps, dkv_chunk,
-                          interpret):
-  """The split backward's second kernel: the fp32 key/value gradient [B, N, d] of every
-  attention call in `parts` = [(ds_bthk, p_bthk, q_bthd, do_bthd), ...] over the same kv rows
-  and the same selection, summed on chip before one atomic add per element."""
-  b, n, d = kv_shape
-  h = parts[0][2].shape[2]
-  idx_btk, nblk_bt1, bk = prepare_slots(idx_btk, valid_btk, n, block_k)
-  rows, k_pad = padded_rows(n), idx_btk.shape[-1]
-  spec = per_query_specs(h, d, rows, k_pad)
-  coef_spec = pl.BlockSpec((None, None, h, k_pad), lambda i, j: (j, i, 0, 0))
-  dkv_spec = pl.BlockSpec((None, rows, d), lambda i, j: (j, 0, 0))
-  ins = [x for ds, p, q, do in parts for x in (ds, p, q, do.astype(q.dtype))]
-  dkv_bmd = stand_in.pallas_call(
-      functools.partial(_dkv_kernel, n=n, bk=bk, uses=len(parts),
-                        dkv_chunk=min(dkv_chunk, d), interpret=interpret),
-      out_shape=jax.ShapeDtypeStruct((b, rows, d), jnp.float32),
-      grid=(idx_btk.shape[1], b),
-      in_specs=[spec['nblk'], spec['idx']] + [coef_spec, coef_spec, spec['q'], spec['q']] *
-      len(parts) + [dkv_spec],
-      out_specs=dkv_spec,
-      input_output_aliases={2 + len(ins): 0},
-      compiler_params=None if interpret else compiler_params(num_warps, 1),
-      interpret=interpret,
-      name='csa2_sparse_dkv',
-  )(nblk_bt1, idx_btk, *ins, jnp.zeros((b, rows, d), jnp.float32))
-  return dkv_bmd[:, :n]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
@@ -468,8 +331,7 @@ FULL_WIDTH = 1 << 30  # dkv_chunk: the whole head width at once
 
 
 def default_tiles(heads: int):
-  """((block_k, num_warps), (block_k, num_warps, head_group, dkv_chunk, split)): forward and
-  backward (split: dq and the key/value gradient in two kernels, see `_backward`).
+  """((block_k, num_warps), (block_k, num_warps, head_group, dkv_chunk)): forward and backward.
 
   Measured on the H200 (docs/performance.md sections 9 and 22): the forward gathers 64 rows per
   step; the backward holds q, dO, the dq accumulator and a [block_k, d] fp32 key/value gradient
@@ -480,8 +342,8 @@ def default_tiles(heads: int):
   columns 5% faster, 64 8% slower); at 64 heads whole (128 columns at a time was 8% slower).
   """
   if heads <= 16:
-    return (64, 4), (32, 4, 32, 256, 0)
-  return (64, 8), (32, 8, 32, FULL_WIDTH, 0)
+    return (64, 4), (32, 4, 32, 256)
+  return (64, 8), (32, 8, 32, FULL_WIDTH)
 
 
 def _kernel_size(x: int) -> int:
@@ -496,8 +358,7 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
 
   The slot mass carries no gradient (it is the indexer's stop-gradient target).
   fwd_tiles: (selected rows gathered per step, warps per program); bwd_tiles: the same, the
-  heads per program, the key/value-gradient columns per product and whether the backward is
-  split in two kernels; `default_tiles` by default (missing trailing entries too).
+  heads per program and the key/value-gradient columns per product; `default_tiles` by default.
   `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
   """
   h, d = q_bthd.shape[-2:]
@@ -508,7 +369,7 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
   fwd_default, bwd_default = default_tiles(h_pad)
   fwd_tiles = tuple(map(int, fwd_tiles or fwd_default))
   bwd_tiles = tuple(map(int, bwd_tiles or bwd_default))
-  bwd_tiles += bwd_default[len(bwd_tiles):]
+  bwd_tiles += bwd_default[len(bwd_tiles):]  # (block_k, warps, head_group) takes dkv_chunk's
   o, lse, mass = name_outputs(*_sparse_partial(
       q_bthd, kv_bnd.astype(q_bthd.dtype), idx_btk, valid_btk, float(scale), bool(with_mass), h,
       fwd_tiles, bwd_tiles, bool(interpret)))
