@@ -257,6 +257,9 @@ class ModelConfig:
   select_impl: str = _key('auto', choices=('top_k', 'threshold'),
                          auto=lambda m, backend: 'threshold' if backend == 'gpu' else 'top_k')
   sparse_chunk: int = _key(1024)         # queries per chunk in the gathered path and the indexer
+  # Image-span queries per chunk of the span branch; each chunk's scores are recomputed in the
+  # backward instead of kept (ops/span_attention.py). 0: whole spans, probabilities kept.
+  span_chunk: int = _key(256)
   # fused: the GPU kernel (ops/index_scores.py), for the shapes index_scores_supported() takes;
   # auto picks it wherever it can run.
   index_impl: str = _key('auto', choices=('reference', 'fused', 'mosaic'), auto=_auto_index_impl)
@@ -755,6 +758,7 @@ def _check_indexer(m: ModelConfig):
        m.index_head_dim >= m.rope_head_dim, 'model.index_head_dim',
        f'must be even and >= rope_head_dim ({m.rope_head_dim}), got {m.index_head_dim}')
   _req(m.sparse_chunk >= 1, 'model.sparse_chunk', 'must be >= 1')
+  _req(m.span_chunk >= 0, 'model.span_chunk', 'must be >= 0 (0 = whole spans, kept)')
   _req(m.index_topk_block >= 0, 'model.index_topk_block', 'must be >= 0 (0 = one top-k pass)')
 
 

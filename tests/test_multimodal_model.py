@@ -89,6 +89,35 @@ def test_span_partial_gathered_equals_reference():
   assert np.isinf(ref[1][:, :6]).all() and np.isfinite(ref[1][:, 6:14]).all()
 
 
+@pytest.mark.parametrize('chunk', [0, 4, 24])
+def test_span_partial_gathered_gradients_and_saved_residuals(chunk):
+  """Chunked and recomputed in the backward: the reference's gradients, and no saved residual of
+  the size of a span's [S, H, S] scores (the probabilities used to stay for the backward)."""
+  from jax._src.ad_checkpoint import saved_residuals  # noqa: PLC0415 (what jax.checkpoint saves)
+  batch = image_batch()
+  k1, k2 = jax.random.split(jax.random.key(2))
+  q = jax.random.normal(k1, (2, T, 3, 8))
+  kv = jax.random.normal(k2, (2, T, 8))
+  span_ids = jnp.asarray(batch['image_span'])
+
+  def loss(impl):
+    def fn(q, kv):
+      o, lse = span_partial(q, kv, span_ids, num_spans=SLOTS, max_span=24, impl=impl,
+                            chunk=chunk)
+      return jnp.sum(o * jnp.cos(o)) + jnp.sum(jnp.where(jnp.isinf(lse), 0.0, lse) ** 2)
+    return fn
+  want = jax.grad(loss('reference'), argnums=(0, 1))(q, kv)
+  got = jax.grad(loss('gathered'), argnums=(0, 1))(q, kv)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-5)
+  scores_size = 2 * SLOTS * 24 * 3 * 24  # [B, spans, S, H, S]
+  sizes = [aval.size for aval, _ in saved_residuals(loss('gathered'), q, kv)]
+  if chunk:
+    assert max(sizes) < scores_size / 2, sorted(sizes)[-3:]
+  else:  # span_chunk=0 keeps them
+    assert max(sizes) >= scores_size, sorted(sizes)[-3:]
+
+
 @pytest.mark.parametrize('impl', ['reference', 'chunked'])
 def test_window_and_span_partials_are_one_softmax_over_their_union(impl):
   """Window minus own span, plus the span branch == one softmax over (window or same span)."""

@@ -101,7 +101,7 @@ class Attention(nnx.Module):
       with jax.named_scope('span'):
         partials.append(span_partial(
             q_bthd, kv_btd, span_ids_bt, num_spans=batch['image_grid'].shape[1],
-            max_span=cfg.image_span_max_len,
+            max_span=cfg.image_span_max_len, chunk=cfg.span_chunk,
             impl='reference' if cfg.attention_impl == 'reference' else 'gathered'))
     if self.csa2 is not None:
       with jax.named_scope('csa2'):
