@@ -13,7 +13,8 @@
 # keep = block remat keeping the attention kernels' outputs (train.remat=block_keep_attention);
 # headfp32 = the LM head's backward as fp32 GEMMs (benchmarks/train_variant.py head_fp32_backward);
 # rlN = remat for the first N layers only (train.remat_layers=N), e.g. rl6;
-# mhcnopf = the fused mHC walks without look-ahead loads, at their earlier tiles (train_variant.py).
+# mhcnopf = the fused mHC walks without look-ahead loads, at their earlier tiles (train_variant.py);
+# nogroup = each sparse layer adds its own key/value gradient (model.sparse_group_dkv=False).
 set -uo pipefail
 mode=${1:-micro}; shift || true
 source benchmarks/device_env.sh
@@ -25,6 +26,7 @@ flags() { case "$1" in auto) echo "";; xla) echo $XLA;; sparse) echo $SPARSE;; f
   grouped) echo "--config.model.moe_backend=grouped";; mhc) echo "--config.model.mhc_impl=fused";;
   selref) echo "--config.model.selected_scores_impl=reference";; nosave|fullbwd|headfp32|mhcnopf) echo "";;
   keep) echo "--config.train.remat=block_keep_attention";;
+  nogroup) echo "--config.model.sparse_group_dkv=False";;
   rl[0-9]*) echo "--config.train.remat_layers=${1#rl}";;
   *) echo "unknown run $1" >&2; exit 2;; esac; }
 train() {  # shape name run

@@ -257,6 +257,10 @@ class ModelConfig:
   select_impl: str = _key('auto', choices=('top_k', 'threshold'),
                          auto=lambda m, backend: 'threshold' if backend == 'gpu' else 'top_k')
   sparse_chunk: int = _key(1024)         # queries per chunk in the gathered path and the indexer
+  # With the fused kernel, the layers that read one index source's selection (and so the same
+  # KV rows) add their key/value gradient once, in the index source's backward, instead of once
+  # each (ops/sparse_kernel.py; docs/performance.md section 25). Same gradients.
+  sparse_group_dkv: bool = _key(True)
   # Image-span queries per chunk of the span branch; each chunk's scores are recomputed in the
   # backward instead of kept (ops/span_attention.py). 0: whole spans, probabilities kept.
   span_chunk: int = _key(256)

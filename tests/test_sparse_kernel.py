@@ -1,6 +1,7 @@
 """The fused sparse attention kernel (Pallas interpreter on the CPU) equals the jnp reference."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -133,3 +134,69 @@ def test_model_with_the_fused_kernel_equals_the_gathered_path(kv_quant):
   np.testing.assert_allclose(l_f, l_ref, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(g_f), jax.tree.leaves(g_ref)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+# Reuse layers: 1-3 read layer 1's KV and selection, 4-5 layer 4's (two groups that defer their
+# key/value gradient to the index source, `model.sparse_group_dkv`).
+GROUPED = {'model.num_layers': 6, 'model.num_encoder_layers': 4,
+           'model.compress_ratios': (0, 2, 2, 2, 1, 1), 'model.kv_source_layer_ids': (1, 4),
+           'model.index_source_layer_ids': (1, 4), 'model.candidate_source_layer_id': 4}
+
+
+def test_grouped_key_value_gradient_equals_the_gathered_path():
+  """Layers sharing a selection add their kv gradient once (the index source's backward): the
+  same loss and gradients as the gathered path, with one key/value kernel per group."""
+  cfg = resolved(**{'model.csa2': True, 'model.index_n_heads': 2, 'model.index_head_dim': 8,
+                    'model.sparse_chunk': 16, 'model.num_heads': 16, 'model.o_groups': 2,
+                    **GROUPED}).model
+  batch = {k: jnp.asarray(v)[:2] for k, v in packed_batch(seed=3, docs_per_row=2, pad=4).items()}
+
+  def loss_and_grads(impl, group=True):
+    model = Transformer(dataclasses.replace(cfg, sparse_impl=impl, sparse_group_dkv=group),
+                        nnx.Rngs(params=0), remat='block')
+
+    def loss(m):
+      return jnp.sum(token_ce(m, batch)) / batch['loss_mask'].sum()
+    jaxpr = str(jax.make_jaxpr(lambda m: nnx.value_and_grad(loss)(m))(model))
+    return nnx.jit(lambda m: nnx.value_and_grad(loss)(m))(model), jaxpr
+  (l_ref, g_ref), _ = loss_and_grads('gathered')
+  (l_f, g_f), jaxpr = loss_and_grads('fused')
+  assert jaxpr.count('name=csa2_sparse_dkv') == 2
+  assert not re.search(r'name=csa2_sparse_bwd\b', jaxpr)  # no layer adds its own
+  np.testing.assert_allclose(l_f, l_ref, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_f), jax.tree.leaves(g_ref)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  _, jaxpr = loss_and_grads('fused', group=False)
+  assert 'csa2_sparse_dkv' not in jaxpr and re.search(r'name=csa2_sparse_bwd\b', jaxpr)
+
+
+def test_grouped_calls_hand_off_and_add_once():
+  """The kernel API: a first call and two later calls over one kv and selection, against three
+  plain calls: the same outputs and gradients (interpreter)."""
+  b, t, n, k = 2, 24, 12, 8
+  ks = jax.random.split(jax.random.key(5), 3)
+  kv = jax.random.normal(ks[0], (b, n, D))
+  idx, valid = _selection(ks[1], b, t, n, k, prefix=False)
+  qs = jax.random.normal(ks[2], (3, b, t, H, D))
+  kw = dict(scale=D ** -0.5, fwd_tiles=(16, 4), bwd_tiles=(16, 4, 8, 16), interpret=True)
+
+  def score(o, lse):
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return jnp.sum(o * jnp.cos(3 * o)) + jnp.sum(lse * jnp.sin(lse))
+
+  def plain(qs, kv):
+    return sum(score(*sparse_partial_fused(qs[u], kv, idx, valid, **kw)[:2]) * (u + 1)
+               for u in range(3))
+
+  def grouped(qs, kv):
+    o, lse, _, sinks = sparse_partial_fused(qs[0], kv, idx, valid, later=2, **kw)
+    total = score(o, lse)
+    for u in (1, 2):
+      o, lse, _ = sparse_partial_fused(qs[u], kv, idx, valid, sink=sinks[u - 1], **kw)
+      total = total + score(o, lse) * (u + 1)
+    return total
+  np.testing.assert_allclose(grouped(qs, kv), plain(qs, kv), rtol=1e-6)
+  for a, want in zip(jax.grad(grouped, argnums=(0, 1))(qs, kv),
+                     jax.grad(plain, argnums=(0, 1))(qs, kv)):
+    np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+

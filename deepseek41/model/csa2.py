@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from deepseek41.config import SWA, LayerRole, ModelConfig
+from deepseek41.config import SWA, LayerRole, ModelConfig, layer_roles
 from deepseek41.model import indexer as idx_lib
 from deepseek41.model.compressor import Compressor, document_first_entry_bt, visible_btn
 from deepseek41.model.indexer import IndexKeys, IndexQuery
@@ -61,6 +61,10 @@ def _sel_key(layer):
 
 def _pool_key(layer):
   return f'pool{layer}'
+
+
+def _sinks_key(layer):
+  return f'sinks{layer}'
 
 
 def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chunk: int,
@@ -126,6 +130,12 @@ class CSA2(nnx.Module):
       self.index_keys = IndexKeys(cfg, cfg.index_head_dim, rngs)
     if self.owns_index:
       self.index_query = IndexQuery(cfg, cfg.index_n_heads, cfg.index_head_dim, rngs)
+    # The later layers reading this layer's selection (hence its KV source's entries): with the
+    # fused kernel they hand their key/value gradient's coefficients to this layer's backward,
+    # which adds it once for all (cfg.sparse_group_dkv; ops/sparse_kernel.py).
+    self.selection_readers = tuple(r.layer for r in layer_roles(cfg)
+                                   if r.index_source == role.index_source and r.mode != SWA
+                                   and r.layer != role.index_source)
 
   def publish_kv(self, x_btd, batch, shared: dict) -> dict:
     """Compress this KV-source layer's attention input and publish entries and index keys."""
@@ -168,9 +178,21 @@ class CSA2(nnx.Module):
     # target); generation computes no indexer loss.
     distill = self.owns_index and DECODE not in shared
     kv = comp.kv_bnd if comp.load_rows else comp.kv_bnd.astype(q_bthd.dtype)
+    group = (cfg.sparse_group_dkv and cfg.sparse_impl == 'fused' and DECODE not in shared and
+             bool(self.selection_readers))
+    later, sink = 0, None
+    if group and self.owns_index:
+      later = len(self.selection_readers)
+    elif group:  # take this layer's sink; the last reader drops the entry
+      sinks = shared[_sinks_key(role.index_source)]
+      sink = sinks[self.selection_readers.index(role.layer)]
+      if role.layer == self.selection_readers[-1]:
+        del shared[_sinks_key(role.index_source)]
     o_bthd, lse_bth, *mass = compressed_partial(
         q_bthd, kv, sel_idx, sel_valid, impl=cfg.sparse_impl, chunk=cfg.sparse_chunk,
-        with_mass=distill, load_rows=comp.load_rows)
+        with_mass=distill, load_rows=comp.load_rows, later=later, sink=sink)
+    if later:
+      *mass, shared[_sinks_key(role.layer)] = mass
     if distill:
       mass_btk, = mass
       student_btk = selected_scores(q_idx, w_bth, k_bnc, sel_idx, sel_valid,

@@ -108,21 +108,29 @@ def _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk, load_row
                           {'q': q_bthd, 'idx': idx_btk, 'valid': valid_btk}, chunk)
 
 
-def _sparse_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, with_mass, tensor_axis, **kw):
+def _sparse_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *sink, with_mass, tensor_axis, later=0,
+                  **kw):
   """The sparse kernels on this device's queries and heads; the slot mass, an average over
-  heads, averaged over the tensor shards' heads too."""
-  o_bthd, lse_bth, mass_btk = sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk,
-                                                   with_mass=with_mass, **kw)
-  if not with_mass:
-    return o_bthd, lse_bth
-  if tensor_axis is not None:
-    mass_btk = jax.lax.pmean(mass_btk, tensor_axis)
-  return o_bthd, lse_bth, mass_btk
+  heads, averaged over the tensor shards' heads too. Flat outputs: (o, lse[, mass], the `later`
+  sinks' arrays...)."""
+  o_bthd, lse_bth, mass_btk, *sinks = sparse_partial_fused(
+      q_bthd, kv_bnd, idx_btk, valid_btk, with_mass=with_mass, later=later,
+      sink=sink if sink and sink[0] is not None else None, **kw)
+  out = (o_bthd, lse_bth)
+  if with_mass:
+    if tensor_axis is not None:
+      mass_btk = jax.lax.pmean(mass_btk, tensor_axis)
+    out += (mass_btk,)
+  return out + tuple(a for s in (sinks[0] if sinks else ()) for a in s)
+
+
+# Head dimension of a deferred call's sink arrays (sparse_kernel.sink_shapes).
+_SINK_HEADS = (3, 3, 2, 2)
 
 
 def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathered',
                        chunk: int | None = None, scale: float | None = None,
-                       with_mass: bool = False, load_rows=None):
+                       with_mass: bool = False, load_rows=None, later: int = 0, sink=None):
   """Attention of each query over its selected compressed entries: (o_bthd, lse_bth fp32).
 
   o_bthd is fp32 from the reference and in kv's dtype from the gathered and fused paths.
@@ -134,7 +142,13 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
   within this branch (sums to 1 over the valid slots): the indexer's distillation target.
   load_rows: kv_bnd is stored rows (a pytree of [B, N, ...] arrays, e.g. packed codes and
   scales) and load_rows turns gathered ones into [..., d] values; `gathered` only, no gradient.
+  later / sink (`fused` only): calls over the same kv and selection that defer their key/value
+  gradient to the first (ops/sparse_kernel.py): `later` > 0 makes this the first and appends
+  its sinks (one per later call) to the outputs; `sink`, one of them, makes this a later call.
   """
+  if (later or sink is not None) and impl != 'fused':
+    raise ValueError(f'the deferred key/value gradient (later / sink) needs impl=fused, got '
+                     f'{impl!r}')
   if load_rows is not None:
     if impl != 'gathered' or with_mass:
       raise ValueError('stored kv rows (load_rows) are read by the gathered path, without mass')
@@ -149,10 +163,21 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
   elif impl == 'gathered':
     out = _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk)
   elif impl == 'fused':  # on the CPU the kernels run in the Pallas interpreter (tests)
-    kernel = functools.partial(_sparse_fused, scale=scale, with_mass=with_mass,
+    kernel = functools.partial(_sparse_fused, scale=scale, with_mass=with_mass, later=later,
                                interpret=jax.default_backend() == 'cpu')
-    out = batch_local(kernel, q_bthd, kv_bnd, idx_btk, valid_btk, whole_seq=(1,), heads={0: 2},
-                      out_heads=(2, 2, None) if with_mass else (2, 2), tensor_kw='tensor_axis')
+    heads = {0: 2}
+    if sink is not None:
+      heads.update({4 + i: h for i, h in enumerate(_SINK_HEADS)})
+    sink = tuple(sink) if sink is not None else (None,) * len(_SINK_HEADS)
+    out_heads = (2, 2) + ((None,) if with_mass else ()) + _SINK_HEADS * later
+    out = batch_local(kernel, q_bthd, kv_bnd, idx_btk, valid_btk, *sink, whole_seq=(1,),
+                      heads=heads, out_heads=out_heads, tensor_kw='tensor_axis')
+    if later:
+      flat = out[len(out) - len(_SINK_HEADS) * later:]
+      out = out[:len(out) - len(flat)]
+      sinks = tuple(tuple(flat[i:i + len(_SINK_HEADS)])
+                    for i in range(0, len(flat), len(_SINK_HEADS)))
+      return (out if with_mass else out[:2]) + (sinks,)
   else:
     raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
   return out if with_mass else out[:2]

@@ -203,22 +203,85 @@ def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_r
   dq_ref[...] = (dq_hd * scale).astype(dq_ref.dtype)
 
 
+def _bwd_dq_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_ref,
+                   dq_ref, ds_ref, p_ref, *, n, bk, scale):
+  """The deferred backward's first half: dq, and each slot's dS * scale and P ([K', h] per
+  query, in q's dtype: what `_bwd_kernel` rounds them to for its key/value products)."""
+  h, d = q_ref.shape
+  q_hd, do_hd = q_ref[...], do_ref[...]
+  dt = q_hd.dtype
+  lse_h = lse_ref[...]
+  lse_safe_h = jnp.where(lse_h == -jnp.inf, 0.0, lse_h)
+  delta_h = jnp.sum(do_hd.astype(jnp.float32) * o_ref[...].astype(jnp.float32), axis=1) - \
+      dlse_ref[...]
+
+  def block(j, dq_hd):
+    slots = pl.ds(j * bk, bk)
+    rows_k = idx_ref[slots]
+    kv_kd = _gather(kv_ref, rows_k, d)
+    p_hk = jnp.exp(_masked_scores(q_hd, kv_kd, rows_k, n, scale) - lse_safe_h[:, None])
+    dp_hk = jax.lax.dot_general(do_hd, kv_kd, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+    ds_hk = p_hk * (dp_hk - delta_h[:, None])
+    ds_ref[slots, :] = (ds_hk * scale).astype(ds_ref.dtype).T
+    p_ref[slots, :] = p_hk.astype(p_ref.dtype).T
+    return dq_hd + jax.lax.dot_general(ds_hk.astype(dt), kv_kd, (((1,), (0,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+
+  dq_hd = jax.lax.fori_loop(0, nblk_ref[0], block, jnp.zeros((h, d), jnp.float32))
+  dq_ref[...] = (dq_hd * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(nblk_ref, idx_ref, *refs, n, bk, uses, dkv_chunk, interpret):
+  """The deferred backward's second half, for `uses` calls over the same kv rows and selection:
+  each slot's row gets the sum over the calls of dS^T q + P^T dO, added once."""
+  part_refs, dkv_ref = refs[:4 * uses], refs[-1]
+  d = dkv_ref.shape[-1]
+
+  def block(j, carry):
+    slots = pl.ds(j * bk, bk)
+    rows_k = idx_ref[slots]
+    for c in range(0, d, dkv_chunk):
+      cols = pl.ds(c, dkv_chunk)
+      acc = None
+      for ds_ref, p_ref, q_ref, do_ref in zip(*[iter(part_refs)] * 4):
+        term = (jax.lax.dot_general(ds_ref[slots, :], q_ref[:, cols], (((1,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32) +
+                jax.lax.dot_general(p_ref[slots, :], do_ref[:, cols], (((1,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32))
+        acc = term if acc is None else acc + term
+      add_rows(dkv_ref, rows_k, c, acc, n=n, interpret=interpret)
+    return carry
+
+  jax.lax.fori_loop(0, nblk_ref[0], block, 0)
+
+
+def prepare_slots(idx_btk, valid_btk, n, block_k):
+  """(idx_btk int32 with invalid -> n and K padded to whole blocks, nblk_bt1 blocks up to the
+  last valid slot, bk)."""
+  k = idx_btk.shape[-1]
+  k_pad = max(MIN_DOT, pl.next_power_of_2(k))
+  bk = min(block_k, k_pad)
+  idx_btk = jnp.where(valid_btk, idx_btk, n).astype(jnp.int32)
+  idx_btk = jnp.pad(idx_btk, ((0, 0), (0, 0), (0, k_pad - k)), constant_values=n)
+  last_bt = jnp.max(jnp.where(valid_btk, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=-1)
+  nblk_bt1 = (-(-last_bt // bk))[..., None].astype(jnp.int32)
+  return idx_btk, nblk_bt1, bk
+
+
+def padded_rows(n):
+  """Rows of kv with the zero dummy row n that invalid slots point at, rounded for Triton."""
+  return -(-(n + 1) // MIN_DOT) * MIN_DOT
+
+
 def prepare_rows(kv_bnd, idx_btk, valid_btk, block_k):
   """Pad kv with a zero dummy row n (invalid slots point there) and K to whole blocks.
 
   Returns (kv_bmd, idx_btk int32 with invalid -> n, nblk_bt1 blocks up to the last valid slot, bk).
   """
-  b, n, d = kv_bnd.shape
-  k = idx_btk.shape[-1]
-  k_pad = max(MIN_DOT, pl.next_power_of_2(k))
-  bk = min(block_k, k_pad)
-  rows = -(-(n + 1) // MIN_DOT) * MIN_DOT
-  kv_bmd = jnp.pad(kv_bnd, ((0, 0), (0, rows - n), (0, 0)))
-  idx_btk = jnp.where(valid_btk, idx_btk, n).astype(jnp.int32)
-  idx_btk = jnp.pad(idx_btk, ((0, 0), (0, 0), (0, k_pad - k)), constant_values=n)
-  last_bt = jnp.max(jnp.where(valid_btk, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=-1)
-  nblk_bt1 = (-(-last_bt // bk))[..., None].astype(jnp.int32)
-  return kv_bmd, idx_btk, nblk_bt1, bk
+  n = kv_bnd.shape[1]
+  kv_bmd = jnp.pad(kv_bnd, ((0, 0), (0, padded_rows(n) - n), (0, 0)))
+  return (kv_bmd, *prepare_slots(idx_btk, valid_btk, n, block_k))
 
 
 def per_query_specs(h, d, rows, k_pad):
@@ -327,6 +390,148 @@ def _sparse_partial_bwd(scale, with_mass, heads, fwd_tiles, bwd_tiles, interpret
 _sparse_partial.defvjp(_sparse_partial_fwd, _sparse_partial_bwd)
 
 
+def dq_and_coefficients(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse_bth,
+                        scale, block_k, num_warps, head_group, interpret):
+  """The deferred backward's first kernel: (dq_bthd, dS * scale [B, T, K', H], P [B, T, K', H]).
+
+  K' is K padded to whole blocks; slots after a query's last valid block are not written
+  (`dkv_from_coefficients` walks the same blocks)."""
+  b, t, h, d = q_bthd.shape
+  n = kv_bnd.shape[1]
+  hg = min(head_group, h)
+  kv_bmd, idx_btk, nblk_bt1, bk = prepare_rows(kv_bnd, idx_btk, valid_btk, block_k)
+  rows, k_pad = kv_bmd.shape[1], idx_btk.shape[-1]
+  spec = per_query_specs(hg, d, rows, k_pad)
+  coef_spec = pl.BlockSpec((None, None, k_pad, hg), lambda i, j, g=0: (j, i, 0, g))
+  coef_shape = jax.ShapeDtypeStruct((b, t, k_pad, h), q_bthd.dtype)
+  return stand_in.pallas_call(
+      functools.partial(_bwd_dq_kernel, n=n, bk=bk, scale=scale),
+      out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype), coef_shape, coef_shape],
+      grid=(t, b, h // hg),
+      in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx'], spec['q'], spec['q'],
+                spec['h'], spec['h']],
+      out_specs=[spec['q'], coef_spec, coef_spec],
+      compiler_params=None if interpret else compiler_params(num_warps, 1),
+      interpret=interpret,
+      name='csa2_sparse_bwd_dq',
+  )(nblk_bt1, q_bthd, kv_bmd, idx_btk, o_bthd, do_bthd.astype(q_bthd.dtype),
+    lse_bth.astype(jnp.float32), dlse_bth.astype(jnp.float32))
+
+
+def dkv_from_coefficients(kv_bnd, idx_btk, valid_btk, parts, block_k, num_warps, dkv_chunk,
+                          interpret):
+  """The deferred backward's second kernel: kv's gradient (kv's dtype) from every call in
+  `parts` = [(ds_btkh, p_btkh, q_bthd, do_bthd), ...] over these kv rows and this selection,
+  summed on chip and added once per element (where one backward per call adds once per call)."""
+  b, n, d = kv_bnd.shape
+  h = parts[0][2].shape[2]
+  idx_btk, nblk_bt1, bk = prepare_slots(idx_btk, valid_btk, n, block_k)
+  rows, k_pad = padded_rows(n), idx_btk.shape[-1]
+  spec = per_query_specs(h, d, rows, k_pad)
+  coef_spec = pl.BlockSpec((None, None, k_pad, h), lambda i, j: (j, i, 0, 0))
+  dkv_spec = pl.BlockSpec((None, rows, d), lambda i, j: (j, 0, 0))
+  ins = [x for ds, p, q, do in parts for x in (ds, p, q, do.astype(q.dtype))]
+  dkv_bmd = stand_in.pallas_call(
+      functools.partial(_dkv_kernel, n=n, bk=bk, uses=len(parts), dkv_chunk=min(dkv_chunk, d),
+                        interpret=interpret),
+      out_shape=jax.ShapeDtypeStruct((b, rows, d), jnp.float32),
+      grid=(idx_btk.shape[1], b),
+      in_specs=[spec['nblk'], spec['idx']] + [coef_spec, coef_spec, spec['q'], spec['q']] *
+      len(parts) + [dkv_spec],
+      out_specs=dkv_spec,
+      input_output_aliases={2 + len(ins): 0},
+      compiler_params=None if interpret else compiler_params(num_warps, 1),
+      interpret=interpret,
+      name='csa2_sparse_dkv',
+  )(nblk_bt1, idx_btk, *ins, jnp.zeros((b, rows, d), jnp.float32))
+  return dkv_bmd[:, :n].astype(kv_bnd.dtype)
+
+
+def _coefficients(res, cts, scale, bwd_tiles, interpret):
+  """(dq, this call's part for `dkv_from_coefficients`) of a deferred backward."""
+  q_bthd, kv_bnd, idx_btk, valid_btk, o, lse = res
+  do_bthd, dlse_bth = cts[:2]
+  block_k, num_warps, head_group, _ = bwd_tiles
+  dq, ds, p = dq_and_coefficients(q_bthd, kv_bnd, idx_btk, valid_btk, o, lse, do_bthd, dlse_bth,
+                                  scale, block_k, num_warps, head_group, interpret)
+  return dq, (ds, p, q_bthd, do_bthd.astype(q_bthd.dtype))
+
+
+def sink_shapes(q_bthd, k):
+  """Shapes and dtypes of one later call's hand-off: (dS, P [B, T, K', H], q, dO [B, T, H, d])."""
+  b, t, h, d = q_bthd.shape
+  k_pad = max(MIN_DOT, pl.next_power_of_2(k))
+  coef = jax.ShapeDtypeStruct((b, t, k_pad, h), q_bthd.dtype)
+  row = jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype)
+  return (coef, coef, row, row)
+
+
+# Calls that share kv rows and a selection (CSA2's index source and its Reuse layers) can defer
+# their key/value gradient to the first call, which runs one `dkv_from_coefficients` for all of
+# them (docs/performance.md section 25). The first call publishes zero-valued "sinks", one per
+# later call; a later call takes its sink as an input it does not read, returns no kv gradient
+# and hands its coefficients back as the sink's cotangent; the first call's backward, which
+# runs after all of theirs, receives them as its sinks' cotangents.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _sparse_partial_first(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads,
+                          fwd_tiles, bwd_tiles, interpret, later):
+  return _sparse_partial_first_fwd(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads,
+                                   fwd_tiles, bwd_tiles, interpret, later)[0]
+
+
+def _sparse_partial_first_fwd(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads,
+                              fwd_tiles, bwd_tiles, interpret, later):
+  del bwd_tiles
+  o, lse, mass = _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads,
+                          *fwd_tiles, interpret)
+  sinks = tuple(tuple(jnp.zeros(a.shape, a.dtype) for a in sink_shapes(q_bthd,
+                                                                          idx_btk.shape[-1]))
+                for _ in range(later))
+  return (o, lse, mass, sinks), (q_bthd, kv_bnd, idx_btk, valid_btk, *name_outputs(o, lse))
+
+
+def _sparse_partial_first_bwd(scale, with_mass, heads, fwd_tiles, bwd_tiles, interpret, later,
+                              res, cts):
+  del with_mass, heads, fwd_tiles, later
+  dq, part = _coefficients(res, cts, scale, bwd_tiles, interpret)
+  kv_bnd, idx_btk, valid_btk = res[1:4]
+  parts = [part] + [tuple(x.astype(y.dtype) for x, y in zip(ct, part)) for ct in cts[3]]
+  block_k, num_warps, _, dkv_chunk = bwd_tiles
+  dkv = dkv_from_coefficients(kv_bnd, idx_btk, valid_btk, parts, block_k, num_warps, dkv_chunk,
+                              interpret)
+  return dq, dkv, None, None
+
+
+_sparse_partial_first.defvjp(_sparse_partial_first_fwd, _sparse_partial_first_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _sparse_partial_later(q_bthd, kv_bnd, idx_btk, valid_btk, sink, scale, with_mass, heads,
+                          fwd_tiles, bwd_tiles, interpret):
+  del sink, bwd_tiles
+  return _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, *fwd_tiles,
+                  interpret)
+
+
+def _sparse_partial_later_fwd(q_bthd, kv_bnd, idx_btk, valid_btk, sink, scale, with_mass, heads,
+                              fwd_tiles, bwd_tiles, interpret):
+  del sink
+  return _sparse_partial_fwd(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads,
+                             fwd_tiles, bwd_tiles, interpret)
+
+
+def _sparse_partial_later_bwd(scale, with_mass, heads, fwd_tiles, bwd_tiles, interpret, res,
+                              cts):
+  del with_mass, heads, fwd_tiles
+  dq, part = _coefficients(res, cts, scale, bwd_tiles, interpret)
+  return dq, None, None, None, part
+
+
+_sparse_partial_later.defvjp(_sparse_partial_later_fwd, _sparse_partial_later_bwd)
+
+
 FULL_WIDTH = 1 << 30  # dkv_chunk: the whole head width at once
 
 
@@ -353,13 +558,17 @@ def _kernel_size(x: int) -> int:
 def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
                          with_mass: bool = False, fwd_tiles: tuple[int, int] | None = None,
                          bwd_tiles: tuple[int, ...] | None = None,
-                         interpret: bool = False):
+                         interpret: bool = False, later: int = 0, sink=None):
   """(o_bthd in kv's dtype, lse_bth fp32, mass_btk fp32 or None), as `compressed_partial`.
 
   The slot mass carries no gradient (it is the indexer's stop-gradient target).
   fwd_tiles: (selected rows gathered per step, warps per program); bwd_tiles: the same, the
   heads per program and the key/value-gradient columns per product; `default_tiles` by default.
   `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
+
+  Deferred key/value gradient for calls sharing kv and selection (see above): `later` > 0 makes
+  this the first call and appends its sinks (a tuple of `later` tuples of arrays) to the
+  outputs; `sink`, one of them, makes this a later call, whose kv gets no gradient of its own.
   """
   h, d = q_bthd.shape[-2:]
   h_pad, d_pad = _kernel_size(h), _kernel_size(d)
@@ -370,8 +579,16 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
   fwd_tiles = tuple(map(int, fwd_tiles or fwd_default))
   bwd_tiles = tuple(map(int, bwd_tiles or bwd_default))
   bwd_tiles += bwd_default[len(bwd_tiles):]  # (block_k, warps, head_group) takes dkv_chunk's
-  o, lse, mass = name_outputs(*_sparse_partial(
-      q_bthd, kv_bnd.astype(q_bthd.dtype), idx_btk, valid_btk, float(scale), bool(with_mass), h,
-      fwd_tiles, bwd_tiles, bool(interpret)))
+  args = (q_bthd, kv_bnd.astype(q_bthd.dtype), idx_btk, valid_btk)
+  static = (float(scale), bool(with_mass), h, fwd_tiles, bwd_tiles, bool(interpret))
+  sinks = None
+  if later:
+    o, lse, mass, sinks = _sparse_partial_first(*args, *static, int(later))
+  elif sink is not None:
+    o, lse, mass = _sparse_partial_later(*args, tuple(sink), *static)
+  else:
+    o, lse, mass = _sparse_partial(*args, *static)
+  o, lse, mass = name_outputs(o, lse, mass)
   o, lse = o[..., :h, :d], lse[..., :h]
-  return o, lse, None if mass is None else jax.lax.stop_gradient(mass)
+  out = (o, lse, None if mass is None else jax.lax.stop_gradient(mass))
+  return out + (sinks,) if later else out
