@@ -1,6 +1,7 @@
 """The fused sparse attention kernel (Pallas interpreter on the CPU) equals the jnp reference."""
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -200,3 +201,38 @@ def test_grouped_calls_hand_off_and_add_once():
                      jax.grad(plain, argnums=(0, 1))(qs, kv)):
     np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
+
+
+def test_kernels_lower_for_triton():
+  """The forward, the fused backward and the deferred pair (dq + coefficients, the shared
+  key/value kernel) lower to Triton IR for an H200 on the CPU: the interpreter cannot see what
+  the Triton lowering refuses (the coefficients' transposed stores, say)."""
+  gpu_info = pytest.importorskip('jax._src.pallas.triton.gpu_info')
+  registration = pytest.importorskip('jax._src.pallas.triton.pallas_call_registration')
+  pytest.importorskip('jax.experimental.pallas.triton')
+  h200 = gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200, arch_name='sm_90',
+                          compute_capability=90)
+  b, t, n, k, h, d = 1, 64, 32, 64, 16, 512
+  qs = jax.ShapeDtypeStruct((2, b, t, h, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, n, d), jnp.bfloat16)
+  idx = jnp.zeros((b, t, k), jnp.int32)
+  valid = jnp.ones((b, t, k), bool)
+
+  def loss(qs, kv, grouped):
+    if grouped:
+      o, lse, _, sinks = sparse_partial_fused(qs[0], kv, idx, valid, later=1, scale=0.04)
+      o2, lse2, _ = sparse_partial_fused(qs[1], kv, idx, valid, sink=sinks[0], scale=0.04)
+    else:
+      o, lse, _ = sparse_partial_fused(qs[0], kv, idx, valid, scale=0.04)
+      o2, lse2 = o, lse
+    return sum(jnp.sum(x.astype(jnp.float32)) for x in (o, o2, lse, lse2))
+  original = registration.gpu_info_lib.get_gpu_info
+  registration.gpu_info_lib.get_gpu_info = lambda *a, **kw: h200
+  try:
+    for grouped, names in ((False, ('csa2_sparse_fwd', 'csa2_sparse_bwd')),
+                           (True, ('csa2_sparse_bwd_dq', 'csa2_sparse_dkv'))):
+      text = jax.jit(jax.grad(functools.partial(loss, grouped=grouped), argnums=(0, 1))).trace(
+          qs, kv).lower(lowering_platforms=('cuda',)).as_text()
+      assert 'triton' in text and all(name in text for name in names)
+  finally:
+    registration.gpu_info_lib.get_gpu_info = original

@@ -21,6 +21,10 @@ pick overlapping entries) straight into on-chip memory, and all H heads use the 
   [B, N, d] buffer with atomics; invalid slots are masked out of the atomics, so unused slots do
   not serialise on one row. The log-sum-exp's own cotangent enters as
   dS = P * (dP - delta + dlse), since the caller merges partials by their log-sum-exp.
+- deferred backward, for calls over the same kv rows and selection (CSA2's index source and
+  its Reuse layers; `later` / `sink`): each call's first kernel writes dq and its slots' dS and
+  P; the first call's backward, which runs last, forms the key/value gradient of all of them in
+  one kernel and adds it once per element instead of once per call (docs/performance.md 25).
 
 Any number of heads and head width: the wrapper pads both with zeros to powers of two >= 16
 (Triton's smallest matrix product), which changes no score, output or gradient.
@@ -169,25 +173,39 @@ def add_rows(ref, rows_k, col0, vals_kc, *, n, interpret):
                        jnp.broadcast_to(cols_c[None, :], (bk, c))), vals_kc, mask=mask)
 
 
-def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_ref, _dkv_in_ref,
-                dq_ref, dkv_ref, *, n, bk, scale, dkv_chunk, interpret):
-  h, d = q_ref.shape
+def _bwd_query(q_ref, o_ref, do_ref, lse_ref, dlse_ref):
+  """(q_hd, dO_hd, lse_h with -inf -> 0, delta_h - dlse_h): one query's backward constants."""
   q_hd, do_hd = q_ref[...], do_ref[...]
-  dt = q_hd.dtype
   lse_h = lse_ref[...]
   lse_safe_h = jnp.where(lse_h == -jnp.inf, 0.0, lse_h)  # such a query has no visible slot
   delta_h = jnp.sum(do_hd.astype(jnp.float32) * o_ref[...].astype(jnp.float32), axis=1) - \
       dlse_ref[...]
+  return q_hd, do_hd, lse_safe_h, delta_h
+
+
+def _bwd_block(q_hd, do_hd, lse_safe_h, delta_h, kv_kd, rows_k, n, scale, dq_hd):
+  """One block of slots: (P_hk, dS_hk) fp32, P recomputed from the saved log-sum-exp, and dq
+  with the block's dS kv added."""
+  p_hk = jnp.exp(_masked_scores(q_hd, kv_kd, rows_k, n, scale) - lse_safe_h[:, None])
+  dp_hk = jax.lax.dot_general(do_hd, kv_kd, (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.float32)
+  ds_hk = p_hk * (dp_hk - delta_h[:, None])
+  dq_hd = dq_hd + jax.lax.dot_general(ds_hk.astype(q_hd.dtype), kv_kd, (((1,), (0,)), ((), ())),
+                                      preferred_element_type=jnp.float32)
+  return p_hk, ds_hk, dq_hd
+
+
+def _bwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dlse_ref, _dkv_in_ref,
+                dq_ref, dkv_ref, *, n, bk, scale, dkv_chunk, interpret):
+  h, d = q_ref.shape
+  q_hd, do_hd, lse_safe_h, delta_h = _bwd_query(q_ref, o_ref, do_ref, lse_ref, dlse_ref)
+  dt = q_hd.dtype
 
   def block(j, dq_hd):
     rows_k = idx_ref[pl.ds(j * bk, bk)]
     kv_kd = _gather(kv_ref, rows_k, d)
-    p_hk = jnp.exp(_masked_scores(q_hd, kv_kd, rows_k, n, scale) - lse_safe_h[:, None])
-    dp_hk = jax.lax.dot_general(do_hd, kv_kd, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
-    ds_hk = p_hk * (dp_hk - delta_h[:, None])
-    dq_hd = dq_hd + jax.lax.dot_general(ds_hk.astype(dt), kv_kd, (((1,), (0,)), ((), ())),
-                                        preferred_element_type=jnp.float32)
+    p_hk, ds_hk, dq_hd = _bwd_block(q_hd, do_hd, lse_safe_h, delta_h, kv_kd, rows_k, n, scale,
+                                    dq_hd)
     # The key/value gradient dS^T q + P^T dO, `dkv_chunk` columns at a time: a [bk, d] fp32
     # tile and its layout change for the atomics would crowd the program's registers.
     for c in range(0, d, dkv_chunk):
@@ -208,25 +226,17 @@ def _bwd_dq_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, do_ref, lse_ref, dls
   """The deferred backward's first half: dq, and each slot's dS * scale and P ([K', h] per
   query, in q's dtype: what `_bwd_kernel` rounds them to for its key/value products)."""
   h, d = q_ref.shape
-  q_hd, do_hd = q_ref[...], do_ref[...]
-  dt = q_hd.dtype
-  lse_h = lse_ref[...]
-  lse_safe_h = jnp.where(lse_h == -jnp.inf, 0.0, lse_h)
-  delta_h = jnp.sum(do_hd.astype(jnp.float32) * o_ref[...].astype(jnp.float32), axis=1) - \
-      dlse_ref[...]
+  q_hd, do_hd, lse_safe_h, delta_h = _bwd_query(q_ref, o_ref, do_ref, lse_ref, dlse_ref)
 
   def block(j, dq_hd):
     slots = pl.ds(j * bk, bk)
     rows_k = idx_ref[slots]
     kv_kd = _gather(kv_ref, rows_k, d)
-    p_hk = jnp.exp(_masked_scores(q_hd, kv_kd, rows_k, n, scale) - lse_safe_h[:, None])
-    dp_hk = jax.lax.dot_general(do_hd, kv_kd, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
-    ds_hk = p_hk * (dp_hk - delta_h[:, None])
+    p_hk, ds_hk, dq_hd = _bwd_block(q_hd, do_hd, lse_safe_h, delta_h, kv_kd, rows_k, n, scale,
+                                    dq_hd)
     ds_ref[slots, :] = (ds_hk * scale).astype(ds_ref.dtype).T
     p_ref[slots, :] = p_hk.astype(p_ref.dtype).T
-    return dq_hd + jax.lax.dot_general(ds_hk.astype(dt), kv_kd, (((1,), (0,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
+    return dq_hd
 
   dq_hd = jax.lax.fori_loop(0, nblk_ref[0], block, jnp.zeros((h, d), jnp.float32))
   dq_ref[...] = (dq_hd * scale).astype(dq_ref.dtype)
