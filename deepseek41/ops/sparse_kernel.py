@@ -342,14 +342,22 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_
   return outs[0], outs[1], mass_btk
 
 
+def _backward_operands(q_bthd, kv_bnd, idx_btk, valid_btk, block_k, head_group):
+  """(heads per program, padded kv, slots, blocks per query, bk, BlockSpecs) of a backward
+  kernel over a grid (query, batch, head group)."""
+  hg = min(head_group, q_bthd.shape[2])
+  kv_bmd, idx_btk, nblk_bt1, bk = prepare_rows(kv_bnd, idx_btk, valid_btk, block_k)
+  spec = per_query_specs(hg, q_bthd.shape[3], kv_bmd.shape[1], idx_btk.shape[-1])
+  return hg, kv_bmd, idx_btk, nblk_bt1, bk, spec
+
+
 def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse_bth, scale,
               block_k, num_warps, head_group, dkv_chunk, interpret):
   b, t, h, d = q_bthd.shape
   n = kv_bnd.shape[1]
-  hg = min(head_group, h)
-  kv_bmd, idx_btk, nblk_bt1, bk = prepare_rows(kv_bnd, idx_btk, valid_btk, block_k)
-  rows, k_pad = kv_bmd.shape[1], idx_btk.shape[-1]
-  spec = per_query_specs(hg, d, rows, k_pad)
+  hg, kv_bmd, idx_btk, nblk_bt1, bk, spec = _backward_operands(q_bthd, kv_bnd, idx_btk,
+                                                               valid_btk, block_k, head_group)
+  rows = kv_bmd.shape[1]
   dkv_spec = spec['kv']
   dq_bthd, dkv_bmd = stand_in.pallas_call(
       functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale, dkv_chunk=min(dkv_chunk, d),
@@ -407,15 +415,13 @@ def dq_and_coefficients(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_
   K' is K padded to whole blocks; slots after a query's last valid block are not written
   (`dkv_from_coefficients` walks the same blocks)."""
   b, t, h, d = q_bthd.shape
-  n = kv_bnd.shape[1]
-  hg = min(head_group, h)
-  kv_bmd, idx_btk, nblk_bt1, bk = prepare_rows(kv_bnd, idx_btk, valid_btk, block_k)
-  rows, k_pad = kv_bmd.shape[1], idx_btk.shape[-1]
-  spec = per_query_specs(hg, d, rows, k_pad)
+  hg, kv_bmd, idx_btk, nblk_bt1, bk, spec = _backward_operands(q_bthd, kv_bnd, idx_btk,
+                                                               valid_btk, block_k, head_group)
+  k_pad = idx_btk.shape[-1]
   coef_spec = pl.BlockSpec((None, None, k_pad, hg), lambda i, j, g=0: (j, i, 0, g))
   coef_shape = jax.ShapeDtypeStruct((b, t, k_pad, h), q_bthd.dtype)
   return stand_in.pallas_call(
-      functools.partial(_bwd_dq_kernel, n=n, bk=bk, scale=scale),
+      functools.partial(_bwd_dq_kernel, n=kv_bnd.shape[1], bk=bk, scale=scale),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype), coef_shape, coef_shape],
       grid=(t, b, h // hg),
       in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx'], spec['q'], spec['q'],
