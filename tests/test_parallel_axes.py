@@ -83,8 +83,9 @@ def test_grouped_key_value_gradient_on_a_mesh(mesh):
   """Reuse layers hand their key/value-gradient coefficients to the index source's backward
   (`model.sparse_group_dkv`) across the context and tensor splits: the same loss and gradients
   as each layer adding its own, on the same mesh. (Against one device this deeper wiring moves
-  the Engram and embedding gradients by up to 0.5% at context=8 with either setting: not this
-  hand-off's doing, and left to its own investigation.)"""
+  the scatter-added Engram table and embedding gradients past the test above's bounds with
+  either setting and on the jnp paths too, even on a pure batch split: fsdp 8 gives 6.3e-6 on
+  an Engram table of max 5.2e-3, context 8 1.3e-5. Hence the comparison on one mesh.)"""
   runs = [_grads(8, {**MESHES[mesh], **GROUPED, 'model.sparse_group_dkv': group}, True)
           for group in (False, True)]
   (l0, g0), (l1, g1) = runs
