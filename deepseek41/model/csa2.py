@@ -63,8 +63,14 @@ def _pool_key(layer):
   return f'pool{layer}'
 
 
+# shared[SINKS + str(layer)]: an index source's zero-valued sinks, one per later reader of its
+# selection, through which their backward hands it the key/value-gradient coefficients
+# (model.sparse_group_dkv). Nothing stores them in the forward (tools/plan.py counts none).
+SINKS = 'sinks'
+
+
 def _sinks_key(layer):
-  return f'sinks{layer}'
+  return f'{SINKS}{layer}'
 
 
 def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chunk: int,

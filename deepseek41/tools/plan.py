@@ -87,7 +87,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from deepseek41.batch import batch_keys
 from deepseek41.config import (MeshConfig, RunConfig, layer_roles, remat_label, remats_layer,
                                resolve)
-from deepseek41.model.csa2 import INDEXER_TOTALS
+from deepseek41.model.csa2 import INDEXER_TOTALS, SINKS
 from deepseek41.model.params import RouterBias
 from deepseek41.ops import stand_in
 from deepseek41.ops.per_device import constrain_tokens, gather_tensor_split, residual_spec
@@ -436,10 +436,13 @@ def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
       _compile, args=args + (o_float,), shardings=shardings + (spec(o_float),),
       out_shardings=(p_sh,) + in_ct_sh)
   mem, seconds = compile_fwd_bwd(fwd_bwd, name=f'layer {block.layer} forward + backward')
+  # An index source's sinks are zeros nothing reads in the forward (model/csa2.py `SINKS`):
+  # not kept. Their cotangents, the readers' coefficients, are counted where they are cotangents.
+  sinks = {k: v for k, v in outs[2].items() if k.startswith(SINKS)}
   result = {
       'fwd_bwd': mem, 'compile_seconds': seconds,
       # Under block remat a layer keeps exactly its outputs until its backward.
-      'kept_bytes': _sharded_bytes(outs, spec(outs)),
+      'kept_bytes': _sharded_bytes(outs, spec(outs)) - _sharded_bytes(sinks, spec(sinks)),
       'cotangent_in_bytes': _sharded_bytes(o_float, spec(o_float)),
       'cotangent_out_bytes': _sharded_bytes((x, pre, s_float), in_ct_sh),
       'grad_bytes': _sharded_bytes(p, p_sh),
