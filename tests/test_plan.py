@@ -212,3 +212,21 @@ def test_kernels_compile_as_their_buffers_for_the_gpu_plan():
     with pytest.raises(Exception, match='stand-in of a kernel ran'):
       jax.block_until_ready(fn(jnp.ones((1, 64, h, d), jnp.bfloat16),
                                jnp.ones((1, n, d), jnp.bfloat16)))
+
+
+def test_an_index_sources_sinks_are_not_kept_bytes():
+  """With the grouped key/value gradient (GPU paths) an index source publishes zero-valued
+  sinks for its readers (model/csa2.py `SINKS`); nothing stores them in the forward, so its
+  kept bytes are those without grouping, while its backward receives the readers' hand-off."""
+  config = _four_layer_tiny()
+  m = config.model
+  m.num_encoder_layers, m.compress_ratios = 3, (0, 2, 2, 1)  # layer 2 reads layer 1's selection
+  m.kv_source_layer_ids, m.index_source_layer_ids = (1, 3), (1, 3)
+  m.candidate_source_layer_id = 3
+  roles = {}
+  for group in (False, True):
+    m.sparse_group_dkv = group
+    p = plan.plan(config, {'fsdp': 1}, device_kind='h200', devices=jax.devices()[:1])
+    roles[group] = {l: r for r in p['programs']['roles'].values() for l in r['layers']}
+  assert roles[True][1]['kept_bytes'] == roles[False][1]['kept_bytes']
+  assert roles[True][1]['cotangent_in_bytes'] > roles[False][1]['cotangent_in_bytes']
