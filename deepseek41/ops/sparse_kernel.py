@@ -437,8 +437,9 @@ def dq_and_coefficients(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_
 def dkv_from_coefficients(kv_bnd, idx_btk, valid_btk, parts, block_k, num_warps, dkv_chunk,
                           interpret):
   """The deferred backward's second kernel: kv's gradient (kv's dtype) from every call in
-  `parts` = [(ds_btkh, p_btkh, q_bthd, do_bthd), ...] over these kv rows and this selection,
-  summed on chip and added once per element (where one backward per call adds once per call)."""
+  `parts` = [(ds_btkh, p_btkh, q_bthd, do_bthd), ...] (all in q's dtype) over these kv rows and
+  this selection, summed on chip and added once per element (where one backward per call adds
+  once per call)."""
   b, n, d = kv_bnd.shape
   h = parts[0][2].shape[2]
   idx_btk, nblk_bt1, bk = prepare_slots(idx_btk, valid_btk, n, block_k)
@@ -446,7 +447,7 @@ def dkv_from_coefficients(kv_bnd, idx_btk, valid_btk, parts, block_k, num_warps,
   spec = per_query_specs(h, d, rows, k_pad)
   coef_spec = pl.BlockSpec((None, None, k_pad, h), lambda i, j: (j, i, 0, 0))
   dkv_spec = pl.BlockSpec((None, rows, d), lambda i, j: (j, 0, 0))
-  ins = [x for ds, p, q, do in parts for x in (ds, p, q, do.astype(q.dtype))]
+  ins = [x for part in parts for x in part]
   dkv_bmd = stand_in.pallas_call(
       functools.partial(_dkv_kernel, n=n, bk=bk, uses=len(parts), dkv_chunk=min(dkv_chunk, d),
                         interpret=interpret),
