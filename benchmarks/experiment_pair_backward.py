@@ -152,9 +152,10 @@ def pair_backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, 
 
 
 def shipped_backward(q, kv, idx, valid, o, lse, do, *, scale, interpret=False):
-  tiles = sparse_kernel.default_tiles(q.shape[2])[1]
+  t = sparse_kernel.default_tiles(q.shape[2])[1]
   return sparse_kernel._backward(q, kv, idx, valid, o, lse, do, jnp.zeros_like(lse), scale,
-                                 *tiles, interpret)
+                                 t.block_k, t.num_warps, t.head_group, t.dkv_chunk, t.num_stages,
+                                 interpret)
 
 
 def local_selection(key, t, n, k, ratio, share):

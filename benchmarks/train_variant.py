@@ -13,6 +13,9 @@ Variants (what they undo, and the docs/performance.md section that measured it):
                         section 23)
   mhc_no_prefetch       the fused mHC kernels' walks without look-ahead loads, at their earlier
                         tiles (128 x 16 x 8 warps forward, 64 x 16 x 4 backward; section 24)
+  sparse_unpipelined    the sparse kernels' earlier tiles: the dq kernel on the fused backward's
+                        32-slot steps, no pipelined gathers in either backward kernel, the
+                        forward at two stages (`default_tiles`; section 26)
 """
 
 import os
@@ -31,7 +34,19 @@ def _sparse_bwd_full_width():
   from deepseek41.ops import sparse_kernel  # noqa: PLC0415 (after sys.path is set)
   default = sparse_kernel.default_tiles
   sparse_kernel.default_tiles = lambda heads: (
-      default(heads)[0], default(heads)[1][:3] + (sparse_kernel.FULL_WIDTH,))
+      default(heads)[0], default(heads)[1]._replace(dkv_chunk=sparse_kernel.FULL_WIDTH))
+
+
+def _sparse_unpipelined():
+  from deepseek41.ops import sparse_kernel  # noqa: PLC0415
+  default = sparse_kernel.default_tiles
+
+  def earlier(heads):
+    fwd, bwd = default(heads)
+    return (fwd._replace(num_stages=2),
+            bwd._replace(num_stages=1, dq_block_k=bwd.block_k, dq_warps=bwd.num_warps,
+                         dq_stages=1))
+  sparse_kernel.default_tiles = earlier
 
 
 def _head_fp32_backward():
@@ -49,7 +64,8 @@ def _mhc_no_prefetch():
 VARIANTS = {'remat_nothing_saved': _remat_nothing_saved,
             'sparse_bwd_full_width': _sparse_bwd_full_width,
             'head_fp32_backward': _head_fp32_backward,
-            'mhc_no_prefetch': _mhc_no_prefetch}
+            'mhc_no_prefetch': _mhc_no_prefetch,
+            'sparse_unpipelined': _sparse_unpipelined}
 
 if __name__ == '__main__':  # not in the data loader's worker processes, which import __main__
   if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:

@@ -171,15 +171,20 @@ def test_grouped_key_value_gradient_equals_the_gathered_path():
   assert 'csa2_sparse_dkv' not in jaxpr and re.search(r'name=csa2_sparse_bwd\b', jaxpr)
 
 
-def test_grouped_calls_hand_off_and_add_once():
+# BackwardTiles: (block_k, warps, head_group, dkv_chunk, stages, dq_block_k, dq_warps, dq_stages)
+@pytest.mark.parametrize('bwd_tiles', [(16, 4, 8, 16, 1, 32, 4, 1), (32, 4, 8, 16, 1, 16, 4, 1)],
+                         ids=['dq_wider', 'dkv_wider'])
+def test_grouped_calls_hand_off_and_add_once(bwd_tiles):
   """The kernel API: a first call and two later calls over one kv and selection, against three
-  plain calls: the same outputs and gradients (interpreter)."""
-  b, t, n, k = 2, 24, 12, 8
+  plain calls: the same outputs and gradients (interpreter). The dq kernel and the key/value
+  kernel walk the slots in blocks of different sizes: where the key/value kernel's blocks are
+  the wider, it reads slots past a query's last valid one that the dq kernel never wrote."""
+  b, t, n, k = 2, 24, 12, 24  # valid slots scattered over 32 padded ones: 1 or 2 blocks
   ks = jax.random.split(jax.random.key(5), 3)
   kv = jax.random.normal(ks[0], (b, n, D))
   idx, valid = _selection(ks[1], b, t, n, k, prefix=False)
   qs = jax.random.normal(ks[2], (3, b, t, H, D))
-  kw = dict(scale=D ** -0.5, fwd_tiles=(16, 4), bwd_tiles=(16, 4, 8, 16), interpret=True)
+  kw = dict(scale=D ** -0.5, fwd_tiles=(16, 4), bwd_tiles=bwd_tiles, interpret=True)
 
   def score(o, lse):
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)

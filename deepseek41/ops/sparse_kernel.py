@@ -33,6 +33,7 @@ Any number of heads and head width: the wrapper pads both with zeros to powers o
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -309,13 +310,40 @@ def per_query_specs(h, d, rows, k_pad):
   }
 
 
+class ForwardTiles(NamedTuple):
+  """The forward kernel's blocks: selected rows gathered per step, warps, pipeline depth."""
+  block_k: int
+  num_warps: int
+  num_stages: int
+
+
+class BackwardTiles(NamedTuple):
+  """The backward kernels' blocks (a plain tuple of the leading fields takes the rest from
+  `default_tiles`).
+
+  The fused backward (`_bwd_kernel`): `block_k` rows per step, `num_warps`, `head_group` heads
+  per program, the key/value gradient `dkv_chunk` columns per product, `num_stages`. The
+  deferred backward's first kernel (`_bwd_dq_kernel`) has its own `dq_block_k`, `dq_warps` and
+  `dq_stages` (it holds no key/value tile, so it takes wider pipelined steps); its second
+  (`_dkv_kernel`) takes `block_k`, `num_warps` and no pipelining.
+  """
+  block_k: int
+  num_warps: int
+  head_group: int
+  dkv_chunk: int
+  num_stages: int
+  dq_block_k: int
+  dq_warps: int
+  dq_stages: int
+
+
 def compiler_params(num_warps, num_stages):
   from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
   return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_k, num_warps,
-             interpret):
+             num_stages, interpret):
   b, t, h, d = q_bthd.shape
   k = idx_btk.shape[-1]
   n = kv_bnd.shape[1]
@@ -334,7 +362,7 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_
       grid=(t, b),  # queries fastest: neighbours share selected rows in L2
       in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx']],
       out_specs=out_specs,
-      compiler_params=None if interpret else compiler_params(num_warps, 2),
+      compiler_params=None if interpret else compiler_params(num_warps, num_stages),
       interpret=interpret,
       name='csa2_sparse_fwd',
   ))(nblk_bt1, q_bthd, kv_bmd, idx_btk)
@@ -352,7 +380,7 @@ def _backward_operands(q_bthd, kv_bnd, idx_btk, valid_btk, block_k, head_group):
 
 
 def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse_bth, scale,
-              block_k, num_warps, head_group, dkv_chunk, interpret):
+              block_k, num_warps, head_group, dkv_chunk, num_stages, interpret):
   b, t, h, d = q_bthd.shape
   n = kv_bnd.shape[1]
   hg, kv_bmd, idx_btk, nblk_bt1, bk, spec = _backward_operands(q_bthd, kv_bnd, idx_btk,
@@ -369,7 +397,7 @@ def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse
                 spec['h'], spec['h'], dkv_spec],
       out_specs=[spec['q'], dkv_spec],
       input_output_aliases={8: 1},
-      compiler_params=None if interpret else compiler_params(num_warps, 1),
+      compiler_params=None if interpret else compiler_params(num_warps, num_stages),
       interpret=interpret,
       name='csa2_sparse_bwd',
   )(nblk_bt1, q_bthd, kv_bmd, idx_btk, o_bthd, do_bthd.astype(q_bthd.dtype),
@@ -400,8 +428,9 @@ def _sparse_partial_bwd(scale, with_mass, heads, fwd_tiles, bwd_tiles, interpret
   del with_mass, heads, fwd_tiles
   q_bthd, kv_bnd, idx_btk, valid_btk, o, lse = res
   do_bthd, dlse_bth, _ = cts
+  t = bwd_tiles
   dq, dkv = _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o, lse, do_bthd, dlse_bth, scale,
-                      *bwd_tiles, interpret)
+                      t.block_k, t.num_warps, t.head_group, t.dkv_chunk, t.num_stages, interpret)
   return dq, dkv, None, None
 
 
@@ -409,11 +438,13 @@ _sparse_partial.defvjp(_sparse_partial_fwd, _sparse_partial_bwd)
 
 
 def dq_and_coefficients(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse_bth,
-                        scale, block_k, num_warps, head_group, interpret):
+                        scale, block_k, num_warps, head_group, num_stages, interpret):
   """The deferred backward's first kernel: (dq_bthd, dS * scale [B, T, K', H], P [B, T, K', H]).
 
-  K' is K padded to whole blocks; slots after a query's last valid block are not written
-  (`dkv_from_coefficients` walks the same blocks)."""
+  K' is K padded to a power of two; slots after a query's last valid block are not written.
+  `dkv_from_coefficients` may walk in other blocks: the slots it reads past a query's last
+  valid one point at the dummy row n, whose adds are masked out (cut off in the interpreter),
+  so whatever those slots hold reaches no row."""
   b, t, h, d = q_bthd.shape
   hg, kv_bmd, idx_btk, nblk_bt1, bk, spec = _backward_operands(q_bthd, kv_bnd, idx_btk,
                                                                valid_btk, block_k, head_group)
@@ -427,7 +458,7 @@ def dq_and_coefficients(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_
       in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx'], spec['q'], spec['q'],
                 spec['h'], spec['h']],
       out_specs=[spec['q'], coef_spec, coef_spec],
-      compiler_params=None if interpret else compiler_params(num_warps, 1),
+      compiler_params=None if interpret else compiler_params(num_warps, num_stages),
       interpret=interpret,
       name='csa2_sparse_bwd_dq',
   )(nblk_bt1, q_bthd, kv_bmd, idx_btk, o_bthd, do_bthd.astype(q_bthd.dtype),
@@ -468,9 +499,10 @@ def _coefficients(res, cts, scale, bwd_tiles, interpret):
   """(dq, this call's part for `dkv_from_coefficients`) of a deferred backward."""
   q_bthd, kv_bnd, idx_btk, valid_btk, o, lse = res
   do_bthd, dlse_bth = cts[:2]
-  block_k, num_warps, head_group, _ = bwd_tiles
+  t = bwd_tiles
   dq, ds, p = dq_and_coefficients(q_bthd, kv_bnd, idx_btk, valid_btk, o, lse, do_bthd, dlse_bth,
-                                  scale, block_k, num_warps, head_group, interpret)
+                                  scale, t.dq_block_k, t.dq_warps, t.head_group, t.dq_stages,
+                                  interpret)
   return dq, (ds, p, q_bthd, do_bthd.astype(q_bthd.dtype))
 
 
@@ -515,9 +547,9 @@ def _sparse_partial_first_bwd(scale, with_mass, heads, fwd_tiles, bwd_tiles, int
   dq, part = _coefficients(res, cts, scale, bwd_tiles, interpret)
   kv_bnd, idx_btk, valid_btk = res[1:4]
   parts = [part] + [tuple(x.astype(y.dtype) for x, y in zip(ct, part)) for ct in cts[3]]
-  block_k, num_warps, _, dkv_chunk = bwd_tiles
-  dkv = dkv_from_coefficients(kv_bnd, idx_btk, valid_btk, parts, block_k, num_warps, dkv_chunk,
-                              interpret)
+  t = bwd_tiles
+  dkv = dkv_from_coefficients(kv_bnd, idx_btk, valid_btk, parts, t.block_k, t.num_warps,
+                              t.dkv_chunk, interpret)
   return dq, dkv, None, None
 
 
@@ -552,20 +584,25 @@ _sparse_partial_later.defvjp(_sparse_partial_later_fwd, _sparse_partial_later_bw
 FULL_WIDTH = 1 << 30  # dkv_chunk: the whole head width at once
 
 
-def default_tiles(heads: int):
-  """((block_k, num_warps), (block_k, num_warps, head_group, dkv_chunk)): forward and backward.
+def default_tiles(heads: int) -> tuple[ForwardTiles, BackwardTiles]:
+  """The forward's and the backward's tiles, measured on the H200 (docs/performance.md
+  sections 9, 22 and 26).
 
-  Measured on the H200 (docs/performance.md sections 9 and 22): the forward gathers 64 rows per
-  step; the backward holds q, dO, the dq accumulator and a [block_k, d] fp32 key/value gradient
-  at once, so it takes 32-row steps and at most 32 heads per program (64 heads x 512 overflow
-  shared memory). Up to 16 heads one warp group (4 warps) is faster in both passes (backward
-  35 vs 45 ms at configs/ablation_1b.py's shapes); wider programs need 8 warps. At 16 heads the
-  key/value gradient goes out 256 columns at a time (backward 9% faster than 512 at once; 128
-  columns 5% faster, 64 8% slower); at 64 heads whole (128 columns at a time was 8% slower).
+  The forward gathers 64 rows per step. The fused backward holds q, dO, the dq accumulator and a
+  [block_k, d] fp32 key/value gradient at once, so it takes 32-row steps and at most 32 heads
+  per program (64 heads x 512 overflow shared memory). Up to 16 heads one warp group (4 warps)
+  is faster in both passes; wider programs need 8 warps. At 16 heads the key/value gradient goes
+  out 256 columns at a time (9% faster than 512 at once), at 64 heads whole. Every kernel that
+  walks gathered rows pipelines its gathers (one step's rows load while the last one's products
+  run); alone at 65,536 queries the dq kernel took 8.1 ms at 64 rows x 3 stages against 15.9 ms
+  at 32 x 1, the fused backward 26.8 against 33.7 ms at 2 stages (64 heads: dq 43.0 against
+  78.5, fused 111.3 against 127.4). The deferred key/value kernel was fastest unpipelined.
   """
   if heads <= 16:
-    return (64, 4), (32, 4, 32, 256)
-  return (64, 8), (32, 8, 32, FULL_WIDTH)
+    return ForwardTiles(64, 4, 3), BackwardTiles(32, 4, 32, 256, 2, 64, 4, 3)
+  # Three stages of 64 x 512 rows and 64 heads' q exceed shared memory with the mass's second
+  # walk in some programs; two measured within 3%.
+  return ForwardTiles(64, 8, 2), BackwardTiles(32, 8, 32, FULL_WIDTH, 2, 64, 8, 2)
 
 
 def _kernel_size(x: int) -> int:
@@ -573,14 +610,15 @@ def _kernel_size(x: int) -> int:
 
 
 def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
-                         with_mass: bool = False, fwd_tiles: tuple[int, int] | None = None,
+                         with_mass: bool = False, fwd_tiles: tuple[int, ...] | None = None,
                          bwd_tiles: tuple[int, ...] | None = None,
                          interpret: bool = False, later: int = 0, sink=None):
   """(o_bthd in kv's dtype, lse_bth fp32, mass_btk fp32 or None), as `compressed_partial`.
 
   The slot mass carries no gradient (it is the indexer's stop-gradient target).
-  fwd_tiles: (selected rows gathered per step, warps per program); bwd_tiles: the same, the
-  heads per program and the key/value-gradient columns per product; `default_tiles` by default.
+  fwd_tiles: `ForwardTiles` or its leading fields (selected rows gathered per step, warps per
+  program, pipeline depth); bwd_tiles: `BackwardTiles` or its leading fields; the missing ones
+  from `default_tiles`.
   `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
 
   Deferred key/value gradient for calls sharing kv and selection (see above): `later` > 0 makes
@@ -593,9 +631,10 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
     q_bthd = jnp.pad(q_bthd, ((0, 0), (0, 0), (0, h_pad - h), (0, d_pad - d)))
     kv_bnd = jnp.pad(kv_bnd, ((0, 0), (0, 0), (0, d_pad - d)))
   fwd_default, bwd_default = default_tiles(h_pad)
-  fwd_tiles = tuple(map(int, fwd_tiles or fwd_default))
-  bwd_tiles = tuple(map(int, bwd_tiles or bwd_default))
-  bwd_tiles += bwd_default[len(bwd_tiles):]  # (block_k, warps, head_group) takes dkv_chunk's
+  fwd_tiles = tuple(map(int, fwd_tiles or ()))
+  fwd_tiles = ForwardTiles(*fwd_tiles, *fwd_default[len(fwd_tiles):])
+  bwd_tiles = tuple(map(int, bwd_tiles or ()))
+  bwd_tiles = BackwardTiles(*bwd_tiles, *bwd_default[len(bwd_tiles):])
   args = (q_bthd, kv_bnd.astype(q_bthd.dtype), idx_btk, valid_btk)
   static = (float(scale), bool(with_mass), h, fwd_tiles, bwd_tiles, bool(interpret))
   sinks = None
