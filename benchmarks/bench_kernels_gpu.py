@@ -66,8 +66,8 @@ def main(argv=None):
   p.add_argument('--reps', type=int, default=5)
   p.add_argument('--seq_len', type=int, default=65536)
   p.add_argument('--window_tiles', default='',
-                 help='window forward+backward tile sweep: BQ:BK:BQ_DKV:BK_DKV:WARPS specs, '
-                      'comma-separated (window_partial_fused arguments)')
+                 help='window forward+backward tile sweep: BQ:BK:BQ_DKV:BK_DKV:WARPS[:STAGES] '
+                      'specs, comma-separated (window_partial_fused arguments)')
   p.add_argument('--only_tiles', action='store_true', help='skip the checks and default timings')
   p.add_argument('--out')
   args = p.parse_args(argv)
@@ -100,11 +100,15 @@ def main(argv=None):
                 'error': f'{type(e).__name__}: {str(e)[:400]}'})
 
   for spec in filter(None, args.window_tiles.split(',')):
-    bq, bk, bq_dkv, bk_dkv, nw = map(int, spec.split(':'))
+    bq, bk, bq_dkv, bk_dkv, nw, *ns = spec.split(':')  # STAGES: one or FWD/DQ/DKV
+    bq, bk, bq_dkv, bk_dkv, nw = map(int, (bq, bk, bq_dkv, bk_dkv, nw))
+    ns = tuple(int(v) for v in ns[0].split('/')) if ns else None
+    ns = ns * 3 if ns and len(ns) == 1 else ns
 
-    def partial(q, kv, seg, bq=bq, bk=bk, bq_dkv=bq_dkv, bk_dkv=bk_dkv, nw=nw):
+    def partial(q, kv, seg, bq=bq, bk=bk, bq_dkv=bq_dkv, bk_dkv=bk_dkv, nw=nw, ns=ns):
       return window_partial_fused(q, kv, seg, window=128, block_q=bq, block_k=bk,
-                                  block_q_dkv=bq_dkv, block_k_dkv=bk_dkv, num_warps=nw)
+                                  block_q_dkv=bq_dkv, block_k_dkv=bk_dkv, num_warps=nw,
+                                  num_stages=ns)
 
     def loss(q, kv, seg, span, ct, partial=partial):
       o, lse = partial(q, kv, seg)

@@ -355,7 +355,7 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
                          block_q: int | None = None, block_k: int = 32,
                          block_q_dkv: int | None = None, block_k_dkv: int = 32,
                          block_d: int = 128, num_warps: int | None = None,
-                         num_stages: int | None = None):
+                         num_stages: int | tuple[int, int, int] | None = None):
   """The window branch as a partial: (o_bthd in kv's dtype, lse_bth fp32), differentiable.
 
   Blocks (powers of two; T is padded with segment id 0 to whole blocks):
@@ -370,8 +370,9 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
   at configs/ablation_1b.py's shapes (docs/performance.md section 9), these defaults take the
   forward+backward at 64K from 20.1 ms (64-row blocks, 8 warps) to 9.5 ms, below XLA's chunked
   path (11.0 ms). Shared memory bounds the pipelining: the loop-invariant tiles (q; q and dO;
-  kv) stay on chip and each step's tiles are multi-buffered, so `num_stages` (default per
-  kernel) is 2 where that fits in ~200 KB and 1 otherwise.
+  kv) stay on chip and each step's tiles are multi-buffered, so `num_stages` (one for all three
+  kernels or a (forward, dq, dkv) tuple; default per kernel) is 2 where that fits in ~200 KB and
+  1 otherwise.
   `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
   """
   b, t, h, d = q_bthd.shape
@@ -389,7 +390,9 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
                      f'{block_q * h} / {block_q_dkv * h}, keys {block_k} / {block_k_dkv}, '
                      f'd chunk {bd}')
   row_bytes = d * jnp.dtype(kv_btd.dtype).itemsize
-  stages = (num_stages,) * 3 if num_stages else (
+  if isinstance(num_stages, int):
+    num_stages = (num_stages,) * 3
+  stages = tuple(num_stages) if num_stages else (
       _auto_stages(block_q * h * row_bytes, block_k * row_bytes),
       _auto_stages(2 * block_q * h * row_bytes, block_k * row_bytes),
       _auto_stages(block_k_dkv * row_bytes, 2 * block_q_dkv * h * row_bytes))
