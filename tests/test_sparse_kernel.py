@@ -234,10 +234,14 @@ def test_kernels_lower_for_triton():
   original = registration.gpu_info_lib.get_gpu_info
   registration.gpu_info_lib.get_gpu_info = lambda *a, **kw: h200
   try:
-    for grouped, names in ((False, ('csa2_sparse_fwd', 'csa2_sparse_bwd')),
-                           (True, ('csa2_sparse_bwd_dq', 'csa2_sparse_dkv'))):
+    # Pipeline depths of the 16-head defaults: forward 3, fused backward 2; grouped: two
+    # forwards, two dq kernels at 3, the key/value kernel unpipelined.
+    for grouped, names, stages in ((False, ('csa2_sparse_fwd', 'csa2_sparse_bwd'), [2, 3]),
+                                   (True, ('csa2_sparse_bwd_dq', 'csa2_sparse_dkv'),
+                                    [1, 3, 3, 3, 3])):
       text = jax.jit(jax.grad(functools.partial(loss, grouped=grouped), argnums=(0, 1))).trace(
           qs, kv).lower(lowering_platforms=('cuda',)).as_text()
       assert 'triton' in text and all(name in text for name in names)
+      assert sorted(int(v) for v in re.findall(r'num_stages = (\d+) : i32', text)) == stages
   finally:
     registration.gpu_info_lib.get_gpu_info = original
