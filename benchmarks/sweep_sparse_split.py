@@ -58,53 +58,49 @@ def main(argv=None):
                                         interpret=False))(
       q, kv, idx, valid)
   dlse = jnp.zeros_like(lse)
-  stages = {'n': 1}  # the deferred key/value kernel's depth is fixed in the library
+  ref = None
+  for bk, nw, ns in _tiles(args.fwd):
+    fn = jax.jit(functools.partial(S._forward, scale=scale, with_mass=False, heads=h,
+                                   block_k=bk, num_warps=nw, num_stages=ns, interpret=False))
+    rec = dict(kernel='forward', tiles=f'{bk}x{nw}x{ns}', t=args.t, heads=h)
+    try:
+      rec['ms'] = time_queued(fn, (q, kv, idx, valid), args.reps)
+    except Exception as e:  # noqa: BLE001
+      rec['error'] = f'{type(e).__name__}: {str(e)[:300]}'
+    emit({**rec, **common})
+  for bk, nw, ns in _tiles(args.bwd):
+    fn = jax.jit(functools.partial(S._backward, scale=scale, block_k=bk, num_warps=nw,
+                                   head_group=hg, dkv_chunk=256 if h <= 16 else S.FULL_WIDTH,
+                                   num_stages=ns, interpret=False))
+    rec = dict(kernel='fused backward', tiles=f'{bk}x{nw}x{ns}', t=args.t, heads=h)
+    try:
+      rec['ms'] = time_queued(fn, (q, kv, idx, valid, o, lse, ct, dlse), args.reps)
+    except Exception as e:  # noqa: BLE001
+      rec['error'] = f'{type(e).__name__}: {str(e)[:300]}'
+    emit({**rec, **common})
+  for bk, nw, ns in _tiles(args.dq):
+    fn = jax.jit(functools.partial(S.dq_and_coefficients, scale=scale, block_k=bk,
+                                   num_warps=nw, head_group=hg, num_stages=ns,
+                                   interpret=False))
+    rec = dict(kernel='dq_and_coefficients', tiles=f'{bk}x{nw}x{ns}', t=args.t, heads=h)
+    try:
+      dq = fn(q, kv, idx, valid, o, lse, ct, dlse)[0]
+      ref = dq if ref is None else ref
+      rec['dq_err'] = float(jnp.max(jnp.abs(dq.astype(jnp.float32) - ref.astype(jnp.float32))))
+      rec['ms'] = time_queued(fn, (q, kv, idx, valid, o, lse, ct, dlse), args.reps)
+    except Exception as e:  # noqa: BLE001
+      rec['error'] = f'{type(e).__name__}: {str(e)[:300]}'
+    emit({**rec, **common})
+  _, ds, p = jax.jit(functools.partial(S.dq_and_coefficients, scale=scale, block_k=32,
+                                       num_warps=4, head_group=hg, num_stages=1,
+                                       interpret=False))(
+      q, kv, idx, valid, o, lse, ct, dlse)
+  parts = [(ds, p, q, ct)] * args.uses
+  ref = None
+  stages = {'n': 1}  # the deferred key/value kernel's depth is not a parameter of the library
   original = S.compiler_params
   S.compiler_params = lambda num_warps, _: original(num_warps, stages['n'])
-  ref = None
   try:
-    for bk, nw, ns in _tiles(args.fwd):
-      stages['n'] = ns
-      fn = jax.jit(functools.partial(S._forward, scale=scale, with_mass=False, heads=h,
-                                     block_k=bk, num_warps=nw, num_stages=ns, interpret=False))
-      rec = dict(kernel='forward', tiles=f'{bk}x{nw}x{ns}', t=args.t, heads=h)
-      try:
-        rec['ms'] = time_queued(fn, (q, kv, idx, valid), args.reps)
-      except Exception as e:  # noqa: BLE001
-        rec['error'] = f'{type(e).__name__}: {str(e)[:300]}'
-      emit({**rec, **common})
-    for bk, nw, ns in _tiles(args.bwd):
-      stages['n'] = ns
-      fn = jax.jit(functools.partial(S._backward, scale=scale, block_k=bk, num_warps=nw,
-                                     head_group=hg, dkv_chunk=256 if h <= 16 else S.FULL_WIDTH,
-                                     num_stages=ns, interpret=False))
-      rec = dict(kernel='fused backward', tiles=f'{bk}x{nw}x{ns}', t=args.t, heads=h)
-      try:
-        rec['ms'] = time_queued(fn, (q, kv, idx, valid, o, lse, ct, dlse), args.reps)
-      except Exception as e:  # noqa: BLE001
-        rec['error'] = f'{type(e).__name__}: {str(e)[:300]}'
-      emit({**rec, **common})
-    for bk, nw, ns in _tiles(args.dq):
-      stages['n'] = ns
-      fn = jax.jit(functools.partial(S.dq_and_coefficients, scale=scale, block_k=bk,
-                                     num_warps=nw, head_group=hg, num_stages=ns,
-                                     interpret=False))
-      rec = dict(kernel='dq_and_coefficients', tiles=f'{bk}x{nw}x{ns}', t=args.t, heads=h)
-      try:
-        dq = fn(q, kv, idx, valid, o, lse, ct, dlse)[0]
-        ref = dq if ref is None else ref
-        rec['dq_err'] = float(jnp.max(jnp.abs(dq.astype(jnp.float32) - ref.astype(jnp.float32))))
-        rec['ms'] = time_queued(fn, (q, kv, idx, valid, o, lse, ct, dlse), args.reps)
-      except Exception as e:  # noqa: BLE001
-        rec['error'] = f'{type(e).__name__}: {str(e)[:300]}'
-      emit({**rec, **common})
-    stages['n'] = 1
-    _, ds, p = jax.jit(functools.partial(S.dq_and_coefficients, scale=scale, block_k=32,
-                                         num_warps=4, head_group=hg, num_stages=1,
-                                         interpret=False))(
-        q, kv, idx, valid, o, lse, ct, dlse)
-    parts = [(ds, p, q, ct)] * args.uses
-    ref = None
     for bk, nw, ns in _tiles(args.dkv):
       stages['n'] = ns
       fn = jax.jit(functools.partial(S.dkv_from_coefficients, block_k=bk, num_warps=nw,
