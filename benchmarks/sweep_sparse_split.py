@@ -91,8 +91,10 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001
       rec['error'] = f'{type(e).__name__}: {str(e)[:300]}'
     emit({**rec, **common})
-  _, ds, p = jax.jit(functools.partial(S.dq_and_coefficients, scale=scale, block_k=32,
-                                       num_warps=4, head_group=hg, num_stages=1,
+  dq_tiles = S.default_tiles(h)[1]  # the coefficients as training makes them
+  _, ds, p = jax.jit(functools.partial(S.dq_and_coefficients, scale=scale,
+                                       block_k=dq_tiles.dq_block_k, num_warps=dq_tiles.dq_warps,
+                                       head_group=hg, num_stages=dq_tiles.dq_stages,
                                        interpret=False))(
       q, kv, idx, valid, o, lse, ct, dlse)
   parts = [(ds, p, q, ct)] * args.uses

@@ -245,3 +245,11 @@ def test_kernels_lower_for_triton():
       assert sorted(int(v) for v in re.findall(r'num_stages = (\d+) : i32', text)) == stages
   finally:
     registration.gpu_info_lib.get_gpu_info = original
+
+
+def test_too_many_tile_fields_are_refused():
+  kv = jnp.zeros((1, 4, D))
+  idx, valid = jnp.zeros((1, 8, 4), jnp.int32), jnp.ones((1, 8, 4), bool)
+  with pytest.raises(ValueError, match='bwd_tiles has 9 fields'):
+    sparse_partial_fused(jnp.zeros((1, 8, H, D)), kv, idx, valid, scale=1.0,
+                         bwd_tiles=(16,) * 9, interpret=True)

@@ -159,3 +159,9 @@ def test_pipeline_depth_reaches_each_kernel(num_stages, want):
   finally:
     registration.gpu_info_lib.get_gpu_info = original
   assert [int(v) for v in re.findall(r'num_stages = (\d+) : i32', text)] == want
+
+
+def test_pipeline_depth_of_the_wrong_length_is_refused():
+  q, kv, seg = jnp.zeros((1, 8, 16, 16)), jnp.zeros((1, 8, 16)), jnp.ones((1, 8), jnp.int32)
+  with pytest.raises(ValueError, match='num_stages'):
+    window_partial_fused(q, kv, seg, window=4, num_stages=(2, 2), interpret=True)

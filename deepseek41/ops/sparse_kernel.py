@@ -605,6 +605,15 @@ def default_tiles(heads: int) -> tuple[ForwardTiles, BackwardTiles]:
   return ForwardTiles(64, 8, 2), BackwardTiles(32, 8, 32, FULL_WIDTH, 2, 64, 8, 2)
 
 
+def _complete(name, given, default):
+  """`given`'s leading fields, the rest from `default` (a ForwardTiles or BackwardTiles)."""
+  given = tuple(map(int, given or ()))
+  if len(given) > len(default):
+    raise ValueError(f'{name} has {len(given)} fields; {type(default).__name__} has '
+                     f'{len(default)}: {", ".join(default._fields)}')
+  return type(default)(*given, *default[len(given):])
+
+
 def _kernel_size(x: int) -> int:
   return max(MIN_DOT, pl.next_power_of_2(x))
 
@@ -631,10 +640,8 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
     q_bthd = jnp.pad(q_bthd, ((0, 0), (0, 0), (0, h_pad - h), (0, d_pad - d)))
     kv_bnd = jnp.pad(kv_bnd, ((0, 0), (0, 0), (0, d_pad - d)))
   fwd_default, bwd_default = default_tiles(h_pad)
-  fwd_tiles = tuple(map(int, fwd_tiles or ()))
-  fwd_tiles = ForwardTiles(*fwd_tiles, *fwd_default[len(fwd_tiles):])
-  bwd_tiles = tuple(map(int, bwd_tiles or ()))
-  bwd_tiles = BackwardTiles(*bwd_tiles, *bwd_default[len(bwd_tiles):])
+  fwd_tiles = _complete('fwd_tiles', fwd_tiles, fwd_default)
+  bwd_tiles = _complete('bwd_tiles', bwd_tiles, bwd_default)
   args = (q_bthd, kv_bnd.astype(q_bthd.dtype), idx_btk, valid_btk)
   static = (float(scale), bool(with_mass), h, fwd_tiles, bwd_tiles, bool(interpret))
   sinks = None

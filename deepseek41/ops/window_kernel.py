@@ -392,6 +392,8 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
   row_bytes = d * jnp.dtype(kv_btd.dtype).itemsize
   if isinstance(num_stages, int):
     num_stages = (num_stages,) * 3
+  if num_stages and len(num_stages) != 3:
+    raise ValueError(f'num_stages is one depth or a (forward, dq, dkv) triple; got {num_stages}')
   stages = tuple(num_stages) if num_stages else (
       _auto_stages(block_q * h * row_bytes, block_k * row_bytes),
       _auto_stages(2 * block_q * h * row_bytes, block_k * row_bytes),
