@@ -11,7 +11,8 @@ Usage (GPU):
 Cases: `1b` = configs/ablation_1b.py (E=64, D=1024, F=384, top-6, N=32768 tokens in groups of
 4096); `rel1k`, `rel4k`, `rel8k` = the released expert shapes (D=5120, F=2304, top-6) for one
 device's 48 local experts (384 routed experts over expert=8, configs/v41_flash.py) at 1K, 4K, 8K
-assignments per expert (N = tokens_per_expert * 48 / 6).
+assignments per expert (N = tokens_per_expert * 48 / 6). `1b_down` is `1b` with D and F swapped:
+the down projection's kernels, for the kernel timings and sweeps.
 
 Records (one JSON line each, to stdout and appended to --out):
   kind=block: the routed-expert block (dispatch + 3 projections + combine), forward and
@@ -43,7 +44,7 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
 from bench_moe import build  # noqa: E402  (benchmarks/bench_moe.py)
-from timing import jsonl_emitter, time_fn  # noqa: E402  (benchmarks/timing.py)
+from timing import jsonl_emitter, time_fn, time_queued  # noqa: E402  (benchmarks/timing.py)
 from deepseek41.ops import grouped_gemm as gg  # noqa: E402
 from deepseek41.ops.expert_gemm import expert_ffn  # noqa: E402
 
@@ -56,6 +57,9 @@ CASES = {
     'rel8k': dict(_REL, tokens=8192 * 48 // 6),
     'tiny': dict(d=64, f=32, experts=8, k=2, tokens=256, group=128),  # CPU smoke run
 }
+# The down projection's kernels (x [M, F] @ W [F, D], and their transposes) for the kernel
+# timings and sweeps: case 1b with D and F swapped.
+CASES['1b_down'] = dict(CASES['1b'], d=CASES['1b']['f'], f=CASES['1b']['d'])
 INTERPRET = jax.default_backend() == 'cpu'  # our kernels in the Pallas interpreter (smoke runs)
 GMM_FIELDS = ('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages')
 TGMM_FIELDS = ('block_m', 'block_d', 'block_f', 'block_r', 'tgmm_warps', 'tgmm_stages')
@@ -78,6 +82,10 @@ def parse_args(argv=None):
                  help='grouped tiles over GPU_TILES, e.g. block_m=128,block_n=256,num_warps=8')
   p.add_argument('--sweep', action='append', default=[],
                  help='FIELD=v1,v2,... (repeatable, Tiles fields): time our kernels per config')
+  p.add_argument('--queued', action='store_true',
+                 help='kernel timings as --reps calls queued back to back on one input set (best '
+                 'of three; timing.time_queued) instead of the median of synced calls on fresh '
+                 'inputs: a synced sub-millisecond kernel reads the dispatch too')
   p.add_argument('--check', action='store_true', help='only the numerical check on the GPU')
   p.add_argument('--out', help='append the JSON lines here')
   return p.parse_args(argv)
@@ -177,7 +185,8 @@ def our_kernels(tiles):
   }
 
 
-def time_ours(emit, case, c, dtype, tiles, reps, names=('gmm', 'gmm_t', 'tgmm'), kind='kernel'):
+def time_ours(emit, case, c, dtype, tiles, reps, names=('gmm', 'gmm_t', 'tgmm'), kind='kernel',
+              queued=False):
   e, d, f = c['experts'], c['d'], c['f']
   flops = 2 * c['tokens'] * c['k'] * d * f
   w_edf = make_experts(jax.random.key(0), e, d, f, dtype)[0]
@@ -190,8 +199,9 @@ def time_ours(emit, case, c, dtype, tiles, reps, names=('gmm', 'gmm_t', 'tgmm'),
                tiles={key: getattr(tiles, key) for key in
                       (TGMM_FIELDS if name == 'tgmm' else GMM_FIELDS)})
     try:
-      ms, _ = time_fn(fns[name], make_args, reps)
-      rec.update(ms=ms, tflops=tflops(flops, ms))
+      ms = (time_queued(fns[name], make_args(0), reps) if queued else
+            time_fn(fns[name], make_args, reps)[0])
+      rec.update(ms=ms, tflops=tflops(flops, ms), timing='queued' if queued else 'synced')
     except Exception as exc:  # noqa: BLE001  (e.g. a tile config over the shared-memory limit)
       rec.update(error=repr(exc)[:300])
     emit(rec)
@@ -234,7 +244,7 @@ def time_mgpu(emit, case, c, dtype, reps):
     emit(rec)
 
 
-def sweep(emit, case, c, dtype, grid, reps):
+def sweep(emit, case, c, dtype, grid, reps, queued):
   """Every config of the grid, each kernel timed once per distinct setting of its own fields."""
   keys = list(grid)
   seen = set()
@@ -246,7 +256,7 @@ def sweep(emit, case, c, dtype, grid, reps):
       if sig in seen:
         continue
       seen.add(sig)
-      time_ours(emit, case, c, dtype, tiles, reps, names=(name,), kind='sweep')
+      time_ours(emit, case, c, dtype, tiles, reps, names=(name,), kind='sweep', queued=queued)
 
 
 # ---- numerical check ---------------------------------------------------------------------------
@@ -313,14 +323,14 @@ def main(argv=None):
     c = CASES[case]
     try:
       if grid:
-        sweep(emit, case, c, dtype, grid, args.reps)
+        sweep(emit, case, c, dtype, grid, args.reps, args.queued)
         continue
       if not args.no_block:
         for backend in filter(None, args.backends.split(',')):
           bench_block(emit, case, c, backend, args, dtype, tiles)
       kernels = args.kernels.split(',')
       if 'ours' in kernels:
-        time_ours(emit, case, c, dtype, tiles, args.reps)
+        time_ours(emit, case, c, dtype, tiles, args.reps, queued=args.queued)
       if 'mgpu' in kernels:
         time_mgpu(emit, case, c, dtype, args.reps)
     except Exception:  # noqa: BLE001  (report and go on to the next case)

@@ -67,7 +67,8 @@ def main(argv=None):
   p.add_argument('--seq_len', type=int, default=65536)
   p.add_argument('--window_tiles', default='',
                  help='window forward+backward tile sweep: BQ:BK:BQ_DKV:BK_DKV:WARPS[:STAGES] '
-                      'specs, comma-separated (window_partial_fused arguments)')
+                      'specs, comma-separated (window_partial_fused arguments; BK is one for '
+                      'the forward and dq or FWD/DQ, STAGES one or FWD/DQ/DKV)')
   p.add_argument('--only_tiles', action='store_true', help='skip the checks and default timings')
   p.add_argument('--out')
   args = p.parse_args(argv)
@@ -101,13 +102,15 @@ def main(argv=None):
 
   for spec in filter(None, args.window_tiles.split(',')):
     bq, bk, bq_dkv, bk_dkv, nw, *ns = spec.split(':')  # STAGES: one or FWD/DQ/DKV
-    bq, bk, bq_dkv, bk_dkv, nw = map(int, (bq, bk, bq_dkv, bk_dkv, nw))
+    bk, bk_dq = (bk.split('/') * 2)[:2]  # BK: one for the forward and dq, or FWD/DQ
+    bq, bk, bk_dq, bq_dkv, bk_dkv, nw = map(int, (bq, bk, bk_dq, bq_dkv, bk_dkv, nw))
     ns = tuple(int(v) for v in ns[0].split('/')) if ns else None
     ns = ns * 3 if ns and len(ns) == 1 else ns
 
-    def partial(q, kv, seg, bq=bq, bk=bk, bq_dkv=bq_dkv, bk_dkv=bk_dkv, nw=nw, ns=ns):
+    def partial(q, kv, seg, bq=bq, bk=bk, bk_dq=bk_dq, bq_dkv=bq_dkv, bk_dkv=bk_dkv, nw=nw,
+                ns=ns):
       return window_partial_fused(q, kv, seg, window=128, block_q=bq, block_k=bk,
-                                  block_q_dkv=bq_dkv, block_k_dkv=bk_dkv, num_warps=nw,
+                                  block_k_dq=bk_dq, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv, num_warps=nw,
                                   num_stages=ns)
 
     def loss(q, kv, seg, span, ct, partial=partial):

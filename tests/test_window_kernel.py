@@ -17,8 +17,9 @@ from deepseek41.ops.swa_attention import _swa_partial_reference, swa_partial
 from deepseek41.ops.window_kernel import window_partial_fused
 
 # Small blocks so that every query block spans several key blocks and vice versa, and the
-# d chunking (block_d < d) is exercised.
-SMALL = dict(block_q=2, block_k=4, block_q_dkv=4, block_k_dkv=8, block_d=16)
+# d chunking (block_d < d) is exercised; the forward and dq kernels step over keys in blocks of
+# their own (here dq's wider, in test_window_longer_than_documents narrower).
+SMALL = dict(block_q=2, block_k=4, block_k_dq=8, block_q_dkv=4, block_k_dkv=8, block_d=16)
 
 
 def ids(t, runs_per_row):
@@ -106,7 +107,7 @@ def test_window_longer_than_documents():
   t = 48
   seg = documents(t, ((10, 13, 12), (7, 30)))
   compare(t, 4, 16, 20, seg, None, jnp.float32,
-          dict(block_q=1, block_k=8, block_q_dkv=2, block_k_dkv=4), 2e-5, 2e-5)
+          dict(block_q=1, block_k=8, block_k_dq=4, block_q_dkv=2, block_k_dkv=4), 2e-5, 2e-5)
 
 
 def test_window_longer_than_sequence_and_one():
@@ -165,3 +166,9 @@ def test_pipeline_depth_of_the_wrong_length_is_refused():
   q, kv, seg = jnp.zeros((1, 8, 16, 16)), jnp.zeros((1, 8, 16)), jnp.ones((1, 8), jnp.int32)
   with pytest.raises(ValueError, match='num_stages'):
     window_partial_fused(q, kv, seg, window=4, num_stages=(2, 2), interpret=True)
+
+
+def test_key_block_of_the_dq_kernel_is_validated_by_name():
+  q, kv, seg = jnp.zeros((1, 8, 16, 16)), jnp.zeros((1, 8, 16)), jnp.ones((1, 8), jnp.int32)
+  with pytest.raises(ValueError, match='block_k_dq'):
+    window_partial_fused(q, kv, seg, window=4, block_k_dq=3, interpret=True)

@@ -23,8 +23,8 @@ split over d in `block_d` chunks; each tile is loaded once (a loop-invariant one
 loop) and feeds all of its products from shared memory, and the pipeline depth is chosen per
 kernel to fit shared memory. See `window_partial_fused` for the defaults.
 
-Costs against the minimum: a query block scores whole key blocks (128-160 keys for the <= 129
-its rows can see at the defaults), the backward recomputes S and dP in both programs (7
+Costs against the minimum: a query block scores whole key blocks (for the <= 129 keys its rows
+can see, 128-160 at the dq kernel's 32-key steps, 192 at the forward's 64), the backward recomputes S and dP in both programs (7
 matrix products where a kernel with atomics would do 5), and a dkv block reads the q and dO
 rows of ~(64 + 127) queries.
 """
@@ -53,7 +53,8 @@ class _Static(NamedTuple):
   window: int
   scale: float
   bq: int       # queries per forward / dq block
-  bk: int       # keys per forward / dq step
+  bk: int       # keys per forward step
+  bk_dq: int    # keys per dq step
   bq_dkv: int   # queries per dkv step
   bk_dkv: int   # keys per dkv block
   bd: int       # d chunk of the contractions
@@ -105,10 +106,10 @@ def _chunks(d, bd):
   return [pl.ds(c * bd, bd) for c in range(d // bd)]
 
 
-def _key_blocks(t0, st: _Static):
-  """First and one-past-last key block covering queries [t0, t0 + bq)."""
-  lo = jax.lax.div(jnp.maximum(t0 - st.window + 1, 0), jnp.int32(st.bk))
-  hi = jax.lax.div(t0 + st.bq - 1, jnp.int32(st.bk)) + 1
+def _key_blocks(t0, bk, st: _Static):
+  """First and one-past-last block of `bk` keys covering queries [t0, t0 + bq)."""
+  lo = jax.lax.div(jnp.maximum(t0 - st.window + 1, 0), jnp.int32(bk))
+  hi = jax.lax.div(t0 + st.bq - 1, jnp.int32(bk)) + 1
   return lo, hi
 
 
@@ -140,7 +141,7 @@ def _fwd_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, lse_ref, *, st: _Static
   # seg/span: [T] of this row; q: [rows, d] of this block; kv: [T, d]; o: [rows, d]; lse: [rows]
   rows, dt, chunks, t0, t_r, seg_r, span_r = _query_block(seg_ref, span_ref, q_ref, kv_ref, st)
   q_rc = _tiles(q_ref, slice(None), chunks)  # loop-invariant: loaded once, stays on chip
-  lo, hi = _key_blocks(t0, st)
+  lo, hi = _key_blocks(t0, st.bk, st)
 
   def block(j, carry):
     m_r, l_r, acc = carry
@@ -181,14 +182,15 @@ def _dq_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, do_ref, lse_ref, dlse_re
   delta_ref[...] = delta_r
   lse_r = lse_ref[...]
   lse_r = jnp.where(lse_r == -jnp.inf, 0.0, lse_r)  # such a row sees nothing: P is all 0
-  lo, hi = _key_blocks(t0, st)
+  bk = st.bk_dq
+  lo, hi = _key_blocks(t0, bk, st)
 
   def block(j, dq):
-    keys = pl.ds(j * st.bk, st.bk)
+    keys = pl.ds(j * bk, bk)
     kv_kc = _tiles(kv_ref, keys, chunks)  # one load serves QK^T, dO V^T and dS V
     seg_k, span_k = _load_ids(seg_ref, span_ref, keys, st.spans)
     vis_rk = _visible(t_r[:, None], seg_r[:, None], _col(span_r),
-                      j * st.bk + jnp.arange(st.bk, dtype=jnp.int32)[None, :], seg_k[None, :],
+                      j * bk + jnp.arange(bk, dtype=jnp.int32)[None, :], seg_k[None, :],
                       _row(span_k), st.window)
     p_rk = jnp.where(vis_rk, jnp.exp(_contract(q_rc, kv_kc) * st.scale - lse_r[:, None]), 0.0)
     ds_rk = (p_rk * (_contract(do_rc, kv_kc) - delta_r[:, None])).astype(dt)
@@ -348,11 +350,11 @@ def _pow2(x):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    'window', 'scale', 'interpret', 'block_q', 'block_k', 'block_q_dkv', 'block_k_dkv',
-    'block_d', 'num_warps', 'num_stages'))
+    'window', 'scale', 'interpret', 'block_q', 'block_k', 'block_k_dq', 'block_q_dkv',
+    'block_k_dkv', 'block_d', 'num_warps', 'num_stages'))
 def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
                          scale: float | None = None, span_ids_bt=None, interpret: bool = False,
-                         block_q: int | None = None, block_k: int = 32,
+                         block_q: int | None = None, block_k: int = 64, block_k_dq: int = 32,
                          block_q_dkv: int | None = None, block_k_dkv: int = 32,
                          block_d: int = 128, num_warps: int | None = None,
                          num_stages: int | tuple[int, int, int] | None = None):
@@ -360,7 +362,9 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
 
   Blocks (powers of two; T is padded with segment id 0 to whole blocks):
   - forward / dq: `block_q` queries (default 32 // H, at least 1: 2 at H = 16, so 32 rows; 1 at
-    H = 64) against `block_k` = 32 keys per step;
+    H = 64) against `block_k` = 64 keys per forward step and `block_k_dq` = 32 per dq step (the
+    forward's wider steps measured ~10% faster at 64K; the dq kernel's were not, section 27 of
+    docs/performance.md);
   - dkv: `block_k_dkv` = 32 keys against `block_q_dkv` queries per step (default 32 // H, at
     least 1);
   - `block_d` = 128: the d chunk of every product and accumulator.
@@ -381,14 +385,16 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
   block_q_dkv = block_q_dkv or max(1, ROWS_DKV // h)
   num_warps = num_warps or (4 if max(block_q, block_q_dkv) * h <= 32 else 8)
   bd = min(block_d, d)
-  if d % bd or not all(map(_pow2, (h, bd, block_q, block_k, block_q_dkv, block_k_dkv))):
+  blocks = (block_q, block_k, block_k_dq, block_q_dkv, block_k_dkv)
+  if d % bd or not all(map(_pow2, (h, bd) + blocks)):
     raise ValueError(f'window_partial_fused needs power-of-two heads and blocks and d a multiple '
-                     f'of block_d; got H={h}, d={d}, block_d={bd}, blocks {block_q}, {block_k}, '
-                     f'{block_q_dkv}, {block_k_dkv}')
-  if not interpret and min(block_q * h, block_k, block_q_dkv * h, block_k_dkv, bd) < MIN_DOT:
+                     f'of block_d; got H={h}, d={d}, block_d={bd}, blocks (block_q, block_k, '
+                     f'block_k_dq, block_q_dkv, block_k_dkv) {blocks}')
+  if not interpret and min(block_q * h, block_k, block_k_dq, block_q_dkv * h, block_k_dkv,
+                           bd) < MIN_DOT:
     raise ValueError(f'Triton matrix products need every dimension >= {MIN_DOT}: rows '
-                     f'{block_q * h} / {block_q_dkv * h}, keys {block_k} / {block_k_dkv}, '
-                     f'd chunk {bd}')
+                     f'{block_q * h} / {block_q_dkv * h}, keys {block_k} / {block_k_dq} / '
+                     f'{block_k_dkv}, d chunk {bd}')
   row_bytes = d * jnp.dtype(kv_btd.dtype).itemsize
   if isinstance(num_stages, int):
     num_stages = (num_stages,) * 3
@@ -396,12 +402,12 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
     raise ValueError(f'num_stages is one depth or a (forward, dq, dkv) triple; got {num_stages}')
   stages = tuple(num_stages) if num_stages else (
       _auto_stages(block_q * h * row_bytes, block_k * row_bytes),
-      _auto_stages(2 * block_q * h * row_bytes, block_k * row_bytes),
+      _auto_stages(2 * block_q * h * row_bytes, block_k_dq * row_bytes),
       _auto_stages(block_k_dkv * row_bytes, 2 * block_q_dkv * h * row_bytes))
-  block = max(block_q, block_k, block_q_dkv, block_k_dkv)  # all powers of two
+  block = max(blocks)  # all powers of two
   t_pad = -(-t // block) * block
   st = _Static(heads=h, window=min(window, t), scale=scale, bq=block_q, bk=block_k,
-               bq_dkv=block_q_dkv, bk_dkv=block_k_dkv, bd=bd, spans=span_ids_bt is not None,
+               bk_dq=block_k_dq, bq_dkv=block_q_dkv, bk_dkv=block_k_dkv, bd=bd, spans=span_ids_bt is not None,
                num_warps=num_warps, stages=stages, interpret=interpret)
   dt = kv_btd.dtype
   q_brd = pad_axis(q_bthd.astype(dt), 1, block).reshape(b, t_pad * h, d)
