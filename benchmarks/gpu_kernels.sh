@@ -15,7 +15,8 @@
 # rlN = remat for the first N layers only (train.remat_layers=N), e.g. rl6;
 # mhcnopf = the fused mHC walks without look-ahead loads, at their earlier tiles (train_variant.py);
 # nogroup = each sparse layer adds its own key/value gradient (model.sparse_group_dkv=False);
-# sparsetiles1 = the sparse kernels' earlier, unpipelined tiles (train_variant.py sparse_unpipelined).
+# sparsetiles1 = the sparse kernels' earlier, unpipelined tiles (train_variant.py sparse_unpipelined);
+# tiles1202 = the expert GEMMs' and window forward's earlier tiles (train_variant.py tiles_before_dec2).
 set -uo pipefail
 mode=${1:-micro}; shift || true
 source benchmarks/device_env.sh
@@ -26,7 +27,7 @@ FUSED="--config.model.sparse_impl=fused --config.model.attention_impl=${ATT:-fus
 flags() { case "$1" in auto) echo "";; xla) echo $XLA;; sparse) echo $SPARSE;; fused|prof) echo $FUSED;;
   grouped) echo "--config.model.moe_backend=grouped";; mhc) echo "--config.model.mhc_impl=fused";;
   selref) echo "--config.model.selected_scores_impl=reference";;
-  nosave|fullbwd|headfp32|mhcnopf|sparsetiles1) echo "";;
+  nosave|fullbwd|headfp32|mhcnopf|sparsetiles1|tiles1202) echo "";;
   keep) echo "--config.train.remat=block_keep_attention";;
   nogroup) echo "--config.model.sparse_group_dkv=False";;
   rl[0-9]*) echo "--config.train.remat_layers=${1#rl}";;
@@ -45,6 +46,7 @@ train() {  # shape name run
   [ "$run" = headfp32 ] && main="benchmarks/train_variant.py head_fp32_backward"
   [ "$run" = mhcnopf ] && main="benchmarks/train_variant.py mhc_no_prefetch"
   [ "$run" = sparsetiles1 ] && main="benchmarks/train_variant.py sparse_unpipelined"
+  [ "$run" = tiles1202 ] && main="benchmarks/train_variant.py tiles_before_dec2"
   XLA_FLAGS=${XLA_FLAGS:-} python3 $main --config=configs/ablation_1b.py --workdir=$wd \
     $SYN $shape_flags $(flags $run) $extra > "$OUT/train${shape}_$run.log" 2>&1
   echo "train${shape} $run exit $?"

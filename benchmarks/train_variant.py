@@ -16,6 +16,10 @@ Variants (what they undo, and the docs/performance.md section that measured it):
   sparse_unpipelined    the sparse kernels' earlier tiles: the dq kernel on the fused backward's
                         32-slot steps, no pipelined gathers in either backward kernel, the
                         forward at two stages (`default_tiles`; section 26)
+  tiles_before_dec2     the routed-expert GEMMs' and the window forward's earlier tiles: gmm
+                        128-column outputs, tgmm 128 x 128 x 64-row steps at 3 stages
+                        (`grouped_gemm.GPU_TILES`), the window forward on 32-key steps
+                        (`window_partial_fused`'s `block_k`; section 27)
 """
 
 import os
@@ -61,11 +65,22 @@ def _mhc_no_prefetch():
   mhc_kernel._KNOBS.update(block_d=16, block_d_bwd=16, num_warps_bwd=4, prefetch=False)
 
 
+def _tiles_before_dec2():
+  import functools  # noqa: PLC0415
+  from deepseek41.ops import grouped_gemm, swa_attention  # noqa: PLC0415
+  grouped_gemm.GPU_TILES = grouped_gemm.Tiles(
+      block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, block_d=128,
+      block_f=128, block_r=64, tgmm_warps=8, tgmm_stages=3, wgrad='mosaic')
+  swa_attention.window_partial_fused = functools.partial(swa_attention.window_partial_fused,
+                                                         block_k=32)
+
+
 VARIANTS = {'remat_nothing_saved': _remat_nothing_saved,
             'sparse_bwd_full_width': _sparse_bwd_full_width,
             'head_fp32_backward': _head_fp32_backward,
             'mhc_no_prefetch': _mhc_no_prefetch,
-            'sparse_unpipelined': _sparse_unpipelined}
+            'sparse_unpipelined': _sparse_unpipelined,
+            'tiles_before_dec2': _tiles_before_dec2}
 
 if __name__ == '__main__':  # not in the data loader's worker processes, which import __main__
   if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:

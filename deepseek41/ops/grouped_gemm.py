@@ -69,11 +69,15 @@ class Tiles:
   wgrad: str = 'triton'
 
 
-# H200 (Hopper, bf16): 128x128 output tiles with 64-deep steps keep a 128x128 fp32 accumulator in
-# 8 warps' registers (64 regs/thread) and 3 stages of (128x64 + 64x128) bf16 in 96 KB of shared
-# memory (of 227 KB); tgmm the same with 64-row steps. block_m = 128 pads each expert by < 128
-# rows: at 1B (3072 rows per expert) about 2%.
-GPU_TILES = Tiles(wgrad='mosaic')
+# H200 (Hopper, bf16), measured alone at configs/ablation_1b.py's and the released expert shapes
+# (docs/performance.md section 27): gmm's 128 x 256 output tiles with 64-deep steps hold a
+# 128-register-per-thread fp32 accumulator in 8 warps and 3 stages of (128x64 + 64x256) bf16
+# in 144 KB of shared memory (of 227 KB); they were 8-13% faster than 128 x 128 at the 1B
+# shapes' 1,024-wide outputs (a 384-wide output fits back to 128) and 18-21% at the released
+# ones. tgmm's [256, 128] weight-gradient tiles over 32-row steps were 9% faster than
+# [128, 128] over 64. block_m = 128 pads each expert by < 128 rows: at 1B (3072 rows per
+# expert) about 2%.
+GPU_TILES = Tiles(block_n=256, block_d=256, block_r=32, wgrad='mosaic')
 # Interpret mode (CPU tests): small tiles so that loops over tiles and contraction steps, and
 # groups spanning several tiles, are all exercised at test shapes.
 INTERPRET_TILES = Tiles(block_m=32, block_n=16, block_k=16, block_d=16, block_f=32, block_r=16)
