@@ -110,8 +110,8 @@ def main(argv=None):
     def partial(q, kv, seg, bq=bq, bk=bk, bk_dq=bk_dq, bq_dkv=bq_dkv, bk_dkv=bk_dkv, nw=nw,
                 ns=ns):
       return window_partial_fused(q, kv, seg, window=128, block_q=bq, block_k=bk,
-                                  block_k_dq=bk_dq, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv, num_warps=nw,
-                                  num_stages=ns)
+                                  block_k_dq=bk_dq, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
+                                  num_warps=nw, num_stages=ns)
 
     def loss(q, kv, seg, span, ct, partial=partial):
       o, lse = partial(q, kv, seg)

@@ -24,9 +24,9 @@ loop) and feeds all of its products from shared memory, and the pipeline depth i
 kernel to fit shared memory. See `window_partial_fused` for the defaults.
 
 Costs against the minimum: a query block scores whole key blocks (for the <= 129 keys its rows
-can see, 128-160 at the dq kernel's 32-key steps, 192 at the forward's 64), the backward recomputes S and dP in both programs (7
-matrix products where a kernel with atomics would do 5), and a dkv block reads the q and dO
-rows of ~(64 + 127) queries.
+can see, 128-160 at 32-key steps, 192 at the 16-head forward's 64), the backward recomputes S
+and dP in both programs (7 matrix products where a kernel with atomics would do 5), and a dkv
+block reads the q and dO rows of ~(64 + 127) queries.
 """
 
 from __future__ import annotations
@@ -354,7 +354,8 @@ def _pow2(x):
     'block_k_dkv', 'block_d', 'num_warps', 'num_stages'))
 def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
                          scale: float | None = None, span_ids_bt=None, interpret: bool = False,
-                         block_q: int | None = None, block_k: int = 64, block_k_dq: int = 32,
+                         block_q: int | None = None, block_k: int | None = None,
+                         block_k_dq: int = 32,
                          block_q_dkv: int | None = None, block_k_dkv: int = 32,
                          block_d: int = 128, num_warps: int | None = None,
                          num_stages: int | tuple[int, int, int] | None = None):
@@ -362,9 +363,10 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
 
   Blocks (powers of two; T is padded with segment id 0 to whole blocks):
   - forward / dq: `block_q` queries (default 32 // H, at least 1: 2 at H = 16, so 32 rows; 1 at
-    H = 64) against `block_k` = 64 keys per forward step and `block_k_dq` = 32 per dq step (the
-    forward's wider steps measured ~10% faster at 64K; the dq kernel's were not, section 27 of
-    docs/performance.md);
+    H = 64) against `block_k` keys per forward step and `block_k_dq` = 32 per dq step. The
+    forward takes 64 keys where its block has at most 32 rows (at 16 heads 10% faster at 64K
+    than 32 keys; 64-key dq steps were slower: docs/performance.md section 27) and 32 above
+    (at 64 heads, 64 rows and two stages of 64 keys would need ~190 KB for the tiles alone);
   - dkv: `block_k_dkv` = 32 keys against `block_q_dkv` queries per step (default 32 // H, at
     least 1);
   - `block_d` = 128: the d chunk of every product and accumulator.
@@ -383,6 +385,7 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
   scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
   block_q = block_q or max(1, ROWS // h)
   block_q_dkv = block_q_dkv or max(1, ROWS_DKV // h)
+  block_k = block_k or (64 if block_q * h <= ROWS else 32)
   num_warps = num_warps or (4 if max(block_q, block_q_dkv) * h <= 32 else 8)
   bd = min(block_d, d)
   blocks = (block_q, block_k, block_k_dq, block_q_dkv, block_k_dkv)
@@ -407,8 +410,9 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
   block = max(blocks)  # all powers of two
   t_pad = -(-t // block) * block
   st = _Static(heads=h, window=min(window, t), scale=scale, bq=block_q, bk=block_k,
-               bk_dq=block_k_dq, bq_dkv=block_q_dkv, bk_dkv=block_k_dkv, bd=bd, spans=span_ids_bt is not None,
-               num_warps=num_warps, stages=stages, interpret=interpret)
+               bk_dq=block_k_dq, bq_dkv=block_q_dkv, bk_dkv=block_k_dkv, bd=bd,
+               spans=span_ids_bt is not None, num_warps=num_warps, stages=stages,
+               interpret=interpret)
   dt = kv_btd.dtype
   q_brd = pad_axis(q_bthd.astype(dt), 1, block).reshape(b, t_pad * h, d)
   kv_btd = pad_axis(kv_btd, 1, block)
