@@ -13,6 +13,7 @@
 # keep = block remat keeping the attention kernels' outputs (train.remat=block_keep_attention);
 # headfp32 = the LM head's backward as fp32 GEMMs (benchmarks/train_variant.py head_fp32_backward);
 # rlN = remat for the first N layers only (train.remat_layers=N), e.g. rl6;
+# chN = the indexer scores and selects N queries per chunk (model.sparse_chunk=N), e.g. ch4096;
 # mhcnopf = the fused mHC walks without look-ahead loads, at their earlier tiles (train_variant.py);
 # nogroup = each sparse layer adds its own key/value gradient (model.sparse_group_dkv=False);
 # sparsetiles1 = the sparse kernels' earlier, unpipelined tiles (train_variant.py sparse_unpipelined);
@@ -31,6 +32,7 @@ flags() { case "$1" in auto) echo "";; xla) echo $XLA;; sparse) echo $SPARSE;; f
   keep) echo "--config.train.remat=block_keep_attention";;
   nogroup) echo "--config.model.sparse_group_dkv=False";;
   rl[0-9]*) echo "--config.train.remat_layers=${1#rl}";;
+  ch[0-9]*) echo "--config.model.sparse_chunk=${1#ch}";;
   *) echo "unknown run $1" >&2; exit 2;; esac; }
 train() {  # shape name run
   local shape=$1 run=$2 wd=/tmp/k_$1_$2_$$ extra=""
