@@ -12,7 +12,7 @@ from flax import nnx
 from deepseek41.model.mhc import (MHCSite, collapse, expand, fused_site_collapse, sinkhorn,
                                   site_coefficients)
 from deepseek41.ops import mhc_kernel as K
-from tests.util import resolved
+from tests.util import resolved, triton_lowering_for_h200
 
 N = 4
 KNOBS = dict(block_t=16, block_d=16, block_t_bwd=32, block_d_bwd=32, interpret=True)
@@ -176,11 +176,6 @@ def test_kernels_lower_for_triton():
   The interpreter runs jnp semantics, so it cannot see what the Triton lowering refuses (slices
   of register arrays, say); lowering needs no GPU once the GPU query is answered for it.
   """
-  gpu_info = pytest.importorskip('jax._src.pallas.triton.gpu_info')
-  registration = pytest.importorskip('jax._src.pallas.triton.pallas_call_registration')
-  pytest.importorskip('jax.experimental.pallas.triton')
-  h200 = gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200, arch_name='sm_90',
-                          compute_capability=90)
   p, _ = _inputs(jnp.bfloat16, d=64, b=1, t=64)
   kw = dict(block_t=32, block_d=16, block_t_bwd=16, block_d_bwd=32, interpret=False, iters=3)
   s = (p['fn'], p['base'], p['scale'])
@@ -190,9 +185,7 @@ def test_kernels_lower_for_triton():
          lambda x, f: K.expand_site_collapse(x, f, p['post'], p['comb'], *s, None, **kw),
          lambda x, f: (K.expand_fused(x, f, p['post'], p['comb'], **kw),),
          lambda x, f: (K.collapse_fused(x, p['pre'], **kw),)]
-  original = registration.gpu_info_lib.get_gpu_info
-  registration.gpu_info_lib.get_gpu_info = lambda *a, **k: h200
-  try:
+  with triton_lowering_for_h200():
     for op, prefetch in itertools.product(ops, (False, True)):
       kw.update(prefetch=prefetch)
 
@@ -201,5 +194,3 @@ def test_kernels_lower_for_triton():
       text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(p['x'], p['f']).lower(
           lowering_platforms=('cuda',)).as_text()
       assert 'triton' in text
-  finally:
-    registration.gpu_info_lib.get_gpu_info = original

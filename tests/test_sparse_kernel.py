@@ -15,7 +15,7 @@ from deepseek41.model.transformer import Transformer
 from deepseek41.ops.sparse_attention import compressed_partial
 from deepseek41.ops import sparse_kernel
 from deepseek41.ops.sparse_kernel import sparse_partial_fused
-from tests.util import packed_batch, resolved, token_ce
+from tests.util import packed_batch, resolved, token_ce, triton_lowering_for_h200
 
 H, D = 16, 32
 
@@ -212,11 +212,6 @@ def test_kernels_lower_for_triton():
   """The forward, the fused backward and the deferred pair (dq + coefficients, the shared
   key/value kernel) lower to Triton IR for an H200 on the CPU: the interpreter cannot see what
   the Triton lowering refuses (the coefficients' transposed stores, say)."""
-  gpu_info = pytest.importorskip('jax._src.pallas.triton.gpu_info')
-  registration = pytest.importorskip('jax._src.pallas.triton.pallas_call_registration')
-  pytest.importorskip('jax.experimental.pallas.triton')
-  h200 = gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200, arch_name='sm_90',
-                          compute_capability=90)
   b, t, n, k, h, d = 1, 64, 32, 64, 16, 512
   qs = jax.ShapeDtypeStruct((2, b, t, h, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((b, n, d), jnp.bfloat16)
@@ -231,9 +226,7 @@ def test_kernels_lower_for_triton():
       o, lse, _ = sparse_partial_fused(qs[0], kv, idx, valid, scale=0.04)
       o2, lse2 = o, lse
     return sum(jnp.sum(x.astype(jnp.float32)) for x in (o, o2, lse, lse2))
-  original = registration.gpu_info_lib.get_gpu_info
-  registration.gpu_info_lib.get_gpu_info = lambda *a, **kw: h200
-  try:
+  with triton_lowering_for_h200():
     # Pipeline depths of the 16-head defaults: forward 3, fused backward 2; grouped: two
     # forwards, two dq kernels at 3, the key/value kernel unpipelined.
     for grouped, names, stages in ((False, ('csa2_sparse_fwd', 'csa2_sparse_bwd'), [2, 3]),
@@ -243,8 +236,6 @@ def test_kernels_lower_for_triton():
           qs, kv).lower(lowering_platforms=('cuda',)).as_text()
       assert 'triton' in text and all(name in text for name in names)
       assert sorted(int(v) for v in re.findall(r'num_stages = (\d+) : i32', text)) == stages
-  finally:
-    registration.gpu_info_lib.get_gpu_info = original
 
 
 def test_too_many_tile_fields_are_refused():

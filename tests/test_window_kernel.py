@@ -15,6 +15,7 @@ import pytest
 
 from deepseek41.ops.swa_attention import _swa_partial_reference, swa_partial
 from deepseek41.ops.window_kernel import window_partial_fused
+from tests.util import triton_lowering_for_h200
 
 # Small blocks so that every query block spans several key blocks and vice versa, and the
 # d chunking (block_d < d) is exercised; the forward and dq kernels step over keys in blocks of
@@ -140,11 +141,6 @@ def test_swa_partial_fused_runs_interpreted_on_cpu():
 def test_pipeline_depth_reaches_each_kernel(num_stages, want):
   """`num_stages` (one for all, or forward / dq / dkv) is what each kernel lowers with for an
   H200 (no GPU needed: the lowering is asked for Triton on the CPU); the default fits each."""
-  gpu_info = pytest.importorskip('jax._src.pallas.triton.gpu_info')
-  registration = pytest.importorskip('jax._src.pallas.triton.pallas_call_registration')
-  pytest.importorskip('jax.experimental.pallas.triton')
-  h200 = gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200, arch_name='sm_90',
-                          compute_capability=90)
   q = jax.ShapeDtypeStruct((1, 64, 16, 512), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 64, 512), jnp.bfloat16)
   seg = jnp.ones((1, 64), jnp.int32)
@@ -152,13 +148,9 @@ def test_pipeline_depth_reaches_each_kernel(num_stages, want):
   def loss(q, kv):
     o, _ = window_partial_fused(q, kv, seg, window=16, num_stages=num_stages)
     return jnp.sum(o.astype(jnp.float32))
-  original = registration.gpu_info_lib.get_gpu_info
-  registration.gpu_info_lib.get_gpu_info = lambda *a, **k: h200
-  try:
+  with triton_lowering_for_h200():
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(q, kv).lower(
         lowering_platforms=('cuda',)).as_text()
-  finally:
-    registration.gpu_info_lib.get_gpu_info = original
   assert [int(v) for v in re.findall(r'num_stages = (\d+) : i32', text)] == want
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,3 +174,21 @@ def jaxpr_eqns(jaxpr):
         sub = getattr(sub, 'jaxpr', sub)
         if hasattr(sub, 'eqns'):
           yield from jaxpr_eqns(sub)
+
+
+@contextlib.contextmanager
+def triton_lowering_for_h200():
+  """Answer the Pallas Triton lowering's GPU query with an H200, so that `.lower(lowering_platforms=
+  ('cuda',))` works on the CPU (no GPU, no Triton compile). Skips where the private hook moved."""
+  import pytest  # noqa: PLC0415 (tests only)
+  gpu_info = pytest.importorskip('jax._src.pallas.triton.gpu_info')
+  registration = pytest.importorskip('jax._src.pallas.triton.pallas_call_registration')
+  pytest.importorskip('jax.experimental.pallas.triton')
+  h200 = gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200, arch_name='sm_90',
+                          compute_capability=90)
+  original = registration.gpu_info_lib.get_gpu_info
+  registration.gpu_info_lib.get_gpu_info = lambda *a, **k: h200
+  try:
+    yield
+  finally:
+    registration.gpu_info_lib.get_gpu_info = original
