@@ -164,3 +164,25 @@ def test_key_block_of_the_dq_kernel_is_validated_by_name():
   q, kv, seg = jnp.zeros((1, 8, 16, 16)), jnp.zeros((1, 8, 16)), jnp.ones((1, 8), jnp.int32)
   with pytest.raises(ValueError, match='block_k_dq'):
     window_partial_fused(q, kv, seg, window=4, block_k_dq=3, interpret=True)
+
+
+def test_forward_and_dq_walk_their_own_key_blocks(monkeypatch):
+  """Outputs cannot tell which key block a kernel steps over, so this records the block each
+  kernel's walk is built with: the forward's `block_k`, the dq kernel's `block_k_dq`, and the
+  defaults at 16 heads (64 and 32) and 64 heads (32 and 32)."""
+  from deepseek41.ops import window_kernel as W  # noqa: PLC0415
+  seen = []
+  real = W._key_blocks
+  monkeypatch.setattr(W, '_key_blocks', lambda t0, bk, st: (seen.append(bk), real(t0, bk, st))[1])
+
+  def walks(h, **blocks):
+    seen.clear()
+    q, kv = jnp.ones((1, 8, h, 16)), jnp.ones((1, 8, 16))
+    seg = jnp.ones((1, 8), jnp.int32)
+    jax.grad(lambda q: jnp.sum(W.window_partial_fused(q, kv, seg, window=4, interpret=True,
+                                                      **blocks)[0]))(q)
+    return sorted(set(seen))
+
+  assert walks(2, block_k=8, block_k_dq=2) == [2, 8]
+  assert walks(16) == [32, 64]
+  assert walks(64) == [32]
