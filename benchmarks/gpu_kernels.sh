@@ -36,7 +36,9 @@ flags() { case "$1" in auto) echo "";; xla) echo $XLA;; sparse) echo $SPARSE;; f
   *) echo "unknown run $1" >&2; exit 2;; esac; }
 train() {  # shape name run
   local shape=$1 run=$2 wd=/tmp/k_$1_$2_$$ extra=""
-  [ "$run" = prof ] && extra="--config.log.profile_start_step=18 --config.log.profile_steps=3"
+  local dump=""
+  [ "$run" = prof ] && extra="--config.log.profile_start_step=18 --config.log.profile_steps=3" &&
+    dump="--xla_dump_to=$wd/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*"
   if [ "$shape" = 4k ]; then
     shape_flags="--config.data.seq_len=4096 --config.train.batch_size=8 --config.train.remat=none --config.train.steps=${STEPS:-24} --config.log.every_steps=4"
   else
@@ -49,12 +51,14 @@ train() {  # shape name run
   [ "$run" = mhcnopf ] && main="benchmarks/train_variant.py mhc_no_prefetch"
   [ "$run" = sparsetiles1 ] && main="benchmarks/train_variant.py sparse_unpipelined"
   [ "$run" = tiles1202 ] && main="benchmarks/train_variant.py tiles_before_dec2"
-  XLA_FLAGS=${XLA_FLAGS:-} python3 $main --config=configs/ablation_1b.py --workdir=$wd \
+  XLA_FLAGS="${XLA_FLAGS:-} $dump" python3 $main --config=configs/ablation_1b.py --workdir=$wd \
     $SYN $shape_flags $(flags $run) $extra > "$OUT/train${shape}_$run.log" 2>&1
   echo "train${shape} $run exit $?"
   cp $wd/metrics.jsonl "$OUT/train${shape}_$run.jsonl" 2>/dev/null
+  local hlo=""  # the step's optimized HLO (prof runs dump it): glue fusions land in their scopes
+  [ "$run" = prof ] && hlo=$(ls $wd/hlo/module_*jit_train_step*after_optimizations.txt 2>/dev/null | head -1)
   [ "$run" = prof ] && python3 benchmarks/trace_summary.py $wd/profile --merge-layers --depth 3 \
-    > "$OUT/train${shape}_prof_trace.txt" 2>&1 && head -40 "$OUT/train${shape}_prof_trace.txt"
+    ${hlo:+--hlo $hlo} > "$OUT/train${shape}_prof_trace.txt" 2>&1 && head -40 "$OUT/train${shape}_prof_trace.txt"
   grep -E "took|step [0-9]+:|rror|peak" "$OUT/train${shape}_$run.log" | tail -6 | cut -c1-250
 }
 case "$mode" in
