@@ -51,7 +51,7 @@ train() {  # shape name run
   [ "$run" = mhcnopf ] && main="benchmarks/train_variant.py mhc_no_prefetch"
   [ "$run" = sparsetiles1 ] && main="benchmarks/train_variant.py sparse_unpipelined"
   [ "$run" = tiles1202 ] && main="benchmarks/train_variant.py tiles_before_dec2"
-  XLA_FLAGS="${XLA_FLAGS:-} $dump" python3 $main --config=configs/ablation_1b.py --workdir=$wd \
+  XLA_FLAGS=$(echo ${XLA_FLAGS:-} $dump) python3 $main --config=configs/ablation_1b.py --workdir=$wd \
     $SYN $shape_flags $(flags $run) $extra > "$OUT/train${shape}_$run.log" 2>&1
   echo "train${shape} $run exit $?"
   cp $wd/metrics.jsonl "$OUT/train${shape}_$run.jsonl" 2>/dev/null
