@@ -59,6 +59,8 @@ train() {  # shape name run
   [ "$run" = prof ] && hlo=$(ls $wd/hlo/module_*jit_train_step*after_optimizations.txt 2>/dev/null | head -1)
   [ "$run" = prof ] && python3 benchmarks/trace_summary.py $wd/profile --merge-layers --depth 3 \
     ${hlo:+--hlo $hlo} > "$OUT/train${shape}_prof_trace.txt" 2>&1 && head -40 "$OUT/train${shape}_prof_trace.txt"
+  [ "$run" = prof ] && python3 benchmarks/trace_summary.py $wd/profile --merge-layers --depth 6 \
+    ${hlo:+--hlo $hlo} --top 60 2>&1 | grep -E "attention|ms  *%|top" > "$OUT/train${shape}_prof_deep.txt"
   grep -E "took|step [0-9]+:|rror|peak" "$OUT/train${shape}_$run.log" | tail -6 | cut -c1-250
 }
 case "$mode" in
