@@ -17,7 +17,9 @@
 # mhcnopf = the fused mHC walks without look-ahead loads, at their earlier tiles (train_variant.py);
 # nogroup = each sparse layer adds its own key/value gradient (model.sparse_group_dkv=False);
 # sparsetiles1 = the sparse kernels' earlier, unpipelined tiles (train_variant.py sparse_unpipelined);
-# tiles1202 = the expert GEMMs' and window forward's earlier tiles (train_variant.py tiles_before_dec2).
+# tiles1202 = the expert GEMMs' and window forward's earlier tiles (train_variant.py tiles_before_dec2);
+# select1202 = the indexer in one run over every entry, recall by top_k (train_variant.py select_before_dec2);
+# cgN = the indexer's chunks in up to N causal runs (model.index_causal_groups=N), e.g. cg8.
 set -uo pipefail
 mode=${1:-micro}; shift || true
 source benchmarks/device_env.sh
@@ -28,11 +30,12 @@ FUSED="--config.model.sparse_impl=fused --config.model.attention_impl=${ATT:-fus
 flags() { case "$1" in auto) echo "";; xla) echo $XLA;; sparse) echo $SPARSE;; fused|prof) echo $FUSED;;
   grouped) echo "--config.model.moe_backend=grouped";; mhc) echo "--config.model.mhc_impl=fused";;
   selref) echo "--config.model.selected_scores_impl=reference";;
-  nosave|fullbwd|headfp32|mhcnopf|sparsetiles1|tiles1202) echo "";;
+  nosave|fullbwd|headfp32|mhcnopf|sparsetiles1|tiles1202|select1202) echo "";;
   keep) echo "--config.train.remat=block_keep_attention";;
   nogroup) echo "--config.model.sparse_group_dkv=False";;
   rl[0-9]*) echo "--config.train.remat_layers=${1#rl}";;
   ch[0-9]*) echo "--config.model.sparse_chunk=${1#ch}";;
+  cg[0-9]*) echo "--config.model.index_causal_groups=${1#cg}";;
   *) echo "unknown run $1" >&2; exit 2;; esac; }
 train() {  # shape name run
   local shape=$1 run=$2 wd=/tmp/k_$1_$2_$$ extra=""
@@ -51,6 +54,7 @@ train() {  # shape name run
   [ "$run" = mhcnopf ] && main="benchmarks/train_variant.py mhc_no_prefetch"
   [ "$run" = sparsetiles1 ] && main="benchmarks/train_variant.py sparse_unpipelined"
   [ "$run" = tiles1202 ] && main="benchmarks/train_variant.py tiles_before_dec2"
+  [ "$run" = select1202 ] && main="benchmarks/train_variant.py select_before_dec2"
   XLA_FLAGS=$(echo ${XLA_FLAGS:-} $dump) python3 $main --config=configs/ablation_1b.py --workdir=$wd \
     $SYN $shape_flags $(flags $run) $extra > "$OUT/train${shape}_$run.log" 2>&1
   echo "train${shape} $run exit $?"

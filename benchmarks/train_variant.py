@@ -20,6 +20,9 @@ Variants (what they undo, and the docs/performance.md section that measured it):
                         128-column outputs, tgmm 128 x 128 x 64-row steps at 3 stages
                         (`grouped_gemm.GPU_TILES`), the window forward on 32-key steps
                         (`window_partial_fused`'s `block_k`; section 27)
+  select_before_dec2    the indexer's query chunks in one run over every entry (no causal runs,
+                        `index_causal_groups=1`) and the recall metric's tops by XLA's top_k
+                        (model/csa2.py, model/indexer.py; section 28)
 """
 
 import os
@@ -75,12 +78,20 @@ def _tiles_before_dec2():
                                                          block_k=32)
 
 
+def _select_before_dec2():
+  from deepseek41.model import csa2, indexer  # noqa: PLC0415
+  grouped, distill = csa2.causal_groups, indexer.indexer_distillation
+  csa2.causal_groups = lambda t, chunk, groups, *rest: grouped(t, chunk, 1, *rest)
+  indexer.indexer_distillation = lambda *args, select_impl: distill(*args, select_impl='top_k')
+
+
 VARIANTS = {'remat_nothing_saved': _remat_nothing_saved,
             'sparse_bwd_full_width': _sparse_bwd_full_width,
             'head_fp32_backward': _head_fp32_backward,
             'mhc_no_prefetch': _mhc_no_prefetch,
             'sparse_unpipelined': _sparse_unpipelined,
-            'tiles_before_dec2': _tiles_before_dec2}
+            'tiles_before_dec2': _tiles_before_dec2,
+            'select_before_dec2': _select_before_dec2}
 
 if __name__ == '__main__':  # not in the data loader's worker processes, which import __main__
   if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:

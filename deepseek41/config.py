@@ -257,6 +257,11 @@ class ModelConfig:
   select_impl: str = _key('auto', choices=('top_k', 'threshold'),
                          auto=lambda m, backend: 'threshold' if backend == 'gpu' else 'top_k')
   sparse_chunk: int = _key(1024)         # queries per chunk in the gathered path and the indexer
+  # [I] The indexer's query chunks run in up to this many runs, each scoring and selecting over
+  # only the entries its last row can see (model/csa2.py `causal_groups`): a causal slab is half
+  # empty, and 4 runs score 5/8 of it. Each run is one more compiled loop body; 1 = one run over
+  # every entry. The same selection for any value.
+  index_causal_groups: int = _key(4)
   # With the fused kernel, the layers that read one index source's selection (and so the same
   # KV rows) add their key/value gradient once, in the index source's backward, instead of once
   # each (ops/sparse_kernel.py; docs/performance.md section 25). Same gradients.
@@ -762,6 +767,7 @@ def _check_indexer(m: ModelConfig):
        m.index_head_dim >= m.rope_head_dim, 'model.index_head_dim',
        f'must be even and >= rope_head_dim ({m.rope_head_dim}), got {m.index_head_dim}')
   _req(m.sparse_chunk >= 1, 'model.sparse_chunk', 'must be >= 1')
+  _req(m.index_causal_groups >= 1, 'model.index_causal_groups', 'must be >= 1')
   _req(m.span_chunk >= 0, 'model.span_chunk', 'must be >= 0 (0 = whole spans, kept)')
   _req(m.index_topk_block >= 0, 'model.index_topk_block', 'must be >= 0 (0 = one top-k pass)')
 

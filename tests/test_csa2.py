@@ -134,7 +134,8 @@ def test_the_compressed_branch_changes_the_model(csa2_model):
 
 @pytest.mark.parametrize('overrides', [{'model.sparse_impl': 'reference',
                                         'model.index_topk_block': 0},
-                                       {'model.sparse_chunk': 5}])
+                                       {'model.sparse_chunk': 5},
+                                       {'model.index_causal_groups': 1}])
 def test_scalable_path_equals_reference(csa2_model, overrides):
   batch = _aligned_batch(5)
 

@@ -3,6 +3,8 @@
 Expected values come from numpy loops and stable argsorts written here (ties: lowest index).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from flax import nnx
 
 from deepseek41.model.compressor import (CompressedKV, Compressor, document_first_entry_bt,
                                          group_layout, visible_btn)
+from deepseek41.model import indexer as indexer_lib
 from deepseek41.model.indexer import (IndexKeys, IndexQuery, block_scores, candidate_blocks,
                                       indexer_distillation, indexer_kl_per_query,
                                       newest_visible_bt, pool_entry_mask, recall_per_query,
@@ -394,7 +397,10 @@ def test_indexer_kl():
   assert float(_kl_loss(scores, teacher, np.zeros_like(vis))) == 0.0
 
 
-def test_recall():
+@pytest.mark.parametrize('impl', ['top_k', 'threshold'])
+def test_recall(impl):
+  recall_per_query = functools.partial(indexer_lib.recall_per_query, select_impl=impl)
+  indexer_distillation = functools.partial(indexer_lib.indexer_distillation, select_impl=impl)
   n = 12
   teacher = np.zeros((1, 3, n), np.float32)
   teacher[0, 0, [1, 4, 7, 9]] = [0.4, 0.3, 0.2, 0.1]

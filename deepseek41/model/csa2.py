@@ -73,16 +73,41 @@ def _sinks_key(layer):
   return f'{SINKS}{layer}'
 
 
+def causal_groups(t: int, chunk: int, groups: int, row_offset, ratio: int, n: int,
+                  align: int = 16) -> list[tuple[int, int, int]]:
+  """[(first row, end row, entries scored)]: the query chunks split into up to `groups` runs of
+  whole chunks; each run scores only the entries its last row can see, rounded up to `align`.
+
+  One run per call scores every entry for every chunk: under causality half of that is past
+  every row's limit. `groups` runs cut the slab to (groups + 1) / (2 groups) of it (each run is
+  one compiled loop body). A traced or per-row `row_offset` (decoding) keeps one run.
+  """
+  chunk = max(1, min(chunk or t, t))  # as map_query_chunks takes it
+  n_chunks = -(-t // chunk)
+  if not isinstance(row_offset, int) or groups <= 1 or n_chunks <= 1:
+    return [(0, t, n)]
+  groups = min(groups, n_chunks)
+  runs = []
+  for g in range(groups):
+    c0, c1 = g * n_chunks // groups, (g + 1) * n_chunks // groups
+    r0, r1 = c0 * chunk, min(c1 * chunk, t)
+    seen = (row_offset + r1) // ratio  # entries complete by the run's last row
+    runs.append((r0, r1, min(n, max(align, -(-seen // align) * align))))
+  return runs
+
+
 def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chunk: int,
                    block_size: int, pool=None, publish_blocks: int = 0, topk_block: int = 0,
                    scores_fn: Callable = index_scores_reference, row_offset=0,
-                   select_impl: str = 'top_k'):
+                   select_impl: str = 'top_k', groups: int = 1):
   """Top-k entries per query, processed `chunk` queries at a time.
 
   topk_block > 1: exact two-stage top-k over blocks of that many entries (`select_topk_blocked`).
   scores_fn: the indexer scorer, one of ops/index_scores.py's `SCORERS`.
   row_offset: row index of the first query (the entries cover the whole row from 0).
   select_impl: 'top_k' or 'threshold' (model.select_impl; the same entries, see model/indexer.py).
+  groups: the chunks run in up to this many runs, each over the entries it can see
+  (`causal_groups`, model.index_causal_groups); the same selection for any value.
 
   pool: (blk_idx_btk, blk_valid_btk) of the candidate source, restricting the choice (Reindex);
   its blocks are numbered within each query's document (indexer.block_scores), whose first
@@ -90,34 +115,44 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
   publish_blocks > 0: also return this layer's best `publish_blocks` candidate blocks.
   Returns (idx_btk, valid_btk, (blk_idx_btk, blk_valid_btk) or None).
   """
-  n = k_bnc.shape[1]
   xs = {'q': q_bthc, 'w': w_bth, 'seg': segment_ids_bt}
   if pool is not None or publish_blocks:
     xs['first'] = document_first_entry_bt(segment_ids_bt, comp, row_offset)
   if pool is not None:
     xs['pool_idx'], xs['pool_valid'] = pool
 
-  def per_chunk(c, offset):
-    offset = offset + row_offset
-    rows_c = offset + jnp.arange(c['q'].shape[1], dtype=jnp.int32)
-    limit_bc = jnp.broadcast_to((rows_c + 1) // comp.ratio, c['seg'].shape)
-    scores_bcn = scores_fn(c['q'], c['w'], k_bnc, limit_bc)
-    vis_bcn = visible_btn(c['seg'], comp, offset)
-    allowed = None
-    if pool is not None:
-      allowed = idx_lib.pool_entry_mask(c['pool_idx'], c['pool_valid'], c['first'], block_size,
-                                        n)
-    sel_idx, sel_valid = idx_lib.select_topk_blocked(scores_bcn, vis_bcn, topk, topk_block,
-                                                     allowed, select_impl=select_impl)
-    out = {'idx': sel_idx, 'valid': sel_valid}
-    if publish_blocks:
-      blocks = idx_lib.block_scores(scores_bcn, vis_bcn, c['first'], block_size)
-      newest = idx_lib.newest_visible_bt(vis_bcn)
-      out['blk_idx'], out['blk_valid'] = idx_lib.candidate_blocks(
-          blocks, newest, c['first'], block_size, publish_blocks, select_impl=select_impl)
-    return out
+  def run(xs_run, first_row, n):
+    """The chunks of rows [first_row, ...) over entries [0, n), which hold all they can see."""
+    k_run = k_bnc[:, :n]
+    comp_run = comp.replace(latent_bnd=comp.latent_bnd[:, :n], kv_bnd=comp.kv_bnd[:, :n],
+                            pos_bn=comp.pos_bn[:, :n], seg_bn=comp.seg_bn[:, :n],
+                            last_bn=comp.last_bn[:, :n])
 
-  out = map_query_chunks(per_chunk, xs, chunk)
+    def per_chunk(c, offset):
+      offset = offset + row_offset + first_row
+      rows_c = offset + jnp.arange(c['q'].shape[1], dtype=jnp.int32)
+      limit_bc = jnp.broadcast_to((rows_c + 1) // comp.ratio, c['seg'].shape)
+      scores_bcn = scores_fn(c['q'], c['w'], k_run, limit_bc)
+      vis_bcn = visible_btn(c['seg'], comp_run, offset)
+      allowed = None
+      if pool is not None:
+        allowed = idx_lib.pool_entry_mask(c['pool_idx'], c['pool_valid'], c['first'],
+                                          block_size, n)
+      sel_idx, sel_valid = idx_lib.select_topk_blocked(scores_bcn, vis_bcn, topk, topk_block,
+                                                       allowed, select_impl=select_impl)
+      out = {'idx': sel_idx, 'valid': sel_valid}
+      if publish_blocks:
+        blocks = idx_lib.block_scores(scores_bcn, vis_bcn, c['first'], block_size)
+        newest = idx_lib.newest_visible_bt(vis_bcn)
+        out['blk_idx'], out['blk_valid'] = idx_lib.candidate_blocks(
+            blocks, newest, c['first'], block_size, publish_blocks, select_impl=select_impl)
+      return out
+
+    return map_query_chunks(per_chunk, xs_run, chunk)
+
+  runs = causal_groups(q_bthc.shape[1], chunk, groups, row_offset, comp.ratio, k_bnc.shape[1])
+  outs = [run({k: v[:, r0:r1] for k, v in xs.items()}, r0, n) for r0, r1, n in runs]
+  out = jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=1), *outs) if len(outs) > 1 else outs[0]
   blocks = (out['blk_idx'], out['blk_valid']) if publish_blocks else None
   return out['idx'], out['valid'], blocks
 
@@ -174,7 +209,7 @@ class CSA2(nnx.Module):
           chunk=cfg.sparse_chunk, block_size=cfg.candidate_block_size, pool=pool,
           publish_blocks=cfg.candidate_topk_blocks if role.publishes_candidates else 0,
           topk_block=cfg.index_topk_block, scores_fn=SCORERS[cfg.index_impl],
-          row_offset=row_offset, select_impl=cfg.select_impl)
+          row_offset=row_offset, select_impl=cfg.select_impl, groups=cfg.index_causal_groups)
       sel_idx, sel_valid, blocks = checkpoint_name((sel_idx, sel_valid, blocks), SELECTION)
       shared[_sel_key(role.layer)] = (sel_idx, sel_valid)
       if blocks is not None:
@@ -204,7 +239,8 @@ class CSA2(nnx.Module):
       student_btk = selected_scores(q_idx, w_bth, k_bnc, sel_idx, sel_valid,
                                     impl=cfg.selected_scores_impl,
                                     chunk=cfg.sparse_chunk)
-      kl_sum, counted, recall_sum = idx_lib.indexer_distillation(student_btk, mass_btk, sel_valid)
+      kl_sum, counted, recall_sum = idx_lib.indexer_distillation(student_btk, mass_btk, sel_valid,
+                                                                 select_impl=cfg.select_impl)
       totals = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))
       shared[INDEXER_TOTALS] = totals + jnp.stack([kl_sum, counted, recall_sum])
     return (o_bthd, lse_bth), shared

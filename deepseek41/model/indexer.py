@@ -249,33 +249,37 @@ def indexer_kl_per_query(scores_btn, teacher_btn, mask_btn):
   return jnp.where(counted_bt, kl_bt, 0.0), counted_bt
 
 
-def recall_per_query(scores_btn, teacher_btn, mask_btn, k: int):
+def recall_per_query(scores_btn, teacher_btn, mask_btn, k: int, select_impl: str = 'top_k'):
   """float32 [B, T]: |student top-k & teacher top-k| / |teacher top-k|, 0 where nothing counts.
 
   Both tops are taken over the mask; the teacher's is its min(k, #positive) largest positive
   entries (ties by lowest index). A query counts iff the teacher has positive mass in the mask.
+  select_impl: as `select_topk` (the same sets either way).
   """
   n = scores_btn.shape[-1]
   teacher_btn = jax.lax.stop_gradient(teacher_btn).astype(jnp.float32)
-  s_idx_btk, s_valid_btk = select_topk(scores_btn, mask_btn, k)
+  s_idx_btk, s_valid_btk = select_topk(scores_btn, mask_btn, k, select_impl=select_impl)
   student_top_btn = selection_mask(s_idx_btk, s_valid_btk, n)
-  t_idx_btk, t_valid_btk = select_topk(teacher_btn, mask_btn & (teacher_btn > 0), k)
+  t_idx_btk, t_valid_btk = select_topk(teacher_btn, mask_btn & (teacher_btn > 0), k,
+                                       select_impl=select_impl)
   hits_bt = jnp.sum(jnp.take_along_axis(student_top_btn, t_idx_btk, axis=-1) & t_valid_btk,
                     axis=-1)
   return hits_bt / jnp.maximum(jnp.sum(t_valid_btk, axis=-1), 1).astype(jnp.float32)
 
 
-def indexer_distillation(student_btk, mass_btk, valid_btk):
+def indexer_distillation(student_btk, mass_btk, valid_btk, select_impl: str = 'top_k'):
   """(kl_sum, counted, recall_sum) of one index source over its selected entries.
 
   student: the indexer scores of the selected slots; mass: the attention probability the layer
   put on them (the teacher); valid: the slots in use. KL as `indexer_kl_per_query`; recall of the
-  teacher's top quarter of the slots by the student's top quarter (`recall_per_query`). Sums over
-  counted queries: the model divides by `counted` once every index source has added its share.
+  teacher's top quarter of the slots by the student's top quarter (`recall_per_query`, its tops
+  taken by `select_impl`: XLA's top_k was ~1% of a GPU step for this metric). Sums over counted
+  queries: the model divides by `counted` once every index source has added its share.
   """
   kl_bt, counted_bt = indexer_kl_per_query(student_btk, mass_btk, valid_btk)
   top = max(1, student_btk.shape[-1] // 4)
-  recall_bt = recall_per_query(jax.lax.stop_gradient(student_btk), mass_btk, valid_btk, top)
+  recall_bt = recall_per_query(jax.lax.stop_gradient(student_btk), mass_btk, valid_btk, top,
+                               select_impl=select_impl)
   counted = counted_bt.astype(jnp.float32)
   return jnp.sum(kl_bt), jnp.sum(counted), jnp.sum(recall_bt * counted)
 
