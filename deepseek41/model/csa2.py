@@ -123,10 +123,10 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
 
   def run(xs_run, first_row, n):
     """The chunks of rows [first_row, ...) over entries [0, n), which hold all they can see."""
-    k_run = k_bnc[:, :n]
-    comp_run = comp.replace(latent_bnd=comp.latent_bnd[:, :n], kv_bnd=comp.kv_bnd[:, :n],
-                            pos_bn=comp.pos_bn[:, :n], seg_bn=comp.seg_bn[:, :n],
-                            last_bn=comp.last_bn[:, :n])
+    k_run, comp_run = k_bnc, comp
+    if n < k_bnc.shape[1]:  # visibility reads only the entries' segment ids and last rows
+      k_run = k_bnc[:, :n]
+      comp_run = comp.replace(seg_bn=comp.seg_bn[:, :n], last_bn=comp.last_bn[:, :n])
 
     def per_chunk(c, offset):
       offset = offset + row_offset + first_row
