@@ -23,6 +23,10 @@ Variants (what they undo, and the docs/performance.md section that measured it):
   select_before_dec2    the indexer's query chunks in one run over every entry (no causal runs,
                         `index_causal_groups=1`) and the recall metric's tops by XLA's top_k
                         (model/csa2.py, model/indexer.py; section 28)
+  blockmax_slices       an experiment, not a reversal: the indexer's block maxima
+                        (`indexer.block_max`) as an elementwise max of the blocks' strided
+                        slices instead of a reduction over a minor axis of 8 (section 28 found
+                        those reductions at ~1.3 TB/s)
 """
 
 import os
@@ -85,13 +89,22 @@ def _select_before_dec2():
   indexer.indexer_distillation = lambda *args, select_impl: distill(*args, select_impl='top_k')
 
 
+def _blockmax_slices():
+  import functools  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from deepseek41.model import indexer  # noqa: PLC0415
+  indexer.block_max = lambda x: functools.reduce(
+      jnp.maximum, [x[..., j] for j in range(x.shape[-1])])
+
+
 VARIANTS = {'remat_nothing_saved': _remat_nothing_saved,
             'sparse_bwd_full_width': _sparse_bwd_full_width,
             'head_fp32_backward': _head_fp32_backward,
             'mhc_no_prefetch': _mhc_no_prefetch,
             'sparse_unpipelined': _sparse_unpipelined,
             'tiles_before_dec2': _tiles_before_dec2,
-            'select_before_dec2': _select_before_dec2}
+            'select_before_dec2': _select_before_dec2,
+            'blockmax_slices': _blockmax_slices}
 
 if __name__ == '__main__':  # not in the data loader's worker processes, which import __main__
   if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:

@@ -80,6 +80,13 @@ def _pad_last(x, k: int, value):
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)], constant_values=value)
 
 
+def block_max(key_bcb):
+  """The max of each block of entries (the last axis): the first top-k stage's key and a
+  candidate block's score. At 64K tokens these reductions over the score slabs were 3% of a
+  GPU step (docs/performance.md 28); benchmarks/train_variant.py times other formulations."""
+  return jnp.max(key_bcb, axis=-1)
+
+
 def _top_slots(key_btn, k: int, select_impl: str):
   """(idx_btk int32, valid_btk bool): the k best keys > -inf per row (ties: lowest index), k slots
   (also when N < k), invalid slots idx 0. top_k: descending key; threshold: ascending index."""
@@ -130,7 +137,7 @@ def select_topk_blocked(scores_btn, visible_btn, k: int, block: int, allowed_btn
   key_btn = _pad_last(_ranking_key(jax.lax.stop_gradient(scores_btn), eligible_btn),
                       m * block, -jnp.inf)
   key_btmb = key_btn.reshape(key_btn.shape[:-1] + (m, block))
-  blk_btk, kept_btk = _top_slots(jnp.max(key_btmb, axis=-1), k, select_impl)
+  blk_btk, kept_btk = _top_slots(block_max(key_btmb), k, select_impl)
   if select_impl == 'top_k':  # put the kept blocks in ascending order, empty ones last
     blk_btk = jnp.sort(jnp.where(kept_btk, blk_btk, m), axis=-1)
     kept_btk = blk_btk < m
@@ -168,7 +175,7 @@ def block_scores(scores_btn, visible_btn, first_bt, block_size: int):
   shifted_btc = jnp.where(col_btc < n,
                           jnp.take_along_axis(key_btn, jnp.minimum(col_btc, n - 1), axis=-1),
                           -jnp.inf)
-  return jnp.max(shifted_btc.reshape(shifted_btc.shape[:-1] + (m, block_size)), axis=-1)
+  return block_max(shifted_btc.reshape(shifted_btc.shape[:-1] + (m, block_size)))
 
 
 def candidate_blocks(block_scores_btm, newest_bt, first_bt, block_size: int, topk_blocks: int,
