@@ -86,11 +86,15 @@ def test_role_table_groups_identical_layers():
   assert cfg.model.compute_dtype == 'bfloat16' and cfg.model.moe_backend == 'grouped'
 
 
-@pytest.mark.parametrize('remat,remat_layers', [('block', 0), ('block', 2), ('none', 0)])
-def test_plan_matches_compiled_full_step(remat, remat_layers):
-  """Block remat on every layer, on layers 0-1 only (2-3 keep what their backward reads), none."""
+@pytest.mark.parametrize('remat,remat_layers,residual', [
+    ('block', 0, 'mhc_single_pass'), ('block', 2, 'mhc_single_pass'),
+    ('none', 0, 'mhc_single_pass'), ('block', 0, 'mhc_multi_pass')])
+def test_plan_matches_compiled_full_step(remat, remat_layers, residual):
+  """Block remat on every layer, on layers 0-1 only (2-3 keep what their backward reads), none;
+  and V4's multi-pass mHC, whose head program also holds the learned stream head."""
   config = _four_layer_tiny()
   config.train.remat, config.train.remat_layers = remat, remat_layers
+  config.model.residual = residual
   result = {}
   # The plan compiles in a worker process (its CLI path) while this one compiles the full step:
   # two cores, about half the wall time.

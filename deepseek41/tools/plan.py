@@ -497,8 +497,6 @@ class _View:
   _engram_addresses = _T._engram_addresses
 
   def __init__(self, cfg, parts: dict, sequence_parallel: bool = True):
-    if cfg.residual == 'mhc_multi_pass':
-      raise NotImplementedError('plan: the multi-pass mHC head is not planned yet')
     self.cfg = cfg
     self.vision = None
     self.sequence_parallel = sequence_parallel
@@ -522,7 +520,8 @@ def _compile_head(cfg, mesh, model, top, batch, spec) -> dict:
   rules = cfg.mesh.rules
   x, pre = top
   defs, part = {}, {}
-  for name in ('head', 'final_norm'):
+  # V4's multi-pass mHC reads the streams through a learned head (model/transformer.py).
+  for name in ('head', 'final_norm') + (('hc_head',) if hasattr(model, 'hc_head') else ()):
     defs[name], part[name] = _submodule(model, name)
 
   def loss(part, x, pre, targets, mask):
