@@ -39,10 +39,11 @@ flags() { case "$1" in auto) echo "";; xla) echo $XLA;; sparse) echo $SPARSE;; f
   cg[0-9]*) echo "--config.model.index_causal_groups=${1#cg}";;
   *) echo "unknown run $1" >&2; exit 2;; esac; }
 train() {  # shape name run
-  local shape=$1 run=$2 wd=/tmp/k_$1_$2_$$ extra=""
-  local dump=""
-  [ "$run" = prof ] && extra="--config.log.profile_start_step=18 --config.log.profile_steps=3" &&
+  local shape=$1 run=$2 wd=/tmp/k_$1_$2_$$ extra="" dump=""
+  if [ "$run" = prof ]; then  # profile steps 18-20; dump the step's optimized HLO for --hlo
+    extra="--config.log.profile_start_step=18 --config.log.profile_steps=3"
     dump="--xla_dump_to=$wd/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*"
+  fi
   if [ "$shape" = 4k ]; then
     shape_flags="--config.data.seq_len=4096 --config.train.batch_size=8 --config.train.remat=none --config.train.steps=${STEPS:-24} --config.log.every_steps=4"
   else
@@ -61,12 +62,13 @@ train() {  # shape name run
     $SYN $shape_flags $(flags $run) $extra > "$OUT/train${shape}_$run.log" 2>&1
   echo "train${shape} $run exit $?"
   cp $wd/metrics.jsonl "$OUT/train${shape}_$run.jsonl" 2>/dev/null
-  local hlo=""  # the step's optimized HLO (prof runs dump it): glue fusions land in their scopes
-  [ "$run" = prof ] && hlo=$(ls $wd/hlo/module_*jit_train_step*after_optimizations.txt 2>/dev/null | head -1)
-  [ "$run" = prof ] && python3 benchmarks/trace_summary.py $wd/profile --merge-layers --depth 3 \
-    ${hlo:+--hlo $hlo} > "$OUT/train${shape}_prof_trace.txt" 2>&1 && head -40 "$OUT/train${shape}_prof_trace.txt"
-  [ "$run" = prof ] && python3 benchmarks/trace_summary.py $wd/profile --merge-layers --depth 6 \
-    ${hlo:+--hlo $hlo} --top 60 2>&1 | grep -E "attention|ms  *%|top" > "$OUT/train${shape}_prof_deep.txt"
+  if [ "$run" = prof ]; then  # with the HLO, the glue fusions land in their scopes
+    local hlo sum
+    hlo=$(ls $wd/hlo/module_*jit_train_step*after_optimizations.txt 2>/dev/null | head -1)
+    sum="python3 benchmarks/trace_summary.py $wd/profile --merge-layers ${hlo:+--hlo $hlo}"
+    $sum --depth 3 > "$OUT/train${shape}_prof_trace.txt" 2>&1 && head -40 "$OUT/train${shape}_prof_trace.txt"
+    $sum --depth 6 --top 60 2>&1 | grep -E "attention|ms  *%|top" > "$OUT/train${shape}_prof_deep.txt"
+  fi
   grep -E "took|step [0-9]+:|rror|peak" "$OUT/train${shape}_$run.log" | tail -6 | cut -c1-250
 }
 case "$mode" in

@@ -521,7 +521,8 @@ def _compile_head(cfg, mesh, model, top, batch, spec) -> dict:
   x, pre = top
   defs, part = {}, {}
   # V4's multi-pass mHC reads the streams through a learned head (model/transformer.py).
-  for name in ('head', 'final_norm') + (('hc_head',) if hasattr(model, 'hc_head') else ()):
+  multi_pass = cfg.model.residual == 'mhc_multi_pass'
+  for name in ('head', 'final_norm') + (('hc_head',) if multi_pass else ()):
     defs[name], part[name] = _submodule(model, name)
 
   def loss(part, x, pre, targets, mask):
