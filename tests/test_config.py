@@ -70,6 +70,7 @@ def test_tiny_roles_match_the_reference_toy():
     ('log.profile_steps', 0, 'log.profile_steps'),
     ('train.vision_lr_multiplier', 0.0, 'train.vision_lr_multiplier'),
     ('log.profile_start_step', -1, 'log.profile_start_step'),
+    ('model.index_causal_groups', 0, 'model.index_causal_groups'),
 ])
 def test_inconsistent_values_name_the_key(key, value, culprit):
   with pytest.raises(ConfigError, match=culprit.replace('.', r'\.')):
