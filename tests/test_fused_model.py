@@ -2,7 +2,8 @@
 
 Fused sparse attention, fused window attention and the threshold top-k against gathered /
 chunked / top_k: loss and every parameter gradient, with documents packed and the released fake
-quantization on, and with image spans present.
+quantization on, and with image spans present; the kernels' backward from the merged softmax
+(the default) and through autodiff of the merge.
 """
 
 import dataclasses
@@ -35,10 +36,13 @@ def _loss_and_grads(cfg, impls, batch):
   return nnx.jit(lambda m: nnx.value_and_grad(loss)(m))(model)
 
 
-@pytest.mark.parametrize('case', ['documents_released_quant', 'image_spans'])
+@pytest.mark.parametrize('case', ['documents_released_quant', 'image_spans', 'unmerged'])
 def test_kernels_equal_the_jnp_paths(case):
-  if case == 'documents_released_quant':
-    cfg = resolved(**{**KERNEL_SHAPES, **RELEASED_QUANT}).model
+  # 'unmerged': the kernels' backward through autodiff of the softmax merge
+  # (model.merged_backward=False) instead of from the merged statistics.
+  if case in ('documents_released_quant', 'unmerged'):
+    cfg = resolved(**{**KERNEL_SHAPES, **RELEASED_QUANT,
+                      'model.merged_backward': case != 'unmerged'}).model
     batch = packed_batch(seed=5, docs_per_row=2, pad=4)
   else:
     cfg = resolved(**KERNEL_SHAPES, **VISION).model

@@ -1,6 +1,7 @@
 """tools.plan: its exact parts against real sharded arrays, its per-layer assembly against the
 compiled full train step (8 fake CPU devices, tests/conftest.py)."""
 
+import dataclasses
 import math
 import os
 import threading
@@ -181,6 +182,14 @@ def test_block_keep_attention_counts_the_kernel_outputs_each_layer_keeps():
   got = {r.layer: plan._kernel_output_bytes(m, r, batch, spec) for r in layer_roles(m)}
   assert got == {0: partial, 1: 2 * partial + 2 * scores, 2: 2 * partial + 2 * scores,
                  3: 2 * partial + 2 * scores}, got
+  # With the fused kernels the layer keeps its merged softmax instead (model.merged_backward).
+  fused = dataclasses.replace(m, attention_impl='fused', sparse_impl='fused')
+  got = {r.layer: plan._kernel_output_bytes(fused, r, batch, spec) for r in layer_roles(m)}
+  assert got == {0: partial, 1: partial + 2 * scores, 2: partial + 2 * scores,
+                 3: partial + 2 * scores}, got
+  unmerged = dataclasses.replace(fused, merged_backward=False)
+  assert plan._kernel_output_bytes(unmerged, layer_roles(m)[1], batch, spec) == (
+      2 * partial + 2 * scores)
 
 
 def test_kernels_compile_as_their_buffers_for_the_gpu_plan():

@@ -20,13 +20,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from deepseek41.config import SWA, LayerRole, ModelConfig
-from deepseek41.model.csa2 import CSA2, DECODE
+from deepseek41.model.csa2 import CSA2, DECODE, merged_backward
 from deepseek41.model.norms import RMSNorm, rms_normalize
 from deepseek41.model.params import const_param, normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
 from deepseek41.ops.fp8_matmul import batched_fp8_matmul, dense
 from deepseek41.ops.span_attention import span_partial
-from deepseek41.ops.swa_attention import combine_with_sink, swa_partial
+from deepseek41.ops.softmax_merge import merge
+from deepseek41.ops.swa_attention import swa_partial, window_branch
 from deepseek41.quant import get_fake_quant
 
 
@@ -94,9 +95,13 @@ class Attention(nnx.Module):
     cfg = self.cfg
     span_ids_bt = batch.get('image_span')  # image spans: bidirectional inside, causal outside
     with jax.named_scope('swa'):  # scopes name the GPU trace's kernels (trace_summary.py)
-      partials = [swa_partial(q_bthd, kv_btd, batch['segment_ids'], window=cfg.sliding_window,
-                              impl=cfg.attention_impl, span_ids_bt=span_ids_bt),
-                  *extra_partials]
+      if merged_backward(cfg, shared) and cfg.attention_impl == 'fused':
+        window = window_branch(q_bthd, kv_btd, batch['segment_ids'], window=cfg.sliding_window,
+                               span_ids_bt=span_ids_bt)
+      else:
+        window = swa_partial(q_bthd, kv_btd, batch['segment_ids'], window=cfg.sliding_window,
+                             impl=cfg.attention_impl, span_ids_bt=span_ids_bt)
+      partials = [window, *extra_partials]
     if span_ids_bt is not None:
       with jax.named_scope('span'):
         partials.append(span_partial(
@@ -107,7 +112,9 @@ class Attention(nnx.Module):
       with jax.named_scope('csa2'):
         compressed, shared = self.csa2(x_btd, q_r_btr, q_bthd, batch, shared)
       partials.append(compressed)
-    o_bthd = combine_with_sink(partials, self.sink[...], dtype=x_btd.dtype)
+    o_bthd, handoffs = merge(partials, self.sink[...], dtype=x_btd.dtype)
+    for published in handoffs:
+      shared = {**shared, **published}
     inv_freq = rope_for_role(cfg, self.role.rope)
     return apply_rope(o_bthd, batch['positions'], inv_freq, inverse=True), shared
 

@@ -38,7 +38,7 @@ from deepseek41.model.indexer import IndexKeys, IndexQuery
 from deepseek41.ops.chunking import map_query_chunks
 from deepseek41.ops.index_scores import SCORERS, index_scores_reference
 from deepseek41.ops.selected_scores import selected_scores
-from deepseek41.ops.sparse_attention import compressed_partial
+from deepseek41.ops.sparse_attention import compressed_branch, compressed_partial
 from deepseek41.quant import get_fake_quant
 
 
@@ -190,7 +190,9 @@ class CSA2(nnx.Module):
     return {**shared, _kv_key(self.role.layer): (comp, k_bnc)}
 
   def __call__(self, x_btd, q_r_btr, q_bthd, batch, shared: dict):
-    """Returns (the compressed-branch partial (o, lse), the updated `shared`)."""
+    """Returns (the compressed branch's partial (o, lse) or `softmax_merge.Branch`, the updated
+    `shared`); a Branch's handoffs (the deferred key/value gradient's sinks) are published by
+    the layer after the merge."""
     cfg, role = self.cfg, self.role
     seg, pos = batch['segment_ids'], batch['positions']
     row_offset = batch.get('row_offset', 0)  # CED prefill: the query rows are a tail
@@ -229,13 +231,18 @@ class CSA2(nnx.Module):
       sink = sinks[self.selection_readers.index(role.layer)]
       if role.layer == self.selection_readers[-1]:
         del shared[_sinks_key(role.index_source)]
-    o_bthd, lse_bth, *mass = compressed_partial(
-        q_bthd, kv, sel_idx, sel_valid, impl=cfg.sparse_impl, chunk=cfg.sparse_chunk,
-        with_mass=distill, load_rows=comp.load_rows, later=later, sink=sink)
-    if later:
-      *mass, shared[_sinks_key(role.layer)] = mass
+    if merged_backward(cfg, shared) and cfg.sparse_impl == 'fused':
+      partial, mass_btk = compressed_branch(q_bthd, kv, sel_idx, sel_valid, with_mass=distill,
+                                            later=later, sink=sink,
+                                            sinks_key=_sinks_key(role.layer))
+    else:
+      o_bthd, lse_bth, *mass = compressed_partial(
+          q_bthd, kv, sel_idx, sel_valid, impl=cfg.sparse_impl, chunk=cfg.sparse_chunk,
+          with_mass=distill, load_rows=comp.load_rows, later=later, sink=sink)
+      if later:
+        *mass, shared[_sinks_key(role.layer)] = mass
+      partial, mass_btk = (o_bthd, lse_bth), (mass[0] if distill else None)
     if distill:
-      mass_btk, = mass
       student_btk = selected_scores(q_idx, w_bth, k_bnc, sel_idx, sel_valid,
                                     impl=cfg.selected_scores_impl,
                                     chunk=cfg.sparse_chunk)
@@ -243,5 +250,11 @@ class CSA2(nnx.Module):
                                                                  select_impl=cfg.select_impl)
       totals = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))
       shared[INDEXER_TOTALS] = totals + jnp.stack([kl_sum, counted, recall_sum])
-    return (o_bthd, lse_bth), shared
+    return partial, shared
+
+
+def merged_backward(cfg: ModelConfig, shared: dict) -> bool:
+  """Whether the attention kernels' partials join the layer's softmax as `softmax_merge.Branch`es
+  (model.merged_backward; training and evaluation, not generation's cached attention)."""
+  return cfg.merged_backward and DECODE not in shared
 

@@ -94,7 +94,7 @@ def gather_tensor_split(x_bt, sequence_parallel: bool = True):
 def batch_local(fn, *args, replicated: tuple[int, ...] = (), whole_seq: tuple[int, ...] = (),
                 context_kw: str | None = None, split_seq: bool = True,
                 heads: dict[int, int] | None = None, out_heads: tuple | None = None,
-                tensor_kw: str | None = None):
+                tensor_kw: str | None = None, out_whole_seq: tuple[int, ...] = ()):
   """fn(*args) on each device's tokens: array arguments split along their leading (batch) and
   second (sequence) dimensions, except `replicated` positions (weights: whole) and `whole_seq`
   positions (split by batch only: every query of the row needs them); every output split as
@@ -105,6 +105,9 @@ def batch_local(fn, *args, replicated: tuple[int, ...] = (), whole_seq: tuple[in
   Head parallelism: `heads` maps argument positions to their head dimension, split over `tensor`
   when the head count divides by it; `out_heads` gives each output's head dimension (None: none);
   with `tensor_kw`, fn gets the tensor axis name (or None), e.g. to average over all heads.
+  `out_whole_seq`: output positions (of `out_heads`' length) split by batch only, with no heads
+  split: fn has summed them over `context` and `tensor` itself (e.g. the gradient of a
+  `whole_seq` argument).
 
   None arguments pass through. fn may be differentiable (a custom_vjp kernel): the replicated
   arguments' gradients are summed over the batch axes by shard_map's transpose.
@@ -142,9 +145,13 @@ def batch_local(fn, *args, replicated: tuple[int, ...] = (), whole_seq: tuple[in
     return P(*entries[:max(ndim, 1)])
   specs = tuple(P() if i in replicated else
                 spec(args[i].ndim, i not in whole_seq, heads.get(i)) for i in present)
-  if tp and out_heads is not None:
-    out_specs = tuple(P(axes or None, ctx) if h is None else spec(h + 1, True, h)
-                      for h in out_heads)
+  def out_spec(i, head_dim):
+    if i in out_whole_seq:
+      return P(axes or None)
+    return P(axes or None, ctx) if head_dim is None or not tp else spec(head_dim + 1, True,
+                                                                        head_dim)
+  if out_heads is not None:
+    out_specs = tuple(out_spec(i, h) for i, h in enumerate(out_heads))
   else:
     out_specs = P(axes or None, ctx)
   # check_vma=False: pallas_call has no replication rule.

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from deepseek41.ops.chunking import map_query_chunks
 from deepseek41.ops.per_device import batch_local
-from deepseek41.ops.sparse_kernel import sparse_partial_fused
+from deepseek41.ops.softmax_merge import Branch
+from deepseek41.ops.sparse_kernel import sparse_backward_fused, sparse_partial_fused
 from deepseek41.ops.swa_attention import _masked_softmax_partial
 
 IMPLS = ('reference', 'gathered', 'fused')
@@ -181,3 +182,66 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
   else:
     raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
   return out if with_mass else out[:2]
+
+
+def compressed_branch(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float | None = None,
+                      with_mass: bool = False, later: int = 0, sink=None,
+                      sinks_key: str = 'sinks'):
+  """The fused compressed partial as a `softmax_merge.Branch`: (branch, mass_btk or None).
+
+  Its forward runs now (the slot mass, a stop-gradient target, comes with it); its backward
+  runs from the merged softmax's statistics. The deferred key/value gradient works as in
+  `compressed_partial`: `later` > 0 makes the branch hand off one sink per later reader under
+  `sinks_key` (`Branch.handoffs`); `sink`, one of them, makes this a later reader, whose sink
+  takes its coefficients back as its cotangent.
+  """
+  scale = 1.0 / math.sqrt(q_bthd.shape[-1]) if scale is None else scale
+  sg = jax.lax.stop_gradient
+  o_bthd, lse_bth, *rest = compressed_partial(sg(q_bthd), sg(kv_bnd), idx_btk, valid_btk,
+                                              impl='fused', scale=scale, with_mass=with_mass,
+                                              later=later)
+  mass_btk = rest[0] if with_mass else None
+  handoffs = {sinks_key: rest[-1]} if later else {}
+  backward = functools.partial(_branch_backward, scale=scale, later_key=sinks_key if later
+                               else None)
+  return Branch(o_bthd, lse_bth, (q_bthd, kv_bnd, idx_btk, valid_btk,
+                                  None if sink is None else tuple(sink)),
+                backward, handoffs), mass_btk
+
+
+def _branch_backward(args, merged, d_handoffs, *, scale, later_key):
+  q_bthd, kv_bnd, idx_btk, valid_btk, sink = args
+  defer = sink is not None
+  flat = [a for part in (d_handoffs[later_key] if later_key else ()) for a in part]
+  kernel = functools.partial(_branch_backward_local, scale=scale, defer=defer,
+                             interpret=jax.default_backend() == 'cpu')
+  heads = {0: 2, 4: 2, 5: 2, 6: 2}
+  heads.update({7 + i: _SINK_HEADS[i % len(_SINK_HEADS)] for i in range(len(flat))})
+  outs = batch_local(kernel, q_bthd, kv_bnd, idx_btk, valid_btk, *merged, *flat,
+                     whole_seq=(1,), heads=heads, tensor_kw='tensor_axis',
+                     context_kw='context_axis',
+                     out_heads=(2,) + (_SINK_HEADS if defer else (None,)),
+                     out_whole_seq=() if defer else (1,))
+  dq = outs[0].astype(q_bthd.dtype)
+  if defer:
+    return (dq, None, None, None, tuple(outs[1:])), None
+  return (dq, outs[1].astype(kv_bnd.dtype), None, None, None), None
+
+
+def _branch_backward_local(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, *flat,
+                           scale, defer, interpret, tensor_axis, context_axis):
+  """`sparse_backward_fused` on this device's queries and heads. Every query may pick any entry,
+  so the entries' gradient is summed over the context and tensor shards."""
+  n = len(_SINK_HEADS)
+  later_parts = [tuple(flat[i:i + n]) for i in range(0, len(flat), n)]
+  out = sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd,
+                              scale=scale, interpret=interpret, defer=defer,
+                              later_parts=later_parts)
+  if defer:
+    dq, part = out
+    return (dq, *part)
+  dq, dkv = out
+  for axis in (tensor_axis, context_axis):
+    if axis is not None:
+      dkv = jax.lax.psum(dkv, axis)
+  return dq, dkv

@@ -618,6 +618,16 @@ def _kernel_size(x: int) -> int:
   return max(MIN_DOT, pl.next_power_of_2(x))
 
 
+def _pad_heads(x_bthd):
+  """Zero heads and channels up to the kernels' sizes: they change no score, output or gradient
+  (a zero query head scores 0 everywhere, and its zero dO sends nothing back)."""
+  h, d = x_bthd.shape[-2:]
+  h_pad, d_pad = _kernel_size(h), _kernel_size(d)
+  if (h_pad, d_pad) == (h, d):
+    return x_bthd
+  return jnp.pad(x_bthd, ((0, 0), (0, 0), (0, h_pad - h), (0, d_pad - d)))
+
+
 def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
                          with_mass: bool = False, fwd_tiles: tuple[int, ...] | None = None,
                          bwd_tiles: tuple[int, ...] | None = None,
@@ -635,11 +645,8 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
   outputs; `sink`, one of them, makes this a later call, whose kv gets no gradient of its own.
   """
   h, d = q_bthd.shape[-2:]
-  h_pad, d_pad = _kernel_size(h), _kernel_size(d)
-  if (h_pad, d_pad) != (h, d):  # zero heads and zero channels change no score, output or grad
-    q_bthd = jnp.pad(q_bthd, ((0, 0), (0, 0), (0, h_pad - h), (0, d_pad - d)))
-    kv_bnd = jnp.pad(kv_bnd, ((0, 0), (0, 0), (0, d_pad - d)))
-  fwd_default, bwd_default = default_tiles(h_pad)
+  q_bthd, kv_bnd = _pad_heads(q_bthd), _pad_heads(kv_bnd[:, :, None])[:, :, 0]
+  fwd_default, bwd_default = default_tiles(q_bthd.shape[2])
   fwd_tiles = _complete('fwd_tiles', fwd_tiles, fwd_default)
   bwd_tiles = _complete('bwd_tiles', bwd_tiles, bwd_default)
   args = (q_bthd, kv_bnd.astype(q_bthd.dtype), idx_btk, valid_btk)
@@ -655,3 +662,32 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
   o, lse = o[..., :h, :d], lse[..., :h]
   out = (o, lse, None if mass is None else jax.lax.stop_gradient(mass))
   return out + (sinks,) if later else out
+
+
+def sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, *,
+                          scale: float, bwd_tiles: tuple[int, ...] | None = None,
+                          interpret: bool = False, defer: bool = False, later_parts=()):
+  """The sparse branch's gradients given the output, log-sum-exp and output cotangent of the
+  softmax it is part of, with no log-sum-exp cotangent: the merged softmax's (O, L, dO) give its
+  exact share of the merged gradient (ops/softmax_merge.py).
+
+  Returns (dq_bthd, dkv_bnd); with `defer` (a later call over a shared selection) (dq_bthd, its
+  part) instead, the part being what `later_parts` of the first call's backward holds: that
+  call's dkv adds them all once (`dkv_from_coefficients`). Tiles as `sparse_partial_fused`.
+  """
+  h, d = q_bthd.shape[-2:]
+  q_p, kv_p = _pad_heads(q_bthd), _pad_heads(kv_bnd[:, :, None])[:, :, 0].astype(q_bthd.dtype)
+  o_p, do_p = _pad_heads(o_bthd.astype(q_bthd.dtype)), _pad_heads(do_bthd.astype(q_bthd.dtype))
+  lse_p = jnp.pad(lse_bth.astype(jnp.float32), ((0, 0), (0, 0), (0, q_p.shape[2] - h)))
+  t = _complete('bwd_tiles', bwd_tiles, default_tiles(q_p.shape[2])[1])
+  res, cts = (q_p, kv_p, idx_btk, valid_btk, o_p, lse_p), (do_p, jnp.zeros_like(lse_p))
+  if defer or later_parts:
+    dq_p, part = _coefficients(res, cts, scale, t, interpret)
+    if defer:
+      return dq_p[..., :h, :d], part
+    dkv = dkv_from_coefficients(kv_p, idx_btk, valid_btk, [part, *later_parts], t.block_k,
+                                t.num_warps, t.dkv_chunk, interpret)
+  else:
+    dq_p, dkv = _backward(*res, *cts, scale, t.block_k, t.num_warps, t.head_group, t.dkv_chunk,
+                          t.num_stages, interpret)
+  return dq_p[..., :h, :d], dkv[..., :d]

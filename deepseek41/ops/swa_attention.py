@@ -31,8 +31,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from deepseek41.ops.window_kernel import window_partial_fused
 from deepseek41.ops.per_device import batch_local
+from deepseek41.ops.softmax_merge import Branch, merge_stats
+from deepseek41.ops.window_kernel import window_backward_fused, window_partial_fused
 
 IMPLS = ('reference', 'chunked', 'fused')
 
@@ -65,26 +66,10 @@ def combine_with_sink(partials, sink_h, dtype=None):
 
   partials: sequence of (o_bthd normalised over the branch's own keys, lse_bth of its visible
   scores, -inf if none). Denominator Z = sum_b exp(lse_b) + exp(sink_h); the result is
-  sum_b exp(lse_b - log Z) * o_b. The sink is finite, so the shift is finite and a query that no
-  branch sees gets exactly 0 (and finite gradients). Returns `dtype` (default: the first o's).
+  sum_b exp(lse_b - log Z) * o_b (ops/softmax_merge.py). Returns `dtype` (default: the first
+  o's). A layer whose branches are fused kernels merges with `softmax_merge.merge` instead.
   """
-  if not partials:
-    raise ValueError('combine_with_sink needs at least one (o, lse) partial')
-  sink_h = jnp.asarray(sink_h, jnp.float32)
-  lses_bth = [lse.astype(jnp.float32) for _, lse in partials]
-  shift_bth = sink_h
-  for lse in lses_bth:
-    shift_bth = jnp.maximum(shift_bth, lse)
-  # Only a -inf sink with nothing visible leaves the shift non-finite; any constant works there.
-  shift_bth = jax.lax.stop_gradient(jnp.where(jnp.isfinite(shift_bth), shift_bth, 0.0))
-  weights = [jnp.exp(lse - shift_bth) for lse in lses_bth]
-  denom_bth = jnp.exp(sink_h - shift_bth)
-  for w in weights:
-    denom_bth = denom_bth + w
-  denom_bth = jnp.where(denom_bth > 0, denom_bth, 1.0)
-  o_bthd = sum(o.astype(jnp.float32) * (w / denom_bth)[..., None]
-               for (o, _), w in zip(partials, weights))
-  return o_bthd.astype(dtype or partials[0][0].dtype)
+  return merge_stats(partials, sink_h)[0].astype(dtype or partials[0][0].dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,8 +205,17 @@ def _window_fused(q_bthd, kv_btd, segment_ids_bt, span_ids_bt, *, window, contex
   if context_axis is None:
     return window_partial_fused(q_bthd, kv_btd, segment_ids_bt, span_ids_bt=span_ids_bt,
                                 window=window, **kw)
+  halo, with_halo = _halo(context_axis, q_bthd.shape[1], window)
+  o_bthd, lse_bth = window_partial_fused(_zero_rows(q_bthd, halo), with_halo(kv_btd),
+                                         with_halo(segment_ids_bt),
+                                         span_ids_bt=with_halo(span_ids_bt), window=window, **kw)
+  return o_bthd[:, halo:], lse_bth[:, halo:]
+
+
+def _halo(context_axis, t_local: int, window: int):
+  """(halo length, x -> the previous shard's last `halo` rows of x before this shard's)."""
   shards = jax.lax.axis_size(context_axis)
-  halo, t_local = window - 1, q_bthd.shape[1]
+  halo = window - 1
   if halo > t_local:
     raise ValueError(f'context parallelism: {t_local} tokens per shard cannot hold the '
                      f'{halo}-token window halo (model.sliding_window)')
@@ -231,10 +225,57 @@ def _window_fused(q_bthd, kv_btd, segment_ids_bt, span_ids_bt, *, window, contex
     if x is None:
       return None
     return jnp.concatenate([jax.lax.ppermute(x[:, t_local - halo:], context_axis, forward), x], 1)
-  q_x = jnp.concatenate([jnp.zeros_like(q_bthd[:, :halo]), q_bthd], 1)
-  o_bthd, lse_bth = window_partial_fused(q_x, with_halo(kv_btd), with_halo(segment_ids_bt),
-                                         span_ids_bt=with_halo(span_ids_bt), window=window, **kw)
-  return o_bthd[:, halo:], lse_bth[:, halo:]
+  return halo, with_halo
+
+
+def _zero_rows(x_bt, n: int):
+  """x with n zero rows before its first (the halo's queries: they compute nothing kept)."""
+  return jnp.concatenate([jnp.zeros((x_bt.shape[0], n) + x_bt.shape[2:], x_bt.dtype), x_bt], 1)
+
+
+def _window_backward_local(q_bthd, kv_btd, segment_ids_bt, span_ids_bt, o_bthd, lse_bth,
+                           do_bthd, *, window, context_axis, tensor_axis, **kw):
+  """`window_backward_fused` on this device's tokens (and heads): (dq, dkv, delta). The halo's
+  rows get zero outputs and cotangents, so they add nothing; their keys' gradient goes back to
+  the shard that owns them through the halo's transpose."""
+  if context_axis is None:
+    dq, dkv, delta = window_backward_fused(q_bthd, kv_btd, segment_ids_bt, o_bthd, lse_bth,
+                                           do_bthd, window=window, span_ids_bt=span_ids_bt, **kw)
+  else:
+    halo, with_halo = _halo(context_axis, q_bthd.shape[1], window)
+    kv_x, halo_transpose = jax.vjp(with_halo, kv_btd)
+    dq, dkv_x, delta = window_backward_fused(
+        _zero_rows(q_bthd, halo), kv_x, with_halo(segment_ids_bt), _zero_rows(o_bthd, halo),
+        _zero_rows(lse_bth, halo), _zero_rows(do_bthd, halo), window=window,
+        span_ids_bt=with_halo(span_ids_bt), **kw)
+    dkv, = halo_transpose(dkv_x)
+    dq, delta = dq[:, halo:], delta[:, halo:]
+  if tensor_axis is not None:  # each shard's heads add to every key
+    dkv = jax.lax.psum(dkv, tensor_axis)
+  return dq, dkv, delta
+
+
+def window_branch(q_bthd, kv_btd, segment_ids_bt, *, window: int, scale: float | None = None,
+                  span_ids_bt=None) -> Branch:
+  """The fused window partial as a `softmax_merge.Branch`: its forward now, its backward from the
+  merged softmax's statistics (no per-branch cotangents)."""
+  scale = 1.0 / math.sqrt(q_bthd.shape[-1]) if scale is None else scale
+  sg = jax.lax.stop_gradient
+  o_bthd, lse_bth = swa_partial(sg(q_bthd), sg(kv_btd), segment_ids_bt, window=window,
+                                impl='fused', scale=scale, span_ids_bt=span_ids_bt)
+  return Branch(o_bthd, lse_bth, (q_bthd, kv_btd, segment_ids_bt, span_ids_bt),
+                functools.partial(_window_backward, window=window, scale=scale))
+
+
+def _window_backward(args, merged, d_handoffs, *, window, scale):
+  del d_handoffs
+  q_bthd, kv_btd, segment_ids_bt, span_ids_bt = args
+  kernel = functools.partial(_window_backward_local, window=window, scale=scale,
+                             interpret=jax.default_backend() == 'cpu')
+  dq, dkv, delta = batch_local(kernel, q_bthd, kv_btd, segment_ids_bt, span_ids_bt, *merged,
+                               context_kw='context_axis', tensor_kw='tensor_axis',
+                               heads={0: 2, 4: 2, 5: 2, 6: 2}, out_heads=(2, None, 2))
+  return (dq.astype(q_bthd.dtype), dkv.astype(kv_btd.dtype), None, None), delta
 
 
 def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chunked',

@@ -317,7 +317,7 @@ def _backward(st: _Static, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br, do_brd
       interpret=st.interpret,
       name='swa_window_dkv',
   )(seg_bt, span_bt, q_brd, kv_btd, do_brd, lse_br, delta_br)
-  return dq_brd, dkv_btd
+  return dq_brd, dkv_btd, delta_br
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -333,8 +333,8 @@ def _window_partial_fwd(st, q_brd, kv_btd, seg_bt, span_bt):
 def _window_partial_bwd(st, res, cts):
   q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br = res
   do_brd, dlse_br = cts
-  dq_brd, dkv_btd = _backward(st, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br,
-                              do_brd.astype(q_brd.dtype), dlse_br.astype(jnp.float32))
+  dq_brd, dkv_btd, _ = _backward(st, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br,
+                                 do_brd.astype(q_brd.dtype), dlse_br.astype(jnp.float32))
   return dq_brd, dkv_btd, None, None
 
 
@@ -349,9 +349,64 @@ def _pow2(x):
   return x > 0 and x & (x - 1) == 0
 
 
-@functools.partial(jax.jit, static_argnames=(
-    'window', 'scale', 'interpret', 'block_q', 'block_k', 'block_k_dq', 'block_q_dkv',
-    'block_k_dkv', 'block_d', 'num_warps', 'num_stages'))
+TILE_ARGS = ('block_q', 'block_k', 'block_k_dq', 'block_q_dkv', 'block_k_dkv', 'block_d',
+             'num_warps', 'num_stages')
+
+
+def _setup(q_bthd, kv_btd, span_ids_bt, *, window: int, scale: float | None,
+           interpret: bool, block_q: int | None = None, block_k: int | None = None,
+           block_k_dq: int = 32, block_q_dkv: int | None = None, block_k_dkv: int = 32,
+           block_d: int = 128, num_warps: int | None = None,
+           num_stages: int | tuple[int, int, int] | None = None):
+  """(the kernels' static choices, the block T is padded to a multiple of): the defaults and
+  checks of `window_partial_fused`, shared by `window_backward_fused`."""
+  t, h, d = q_bthd.shape[1:]
+  scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+  block_q = block_q or max(1, ROWS // h)
+  block_q_dkv = block_q_dkv or max(1, ROWS_DKV // h)
+  block_k = block_k or (64 if block_q * h <= ROWS else 32)
+  num_warps = num_warps or (4 if max(block_q, block_q_dkv) * h <= 32 else 8)
+  bd = min(block_d, d)
+  blocks = (block_q, block_k, block_k_dq, block_q_dkv, block_k_dkv)
+  if d % bd or not all(map(_pow2, (h, bd) + blocks)):
+    raise ValueError(f'window_partial_fused needs power-of-two heads and blocks and d a multiple '
+                     f'of block_d; got H={h}, d={d}, block_d={bd}, blocks (block_q, block_k, '
+                     f'block_k_dq, block_q_dkv, block_k_dkv) {blocks}')
+  if not interpret and min(block_q * h, block_k, block_k_dq, block_q_dkv * h, block_k_dkv,
+                           bd) < MIN_DOT:
+    raise ValueError(f'Triton matrix products need every dimension >= {MIN_DOT}: rows '
+                     f'{block_q * h} / {block_q_dkv * h}, keys {block_k} / {block_k_dq} / '
+                     f'{block_k_dkv}, d chunk {bd}')
+  row_bytes = d * jnp.dtype(kv_btd.dtype).itemsize
+  if isinstance(num_stages, int):
+    num_stages = (num_stages,) * 3
+  if num_stages and len(num_stages) != 3:
+    raise ValueError(f'num_stages is one depth or a (forward, dq, dkv) triple; got {num_stages}')
+  stages = tuple(num_stages) if num_stages else (
+      _auto_stages(block_q * h * row_bytes, block_k * row_bytes),
+      _auto_stages(2 * block_q * h * row_bytes, block_k_dq * row_bytes),
+      _auto_stages(block_k_dkv * row_bytes, 2 * block_q_dkv * h * row_bytes))
+  block = max(blocks)  # all powers of two
+  st = _Static(heads=h, window=min(window, t), scale=scale, bq=block_q, bk=block_k,
+               bk_dq=block_k_dq, bq_dkv=block_q_dkv, bk_dkv=block_k_dkv, bd=bd,
+               spans=span_ids_bt is not None, num_warps=num_warps, stages=stages,
+               interpret=interpret)
+  return st, block
+
+
+def _pad_rows(x_bt, block, dtype=None):
+  """[B, T, ...] zero-padded to whole blocks along T (segment id 0: padding)."""
+  return pad_axis(x_bt if dtype is None else x_bt.astype(dtype), 1, block)
+
+
+def _ids(segment_ids_bt, span_ids_bt, block):
+  seg_bt = _pad_rows(segment_ids_bt, block, jnp.int32)
+  span_bt = jnp.zeros_like(seg_bt) if span_ids_bt is None else _pad_rows(span_ids_bt, block,
+                                                                          jnp.int32)
+  return seg_bt, span_bt
+
+
+@functools.partial(jax.jit, static_argnames=('window', 'scale', 'interpret') + TILE_ARGS)
 def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
                          scale: float | None = None, span_ids_bt=None, interpret: bool = False,
                          block_q: int | None = None, block_k: int | None = None,
@@ -382,44 +437,39 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
   `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
   """
   b, t, h, d = q_bthd.shape
-  scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-  block_q = block_q or max(1, ROWS // h)
-  block_q_dkv = block_q_dkv or max(1, ROWS_DKV // h)
-  block_k = block_k or (64 if block_q * h <= ROWS else 32)
-  num_warps = num_warps or (4 if max(block_q, block_q_dkv) * h <= 32 else 8)
-  bd = min(block_d, d)
-  blocks = (block_q, block_k, block_k_dq, block_q_dkv, block_k_dkv)
-  if d % bd or not all(map(_pow2, (h, bd) + blocks)):
-    raise ValueError(f'window_partial_fused needs power-of-two heads and blocks and d a multiple '
-                     f'of block_d; got H={h}, d={d}, block_d={bd}, blocks (block_q, block_k, '
-                     f'block_k_dq, block_q_dkv, block_k_dkv) {blocks}')
-  if not interpret and min(block_q * h, block_k, block_k_dq, block_q_dkv * h, block_k_dkv,
-                           bd) < MIN_DOT:
-    raise ValueError(f'Triton matrix products need every dimension >= {MIN_DOT}: rows '
-                     f'{block_q * h} / {block_q_dkv * h}, keys {block_k} / {block_k_dq} / '
-                     f'{block_k_dkv}, d chunk {bd}')
-  row_bytes = d * jnp.dtype(kv_btd.dtype).itemsize
-  if isinstance(num_stages, int):
-    num_stages = (num_stages,) * 3
-  if num_stages and len(num_stages) != 3:
-    raise ValueError(f'num_stages is one depth or a (forward, dq, dkv) triple; got {num_stages}')
-  stages = tuple(num_stages) if num_stages else (
-      _auto_stages(block_q * h * row_bytes, block_k * row_bytes),
-      _auto_stages(2 * block_q * h * row_bytes, block_k_dq * row_bytes),
-      _auto_stages(block_k_dkv * row_bytes, 2 * block_q_dkv * h * row_bytes))
-  block = max(blocks)  # all powers of two
+  st, block = _setup(q_bthd, kv_btd, span_ids_bt, window=window, scale=scale,
+                     interpret=interpret, block_q=block_q, block_k=block_k,
+                     block_k_dq=block_k_dq, block_q_dkv=block_q_dkv, block_k_dkv=block_k_dkv,
+                     block_d=block_d, num_warps=num_warps, num_stages=num_stages)
   t_pad = -(-t // block) * block
-  st = _Static(heads=h, window=min(window, t), scale=scale, bq=block_q, bk=block_k,
-               bk_dq=block_k_dq, bq_dkv=block_q_dkv, bk_dkv=block_k_dkv, bd=bd,
-               spans=span_ids_bt is not None, num_warps=num_warps, stages=stages,
-               interpret=interpret)
+  q_brd = _pad_rows(q_bthd, block, kv_btd.dtype).reshape(b, t_pad * h, d)
+  seg_bt, span_bt = _ids(segment_ids_bt, span_ids_bt, block)
+  o_brd, lse_br = name_outputs(*_window_partial(st, q_brd, _pad_rows(kv_btd, block), seg_bt,
+                                                span_bt))
+  return o_brd.reshape(b, t_pad, h, d)[:, :t], lse_br.reshape(b, t_pad, h)[:, :t]
+
+
+def window_backward_fused(q_bthd, kv_btd, segment_ids_bt, o_bthd, lse_bth, do_bthd, *,
+                          window: int, scale: float | None = None, span_ids_bt=None,
+                          interpret: bool = False, **tiles):
+  """(dq_bthd, dkv_btd, delta_bth): the window branch's gradients given the output, log-sum-exp
+  and output cotangent of the softmax it is part of, with no log-sum-exp cotangent.
+
+  Passing the merged softmax's (O, L, dO) gives this branch's exact share of the merged
+  gradient (ops/softmax_merge.py); delta_bth = sum_d dO * O. Tiles as `window_partial_fused`.
+  """
+  b, t, h, d = q_bthd.shape
+  st, block = _setup(q_bthd, kv_btd, span_ids_bt, window=window, scale=scale,
+                     interpret=interpret, **tiles)
+  t_pad = -(-t // block) * block
   dt = kv_btd.dtype
-  q_brd = pad_axis(q_bthd.astype(dt), 1, block).reshape(b, t_pad * h, d)
-  kv_btd = pad_axis(kv_btd, 1, block)
-  seg_bt = pad_axis(segment_ids_bt.astype(jnp.int32), 1, block)
-  span_bt = (jnp.zeros_like(seg_bt) if span_ids_bt is None else
-             pad_axis(span_ids_bt.astype(jnp.int32), 1, block))
-  o_brd, lse_br = name_outputs(*_window_partial(st, q_brd, kv_btd, seg_bt, span_bt))
-  o_bthd = o_brd.reshape(b, t_pad, h, d)[:, :t]
-  lse_bth = lse_br.reshape(b, t_pad, h)[:, :t]
-  return o_bthd, lse_bth
+
+  def rows(x_bthd, dtype):
+    return _pad_rows(x_bthd, block, dtype).reshape(b, t_pad * h, -1)
+  seg_bt, span_bt = _ids(segment_ids_bt, span_ids_bt, block)
+  lse_br = rows(lse_bth[..., None], jnp.float32)[..., 0]
+  dq_brd, dkv_btd, delta_br = _backward(st, rows(q_bthd, dt), _pad_rows(kv_btd, block), seg_bt,
+                                        span_bt, rows(o_bthd, dt), lse_br, rows(do_bthd, dt),
+                                        jnp.zeros_like(lse_br))
+  return (dq_brd.reshape(b, t_pad, h, d)[:, :t], dkv_btd[:, :t],
+          delta_br.reshape(b, t_pad, h)[:, :t])

@@ -383,16 +383,21 @@ def _kernel_output_bytes(m, role, batch, spec) -> int:
   """What train.remat=block_keep_attention keeps of a layer besides its outputs: the GPU
   attention kernels' outputs (model/transformer.py `_rematerialized`), counted from their
   shapes, as the CPU stand-ins name none: the window partial, and at CSA2 layers the sparse
-  partial, at index sources also the slot mass and the indexer's selected scores."""
+  partial, at index sources also the slot mass and the indexer's selected scores. With
+  `model.merged_backward` and a fused kernel, the layer's merged softmax (one output and
+  log-sum-exp) in place of the partials (ops/softmax_merge.py)."""
   b, t = batch['tokens'].shape
   dt = jnp.bfloat16 if m.compute_dtype == 'bfloat16' else jnp.float32
   partial = [jax.ShapeDtypeStruct((b, t, m.num_heads, m.head_dim), dt),
              jax.ShapeDtypeStruct((b, t, m.num_heads), jnp.float32)]
+  csa2 = m.csa2 and role.ratio
   kept = list(partial)
-  if m.csa2 and role.ratio:
+  merged = m.merged_backward and (m.attention_impl == 'fused' or
+                                  (csa2 and m.sparse_impl == 'fused'))
+  if csa2 and not merged:
     kept += partial
-    if role.index_source == role.layer:
-      kept += [jax.ShapeDtypeStruct((b, t, m.index_topk), jnp.float32)] * 2
+  if csa2 and role.index_source == role.layer:
+    kept += [jax.ShapeDtypeStruct((b, t, m.index_topk), jnp.float32)] * 2
   return _sharded_bytes(kept, spec(kept))
 
 

@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 # resolve from 'auto' per backend, so they must not block resuming a GPU checkpoint on the CPU.
 EXECUTION_ONLY_MODEL_KEYS = frozenset({'moe_backend', 'attention_impl', 'compute_dtype',
                                        'capacity_factor', 'sparse_impl', 'sparse_chunk',
-                                       'index_causal_groups',
+                                       'index_causal_groups', 'sparse_group_dkv',
+                                       'merged_backward',
                                        'index_impl', 'selected_scores_impl',
                                        'vision_attention_impl', 'select_impl',
                                        'eval_moe_backend', 'mhc_impl', 'fp8',
