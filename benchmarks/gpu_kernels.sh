@@ -20,7 +20,8 @@
 # tiles1202 = the expert GEMMs' and window forward's earlier tiles (train_variant.py tiles_before_dec2);
 # select1202 = the indexer in one run over every entry, recall by top_k (train_variant.py select_before_dec2);
 # cgN = the indexer's chunks in up to N causal runs (model.index_causal_groups=N), e.g. cg8;
-# bmslices = the indexer's block maxima as a max of strided slices (train_variant.py blockmax_slices).
+# bmslices = the indexer's block maxima as a max of strided slices (train_variant.py blockmax_slices);
+# nomerge = the fused kernels' backward through autodiff of the softmax merge (model.merged_backward=False).
 set -uo pipefail
 mode=${1:-micro}; shift || true
 source benchmarks/device_env.sh
@@ -34,6 +35,7 @@ flags() { case "$1" in auto) echo "";; xla) echo $XLA;; sparse) echo $SPARSE;; f
   nosave|fullbwd|headfp32|mhcnopf|sparsetiles1|tiles1202|select1202|bmslices) echo "";;
   keep) echo "--config.train.remat=block_keep_attention";;
   nogroup) echo "--config.model.sparse_group_dkv=False";;
+  nomerge) echo "--config.model.merged_backward=False";;
   rl[0-9]*) echo "--config.train.remat_layers=${1#rl}";;
   ch[0-9]*) echo "--config.model.sparse_chunk=${1#ch}";;
   cg[0-9]*) echo "--config.model.index_causal_groups=${1#cg}";;
