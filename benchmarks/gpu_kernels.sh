@@ -72,6 +72,7 @@ train() {  # shape name run
     $sum --depth 6 --top 60 2>&1 | grep -E "attention|ms  *%|top" > "$OUT/train${shape}_prof_deep.txt"
   fi
   grep -E "took|step [0-9]+:|rror|peak" "$OUT/train${shape}_$run.log" | tail -6 | cut -c1-250
+  rm -rf "$wd"  # its final checkpoint: a few runs' of them fill the machine's disk
 }
 case "$mode" in
   check)  # window + select kernels compiled on the GPU, v41-shape sparse backward; then runs
