@@ -664,6 +664,7 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
   return out + (sinks,) if later else out
 
 
+@functools.partial(jax.jit, static_argnames=('scale', 'bwd_tiles', 'interpret', 'defer'))
 def sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, *,
                           scale: float, bwd_tiles: tuple[int, ...] | None = None,
                           interpret: bool = False, defer: bool = False, later_parts=()):

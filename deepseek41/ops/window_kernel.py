@@ -449,6 +449,9 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
   return o_brd.reshape(b, t_pad, h, d)[:, :t], lse_br.reshape(b, t_pad, h)[:, :t]
 
 
+# A jit, as the partial's: every layer's call of one shape lowers to one program (the CPU
+# interpreter's kernel loops, inlined per call, would otherwise multiply the compile time).
+@functools.partial(jax.jit, static_argnames=('window', 'scale', 'interpret') + TILE_ARGS)
 def window_backward_fused(q_bthd, kv_btd, segment_ids_bt, o_bthd, lse_bth, do_bthd, *,
                           window: int, scale: float | None = None, span_ids_bt=None,
                           interpret: bool = False, **tiles):
