@@ -628,6 +628,12 @@ def _pad_heads(x_bthd):
   return jnp.pad(x_bthd, ((0, 0), (0, 0), (0, h_pad - h), (0, d_pad - d)))
 
 
+def _pad_channels(kv_bnd):
+  """The entries' zero channels matching `_pad_heads`' (they add 0 to every score)."""
+  d = kv_bnd.shape[-1]
+  return jnp.pad(kv_bnd, ((0, 0), (0, 0), (0, _kernel_size(d) - d)))
+
+
 def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
                          with_mass: bool = False, fwd_tiles: tuple[int, ...] | None = None,
                          bwd_tiles: tuple[int, ...] | None = None,
@@ -645,7 +651,7 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
   outputs; `sink`, one of them, makes this a later call, whose kv gets no gradient of its own.
   """
   h, d = q_bthd.shape[-2:]
-  q_bthd, kv_bnd = _pad_heads(q_bthd), _pad_heads(kv_bnd[:, :, None])[:, :, 0]
+  q_bthd, kv_bnd = _pad_heads(q_bthd), _pad_channels(kv_bnd)
   fwd_default, bwd_default = default_tiles(q_bthd.shape[2])
   fwd_tiles = _complete('fwd_tiles', fwd_tiles, fwd_default)
   bwd_tiles = _complete('bwd_tiles', bwd_tiles, bwd_default)
@@ -677,7 +683,7 @@ def sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, d
   call's dkv adds them all once (`dkv_from_coefficients`). Tiles as `sparse_partial_fused`.
   """
   h, d = q_bthd.shape[-2:]
-  q_p, kv_p = _pad_heads(q_bthd), _pad_heads(kv_bnd[:, :, None])[:, :, 0].astype(q_bthd.dtype)
+  q_p, kv_p = _pad_heads(q_bthd), _pad_channels(kv_bnd).astype(q_bthd.dtype)
   o_p, do_p = _pad_heads(o_bthd.astype(q_bthd.dtype)), _pad_heads(do_bthd.astype(q_bthd.dtype))
   lse_p = jnp.pad(lse_bth.astype(jnp.float32), ((0, 0), (0, 0), (0, q_p.shape[2] - h)))
   t = _complete('bwd_tiles', bwd_tiles, default_tiles(q_p.shape[2])[1])
