@@ -70,6 +70,7 @@ train() {  # shape name run
     sum="python3 benchmarks/trace_summary.py $wd/profile --merge-layers ${hlo:+--hlo $hlo}"
     $sum --depth 3 > "$OUT/train${shape}_prof_trace.txt" 2>&1 && head -40 "$OUT/train${shape}_prof_trace.txt"
     $sum --depth 6 --top 60 2>&1 | grep -E "attention|ms  *%|top" > "$OUT/train${shape}_prof_deep.txt"
+    [ -n "$hlo" ] && $sum --top 1 --bodies 30 2>&1 | sed -n '/^(d) /,$p' > "$OUT/train${shape}_prof_bodies.txt"
   fi
   grep -E "took|step [0-9]+:|rror|peak" "$OUT/train${shape}_$run.log" | tail -6 | cut -c1-250
   rm -rf "$wd"  # its final checkpoint: a few runs' of them fill the machine's disk

@@ -2,6 +2,7 @@
 
     python benchmarks/trace_summary.py WORKDIR/profile [--top 20] [--depth 3] [--merge-layers]
         [--device-substr GPU] [--hlo DUMP/module_*.jit_train_step.*after_optimizations.txt]
+        [--bodies 25]
 
 Reads the newest `perfetto_trace.json.gz` (else `*.trace.json.gz`) under the directory, as
 `--config.log.profile_start_step=N` writes it, and prints
@@ -20,7 +21,9 @@ step, docs/performance.md section 19). `--hlo` reads the program's optimized HLO
 `XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*"`
 writes it (same flags otherwise, so the names match), and takes such a kernel's name stack from
 the `op_name` metadata of its HLO instruction (the event's `hlo_op`, else its name with the
-last `_N` read as `.N`).
+last `_N` read as `.N`). With `--hlo`, `--bodies N` also prints (d): the HLO of the N XLA
+fusions with the most total time (the fusion's line, with its operand and result shapes, and the
+start of its fused computation), which says what a glue fusion computes.
 """
 
 from __future__ import annotations
@@ -183,6 +186,31 @@ def hlo_op_names(path: str) -> dict[str, str]:
     return dict(_HLO_INSTRUCTION.findall(f.read()))
 
 
+def hlo_text(path: str) -> str:
+  opener = gzip.open if path.endswith('.gz') else open
+  with opener(path, 'rt') as f:
+    return f.read()
+
+
+def fusion_body(text: str, name: str, max_lines: int = 24) -> str:
+  """The instruction `name` of an HLO dump and, for a fusion, its called computation's first
+  `max_lines` lines; '' if the dump has no such instruction."""
+  line = re.search(rf'^\s*(?:ROOT )?%{re.escape(name)} = .*$', text, re.M)
+  if not line:
+    return ''
+  out = [re.sub(r', metadata=\{.*', '', line.group(0).strip())[:600]]
+  called = re.search(r'calls=%([\w.\-]+)', line.group(0))
+  if called:
+    body = re.search(rf'^%{re.escape(called.group(1))} .*?^\}}', text, re.M | re.S)
+    if body:
+      lines = [re.sub(r', metadata=\{.*', '', ln.strip())[:300]
+               for ln in body.group(0).splitlines()[1:-1]]
+      out += ['    ' + ln for ln in lines[:max_lines]]
+      if len(lines) > max_lines:
+        out.append(f'    ... {len(lines) - max_lines} more lines')
+  return '\n'.join(out)
+
+
 def _hlo_stack(event: dict, hlo_names: dict[str, str]) -> str:
   args = event.get('args') or {}
   op = args.get('hlo_op') or re.sub(r'_(\d+)$', r'.\1', event.get('name', ''))
@@ -307,7 +335,8 @@ def report_windows(ops: list[dict], wins: list, steps: int = 0, max_rows: int = 
 
 
 def report(ops: list[dict], wins: list, *, depth: int, top: int, merge_layers: bool,
-           steps: int = 0, hlo_names: dict[str, str] | None = None) -> None:
+           steps: int = 0, hlo_names: dict[str, str] | None = None, hlo: str = '',
+           bodies: int = 0) -> None:
   report_windows(ops, wins, steps)
   kernel_us = sum(e['dur'] for e in ops)
 
@@ -337,6 +366,18 @@ def report(ops: list[dict], wins: list, *, depth: int, top: int, merge_layers: b
   print(f'{"ms":>10} {"%":>6} {"calls":>7}  kernel  [phase/scope of its first call]')
   for name, (us, n, where) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
     print(f'{_ms(us)} {100 * us / kernel_us:6.2f} {n:7d}  {name[:100]}  [{where}]')
+  if not (bodies and hlo):
+    return
+  print(f'\n(d) the {bodies} XLA fusions with the most total time, from the HLO')
+  shown = 0
+  for name, (us, n, where) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+    body = fusion_body(hlo, re.sub(r'_(\d+)$', r'.\1', name)) or fusion_body(hlo, name)
+    if not body or 'custom_call_target="__gpu$xla.gpu.triton"' in body:
+      continue  # not in this program's HLO, or a Pallas kernel (its own name says what it is)
+    print(f'\n{_ms(us)} ms, {n} calls: {name}  [{where}]\n{body}')
+    shown += 1
+    if shown == bodies:
+      break
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument('--merge-layers', action='store_true', help='sum layerN scopes as layer*')
   ap.add_argument('--hlo', default='', help="the program's optimized HLO text (XLA's dump): the "
                   'name stacks of kernels whose trace events carry none')
+  ap.add_argument('--bodies', type=int, default=0,
+                  help='with --hlo: print the HLO of this many of the costliest XLA fusions')
   args = ap.parse_args(argv)
 
   path = find_trace(args.trace_dir)
@@ -362,10 +405,12 @@ def main(argv: list[str] | None = None) -> int:
           f'{sorted(set(procs.values()))} (try --device-substr "")')
     return 1
   hlo_names = hlo_op_names(args.hlo) if args.hlo else None
+  hlo = hlo_text(args.hlo) if args.hlo and args.bodies else ''
   if hlo_names is not None:
     print(f'hlo: {args.hlo} ({len(hlo_names)} instructions with op_name metadata)')
   report(ops, windows(ops, events, threads), depth=args.depth, top=args.top,
-         merge_layers=args.merge_layers, steps=host_steps(events), hlo_names=hlo_names)
+         merge_layers=args.merge_layers, steps=host_steps(events), hlo_names=hlo_names,
+         hlo=hlo, bodies=args.bodies)
   return 0
 
 

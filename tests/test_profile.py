@@ -148,3 +148,43 @@ def test_hlo_dump_names_the_kernels_without_a_name_stack(tmp_path, capsys):
   # Without the dump the same kernels have no scope.
   assert trace_summary.main([str(tmp_path)]) == 0
   assert 'layer0' not in capsys.readouterr().out
+
+
+def test_bodies_print_the_costliest_fusions_hlo(tmp_path, capsys):
+  """`--bodies N` prints the fusion's line (no metadata) and its fused computation, costliest
+  first, and skips Pallas kernels and kernels the dump does not hold."""
+  meta = [
+      {'ph': 'M', 'pid': 1, 'name': 'process_name', 'args': {'name': '/device:GPU:0'}},
+      {'ph': 'M', 'pid': 1, 'tid': 7, 'name': 'thread_name', 'args': {'name': 'Stream #7(Kernel)'}},
+  ]
+  kernels = [
+      {'ph': 'X', 'pid': 1, 'tid': 7, 'ts': 0, 'dur': 90, 'name': 'csa2_sparse_dkv', 'args': {}},
+      {'ph': 'X', 'pid': 1, 'tid': 7, 'ts': 100, 'dur': 50, 'name': 'loop_convert_fusion_3',
+       'args': {}},
+      {'ph': 'X', 'pid': 1, 'tid': 7, 'ts': 200, 'dur': 20, 'name': 'input_reduce_fusion',
+       'args': {}},
+  ]
+  with gzip.open(tmp_path / 'perfetto_trace.json.gz', 'wt') as f:
+    json.dump({'traceEvents': meta + kernels}, f)
+  hlo = tmp_path / 'dump.txt'
+  hlo.write_text(
+      '%fused_convert.3 (param_0: f32[4,8]) -> bf16[4,8] {\n'
+      '  %param_0 = f32[4,8]{1,0} parameter(0)\n'
+      '  ROOT %convert.9 = bf16[4,8]{1,0} convert(%param_0), metadata={op_name="a"}\n}\n\n'
+      '%fused_reduce (param_0: f32[4,8]) -> f32[4] {\n'
+      '  ROOT %reduce.1 = f32[4]{0} reduce(%param_0), dimensions={1}\n}\n\n'
+      'ENTRY %main {\n'
+      '  %csa2_sparse_dkv = f32[8]{0} custom-call(%p), '
+      'custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="x/csa2_sparse_dkv"}\n'
+      '  %loop_convert_fusion.3 = bf16[4,8]{1,0} fusion(%p), kind=kLoop, '
+      'calls=%fused_convert.3, metadata={op_name="transpose(jvp(layer2))/attention/convert"}\n'
+      '  ROOT %input_reduce_fusion = f32[4]{0} fusion(%p), kind=kInput, calls=%fused_reduce, '
+      'metadata={op_name="jvp(layer2)/attention/reduce_sum"}\n}\n')
+  assert trace_summary.main([str(tmp_path), '--hlo', str(hlo), '--bodies', '1']) == 0
+  out = capsys.readouterr().out
+  bodies = out.split('(d) ')[1]
+  assert 'loop_convert_fusion_3' in bodies and 'convert(%param_0)' in bodies, bodies
+  assert 'csa2_sparse_dkv' not in bodies and 'input_reduce_fusion' not in bodies, bodies
+  assert 'metadata' not in bodies, bodies
+  assert trace_summary.main([str(tmp_path), '--hlo', str(hlo), '--bodies', '5']) == 0
+  assert 'reduce(%param_0)' in capsys.readouterr().out.split('(d) ')[1]
