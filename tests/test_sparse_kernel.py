@@ -167,8 +167,11 @@ def test_grouped_key_value_gradient_equals_the_gathered_path():
   np.testing.assert_allclose(l_f, l_ref, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(g_f), jax.tree.leaves(g_ref)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-  _, jaxpr = loss_and_grads('fused', group=False)
+  (l_own, g_own), jaxpr = loss_and_grads('fused', group=False)  # each layer adds its own
   assert 'csa2_sparse_dkv' not in jaxpr and re.search(r'name=csa2_sparse_bwd\b', jaxpr)
+  np.testing.assert_allclose(l_own, l_ref, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_own), jax.tree.leaves(g_ref)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 # BackwardTiles: (block_k, warps, head_group, dkv_chunk, stages, dq_block_k, dq_warps, dq_stages)
