@@ -21,7 +21,8 @@
 # select1202 = the indexer in one run over every entry, recall by top_k (train_variant.py select_before_dec2);
 # cgN = the indexer's chunks in up to N causal runs (model.index_causal_groups=N), e.g. cg8;
 # bmslices = the indexer's block maxima as a max of strided slices (train_variant.py blockmax_slices);
-# nomerge = the fused kernels' backward through autodiff of the softmax merge (model.merged_backward=False).
+# nomerge = the fused kernels' backward through autodiff of the softmax merge (model.merged_backward=False);
+# ropeafter = the output's inverse RoPE as its own pass after the merge (train_variant.py rope_after_merge).
 set -uo pipefail
 mode=${1:-micro}; shift || true
 source benchmarks/device_env.sh
@@ -32,7 +33,7 @@ FUSED="--config.model.sparse_impl=fused --config.model.attention_impl=${ATT:-fus
 flags() { case "$1" in auto) echo "";; xla) echo $XLA;; sparse) echo $SPARSE;; fused|prof) echo $FUSED;;
   grouped) echo "--config.model.moe_backend=grouped";; mhc) echo "--config.model.mhc_impl=fused";;
   selref) echo "--config.model.selected_scores_impl=reference";;
-  nosave|fullbwd|headfp32|mhcnopf|sparsetiles1|tiles1202|select1202|bmslices) echo "";;
+  nosave|fullbwd|headfp32|mhcnopf|sparsetiles1|tiles1202|select1202|bmslices|ropeafter) echo "";;
   keep) echo "--config.train.remat=block_keep_attention";;
   nogroup) echo "--config.model.sparse_group_dkv=False";;
   nomerge) echo "--config.model.merged_backward=False";;
@@ -60,6 +61,7 @@ train() {  # shape name run
   [ "$run" = tiles1202 ] && main="benchmarks/train_variant.py tiles_before_dec2"
   [ "$run" = select1202 ] && main="benchmarks/train_variant.py select_before_dec2"
   [ "$run" = bmslices ] && main="benchmarks/train_variant.py blockmax_slices"
+  [ "$run" = ropeafter ] && main="benchmarks/train_variant.py rope_after_merge"
   XLA_FLAGS=$(echo ${XLA_FLAGS:-} $dump) python3 $main --config=configs/ablation_1b.py --workdir=$wd \
     $SYN $shape_flags $(flags $run) $extra > "$OUT/train${shape}_$run.log" 2>&1
   echo "train${shape} $run exit $?"

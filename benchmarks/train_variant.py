@@ -27,6 +27,9 @@ Variants (what they undo, and the docs/performance.md section that measured it):
                         (`indexer.block_max`) as an elementwise max of the blocks' strided
                         slices instead of a reduction over a minor axis of 8 (section 28 found
                         those reductions at ~1.3 TB/s)
+  rope_after_merge      the inverse RoPE of the attention output as its own pass after the merge,
+                        which keeps the unrotated merged output for the backward (`merge`'s
+                        `rope`, ops/softmax_merge.py; section 32)
 """
 
 import os
@@ -97,6 +100,16 @@ def _blockmax_slices():
       jnp.maximum, [x[..., j] for j in range(x.shape[-1])])
 
 
+def _rope_after_merge():
+  from deepseek41.model import attention  # noqa: PLC0415
+  from deepseek41.ops import softmax_merge  # noqa: PLC0415
+
+  def merge(parts, sink_h, dtype=None, rope=None, positions_bt=None):
+    o_bthd, handoffs = softmax_merge.merge(parts, sink_h, dtype=dtype)
+    return (o_bthd if rope is None else rope(o_bthd, positions_bt, inverse=True)), handoffs
+  attention.merge = merge
+
+
 VARIANTS = {'remat_nothing_saved': _remat_nothing_saved,
             'sparse_bwd_full_width': _sparse_bwd_full_width,
             'head_fp32_backward': _head_fp32_backward,
@@ -104,7 +117,8 @@ VARIANTS = {'remat_nothing_saved': _remat_nothing_saved,
             'sparse_unpipelined': _sparse_unpipelined,
             'tiles_before_dec2': _tiles_before_dec2,
             'select_before_dec2': _select_before_dec2,
-            'blockmax_slices': _blockmax_slices}
+            'blockmax_slices': _blockmax_slices,
+            'rope_after_merge': _rope_after_merge}
 
 if __name__ == '__main__':  # not in the data loader's worker processes, which import __main__
   if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:

@@ -15,6 +15,8 @@ window by log-sum-exp; off, every layer attends only over its sliding window.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -112,11 +114,13 @@ class Attention(nnx.Module):
       with jax.named_scope('csa2'):
         compressed, shared = self.csa2(x_btd, q_r_btr, q_bthd, batch, shared)
       partials.append(compressed)
-    o_bthd, handoffs = merge(partials, self.sink[...], dtype=x_btd.dtype)
+    # Shared K=V: the output is rotated back by the inverse RoPE, in the merge's pass.
+    rope = functools.partial(apply_rope, inv_freq=rope_for_role(cfg, self.role.rope))
+    o_bthd, handoffs = merge(partials, self.sink[...], dtype=x_btd.dtype, rope=rope,
+                             positions_bt=batch['positions'])
     for published in handoffs:
       shared = {**shared, **published}
-    inv_freq = rope_for_role(cfg, self.role.rope)
-    return apply_rope(o_bthd, batch['positions'], inv_freq, inverse=True), shared
+    return o_bthd, shared
 
   def output(self, o_bthd):
     """Grouped low-rank output projection: [B,T,H,d] -> [B,T,D]."""

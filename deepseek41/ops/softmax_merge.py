@@ -11,15 +11,20 @@ D = sum_d dO * O per query and head,
 
     dS_j = p_j (dO . v_j - D),        d sink = -sum over queries of exp(sink - L) D.
 
-A flash-style kernel's backward computes dS = P (dO . v - (sum_d dO * o - dlse)) from the
-(o, lse, dO, dlse) it is given; given the merged (O, L, dO) and dlse = 0 it computes exactly its
-branch's share above. Autodiff through the merge instead hands each branch dO_b = a_b dO and
-dlse_b = a_b (dO . o_b - D), a_b = exp(lse_b - L): a [T, H, d] cotangent written and a [T, H, d]
-partial read once more per branch, which the kernel then reads again (docs/performance.md 29).
+A flash-style kernel's backward computes dS = P (dO . v - D) from the (lse, dO, D) it is
+given; given the merged (L, dO, D) it computes exactly its branch's share above. Autodiff
+through the merge instead hands each branch dO_b = a_b dO and dlse_b = a_b (dO . o_b - D),
+a_b = exp(lse_b - L): a [T, H, d] cotangent written and a [T, H, d] partial read once more per
+branch, which the kernel then reads again (docs/performance.md 29).
+
+The layer's output is O rotated back by the inverse RoPE (model/attention.py), an orthogonal map
+R per query and head, so D = sum_d dO * O = sum_d d(RO) * RO: the backward reads D off the
+rotated output and its cotangent, and O itself is never kept. `merge` applies R (`rope`) in the
+same pass as the merge, as one elementwise fusion, and the backward its transpose.
 
 `merge` takes plain partials (o, lse), differentiated as autodiff would, and `Branch`es: a
 partial computed without a gradient plus the backward that gives its inputs' gradients from the
-merged statistics. The merged (O, L) are the only activations the backward keeps of the
+merged statistics. The rotated output and L are the only activations the backward keeps of the
 attention core (named as kernel outputs, so `train.remat=block_keep_attention` saves them).
 """
 
@@ -35,9 +40,9 @@ from deepseek41.ops.sparse_kernel import name_outputs
 
 
 class Merged(NamedTuple):
-  """What a branch's backward gets: the merged output, log-sum-exp (sink included) and the
-  output's cotangent, all [B, T, H(, d)]."""
-  o_bthd: jax.Array
+  """What a branch's backward gets: D = sum_d dO * O, the merged log-sum-exp (sink included)
+  and the merged output's cotangent dO, all [B, T, H(, d)]."""
+  delta_bth: jax.Array
   lse_bth: jax.Array
   do_bthd: jax.Array
 
@@ -45,8 +50,8 @@ class Merged(NamedTuple):
 class Branch(NamedTuple):
   """A key set of the merged softmax whose partial was computed outside the gradient.
 
-  backward(args, merged, d_handoffs) -> (args' cotangents, a tuple like args with None for the
-  non-differentiable ones; delta_bth = sum_d dO * O if the branch computed it, else None).
+  backward(args, merged, d_handoffs) -> args' cotangents, a tuple like args with None for the
+  non-differentiable ones.
   handoffs: {name: pytree of arrays} that `merge` returns as zeros of the same shapes, for the
   layer to publish; their cotangents reach `backward` as d_handoffs (a dict like it). They carry
   the sparse kernels' deferred key/value gradient from later layers (ops/sparse_kernel.py).
@@ -82,56 +87,62 @@ def merge_stats(partials, sink_h):
   return o_bthd, shift_bth + jnp.log(denom_bth)
 
 
-def merge(parts, sink_h, dtype=None):
-  """(O_bthd in `dtype` (default: the first partial's), [each Branch's handoffs]).
+def merge(parts, sink_h, dtype=None, rope=None, positions_bt=None):
+  """(the merged output in `dtype` (default: the first partial's), [each Branch's handoffs]).
 
   parts: plain partials (o_bthd, lse_bth) and `Branch`es, in any mix. Without a Branch this is
-  plain autodiff through `merge_stats`."""
-  dtype = dtype or parts[0][0].dtype
+  plain autodiff through `merge_stats`. rope: None, or `rope(x_bthd, positions_bt, inverse)`, a
+  rotation per query and head (model/rope.py `apply_rope` with its frequencies): the output is
+  then rope(O, positions_bt, inverse=True)."""
+  dtype = jnp.dtype(dtype or parts[0][0].dtype)
+  if rope is None:
+    rope, positions_bt = _no_rotation, jnp.zeros((), jnp.int32)
   if not any(isinstance(p, Branch) for p in parts):
-    return merge_stats(parts, sink_h)[0].astype(dtype), []
+    return rope(merge_stats(parts, sink_h)[0].astype(dtype), positions_bt, inverse=True), []
   backwards = tuple(p.backward if isinstance(p, Branch) else None for p in parts)
   plain = tuple(None if isinstance(p, Branch) else tuple(p) for p in parts)
   branches = tuple((jax.lax.stop_gradient(p.o_bthd), jax.lax.stop_gradient(p.lse_bth), p.args,
                     p.handoffs) if isinstance(p, Branch) else None for p in parts)
-  o_bthd, handoffs = _merge(backwards, jnp.dtype(dtype), jnp.asarray(sink_h, jnp.float32), plain,
-                            branches)
-  return o_bthd, [h for h, p in zip(handoffs, parts) if isinstance(p, Branch)]
+  out_bthd, handoffs = _merge(backwards, dtype, rope, jnp.asarray(sink_h, jnp.float32),
+                              positions_bt, plain, branches)
+  return out_bthd, [h for h, p in zip(handoffs, parts) if isinstance(p, Branch)]
+
+
+def _no_rotation(x_bthd, positions_bt, inverse):
+  del positions_bt, inverse
+  return x_bthd
 
 
 def _partials(plain, branches):
   return [p if p is not None else b[:2] for p, b in zip(plain, branches)]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _merge(backwards, dtype, sink_h, plain, branches):
-  return _merge_fwd(backwards, dtype, sink_h, plain, branches)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _merge(backwards, dtype, rope, sink_h, positions_bt, plain, branches):
+  return _merge_fwd(backwards, dtype, rope, sink_h, positions_bt, plain, branches)[0]
 
 
-def _merge_fwd(backwards, dtype, sink_h, plain, branches):
+def _merge_fwd(backwards, dtype, rope, sink_h, positions_bt, plain, branches):
   del backwards
   o_bthd, lse_bth = merge_stats(_partials(plain, branches), sink_h)
-  o_bthd, lse_bth = name_outputs(o_bthd.astype(dtype), lse_bth)
+  out_bthd = rope(o_bthd.astype(dtype), positions_bt, inverse=True)
+  out_bthd, lse_bth = name_outputs(out_bthd, lse_bth)
   handoffs = tuple(None if b is None else jax.tree.map(jnp.zeros_like, b[3]) for b in branches)
   args = tuple(None if b is None else b[2] for b in branches)
-  return (o_bthd, handoffs), (sink_h, plain, args, o_bthd, lse_bth)
+  return (out_bthd, handoffs), (sink_h, positions_bt, plain, args, out_bthd, lse_bth)
 
 
-def _merge_bwd(backwards, dtype, res, cts):
+def _merge_bwd(backwards, dtype, rope, res, cts):
   del dtype
-  sink_h, plain, args, o_bthd, lse_bth = res
-  do_bthd, d_handoffs = cts
-  merged = Merged(o_bthd, lse_bth, do_bthd.astype(o_bthd.dtype))
-  d_branches, delta_bth = [], None
+  sink_h, positions_bt, plain, args, out_bthd, lse_bth = res
+  dout_bthd, d_handoffs = cts
+  # The rotation is orthogonal: D from the rotated output, dO by its transpose.
+  delta_bth = jnp.sum(dout_bthd.astype(jnp.float32) * out_bthd.astype(jnp.float32), axis=-1)
+  do_bthd = rope(dout_bthd.astype(out_bthd.dtype), positions_bt, inverse=False)
+  merged = Merged(delta_bth, lse_bth, do_bthd)
+  d_branches = []
   for backward, a, dh in zip(backwards, args, d_handoffs):
-    if backward is None:
-      d_branches.append(None)
-      continue
-    d_args, delta = backward(a, merged, dh)
-    delta_bth = delta if delta_bth is None else delta_bth
-    d_branches.append((None, None, d_args, None))
-  if delta_bth is None:
-    delta_bth = jnp.sum(do_bthd.astype(jnp.float32) * o_bthd.astype(jnp.float32), axis=-1)
+    d_branches.append(None if backward is None else (None, None, backward(a, merged, dh), None))
   d_plain = []
   for p in plain:
     if p is None:
@@ -145,7 +156,7 @@ def _merge_bwd(backwards, dtype, res, cts):
                     dlse_bth.astype(lse_b.dtype)))
   d_sink_h = -jnp.sum(jnp.exp(sink_h - lse_bth) * delta_bth,
                       axis=tuple(range(delta_bth.ndim - 1)))
-  return d_sink_h, tuple(d_plain), tuple(d_branches)
+  return d_sink_h, None, tuple(d_plain), tuple(d_branches)
 
 
 _merge.defvjp(_merge_fwd, _merge_bwd)

@@ -224,17 +224,17 @@ def _branch_backward(args, merged, d_handoffs, *, scale, later_key):
                      out_whole_seq=() if defer else (1,))
   dq = outs[0].astype(q_bthd.dtype)
   if defer:
-    return (dq, None, None, None, tuple(outs[1:])), None
-  return (dq, outs[1].astype(kv_bnd.dtype), None, None, None), None
+    return dq, None, None, None, tuple(outs[1:])
+  return dq, outs[1].astype(kv_bnd.dtype), None, None, None
 
 
-def _branch_backward_local(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, *flat,
-                           scale, defer, interpret, tensor_axis, context_axis):
+def _branch_backward_local(q_bthd, kv_bnd, idx_btk, valid_btk, delta_bth, lse_bth, do_bthd,
+                           *flat, scale, defer, interpret, tensor_axis, context_axis):
   """`sparse_backward_fused` on this device's queries and heads. Every query may pick any entry,
   so the entries' gradient is summed over the context and tensor shards."""
   n = len(_SINK_HEADS)
   later_parts = [tuple(flat[i:i + n]) for i in range(0, len(flat), n)]
-  out = sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd,
+  out = sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, delta_bth, lse_bth, do_bthd,
                               scale=scale, interpret=interpret, defer=defer,
                               later_parts=later_parts)
   if defer:

@@ -175,13 +175,27 @@ def add_rows(ref, rows_k, col0, vals_kc, *, n, interpret):
 
 
 def _bwd_query(q_ref, o_ref, do_ref, lse_ref, dlse_ref):
-  """(q_hd, dO_hd, lse_h with -inf -> 0, delta_h - dlse_h): one query's backward constants."""
+  """(q_hd, dO_hd, lse_h with -inf -> 0, delta_h - dlse_h): one query's backward constants.
+  o_ref None: dlse_ref holds delta itself (the merged softmax's D, `sparse_backward_fused`)."""
   q_hd, do_hd = q_ref[...], do_ref[...]
   lse_h = lse_ref[...]
   lse_safe_h = jnp.where(lse_h == -jnp.inf, 0.0, lse_h)  # such a query has no visible slot
+  if o_ref is None:
+    return q_hd, do_hd, lse_safe_h, dlse_ref[...]
   delta_h = jnp.sum(do_hd.astype(jnp.float32) * o_ref[...].astype(jnp.float32), axis=1) - \
       dlse_ref[...]
   return q_hd, do_hd, lse_safe_h, delta_h
+
+
+def _with_o(kernel, given_delta: bool):
+  """`kernel` taking (nblk, q, kv, idx, o, ...) refs; with given_delta its caller passes no o
+  (the kernel then gets None in its place)."""
+  if not given_delta:
+    return kernel
+
+  def without_o(nblk_ref, q_ref, kv_ref, idx_ref, *refs, **kw):
+    return kernel(nblk_ref, q_ref, kv_ref, idx_ref, None, *refs, **kw)
+  return without_o
 
 
 def _bwd_block(q_hd, do_hd, lse_safe_h, delta_h, kv_kd, rows_k, n, scale, dq_hd):
@@ -381,26 +395,28 @@ def _backward_operands(q_bthd, kv_bnd, idx_btk, valid_btk, block_k, head_group):
 
 def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse_bth, scale,
               block_k, num_warps, head_group, dkv_chunk, num_stages, interpret):
+  """(dq, dkv). o_bthd None: dlse_bth is delta itself (`sparse_backward_fused`)."""
   b, t, h, d = q_bthd.shape
   n = kv_bnd.shape[1]
   hg, kv_bmd, idx_btk, nblk_bt1, bk, spec = _backward_operands(q_bthd, kv_bnd, idx_btk,
                                                                valid_btk, block_k, head_group)
   rows = kv_bmd.shape[1]
   dkv_spec = spec['kv']
+  outputs = () if o_bthd is None else (o_bthd,)
   dq_bthd, dkv_bmd = stand_in.pallas_call(
-      functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale, dkv_chunk=min(dkv_chunk, d),
-                        interpret=interpret),
+      _with_o(functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale,
+                                dkv_chunk=min(dkv_chunk, d), interpret=interpret), not outputs),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype),
                  jax.ShapeDtypeStruct((b, rows, d), jnp.float32)],
       grid=(t, b, h // hg),  # head groups add into the same rows: fewer heads, more atomics
-      in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx'], spec['q'], spec['q'],
-                spec['h'], spec['h'], dkv_spec],
+      in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx']] +
+      [spec['q']] * (len(outputs) + 1) + [spec['h'], spec['h'], dkv_spec],
       out_specs=[spec['q'], dkv_spec],
-      input_output_aliases={8: 1},
+      input_output_aliases={7 + len(outputs): 1},
       compiler_params=None if interpret else compiler_params(num_warps, num_stages),
       interpret=interpret,
       name='csa2_sparse_bwd',
-  )(nblk_bt1, q_bthd, kv_bmd, idx_btk, o_bthd, do_bthd.astype(q_bthd.dtype),
+  )(nblk_bt1, q_bthd, kv_bmd, idx_btk, *outputs, do_bthd.astype(q_bthd.dtype),
     lse_bth.astype(jnp.float32), dlse_bth.astype(jnp.float32),
     jnp.zeros((b, rows, d), jnp.float32))
   return dq_bthd, dkv_bmd[:, :n].astype(kv_bnd.dtype)
@@ -451,17 +467,19 @@ def dq_and_coefficients(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_
   k_pad = idx_btk.shape[-1]
   coef_spec = pl.BlockSpec((None, None, k_pad, hg), lambda i, j, g=0: (j, i, 0, g))
   coef_shape = jax.ShapeDtypeStruct((b, t, k_pad, h), q_bthd.dtype)
+  outputs = () if o_bthd is None else (o_bthd,)
   return stand_in.pallas_call(
-      functools.partial(_bwd_dq_kernel, n=kv_bnd.shape[1], bk=bk, scale=scale),
+      _with_o(functools.partial(_bwd_dq_kernel, n=kv_bnd.shape[1], bk=bk, scale=scale),
+              not outputs),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype), coef_shape, coef_shape],
       grid=(t, b, h // hg),
-      in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx'], spec['q'], spec['q'],
-                spec['h'], spec['h']],
+      in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx']] +
+      [spec['q']] * (len(outputs) + 1) + [spec['h'], spec['h']],
       out_specs=[spec['q'], coef_spec, coef_spec],
       compiler_params=None if interpret else compiler_params(num_warps, num_stages),
       interpret=interpret,
       name='csa2_sparse_bwd_dq',
-  )(nblk_bt1, q_bthd, kv_bmd, idx_btk, o_bthd, do_bthd.astype(q_bthd.dtype),
+  )(nblk_bt1, q_bthd, kv_bmd, idx_btk, *outputs, do_bthd.astype(q_bthd.dtype),
     lse_bth.astype(jnp.float32), dlse_bth.astype(jnp.float32))
 
 
@@ -671,12 +689,12 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
 
 
 @functools.partial(jax.jit, static_argnames=('scale', 'bwd_tiles', 'interpret', 'defer'))
-def sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, *,
+def sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, delta_bth, lse_bth, do_bthd, *,
                           scale: float, bwd_tiles: tuple[int, ...] | None = None,
                           interpret: bool = False, defer: bool = False, later_parts=()):
-  """The sparse branch's gradients given the output, log-sum-exp and output cotangent of the
-  softmax it is part of, with no log-sum-exp cotangent: the merged softmax's (O, L, dO) give its
-  exact share of the merged gradient (ops/softmax_merge.py).
+  """The sparse branch's gradients given D = sum_d dO * O, the log-sum-exp and the output
+  cotangent of the softmax it is part of, with no log-sum-exp cotangent: the merged softmax's
+  (D, L, dO) give its exact share of the merged gradient (ops/softmax_merge.py).
 
   Returns (dq_bthd, dkv_bnd); with `defer` (a later call over a shared selection) (dq_bthd, its
   part) instead, the part being what `later_parts` of the first call's backward holds: that
@@ -684,10 +702,12 @@ def sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, d
   """
   h, d = q_bthd.shape[-2:]
   q_p, kv_p = _pad_heads(q_bthd), _pad_channels(kv_bnd).astype(q_bthd.dtype)
-  o_p, do_p = _pad_heads(o_bthd.astype(q_bthd.dtype)), _pad_heads(do_bthd.astype(q_bthd.dtype))
-  lse_p = jnp.pad(lse_bth.astype(jnp.float32), ((0, 0), (0, 0), (0, q_p.shape[2] - h)))
+  do_p = _pad_heads(do_bthd.astype(q_bthd.dtype))
+  heads = ((0, 0), (0, 0), (0, q_p.shape[2] - h))
+  lse_p = jnp.pad(lse_bth.astype(jnp.float32), heads)
+  delta_p = jnp.pad(delta_bth.astype(jnp.float32), heads)  # padded heads: dO 0, so D 0
   t = _complete('bwd_tiles', bwd_tiles, default_tiles(q_p.shape[2])[1])
-  res, cts = (q_p, kv_p, idx_btk, valid_btk, o_p, lse_p), (do_p, jnp.zeros_like(lse_p))
+  res, cts = (q_p, kv_p, idx_btk, valid_btk, None, lse_p), (do_p, delta_p)
   if defer or later_parts:
     dq_p, part = _coefficients(res, cts, scale, t, interpret)
     if defer:

@@ -233,26 +233,26 @@ def _zero_rows(x_bt, n: int):
   return jnp.concatenate([jnp.zeros((x_bt.shape[0], n) + x_bt.shape[2:], x_bt.dtype), x_bt], 1)
 
 
-def _window_backward_local(q_bthd, kv_btd, segment_ids_bt, span_ids_bt, o_bthd, lse_bth,
+def _window_backward_local(q_bthd, kv_btd, segment_ids_bt, span_ids_bt, delta_bth, lse_bth,
                            do_bthd, *, window, context_axis, tensor_axis, **kw):
-  """`window_backward_fused` on this device's tokens (and heads): (dq, dkv, delta). The halo's
-  rows get zero outputs and cotangents, so they add nothing; their keys' gradient goes back to
-  the shard that owns them through the halo's transpose."""
+  """`window_backward_fused` on this device's tokens (and heads): (dq, dkv). The halo's rows get
+  zero cotangents and D, so they add nothing; their keys' gradient goes back to the shard that
+  owns them through the halo's transpose."""
   if context_axis is None:
-    dq, dkv, delta = window_backward_fused(q_bthd, kv_btd, segment_ids_bt, o_bthd, lse_bth,
-                                           do_bthd, window=window, span_ids_bt=span_ids_bt, **kw)
+    dq, dkv = window_backward_fused(q_bthd, kv_btd, segment_ids_bt, delta_bth, lse_bth, do_bthd,
+                                    window=window, span_ids_bt=span_ids_bt, **kw)
   else:
     halo, with_halo = _halo(context_axis, q_bthd.shape[1], window)
     kv_x, halo_transpose = jax.vjp(with_halo, kv_btd)
-    dq, dkv_x, delta = window_backward_fused(
-        _zero_rows(q_bthd, halo), kv_x, with_halo(segment_ids_bt), _zero_rows(o_bthd, halo),
+    dq, dkv_x = window_backward_fused(
+        _zero_rows(q_bthd, halo), kv_x, with_halo(segment_ids_bt), _zero_rows(delta_bth, halo),
         _zero_rows(lse_bth, halo), _zero_rows(do_bthd, halo), window=window,
         span_ids_bt=with_halo(span_ids_bt), **kw)
     dkv, = halo_transpose(dkv_x)
-    dq, delta = dq[:, halo:], delta[:, halo:]
+    dq = dq[:, halo:]
   if tensor_axis is not None:  # each shard's heads add to every key
     dkv = jax.lax.psum(dkv, tensor_axis)
-  return dq, dkv, delta
+  return dq, dkv
 
 
 def window_branch(q_bthd, kv_btd, segment_ids_bt, *, window: int, scale: float | None = None,
@@ -272,10 +272,10 @@ def _window_backward(args, merged, d_handoffs, *, window, scale):
   q_bthd, kv_btd, segment_ids_bt, span_ids_bt = args
   kernel = functools.partial(_window_backward_local, window=window, scale=scale,
                              interpret=jax.default_backend() == 'cpu')
-  dq, dkv, delta = batch_local(kernel, q_bthd, kv_btd, segment_ids_bt, span_ids_bt, *merged,
-                               context_kw='context_axis', tensor_kw='tensor_axis',
-                               heads={0: 2, 4: 2, 5: 2, 6: 2}, out_heads=(2, None, 2))
-  return (dq.astype(q_bthd.dtype), dkv.astype(kv_btd.dtype), None, None), delta
+  dq, dkv = batch_local(kernel, q_bthd, kv_btd, segment_ids_bt, span_ids_bt, *merged,
+                        context_kw='context_axis', tensor_kw='tensor_axis',
+                        heads={0: 2, 4: 2, 5: 2, 6: 2}, out_heads=(2, None))
+  return dq.astype(q_bthd.dtype), dkv.astype(kv_btd.dtype), None, None
 
 
 def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chunked',

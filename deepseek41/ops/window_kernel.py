@@ -171,14 +171,21 @@ def _fwd_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, lse_ref, *, st: _Static
   lse_ref[...] = jnp.where(seen_r, m_r + jnp.log(jnp.where(seen_r, l_r, 1.0)), -jnp.inf)
 
 
-def _dq_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, do_ref, lse_ref, dlse_ref, dq_ref,
-               delta_ref, *, st: _Static):
+def _dq_kernel(seg_ref, span_ref, q_ref, kv_ref, *refs, st: _Static, given_delta: bool):
   # As the forward, plus o/dO: [rows, d], lse/dlse: [rows]; writes dq [rows, d], delta [rows].
+  # given_delta: no o, and the dlse slot holds delta itself (the merged softmax's D).
+  if given_delta:
+    do_ref, lse_ref, delta_in_ref, dq_ref, delta_ref = refs
+  else:
+    o_ref, do_ref, lse_ref, dlse_ref, dq_ref, delta_ref = refs
   rows, dt, chunks, t0, t_r, seg_r, span_r = _query_block(seg_ref, span_ref, q_ref, kv_ref, st)
   q_rc = _tiles(q_ref, slice(None), chunks)
   do_rc = _tiles(do_ref, slice(None), chunks)
-  delta_r = _sum(jnp.sum(g.astype(jnp.float32) * o_ref[:, c].astype(jnp.float32), axis=1)
-                 for g, c in zip(do_rc, chunks)) - dlse_ref[...]
+  if given_delta:
+    delta_r = delta_in_ref[...]
+  else:
+    delta_r = _sum(jnp.sum(g.astype(jnp.float32) * o_ref[:, c].astype(jnp.float32), axis=1)
+                   for g, c in zip(do_rc, chunks)) - dlse_ref[...]
   delta_ref[...] = delta_r
   lse_r = lse_ref[...]
   lse_r = jnp.where(lse_r == -jnp.inf, 0.0, lse_r)  # such a row sees nothing: P is all 0
@@ -289,22 +296,24 @@ def _forward(st: _Static, q_brd, kv_btd, seg_bt, span_bt):
 
 
 def _backward(st: _Static, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br, do_brd, dlse_br):
+  """(dq, dkv, delta). o_brd None: dlse_br is delta itself (`window_backward_fused`)."""
   b, n_rows, d = q_brd.shape
   t = seg_bt.shape[1]
   rows = st.bq * st.heads
+  given_delta = o_brd is None
+  outputs = () if given_delta else (o_brd,)
   dq_brd, delta_br = stand_in.pallas_call(
-      functools.partial(_dq_kernel, st=st),
+      functools.partial(_dq_kernel, st=st, given_delta=given_delta),
       out_shape=[jax.ShapeDtypeStruct((b, n_rows, d), q_brd.dtype),
                  jax.ShapeDtypeStruct((b, n_rows), jnp.float32)],
       grid=(t // st.bq, b),
-      in_specs=[_row_spec((t,)), _row_spec((t,)), _block_spec((rows, d)), _row_spec((t, d)),
-                _block_spec((rows, d)), _block_spec((rows, d)), _block_spec((rows,)),
-                _block_spec((rows,))],
+      in_specs=[_row_spec((t,)), _row_spec((t,)), _block_spec((rows, d)), _row_spec((t, d))] +
+      [_block_spec((rows, d))] * (len(outputs) + 1) + [_block_spec((rows,))] * 2,
       out_specs=[_block_spec((rows, d)), _block_spec((rows,))],
       compiler_params=_params(st, 1),
       interpret=st.interpret,
       name='swa_window_dq',
-  )(seg_bt, span_bt, q_brd, kv_btd, o_brd, do_brd, lse_br, dlse_br)
+  )(seg_bt, span_bt, q_brd, kv_btd, *outputs, do_brd, lse_br, dlse_br)
   dkv_btd = stand_in.pallas_call(
       functools.partial(_dkv_kernel, st=st),
       out_shape=jax.ShapeDtypeStruct((b, t, d), kv_btd.dtype),
@@ -452,14 +461,14 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
 # A jit, as the partial's: every layer's call of one shape lowers to one program (the CPU
 # interpreter's kernel loops, inlined per call, would otherwise multiply the compile time).
 @functools.partial(jax.jit, static_argnames=('window', 'scale', 'interpret') + TILE_ARGS)
-def window_backward_fused(q_bthd, kv_btd, segment_ids_bt, o_bthd, lse_bth, do_bthd, *,
+def window_backward_fused(q_bthd, kv_btd, segment_ids_bt, delta_bth, lse_bth, do_bthd, *,
                           window: int, scale: float | None = None, span_ids_bt=None,
                           interpret: bool = False, **tiles):
-  """(dq_bthd, dkv_btd, delta_bth): the window branch's gradients given the output, log-sum-exp
-  and output cotangent of the softmax it is part of, with no log-sum-exp cotangent.
+  """(dq_bthd, dkv_btd): the window branch's gradients given D = sum_d dO * O, the log-sum-exp
+  and the output cotangent of the softmax it is part of, with no log-sum-exp cotangent.
 
-  Passing the merged softmax's (O, L, dO) gives this branch's exact share of the merged
-  gradient (ops/softmax_merge.py); delta_bth = sum_d dO * O. Tiles as `window_partial_fused`.
+  Passing the merged softmax's (D, L, dO) gives this branch's exact share of the merged gradient
+  (ops/softmax_merge.py). Tiles as `window_partial_fused`.
   """
   b, t, h, d = q_bthd.shape
   st, block = _setup(q_bthd, kv_btd, span_ids_bt, window=window, scale=scale,
@@ -470,9 +479,7 @@ def window_backward_fused(q_bthd, kv_btd, segment_ids_bt, o_bthd, lse_bth, do_bt
   def rows(x_bthd, dtype):
     return _pad_rows(x_bthd, block, dtype).reshape(b, t_pad * h, -1)
   seg_bt, span_bt = _ids(segment_ids_bt, span_ids_bt, block)
-  lse_br = rows(lse_bth[..., None], jnp.float32)[..., 0]
-  dq_brd, dkv_btd, delta_br = _backward(st, rows(q_bthd, dt), _pad_rows(kv_btd, block), seg_bt,
-                                        span_bt, rows(o_bthd, dt), lse_br, rows(do_bthd, dt),
-                                        jnp.zeros_like(lse_br))
-  return (dq_brd.reshape(b, t_pad, h, d)[:, :t], dkv_btd[:, :t],
-          delta_br.reshape(b, t_pad, h)[:, :t])
+  dq_brd, dkv_btd, _ = _backward(st, rows(q_bthd, dt), _pad_rows(kv_btd, block), seg_bt, span_bt,
+                                 None, rows(lse_bth[..., None], jnp.float32)[..., 0],
+                                 rows(do_bthd, dt), rows(delta_bth[..., None], jnp.float32)[..., 0])
+  return dq_brd.reshape(b, t_pad, h, d)[:, :t], dkv_btd[:, :t]
