@@ -266,9 +266,10 @@ class ModelConfig:
   # KV rows) add their key/value gradient once, in the index source's backward, instead of once
   # each (ops/sparse_kernel.py; docs/performance.md section 25). Same gradients.
   sparse_group_dkv: bool = _key(True)
-  # With the fused kernels, their backward runs against the layer's merged softmax (output,
-  # log-sum-exp, output cotangent) instead of through autodiff of the merge, which writes and
-  # reads a [T, H, d] cotangent per branch (ops/softmax_merge.py). Same gradients.
+  # With the fused kernels, their backward runs against the layer's merged softmax
+  # (log-sum-exp, output cotangent, D = sum dO * O) instead of through autodiff of the merge,
+  # which writes and reads a [T, H, d] cotangent per branch (ops/softmax_merge.py). Same
+  # gradients.
   merged_backward: bool = _key(True)
   # Image-span queries per chunk of the span branch; each chunk's scores are recomputed in the
   # backward instead of kept (ops/span_attention.py). 0: whole spans, probabilities kept.
