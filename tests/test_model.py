@@ -113,7 +113,8 @@ def test_output_depends_on_relative_positions_only(model, monkeypatch):
   from deepseek41.model import attention
   rope = attention.apply_rope
   monkeypatch.setattr(attention, 'apply_rope',
-                      lambda x, p, f, inverse=False: x if inverse else rope(x, p, f))
+                      lambda x, positions, inv_freq, inverse=False:
+                      x if inverse else rope(x, positions, inv_freq))
   ce = nnx.jit(lambda m, b: token_ce(m, b))
   assert np.abs(np.asarray(ce(model, shifted)) - np.asarray(ce(model, batch))).max() > 1e-3
 
