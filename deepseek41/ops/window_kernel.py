@@ -12,7 +12,8 @@ in HBM); each program walks only the key blocks that cover `[t0 - window + 1, t0
 
 - forward: one program per (row, query block), online softmax over its key blocks.
 - dq: one program per query block recomputes P from the saved lse; it also writes
-  `delta - dlse` per row (delta = sum_d dO * o), which the dkv program reads.
+  `delta - dlse` per row (delta = sum_d dO * o), which the dkv program reads. Given delta itself
+  (`window_backward_fused`: the merged softmax's D), it reads no o.
 - dkv: one program per key block (key-block-major: no atomics, deterministic) walks the query
   blocks within `window` after it; key = value, so dkv = dS^T q * scale + P^T dO in fp32.
   The lse cotangent enters as dS = P * (dP - delta + dlse): downstream merges partials by lse.
