@@ -179,17 +179,16 @@ def parse_scope(stack: str) -> tuple[list[str], str]:
 _HLO_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = [^\n]*?op_name="([^"]*)"', re.M)
 
 
-def hlo_op_names(path: str) -> dict[str, str]:
-  """{HLO instruction name: the op_name of its metadata} of an HLO text dump (.gz or plain)."""
-  opener = gzip.open if path.endswith('.gz') else open
-  with opener(path, 'rt') as f:
-    return dict(_HLO_INSTRUCTION.findall(f.read()))
-
-
 def hlo_text(path: str) -> str:
+  """An HLO text dump (.gz or plain)."""
   opener = gzip.open if path.endswith('.gz') else open
   with opener(path, 'rt') as f:
     return f.read()
+
+
+def hlo_op_names(text: str) -> dict[str, str]:
+  """{HLO instruction name: the op_name of its metadata} of an HLO text dump."""
+  return dict(_HLO_INSTRUCTION.findall(text))
 
 
 def fusion_body(text: str, name: str, max_lines: int = 24) -> str:
@@ -404,13 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f'no op events on processes matching {args.device_substr!r}; processes: '
           f'{sorted(set(procs.values()))} (try --device-substr "")')
     return 1
-  hlo_names = hlo_op_names(args.hlo) if args.hlo else None
-  hlo = hlo_text(args.hlo) if args.hlo and args.bodies else ''
+  hlo = hlo_text(args.hlo) if args.hlo else ''
+  hlo_names = hlo_op_names(hlo) if args.hlo else None
   if hlo_names is not None:
     print(f'hlo: {args.hlo} ({len(hlo_names)} instructions with op_name metadata)')
   report(ops, windows(ops, events, threads), depth=args.depth, top=args.top,
          merge_layers=args.merge_layers, steps=host_steps(events), hlo_names=hlo_names,
-         hlo=hlo, bodies=args.bodies)
+         hlo=hlo if args.bodies else '', bodies=args.bodies)
   return 0
 
 

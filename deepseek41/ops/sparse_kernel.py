@@ -187,14 +187,19 @@ def _bwd_query(q_ref, o_ref, do_ref, lse_ref, dlse_ref):
   return q_hd, do_hd, lse_safe_h, delta_h
 
 
-def _with_o(kernel, given_delta: bool):
-  """`kernel` taking (nblk, q, kv, idx, o, ...) refs; with given_delta its caller passes no o
-  (the kernel then gets None in its place)."""
+# The backward kernels' o input: (nblk, q, kv, idx, o, ...) here, (seg, span, q, kv, o, ...) in
+# the window kernel's dq program.
+O_REF = 4
+
+
+def with_o(kernel, given_delta: bool):
+  """`kernel`, whose refs hold o at `O_REF`; with given_delta its caller passes no o (the
+  merged softmax's D takes the dlse input) and the kernel gets None in its place."""
   if not given_delta:
     return kernel
 
-  def without_o(nblk_ref, q_ref, kv_ref, idx_ref, *refs, **kw):
-    return kernel(nblk_ref, q_ref, kv_ref, idx_ref, None, *refs, **kw)
+  def without_o(*refs, **kw):
+    return kernel(*refs[:O_REF], None, *refs[O_REF:], **kw)
   return without_o
 
 
@@ -404,7 +409,7 @@ def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse
   dkv_spec = spec['kv']
   outputs = () if o_bthd is None else (o_bthd,)
   dq_bthd, dkv_bmd = stand_in.pallas_call(
-      _with_o(functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale,
+      with_o(functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale,
                                 dkv_chunk=min(dkv_chunk, d), interpret=interpret), not outputs),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype),
                  jax.ShapeDtypeStruct((b, rows, d), jnp.float32)],
@@ -469,7 +474,7 @@ def dq_and_coefficients(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_
   coef_shape = jax.ShapeDtypeStruct((b, t, k_pad, h), q_bthd.dtype)
   outputs = () if o_bthd is None else (o_bthd,)
   return stand_in.pallas_call(
-      _with_o(functools.partial(_bwd_dq_kernel, n=kv_bnd.shape[1], bk=bk, scale=scale),
+      with_o(functools.partial(_bwd_dq_kernel, n=kv_bnd.shape[1], bk=bk, scale=scale),
               not outputs),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype), coef_shape, coef_shape],
       grid=(t, b, h // hg),

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 
 from deepseek41.ops import stand_in
 from deepseek41.ops.index_scores import MIN_DOT, pad_axis
-from deepseek41.ops.sparse_kernel import droppable, name_outputs
+from deepseek41.ops.sparse_kernel import droppable, name_outputs, with_o
 ROWS = 32     # default query rows (queries x heads) per forward / dq block (at least H)
 ROWS_DKV = 32  # default query rows per dkv step (at least H: one query)
 SMEM_BUDGET = 200 * 1024
@@ -172,18 +172,15 @@ def _fwd_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, lse_ref, *, st: _Static
   lse_ref[...] = jnp.where(seen_r, m_r + jnp.log(jnp.where(seen_r, l_r, 1.0)), -jnp.inf)
 
 
-def _dq_kernel(seg_ref, span_ref, q_ref, kv_ref, *refs, st: _Static, given_delta: bool):
+def _dq_kernel(seg_ref, span_ref, q_ref, kv_ref, o_ref, do_ref, lse_ref, dlse_ref, dq_ref,
+               delta_ref, *, st: _Static):
   # As the forward, plus o/dO: [rows, d], lse/dlse: [rows]; writes dq [rows, d], delta [rows].
-  # given_delta: no o, and the dlse slot holds delta itself (the merged softmax's D).
-  if given_delta:
-    do_ref, lse_ref, delta_in_ref, dq_ref, delta_ref = refs
-  else:
-    o_ref, do_ref, lse_ref, dlse_ref, dq_ref, delta_ref = refs
+  # o_ref None (`with_o`): the dlse input holds delta itself (the merged softmax's D).
   rows, dt, chunks, t0, t_r, seg_r, span_r = _query_block(seg_ref, span_ref, q_ref, kv_ref, st)
   q_rc = _tiles(q_ref, slice(None), chunks)
   do_rc = _tiles(do_ref, slice(None), chunks)
-  if given_delta:
-    delta_r = delta_in_ref[...]
+  if o_ref is None:
+    delta_r = dlse_ref[...]
   else:
     delta_r = _sum(jnp.sum(g.astype(jnp.float32) * o_ref[:, c].astype(jnp.float32), axis=1)
                    for g, c in zip(do_rc, chunks)) - dlse_ref[...]
@@ -301,10 +298,9 @@ def _backward(st: _Static, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br, do_brd
   b, n_rows, d = q_brd.shape
   t = seg_bt.shape[1]
   rows = st.bq * st.heads
-  given_delta = o_brd is None
-  outputs = () if given_delta else (o_brd,)
+  outputs = () if o_brd is None else (o_brd,)
   dq_brd, delta_br = stand_in.pallas_call(
-      functools.partial(_dq_kernel, st=st, given_delta=given_delta),
+      with_o(functools.partial(_dq_kernel, st=st), not outputs),
       out_shape=[jax.ShapeDtypeStruct((b, n_rows, d), q_brd.dtype),
                  jax.ShapeDtypeStruct((b, n_rows), jnp.float32)],
       grid=(t // st.bq, b),
