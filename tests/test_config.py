@@ -331,48 +331,6 @@ def test_image_sources_may_be_jsonl_files_only(tmp_path):
             backend='cpu')
 
 
-# ---------------------------------------------------------------------------------------------
-# Checks against the data's tokenizer: resolve(with_data=True), before anything compiles.
-
-
-@pytest.fixture(scope='module')
-def prepared(tmp_path_factory):
-  """A 5-file slice of the default corpus with a 300-token BPE vocabulary, as data.sources."""
-  from deepseek41.data.default_corpus import default_corpus_dir
-  path = default_corpus_dir(str(tmp_path_factory.mktemp('cache')), 300, 5, progress=False)
-  return {'data.synthetic': False, 'data.sources': path}
-
-
-def test_with_data_the_vocabulary_must_cover_the_tokenizer(prepared):
-  small = small_config(**prepared, **{'model.vocab_size': 299})
-  resolve(small, num_devices=1, backend='cpu')  # the tokenizer is not read without with_data
-  with pytest.raises(ConfigError, match=r'model\.vocab_size: 299 is smaller than the tokenizer '
-                                        r'vocabulary of the data \(300\)'):
-    resolve(small, num_devices=1, backend='cpu', with_data=True)
-  cfg = resolve(small_config(**prepared, **{'model.vocab_size': 300}), num_devices=1,
-                backend='cpu', with_data=True)
-  assert cfg.model.vocab_size == 300
-
-
-def test_with_data_the_engram_compressed_vocabulary_must_match_the_tokenizer(prepared):
-  import tokenizers
-
-  from deepseek41.data.pipeline import tokenizer_path_of
-  from deepseek41.model.engram_hash import compress_vocab, vocab_strings
-  engram = {**prepared, 'model.vocab_size': 300, 'model.engram': True}
-  cfg = resolve(small_config(**engram), num_devices=1, backend='cpu')
-  tokenizer = tokenizers.Tokenizer.from_file(tokenizer_path_of(cfg.data))
-  _, count = compress_vocab(*vocab_strings(tokenizer))
-  assert 3 < count < 300  # case and whitespace variants of BPE tokens merge
-  wrong = small_config(**engram, **{'model.engram_compressed_vocab_size': count + 1})
-  with pytest.raises(ConfigError, match=rf'model\.engram_compressed_vocab_size: {count + 1}, '
-                                        rf'but the tokenizer .* compresses to {count} ids'):
-    resolve(wrong, num_devices=1, backend='cpu', with_data=True)
-  right = small_config(**engram, **{'model.engram_compressed_vocab_size': count})
-  assert resolve(right, num_devices=1, backend='cpu', with_data=True) \
-      .model.engram_compressed_vocab_size == count
-
-
 def test_synthetic_data_cannot_feed_a_compressed_engram_vocabulary():
   c = small_config(**{'model.engram': True, 'model.engram_compressed_vocab_size': 50})
   with pytest.raises(ConfigError, match=r'model\.engram_compressed_vocab_size: synthetic data'):

@@ -1,4 +1,4 @@
-"""Engram addressing (docs/architecture.md 3.12): compression, hash constants, n-gram row ids.
+"""Engram addressing (docs/architecture.md 3.12): hash constants, n-gram row ids.
 
 Expected row ids come from hand arithmetic or from `_slow_row_ids`, a per-position Python-int walk
 written from the section's text, not from engram_hash helpers.
@@ -8,9 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from deepseek41.model.engram_hash import (compress_vocab, layer_multipliers, ngram_primes,
-                                          ngram_row_ids, ngram_row_ids_np, normalize_token_string,
-                                          row_offsets, table_rows, vocab_strings)
+from deepseek41.model.engram_hash import (layer_multipliers, ngram_primes, ngram_row_ids,
+                                          ngram_row_ids_np, row_offsets, table_rows)
 
 # Released config (HF41 configuration defaults).
 RELEASED = dict(layer_ids=(1, 14), max_ngram=4, n_heads=8, vocab_start=16_000_000)
@@ -47,34 +46,6 @@ def _both(tokens_bt, dead_bt, seg_bt, mults, primes_nj, pad_id):
   assert ids_jx.dtype == np.int32
   np.testing.assert_array_equal(np.asarray(ids_jx), ids_np)
   return ids_np
-
-
-# ---- normalisation and compression ----------------------------------------------------------
-
-@pytest.mark.parametrize('raw, expected', [
-    ('  Hello\tWorld ', 'hello world'),
-    ('é', 'e'), ('e\u0301', 'e'), ('Ångström', 'angstrom'),
-    (' ', ' '), ('\t', ' '), ('\n\n', ' '), ('  ', ' '),  # a lone (collapsed) space is kept
-    (' the', 'the'), ('a \r\n b', 'a b'),
-    ('ﬁ', 'fi'), ('\u00a0X', 'x'),  # NFKC before the rest
-    ('\u0301', ''),  # marks only: empty (compress_vocab falls back to the raw decode)
-    ('ΑΣ', 'ασ'),  # lowercase is per char: no final sigma
-])
-def test_normalize_token_string(raw, expected):
-  assert normalize_token_string(raw) == expected
-
-
-def test_compress_vocab_dedupes_in_first_appearance_order():
-  decodes = ['<s>', 'Hello', ' hello', 'world', 'HELLO', ' ', '\t', '\ufffd', '\u0301', '\u0301',
-             '\ufffd', 'é', 'e']
-  raws = ['<s>', 'Hello', 'Ġhello', 'world', 'HELLO', 'Ġ', 'ĉ', 'Ãł', '\u0301', '\u0301',
-          'world', 'Ã©', 'e']
-  old_to_new, n = compress_vocab(decodes, raws)
-  # U+FFFD tokens key by their raw string ('Ãł' new; 'world' joins the normalised 'world');
-  # '\u0301' normalises to '' and keys by its decode.
-  assert old_to_new.dtype == np.int64
-  assert old_to_new.tolist() == [0, 1, 1, 2, 1, 3, 3, 4, 5, 5, 2, 6, 6]
-  assert n == 7
 
 
 # ---- hash constants -------------------------------------------------------------------------
@@ -216,11 +187,3 @@ def test_jnp_row_ids_jit():
   fn = jax.jit(lambda t, d: ngram_row_ids(t, d, None, mults, primes, offs, 2))
   np.testing.assert_array_equal(np.asarray(fn(tokens, dead)),
                                 ngram_row_ids_np(tokens, dead, None, mults, primes, offs, 2))
-
-
-def test_vocab_strings_from_hf_tokenizer():
-  tokenizers = pytest.importorskip('tokenizers')
-  hf = tokenizers.Tokenizer(tokenizers.models.WordLevel({'<s>': 0, 'Hello': 1, 'HELLO': 2, 'x': 3}))
-  decodes, raws = vocab_strings(hf)
-  assert decodes == raws == ['<s>', 'Hello', 'HELLO', 'x']
-  assert compress_vocab(decodes, raws)[0].tolist() == [0, 1, 1, 2]

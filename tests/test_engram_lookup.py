@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from deepseek41.ops import engram_lookup as el
-from deepseek41.config import DEFAULT_RULES, _mesh_rules
+from deepseek41.config import DEFAULT_RULES, mesh_rules
 from deepseek41.sharding import fitted_spec
 
 B, T, J, R, H = 8, 32, 4, 4096, 8
@@ -35,7 +35,7 @@ def _inputs(seed=0):
 
 def _placed(mesh, table, ids):
   """Table and ids sharded as the trainer shards them (the rules' specs)."""
-  rules = _mesh_rules(DEFAULT_RULES)
+  rules = mesh_rules(DEFAULT_RULES)
   tab = fitted_spec(('engram_rows', 'engram_dim'), table.shape, rules, mesh)
   tok = fitted_spec(('batch', 'length', None), ids.shape, rules, mesh)
   return (jax.device_put(table, NamedSharding(mesh, tab)),

@@ -25,17 +25,18 @@ import numpy as np
 from flax import nnx
 
 from deepseek41.batch import ROLE_PATCH
-from deepseek41.config import RunConfig, base_config, config_from_saved, resolve
+from deepseek41.config import (RunConfig, base_config, config_from_saved, execution_only_keys,
+                               resolve)
+from deepseek41.data.engram_vocab import compression_map
 from deepseek41.generate import sampling
 from deepseek41.generate.cache import CacheSpec, empty_cache, scatter_rows
 from deepseek41.generate.decode import ced_prefill, forward_chunk, ring_slots
 from deepseek41.model.ced import tail_reach
 
 # Execution choices re-resolved for the devices that generate (the checkpoint's were resolved
-# for the ones that trained).
-_EXECUTION_KEYS = ('moe_backend', 'eval_moe_backend', 'grouped_wgrad', 'index_impl',
-                   'selected_scores_impl', 'attention_impl', 'sparse_impl', 'mhc_impl',
-                   'vision_attention_impl')
+# for the ones that trained): the execution-only keys that have an `auto` rule.
+_EXECUTION_KEYS = tuple(sorted(k for k in execution_only_keys('model')
+                               if base_config().model[k] == 'auto'))
 
 
 # The train state's entries that hold the model (no optimizer state, step or rng).
@@ -155,7 +156,9 @@ class Generator:
       if self.tokenizer.vocab_size > cfg.model.vocab_size:
         raise GenerateError(f'{workdir}: the tokenizer has {self.tokenizer.vocab_size} ids, the '
                             f'model {cfg.model.vocab_size}')
-      self.engram_map = _engram_map(cfg, self.tokenizer)
+      engram_map = compression_map(cfg.model, self.tokenizer.hf,
+                                   f'the tokenizer {self.tokenizer.source}')
+      self.engram_map = None if engram_map is None else jnp.asarray(engram_map)
       self.mesh = make_mesh(cfg.mesh)
       tx = make_optimizer(cfg.train)
       abstract = state_lib.abstract_state(cfg, tx)
@@ -354,15 +357,6 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
                  prefill_s=prefill_s, decode_s=decode_s, forwards=forwards,
                  accepted_drafts=int(accepted[i]),
                  timed_tokens=max(0, len(out[i]) - untimed[i])) for i, p in enumerate(prompts)]
-
-
-def _engram_map(cfg: RunConfig, tokenizer):
-  from deepseek41.config import engram_compresses
-  from deepseek41.model.engram_hash import compress_vocab, vocab_strings
-  if not (cfg.model.engram and engram_compresses(cfg.model)):
-    return None
-  mapping, _ = compress_vocab(*vocab_strings(tokenizer.hf))
-  return jnp.asarray(mapping.astype(np.int32))
 
 
 def _write_features(dspark, cache, captured, valid_bq, start_b):

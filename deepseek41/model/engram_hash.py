@@ -1,9 +1,9 @@
-"""Engram addressing: tokenizer compression, hash constants, n-gram row ids
-(docs/architecture.md 3.12).
+"""Engram addressing: hash constants, n-gram row ids (docs/architecture.md 3.12). The tokenizer
+compression that maps token ids to the hashed ids lives with the data (data/engram_vocab.py).
 
 Pure functions, no parameters. Everything here depends only on token ids and the config, so it runs
-once per tokenizer (`compress_vocab`), once per config (`layer_multipliers`, `ngram_primes`,
-`row_offsets`) or once per batch in the data pipeline (`ngram_row_ids_np`).
+once per config (`layer_multipliers`, `ngram_primes`, `row_offsets`) or once per batch in the data
+pipeline (`ngram_row_ids_np`).
 
 Rules checked against HF41 (`huggingface/transformers`
 `src/transformers/models/deepseek_v41/modeling_deepseek_v41.py`: `build_compressed_token_map`,
@@ -18,70 +18,10 @@ Why the products never overflow: compressed ids are < V and multipliers are < (2
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
-
-# ---------------------------------------------------------------------------------------------
-# Tokenizer compression
-# ---------------------------------------------------------------------------------------------
-
-@functools.cache
-def _normalizer():
-  """The normaliser as HF `tokenizers` components: the references run exactly these, and their
-  Unicode tables (NFKC, marks, lowercase) differ from Python's `unicodedata` for ~550 code
-  points, any of which would shift the compressed ids."""
-  from tokenizers import Regex, normalizers
-  lone_space = '\ue000'  # private-use stand-in so a token that is one space survives Strip()
-  return normalizers.Sequence([
-      normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
-      normalizers.Replace(Regex(r'[ \t\r\n]+'), ' '),  # only these collapse; other spaces strip
-      normalizers.Replace(Regex(r'^ $'), lone_space),  # no \n is left, so ^ $ = the whole string
-      normalizers.Strip(),  # Rust White_Space on both ends
-      normalizers.Replace(lone_space, ' '),
-  ])
-
-
-def normalize_token_string(s: str) -> str:
-  """NFKC, NFD, drop marks, lowercase, collapse [ \\t\\r\\n]+ to ' ', keep a lone ' ', strip.
-
-  May return '' (e.g. a token of only marks or of other whitespace); `compress_vocab` then keys the
-  token by its raw decode, as the references do.
-  """
-  return _normalizer().normalize_str(s)
-
-
-def compress_vocab(token_strings: Sequence[str],
-                   raw_tokens: Sequence[str] | None = None) -> tuple[np.ndarray, int]:
-  """old id -> compressed id (int64 [V]) and the compressed vocab size.
-
-  `token_strings[i]` is the decode of token i alone (special tokens kept); `raw_tokens[i]` its
-  vocabulary string (`id_to_token`). New ids number the distinct keys in order of first appearance
-  over old ids 0..V-1. Key: the raw vocabulary string if the decode holds U+FFFD (a partial UTF-8
-  byte token), else the normalised decode, or the decode itself when that normalises to ''.
-  """
-  if raw_tokens is not None and len(raw_tokens) != len(token_strings):
-    raise ValueError(f'raw_tokens has {len(raw_tokens)} entries, '
-                     f'token_strings has {len(token_strings)}; pass one per token id')
-  key_to_new: dict[str, int] = {}
-  old_to_new = np.empty(len(token_strings), np.int64)
-  for i, text in enumerate(token_strings):
-    if '\ufffd' in text:
-      key = text if raw_tokens is None else raw_tokens[i]  # [I] decode when no raw string is given
-    else:
-      key = normalize_token_string(text) or text
-    old_to_new[i] = key_to_new.setdefault(key, len(key_to_new))
-  return old_to_new, len(key_to_new)
-
-
-def vocab_strings(hf_tokenizer) -> tuple[list[str], list[str]]:
-  """(decodes, raw strings) of every id of an HF `tokenizers.Tokenizer`, for `compress_vocab`."""
-  n = hf_tokenizer.get_vocab_size(with_added_tokens=True)
-  decodes = [hf_tokenizer.decode([i], skip_special_tokens=False) for i in range(n)]
-  return decodes, [hf_tokenizer.id_to_token(i) for i in range(n)]
-
 
 # ---------------------------------------------------------------------------------------------
 # Hash constants

@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from deepseek41.config import default_expert_exchange
 from deepseek41.ops import expert_gemm
+from deepseek41.ops.contracts import default_expert_exchange
 from deepseek41.ops.grouped_gemm import sort_by_expert
 from deepseek41.ops.per_device import axis_size as _size, token_split
 

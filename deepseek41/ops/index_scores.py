@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepseek41.config import index_scores_supported
 from deepseek41.ops import stand_in
+from deepseek41.ops.contracts import index_scores_supported
 from deepseek41.ops.per_device import batch_local
 
 MIN_DOT = 16  # Triton's smallest matmul dimension

@@ -41,22 +41,15 @@ from typing import Any
 import grain
 import orbax.checkpoint as ocp
 
-from deepseek41.config import LAYOUT_VERSION, CheckpointConfig
+from deepseek41.config import LAYOUT_VERSION, CheckpointConfig, execution_only_keys
 from deepseek41.train.workdir import WorkdirError
 
 log = logging.getLogger(__name__)
 
-# Model keys that change how the model is executed, not what it computes or stores. Several
-# resolve from 'auto' per backend, so they must not block resuming a GPU checkpoint on the CPU.
-EXECUTION_ONLY_MODEL_KEYS = frozenset({'moe_backend', 'attention_impl', 'compute_dtype',
-                                       'capacity_factor', 'sparse_impl', 'sparse_chunk',
-                                       'index_causal_groups', 'sparse_group_dkv',
-                                       'merged_backward',
-                                       'index_impl', 'selected_scores_impl',
-                                       'vision_attention_impl', 'select_impl',
-                                       'eval_moe_backend', 'mhc_impl', 'fp8',
-                                       'expert_buffer_factor', 'expert_exchange',
-                                       'grouped_wgrad'})
+# Model keys that change how the model is executed, not what it computes or stores, as the
+# schema marks them (config/schema.py). Several resolve from 'auto' per backend, so they must
+# not block resuming a GPU checkpoint on the CPU.
+EXECUTION_ONLY_MODEL_KEYS = execution_only_keys('model')
 
 MANIFEST = 'checksums.json'
 _CHUNK = 1 << 24

@@ -22,8 +22,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from deepseek41.config import RunConfig, engram_compresses, format_role_table, resolve
-from deepseek41.data.pipeline import DataStreams
+from deepseek41.config import RunConfig, format_role_table, resolve
+from deepseek41.data.engram_vocab import model_fits_data
+from deepseek41.data.pipeline import DataStreams, tokenizer_path_of
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.checkpoint import CheckpointError, Checkpointer, saved_stream_count
@@ -94,14 +95,15 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   the schedule: the run continues from there when started again. Raises WorkdirError if the work
   directory is unusable or another trainer holds it.
   """
-  cfg: RunConfig = resolve(config, with_data=True)  # tokenizer checks too, before anything runs
+  cfg: RunConfig = resolve(config)
+  engram_map = model_fits_data(cfg.model, cfg.data)  # the tokenizer's checks, before anything runs
   primary = jax.process_index() == 0
   workdir = prepare_workdir(workdir)
   # Every process of a run locks its own file (process 0: .lock), so a second run started on
   # the directory is refused in each of its processes instead of some of them training on.
   with WorkdirLock(workdir, jax.process_index()), \
       CompilationCache(cfg.train.compilation_cache_dir) as compile_cache:
-    return _train(cfg, workdir, stop_at_step, primary, compile_cache)
+    return _train(cfg, workdir, stop_at_step, primary, compile_cache, engram_map)
 
 
 def dry_run(config) -> dict:
@@ -216,7 +218,7 @@ class CompilationCache:
 
 
 def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool,
-           compile_cache: CompilationCache) -> TrainResult:
+           compile_cache: CompilationCache, engram_map: np.ndarray | None) -> TrainResult:
   # ---- mesh --------------------------------------------------------------------------------
   mesh = make_mesh(cfg.mesh)
   rules = cfg.mesh.rules
@@ -230,7 +232,6 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
            format_role_table(cfg.model))
 
   # ---- input -------------------------------------------------------------------------------
-  engram_map = _engram_compression(cfg)
   n_proc = jax.process_count()
   local_batch = cfg.train.batch_size // n_proc
   bsharding = batch_sharding(mesh, rules)
@@ -551,23 +552,6 @@ def _keep_tokenizer(cfg, workdir: str):
   the data cache moves later."""
   if cfg.data.synthetic:
     return
-  from deepseek41.data.pipeline import tokenizer_path_of
   target = os.path.join(workdir, 'tokenizer.json')
   shutil.copyfile(tokenizer_path_of(cfg.data), target + '.tmp')
   os.replace(target + '.tmp', target)
-
-
-def _engram_compression(cfg) -> np.ndarray | None:
-  """old id -> compressed id from the data's tokenizer when model.engram_compressed_vocab_size
-  asks for compression (docs/architecture.md 3.12); None to hash raw ids. resolve(with_data=True)
-  has already checked the count against the tokenizer."""
-  if not engram_compresses(cfg.model):
-    return None
-  import tokenizers
-  from deepseek41.data.pipeline import tokenizer_path_of
-  from deepseek41.model.engram_hash import compress_vocab, vocab_strings
-  tokenizer = tokenizers.Tokenizer.from_file(tokenizer_path_of(cfg.data))
-  mapping, _ = compress_vocab(*vocab_strings(tokenizer))
-  return mapping.astype(np.int32)
-
-

@@ -1,0 +1,467 @@
+"""The config schema: one frozen dataclass per section, whose fields declare the keys.
+
+`name: type = key(default)` declares the config key `section.name`, its default and, for a
+string choice, the values allowed; the comment beside it documents it. `base_config()` is
+generated from these declarations, and config files under `configs/` start from it. Keys marked
+`execution_only=True` change how the model is computed, not what it computes or stores; the
+checkpoint check derives its list from these marks (`execution_only_keys`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import ml_collections
+
+from deepseek41.batch import max_span_positions
+from deepseek41.config import auto
+from deepseek41.config.keys import key, keys_of
+
+LAYOUT_VERSION = 1  # bump when the train-state pytree layout changes incompatibly
+
+QUANT_FORMATS = ('none', 'fp4_e4m3_16', 'fp4_ue8m0_32', 'fp8_ue8m0_32')
+
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The model, as every module sees it (`auto` choices resolved)."""
+  vocab_size: int = key(512)            # [vocab_size] must cover the tokenizer's vocabulary
+  d_model: int = key(128)               # [hidden_size]
+  num_layers: int = key(4)              # [num_hidden_layers] backbone layers (no DSpark blocks)
+  num_encoder_layers: int = key(2)      # CED split: layers [0, n) are the causal encoder
+  num_heads: int = key(4)               # [num_attention_heads]
+  head_dim: int = key(64)               # [head_dim] width of the shared K=V latent
+  rope_head_dim: int = key(16)          # [qk_rope_head_dim] RoPE on the last channels
+  q_lora_rank: int = key(64)            # [q_lora_rank]
+  o_groups: int = key(2)                # [o_groups]
+  o_lora_rank: int = key(64)            # [o_lora_rank] per group
+  sliding_window: int = key(16)         # [sliding_window] keys t-W < s <= t
+  # Residual (section 3.2): mHC over hc_mult streams, V4.1 single-pass or V4 multi-pass order,
+  # or a plain pre-norm residual (ablation).
+  residual: str = key('mhc_single_pass', choices=('mhc_single_pass', 'mhc_multi_pass', 'plain'))
+  hc_mult: int = key(4)                 # [hc_mult] residual streams
+  # How the mHC sites run: `reference` (jnp, model/mhc.py) or `fused` (ops/mhc_kernel.py, GPU
+  # Pallas kernels that read and write the streams once per site). auto = fused on the GPU where
+  # it tiles (docs/performance.md section 10.2: one layer's mHC 8.3 -> 5.2 ms, 18 GB less).
+  mhc_impl: str = key('auto', choices=('reference', 'fused'), auto=auto.mhc_impl,
+                      execution_only=True)
+  hc_sinkhorn_iters: int = key(20)      # [hc_sinkhorn_iters]
+  hc_eps: float = key(1e-6)             # [hc_eps]
+  hc_init_std: float = key(0.02)        # std of the coefficient projections [S: HF's init]
+  q_head_norm: bool = key(True)         # per-head q re-normalisation (3.3); off = HF parity
+  # Layer roles (section 1). One ratio per backbone layer: 0 = SWA only, 1 or 2 = CSA2 ratio.
+  compress_ratios: tuple[int, ...] = key((0, 2, 1, 1))
+  kv_source_layer_ids: tuple[int, ...] = key((1, 2))
+  index_source_layer_ids: tuple[int, ...] = key((1, 2, 3))
+  candidate_source_layer_id: int = key(2)  # -1: no candidate pool
+  engram_layer_ids: tuple[int, ...] = key((1,))
+  # Engram (section 3.12): hashed n-gram memory injected into the residual before these layers.
+  engram: bool = key(True)              # off = the layer ids are ignored (ablation)
+  engram_max_ngram: int = key(3)        # [engram_max_ngram_size]: 2..max-grams (released 4)
+  engram_n_heads: int = key(2)          # [engram_n_heads] (released 8)
+  engram_head_dim: int = key(16)        # [engram_head_dim] (released 256)
+  engram_vocab_start: int = key(1000)   # [engram_vocab_size]: prime search start (released 16M)
+  engram_pad_token_id: int = key(2)     # [engram_pad_token_id], in the hashed id space
+  # [engram_compressed_vocab_size]: ids the tokenizer compresses to (data/engram_vocab.py model_fits_data
+  # checks it against the data's tokenizer); 0 = hash raw token ids.
+  engram_compressed_vocab_size: int = key(0)
+  # Pad table rows to a multiple of this so they can shard (a sum of primes divides by few mesh
+  # sizes); 1 = exact.
+  engram_table_row_multiple: int = key(1)
+  # [I] Tables split over several devices: each device sends its distinct row ids to the rows'
+  # owners in chunks of engram_exchange_capacity x (its lookups / owners) ids (at least 256);
+  # ids past a chunk read zero rows and are counted in engram_dropped_frac. 0 = chunks of every
+  # lookup (exact under any skew, owners x the bytes). ops/engram_lookup.py says why 2 is ample.
+  engram_exchange_capacity: float = key(2.0, execution_only=True)
+  # CSA2 (sections 3.6-3.8): on in every shipped config; off = window attention only (ablation).
+  csa2: bool = key(False)
+  index_n_heads: int = key(4)           # [index_n_heads]
+  index_head_dim: int = key(32)         # [index_head_dim]
+  index_topk: int = key(8)              # [index_topk]
+  indexer_loss_weight: float = key(1.0)  # weight of the indexer distillation loss [I] (csa2.py)
+  candidate_topk_blocks: int = key(4)   # [candidate_topk_blocks]
+  candidate_block_size: int = key(4)    # [candidate_block_size]
+  # Exact two-stage top-k over blocks of this many entries; 0 = one pass. The same entries.
+  index_topk_block: int = key(8, execution_only=True)
+  # RoPE (section 3.4): "main" for ratio-0 layers, "compress" (YaRN) for ratio > 0 layers.
+  rope_theta: float = key(10000.0)
+  compress_rope_theta: float = key(160000.0)
+  yarn_factor: float = key(4.0)         # [rope_scaling.factor]; 1 disables YaRN
+  yarn_original_max_position: int = key(128)
+  yarn_beta_fast: float = key(32.0)
+  yarn_beta_slow: float = key(1.0)
+  rms_norm_eps: float = key(1e-6)       # released: 1e-20 (parity tests only)
+  # DeepSeekMoE (section 3.11).
+  n_routed_experts: int = key(8)
+  num_experts_per_tok: int = key(2)
+  n_shared_experts: int = key(1)
+  moe_intermediate_size: int = key(128)
+  route_scale: float = key(1.5)         # [routed_scaling_factor]
+  swiglu_limit: float = key(10.0)
+  router_bias_rate: float = key(0.001)  # gamma of the sign rule, per step, per modality
+  balance_loss_weight: float = key(1e-4)  # alpha of the sequence-wise balance loss [S]; 0 = off
+  moe_backend: str = key('auto', auto=auto.moe_backend,
+                         choices=('reference', 'capacity_einsum', 'ragged_dot', 'grouped'),
+                         execution_only=True)
+  # capacity_einsum: slots per expert = ceil(cf * N * K / E)
+  capacity_factor: float = key(1.25, execution_only=True)
+  # Expert parallelism (mesh.expert > 1; ops/expert_parallel.py), how the dropless backends'
+  # tokens reach their experts' shards (model.expert_exchange):
+  #   allgather: every shard's tokens gathered on each expert shard, the partial outputs summed
+  #     back (psum_scatter); a token crosses once whatever its K, never drops; sends (S-1) x N
+  #     rows each way, S = mesh.expert: the smallest exchange while S < K.
+  #   ragged: each assignment to its expert's shard by ragged_all_to_all (about N K (S-1)/S rows).
+  #   padded: the same through a dense all_to_all of chunks padded to the largest (S x the bytes,
+  #     but the collective every backend runs well).
+  # Each expert shard computes at most expert_buffer_factor x N K assignments (N K: a shard's
+  # own tokens' assignments, the average load): the ragged and padded exchanges' receive buffer,
+  # the allgather exchange's expert-sorted rows (of the S N K its gathered tokens could bring).
+  # 0 = mesh.expert x N K, which never overflows; past a smaller bound the shard's assignments
+  # to its highest-numbered experts are dropped and counted in dropped_frac. auto: ragged on the
+  # TPU (its expert axis is large); elsewhere allgather (the CPU has no ragged collective; on
+  # the H200 XLA's ragged_all_to_all took 644 ms where the padded exchange took 12.8 ms, one
+  # device, 32K tokens: docs/performance.md 11.1).
+  expert_buffer_factor: float = key(0.0, execution_only=True)
+  # The grouped experts' weight-gradient kernel (ops/grouped_gemm.py): our Triton tgmm, or jax's
+  # Mosaic GPU transposed ragged dot (Hopper only; elsewhere it falls back to tgmm). On the H200
+  # mosaic makes the expert block's forward+backward 21% faster at the released shapes (d 5120)
+  # but only 9% at the 1B ones, where the training step does not move and its compile takes 36 s
+  # longer (docs/performance.md 11.1). auto: mosaic on the GPU from d_model 4096 up.
+  grouped_wgrad: str = key('auto', choices=('triton', 'mosaic'), auto=auto.grouped_wgrad,
+                           execution_only=True)
+  expert_exchange: str = key('auto', choices=('allgather', 'ragged', 'padded'),
+                              auto=auto.expert_exchange, execution_only=True)
+  # The allgather exchange's partial outputs (each expert shard's weighted sum of its experts'
+  # outputs for every gathered token), as they are reduce-scattered back: float32 (the sum over
+  # shards unrounded, as one device's combine) or the compute dtype (bf16: a third fewer bytes
+  # each way, 2 + 2 instead of 2 + 4 per token row and D, and half the partials' memory; each
+  # shard's partial is rounded once and the shards' sum is taken in bf16). The ragged and padded
+  # exchanges return each assignment's row in the compute dtype already.
+  expert_partials: str = key('float32', choices=('float32', 'compute'), execution_only=True)
+  # The routed experts of held-out evaluation, dropless: auto keeps a dropless moe_backend and
+  # replaces capacity_einsum (grouped on the GPU, ragged_dot on the TPU, reference on the CPU).
+  eval_moe_backend: str = key('auto', auto=auto.eval_moe_backend,
+                              choices=('reference', 'capacity_einsum', 'ragged_dot', 'grouped'),
+                              execution_only=True)
+  # fused: the GPU kernels (ops/window_kernel.py, ops/sparse_kernel.py); the other choices are
+  # the plain jnp paths, which every backend runs. auto picks the kernels on the GPU (the window
+  # kernel where attention_kernel_supported() takes the shapes; docs/performance.md section 9).
+  attention_impl: str = key('auto', choices=('reference', 'chunked', 'fused'),
+                            auto=auto.attention_impl, execution_only=True)
+  sparse_impl: str = key('auto', choices=('reference', 'gathered', 'fused'),
+                         auto=auto.sparse_impl, execution_only=True)
+  # How the indexer picks its top-k: XLA's top_k (sorts whole rows on the GPU) or the exact
+  # threshold select (ops/topk_select.py); the same entries either way.
+  select_impl: str = key('auto', choices=('top_k', 'threshold'),
+                         auto=auto.select_impl, execution_only=True)
+  # Queries per chunk in the gathered path and the indexer.
+  sparse_chunk: int = key(1024, execution_only=True)
+  # [I] The indexer's query chunks run in up to this many runs, each scoring and selecting over
+  # only the entries its last row can see (model/csa2.py `causal_groups`): a causal slab is half
+  # empty, and 4 runs score 5/8 of it. Each run is one more compiled loop body; 1 = one run over
+  # every entry. The same selection for any value.
+  index_causal_groups: int = key(4, execution_only=True)
+  # With the fused kernel, the layers that read one index source's selection (and so the same
+  # KV rows) add their key/value gradient once, in the index source's backward, instead of once
+  # each (ops/sparse_kernel.py; docs/performance.md section 25). Same gradients.
+  sparse_group_dkv: bool = key(True, execution_only=True)
+  # With the fused kernels, their backward runs against the layer's merged softmax
+  # (log-sum-exp, output cotangent, D = sum dO * O) instead of through autodiff of the merge,
+  # which writes and reads a [T, H, d] cotangent per branch (ops/softmax_merge.py). Same
+  # gradients.
+  merged_backward: bool = key(True, execution_only=True)
+  # Image-span queries per chunk of the span branch; each chunk's scores are recomputed in the
+  # backward instead of kept (ops/span_attention.py). 0: whole spans, probabilities kept.
+  span_chunk: int = key(256, execution_only=True)
+  # fused: the GPU kernel (ops/index_scores.py), for the shapes index_scores_supported() takes;
+  # auto picks it wherever it can run.
+  index_impl: str = key('auto', choices=('reference', 'fused', 'mosaic'), auto=auto.index_impl,
+                        execution_only=True)
+  # The selected entries' indexer scores, which train the indexer (ops/selected_scores.py):
+  # fused is the GPU kernel, for the same shapes as index_impl's.
+  selected_scores_impl: str = key('auto', choices=('reference', 'fused'),
+                                   auto=auto.selected_scores_impl, execution_only=True)
+  # Fake quantization (section 3.16), each 'none' or a deepseek41.quant format name; the
+  # released formats are fp4_e4m3_16 / fp4_ue8m0_32 / fp8_ue8m0_32 (configs/v41_flash.py).
+  kv_quant: str = key('none', choices=QUANT_FORMATS)  # compressed main KV, after RoPE
+  index_quant: str = key('none', choices=QUANT_FORMATS)  # indexer q and k
+  swa_quant: str = key('none', choices=QUANT_FORMATS)  # sliding-window KV, after RoPE
+  init_std: float = key(0.02)
+  # auto: bf16 on GPU/TPU, f32 on CPU.
+  compute_dtype: str = key('auto', choices=('float32', 'bfloat16'), auto=auto.compute_dtype,
+                           execution_only=True)
+  param_dtype: str = key('float32', choices=('float32', 'bfloat16'))  # master weights
+  # [I] FP8 training GEMMs (ops/fp8_matmul.py): 'rowwise' runs the attention projections, the
+  # shared and the routed experts in e4m3 with per-row power-of-two scales and float32
+  # accumulation, forward and backward (not V3's 128-tiles: cuBLAS FP8 takes row scales only).
+  # Master weights and optimizer stay in param_dtype; embedding, LM head, router, norms, mHC,
+  # attention core, indexer and compressor stay in compute_dtype.
+  fp8: str = key('off', choices=('off', 'rowwise'), execution_only=True)
+  # Vision (section 3.15): DeepSeek-ViT + 3x3 merge aligner, image spans in the token stream.
+  # Defaults are the tiny test dims; configs/v41_flash.py holds the released ones.
+  vision: bool = key(False)
+  vision_layers: int = key(2)           # released 32
+  vision_dim: int = key(64)             # 1024
+  vision_heads: int = key(4)            # 16 (head dim 64; 2D RoPE needs head dim % 4 == 0)
+  vision_mlp: int = key(128)            # SwiGLU hidden, 2816
+  vision_patch: int = key(4)            # patch side in pixels, 14
+  vision_merge: int = key(3)            # merge x merge patches -> one LM token
+  vision_rope_theta: float = key(10000.0)
+  vision_norm_eps: float = key(1e-6)
+  vision_max_image_tokens: int = key(16)  # merged tokens per image at most, 1024 (~1344x1344 px)
+  vision_min_pixels: int = key(0)       # images are scaled up to at least this area, 544^2
+  # auto: fused off the CPU.
+  vision_attention_impl: str = key('auto', choices=('reference', 'fused'),
+                                   auto=auto.vision_attention_impl, execution_only=True)
+  # Id placed at image-span positions (released 129264); its table row is never read: spans
+  # take aligner outputs and learned delimiters.
+  image_token_id: int = key(0)
+
+  @property
+  def image_span_max_len(self) -> int:
+    """Longest image span (alignment pad included): how far span attention reaches; 0 = none."""
+    return max_span_positions(self.vision_max_image_tokens) if self.vision else 0
+
+
+def engram_compresses(m: ModelConfig) -> bool:
+  """Whether Engram hashes tokenizer-compressed ids (model.engram_compressed_vocab_size > 0)."""
+  return bool(m.engram and m.engram_layer_ids and m.engram_compressed_vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageGeometry:
+  """What the data pipeline needs of the vision model to lay out image spans and patches."""
+  patch_size: int
+  merge: int
+  max_image_tokens: int
+  min_pixels: int
+  image_token_id: int
+  max_images_per_row: int
+
+  @property
+  def max_patches(self) -> int:
+    return self.merge * self.merge * self.max_image_tokens
+
+
+Sources = tuple[tuple[str, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  seq_len: int = key(128)
+  # Comma-separated prepared dataset directories (or `default`, the embedded corpus) with
+  # optional mixture weights ("/data/a:0.7,/data/b:0.3"); resolved to ((dir, weight), ...).
+  # Empty: the embedded default corpus (Python stdlib sources).
+  sources: Sources = key('')
+  synthetic: bool = key(False)          # random tokens, no I/O: for benchmarks
+  cache_dir: str = key('')              # where the default corpus is prepared ('' = ~/.cache/...)
+  default_corpus_vocab_size: int = key(512)  # BPE vocabulary trained on the default corpus
+  default_corpus_max_files: int = key(0)  # 0 = every stdlib source file
+  shuffle_seed: int = key(0)
+  num_workers: int = key(0)             # grain worker processes (0 = in the training process)
+  prefetch: int = key(2)                # batches prefetched per worker / by the prefetch thread
+  packing_bins: int = key(16)           # first-fit packing bins
+  document_align: int = key(2)          # documents start at multiples of this (largest ratio)
+  # Interleaved image-text sources (model.vision on), mixed with `sources` by weight:
+  # "shapes:0.7,/data/pairs:0.2,/data/web.jsonl:0.1". `shapes` is the embedded task
+  # (deepseek41/data/shapes.py); a directory holds image + caption pairs (a.png + a.txt); a
+  # .jsonl file holds records {"content": [{"text": ...}, {"image": "relative/or/abs.png"}]}.
+  image_sources: Sources = key('')
+  max_images_per_row: int = key(4)      # image slots per packed row (static shape)
+  image_heldout_fraction: float = key(0.02)  # records of each image source held out for eval
+  shapes_image_size: int = key(48)      # side in pixels of the embedded task's images
+  # Input streams the global batch is split into; each process reads streams / processes of them
+  # and the checkpoint holds each stream's position. 0: the process count. Fixed at a run's
+  # first start: a resumed run keeps its checkpoint's count (README, "Several GPUs and hosts").
+  streams: int = key(0)
+  images: ImageGeometry | None           # derived from the model; None when model.vision is off
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = key(200)
+  batch_size: int = key(8)              # global batch (sequences per optimizer step)
+  grad_accum_steps: int = key(1)        # microbatches per step; batch_size must divide evenly
+  seed: int = key(0)
+  lr: float = key(3e-3)
+  min_lr_ratio: float = key(0.1)        # final lr = lr * min_lr_ratio
+  warmup_steps: int = key(20)
+  schedule: str = key('cosine', choices=('cosine', 'wsd', 'constant'))
+  wsd_decay_fraction: float = key(0.2)  # wsd: the last fraction of steps decays linearly
+  b1: float = key(0.9)
+  b2: float = key(0.95)
+  eps: float = key(1e-8)
+  weight_decay: float = key(0.1)        # never on norms, biases, sinks or scales (1-D params)
+  grad_clip_norm: float = key(1.0)      # global-norm clipping; 0 disables
+  engram_table_lr_multiplier: float = key(5.0)  # Engram tables learn at this multiple of lr
+  # [I] The ViT and its aligner learn at this multiple of lr. Adam moves every aligner weight by
+  # about lr per step, so its output (the LM input at image positions) grows like fan-in x lr
+  # while a table embedding row barely moves; at a text-tuned lr the spans become large,
+  # near-constant vectors the LM cannot read (docs/performance.md section 7.2).
+  vision_lr_multiplier: float = key(1.0)
+  # block_keep_attention: block remat that also keeps the GPU attention kernels' outputs
+  remat: str = key('none', choices=('none', 'block', 'block_keep_attention'))
+  # With remat (ignored under 'none'): how many layers, from the first, are rematerialized
+  # (0 = all). The others keep their residuals for the backward: less recompute, more memory.
+  remat_layers: int = key(0)
+  eval_every_steps: int = key(50)       # 0 disables evaluation
+  eval_batches: int = key(4)
+  peak_tflops: float = key(0.0)         # per-device peak for MFU; 0 = look up by device kind
+  # JAX's persistent compilation cache: compiled programs are written here and loaded by any
+  # later run of the same program (a restart, a rerun); '' = off. Under the user's cache dir, not
+  # the work directory: all of a user's runs share it (JAX keys entries by program, devices and
+  # versions, and several processes may use one directory), and JAX runs what it finds there,
+  # so it belongs in a directory only its user can write. The trainer expands '~'.
+  compilation_cache_dir: str = key('~/.cache/deepseek41/jax-compilation-cache')
+
+
+# logical axis -> mesh axis or axes ('' = replicated); see sharding.py. Activations are split
+# over `batch` and, with context parallelism, over `context` along the sequence (ops/per_device.py:
+# the mesh axis names there are these rules' defaults).
+DEFAULT_RULES = (
+    ('batch', 'data,fsdp,expert'),
+    ('length', 'context'),
+    ('vocab', 'tensor'),
+    ('embed', 'fsdp'),
+    ('heads', 'tensor'),
+    ('head_dim', ''),
+    ('q_lora', ''),
+    ('kv_latent', ''),
+    ('o_groups', 'tensor'),
+    ('o_lora', ''),
+    ('mlp', 'tensor'),
+    ('experts', 'expert'),
+    ('expert_mlp', 'tensor'),
+    ('index_heads', 'tensor'),
+    ('index_dim', ''),
+    ('norm', ''),
+    ('hc_coef', ''),
+    ('hc_embed', ''),
+    ('engram_rows', 'fsdp,expert'),  # the tables are the largest tensors: shard their rows
+    ('engram_dim', ''),
+    ('engram_in', ''),
+    ('vision_embed', ''),            # the ViT is small next to the LM: replicate its width
+    ('vision_heads', 'tensor'),
+    ('vision_mlp', 'tensor'),
+    ('patch_in', ''),
+    ('merge_in', ''),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Mesh axis sizes (-1 in the config: all devices left over by the other axes) and rules."""
+  data: int = key(-1)
+  fsdp: int = key(1)
+  expert: int = key(1)
+  tensor: int = key(1)
+  context: int = key(1)                 # sequence shards (context parallelism)
+  # Sequence parallelism: with tensor > 1, the residual between layers (what block remat keeps)
+  # is split along the sequence over `tensor` too, not replicated (ops/per_device.py).
+  sequence_parallel: bool = key(True)
+  # Resolved to ((logical_axis, (mesh_axis, ...)), ...).
+  rules: tuple[tuple[str, tuple[str, ...]], ...] = key(DEFAULT_RULES)
+
+  AXES = ('data', 'fsdp', 'expert', 'tensor', 'context')
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(getattr(self, a) for a in self.AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every_steps: int = key(100)           # 0 disables periodic saves (SIGTERM/SIGINT still save)
+  max_to_keep: int = key(3)             # keep the newest N ...
+  keep_period: int = key(0)             # ... plus every K-th step (0: none)
+  async_save: bool = key(True)
+  # A checkpoint step directory (WORKDIR/checkpoints/<step>, e.g. written by
+  # `deepseek41.tools.convert import`): a run with no checkpoint of its own starts from its
+  # parameters and router biases, with a fresh optimizer and step 0 (interop/init_from.py).
+  init_from: str = key('')
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+  every_steps: int = key(10)
+  tensorboard: bool = key(True)
+  progress_bar: bool = key(True)
+  profile_start_step: int = key(0)      # > 0: trace steps [N, N + profile_steps) (0: off)
+  profile_steps: int = key(5)
+  # Weights & Biases beside TensorBoard ('' = off; needs `pip install -e '.[wandb]'`). Offline by
+  # default: the run is written under WORKDIR/wandb and `wandb sync` uploads it later.
+  wandb_project: str = key('')
+  wandb_mode: str = key('offline', choices=('offline', 'online'))
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkConfig:
+  """DSpark, the drafting module (docs/architecture.md section 3.14): its shape and its stage.
+
+  `stage`: 'off' (pretraining, no DSpark), 'frozen' (the DSpark stage: the backbone restored from
+  `backbone_checkpoint` and never updated) or 'post_training' (DSpark trained beside the backbone,
+  a stop-gradient between them, so its loss never reaches the backbone).
+  """
+  stage: str = key('off', choices=('off', 'frozen', 'post_training'))
+  # A pretraining checkpoint step directory (WORKDIR/checkpoints/<step>) whose backbone the
+  # DSpark stage starts from; read at the stage's first start only (a resume reads its own).
+  # Empty with post_training: backbone and drafter both start from initialization [I].
+  backbone_checkpoint: str = key('')
+  num_blocks: int = key(3)              # draft blocks, stacked (released 3)
+  block_size: int = key(5)              # draft slots per anchor (released 5)
+  # Layers whose incoming residual feeds the drafter (released 37-39 of 40); () = the last
+  # `num_blocks` layers.
+  target_layer_ids: tuple[int, ...] = key(())
+  markov_rank: int = key(256)
+  n_routed_experts: int = key(128)      # the draft blocks' own MoE (released 128, top-3)
+  num_experts_per_tok: int = key(3)
+  noise_token_id: int = key(-1)         # the placeholder of slots 2..K; -1 = the last vocab id [I]
+  anchors_per_sequence: int = key(16)   # anchor positions drawn per training row [I]
+  ce_weight: float = key(0.1)
+  l1_weight: float = key(0.9)
+  bce_weight: float = key(1.0)
+  slot_decay: float = key(5.0)          # L1 weight of slot k: exp(-(k-1)/slot_decay)
+
+  def targets(self, num_layers: int) -> tuple[int, ...]:
+    return self.target_layer_ids or tuple(range(num_layers - self.num_blocks, num_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  model: ModelConfig
+  data: DataConfig
+  train: TrainConfig
+  mesh: MeshConfig
+  checkpoint: CheckpointConfig
+  log: LogConfig
+  dspark: DSparkConfig
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+SECTIONS = {'model': ModelConfig, 'data': DataConfig, 'train': TrainConfig, 'mesh': MeshConfig,
+            'checkpoint': CheckpointConfig, 'log': LogConfig, 'dspark': DSparkConfig}
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every key with its default, from the section declarations above."""
+  c = ml_collections.ConfigDict()
+  for name, cls in SECTIONS.items():
+    section = c[name] = ml_collections.ConfigDict()
+    for f in keys_of(cls):
+      section[f.name] = f.metadata['default']
+  return c
+
+
+def execution_only_keys(section: str = 'model') -> frozenset[str]:
+  """The keys of `section` declared execution-only: a checkpoint resumes across a change of
+  any of them (train/checkpoint.py), and generation re-resolves those with an `auto` rule for
+  its own devices."""
+  return frozenset(f.name for f in keys_of(SECTIONS[section]) if f.metadata['execution_only'])
