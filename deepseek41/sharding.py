@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from deepseek41.config import MeshConfig
@@ -30,7 +31,6 @@ def make_mesh(mc: MeshConfig, devices=None) -> Mesh:
   except (ValueError, NotImplementedError):
     # jax.make_mesh gives each mesh axis whole physical axes of a TPU torus; a mesh with more
     # axes than the torus (or sizes that cut one) needs physical axes split.
-    from jax.experimental import mesh_utils
     grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     return Mesh(grid, mc.AXES, axis_types=axis_types)
 

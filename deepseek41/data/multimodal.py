@@ -48,6 +48,7 @@ from deepseek41.data import shapes
 from deepseek41.data.images import IMAGE_EXTENSIONS, image_patches, load_image
 from deepseek41.data.prepare import heldout_score
 from deepseek41.data.shards import DataError
+from deepseek41.data.tokenizer import load_tokenizer
 
 SHAPES = 'shapes'
 SHAPES_TRAIN_SAMPLES = 1 << 40  # effectively endless; samples are generated on demand
@@ -373,7 +374,6 @@ class MultimodalSource:
 
   def _get_tokenizer(self):
     if self._tokenizer is None:
-      from deepseek41.data.tokenizer import load_tokenizer
       self._tokenizer = load_tokenizer(self.tokenizer_path)
     return self._tokenizer
 

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 
 import grain
 import numpy as np
+from absl import flags
 
 from deepseek41.batch import IMAGE, ROLE_PATCH, TEXT, batch_keys
 from deepseek41.config import DataConfig, ImageGeometry
@@ -350,7 +351,6 @@ def _is_random(src) -> bool:
 
 def _ensure_absl_flags_parsed() -> None:
   """Grain worker processes read absl flags; outside absl.app.run nobody has parsed them."""
-  from absl import flags
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
 

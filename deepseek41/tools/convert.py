@@ -27,6 +27,12 @@ import sys
 
 from absl import app, flags
 
+from deepseek41.config import ConfigError, load_config_file
+from deepseek41.interop import hf_convert
+from deepseek41.interop.hf_config import HFConfigError
+from deepseek41.interop.safetensors_io import SafetensorsError
+from deepseek41.train.checkpoint import CheckpointError
+
 _HF = flags.DEFINE_string('hf', None, 'The HF checkpoint directory (import: read, export: '
                           'written).')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The deepseek41 work directory (import: written).')
@@ -48,11 +54,6 @@ def main(argv):
   logging.getLogger('absl').setLevel(logging.WARNING)
   if len(argv) != 2 or argv[1] not in ('import', 'export'):
     raise app.UsageError('give one command: import or export')
-  from deepseek41.config import ConfigError, load_config_file
-  from deepseek41.interop import hf_convert
-  from deepseek41.interop.hf_config import HFConfigError
-  from deepseek41.interop.safetensors_io import SafetensorsError
-  from deepseek41.train.checkpoint import CheckpointError
   if not _HF.value or not _WORKDIR.value:
     raise app.UsageError('--hf and --workdir are required')
   try:
