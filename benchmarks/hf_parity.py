@@ -143,6 +143,7 @@ def our_logits(workdir: str, tokens: np.ndarray) -> np.ndarray:
   from deepseek41.sharding import make_mesh
   from deepseek41.train import state as state_lib
   from deepseek41.train.checkpoint import Checkpointer
+  from deepseek41.train.objectives import objective_for
   from deepseek41.train.optimizer import make_optimizer
   run = resolve(load_config_file(os.path.join(workdir, 'config.py')), backend='cpu')
   tx = make_optimizer(run.train)
@@ -152,7 +153,7 @@ def our_logits(workdir: str, tokens: np.ndarray) -> np.ndarray:
   state = ckpt.restore(0, state_lib.with_shardings(abstract, shardings), None)
   ckpt.close()
   graphdef = state_lib.model_def(run, tx).graphdef
-  model = state_lib.merge_model(graphdef, state['params'], state['router_bias'])
+  model, _ = objective_for(run).reader_models(graphdef, state)
   b, t = tokens.shape
   batch = {'tokens': tokens.astype(np.int32), 'engram_tokens': tokens.astype(np.int32),
            'segment_ids': np.ones((b, t), np.int32),

@@ -9,6 +9,7 @@ from deepseek41.sharding import make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.checkpoint import Checkpointer
 from deepseek41.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
+from deepseek41.train.warm_start import check_fits
 from tests.util import small_config
 
 
@@ -28,7 +29,7 @@ def test_checkpoint_saved_on_one_mesh_restores_on_another(tmp_path):
     mesh = make_mesh(cfg_b.mesh)
     shardings = state_lib.state_shardings(abstract, mesh, cfg_b.mesh.rules)
     ck = Checkpointer(str(tmp_path), cfg_b.checkpoint)
-    warnings = ck.validate(0, state_lib.state_layout(abstract), cfg_b.to_dict())
+    warnings = check_fits(ck, 0, state_lib.state_layout(abstract), cfg_b.to_dict())
     assert warnings and all(w.startswith('mesh.') for w in warnings), warnings  # only the mesh
     restored = ck.restore(0, state_lib.with_shardings(abstract, shardings), None)
     ck.close()

@@ -56,7 +56,7 @@ def _restore(workdir, run):
 
 
 def _named(tree):
-  return {k: np.asarray(v) for k, v in hf_convert._leaves(tree).items()}
+  return {k: np.asarray(v) for k, v in state_lib.named_leaves(tree).items()}
 
 
 @pytest.fixture(scope='module')
@@ -101,15 +101,15 @@ def test_round_trip_is_bit_identical(trained):
   assert any('q_head_norm=False' in n for n in report['notes'])
 
   # A new run (other optimizer settings) starts from the imported weights: checkpoint.init_from.
-  from deepseek41.interop.init_from import load_initial_weights
   from deepseek41.train.checkpoint import CheckpointError
+  from deepseek41.train.warm_start import load_warm_starts
   fresh_cfg = resolved(num_devices=jax.device_count(), **TOY, **{
       'checkpoint.init_from': step_dir, 'train.engram_table_lr_multiplier': 1.0,
       'train.grad_clip_norm': 0.0})
   tx = make_optimizer(fresh_cfg.train)
   mesh = make_mesh(fresh_cfg.mesh)
   fresh, _ = state_lib.init_state(fresh_cfg, tx, mesh, fresh_cfg.mesh.rules)
-  started = load_initial_weights(fresh_cfg, fresh, mesh)
+  started = load_warm_starts(fresh_cfg, fresh, mesh)
   for group in ('params', 'router_bias'):
     a, b = _named(before[group]), _named(started[group])
     for k in a:
@@ -118,7 +118,7 @@ def test_round_trip_is_bit_identical(trained):
   other = resolved(num_devices=jax.device_count(), **{**TOY, 'model.hc_mult': 2,
                                                       'checkpoint.init_from': step_dir})
   with pytest.raises(CheckpointError, match='model.hc_mult'):
-    load_initial_weights(other, fresh, mesh)
+    load_warm_starts(other, fresh, mesh)
 
 
 def _tile_fp8_reference(w_oi):
@@ -372,8 +372,8 @@ _MEMORY_SCRIPT = textwrap.dedent('''
     from deepseek41.train.optimizer import make_optimizer
     run = resolved(**json.loads(sys.argv[2]))
     abstract = state_lib.abstract_state(run, make_optimizer(run.train))
-    biases = hf_convert._leaves(abstract['router_bias'])
-    targets = {**hf_convert._leaves(abstract['params']),
+    biases = state_lib.named_leaves(abstract['router_bias'])
+    targets = {**state_lib.named_leaves(abstract['params']),
                **{'router_bias:' + k: v for k, v in biases.items()}}
     reader = safetensors_io.CheckpointReader(sys.argv[1])
 
@@ -411,9 +411,9 @@ def test_import_streams_one_tensor_at_a_time(tmp_path):
          'model.engram_layer_ids': (1,)}
   run = resolved(**big)
   abstract = state_lib.abstract_state(run, make_optimizer(run.train))
-  leaves = hf_convert._leaves(abstract['params'])
+  leaves = state_lib.named_leaves(abstract['params'])
   leaves.update({e.ours: v for e in hf_layout.entries(run.model) if e.group == 'router_bias'
-                 for v in [hf_convert._leaves(abstract['router_bias'])[e.ours]]})
+                 for v in [state_lib.named_leaves(abstract['router_bias'])[e.ours]]})
   writer = safetensors_io.ShardedWriter(str(tmp_path), shard_bytes=64 << 20)
   for entry in hf_layout.entries(run.model):
     for name, shape in zip(entry.hf, hf_layout.hf_shapes(entry, leaves[entry.ours].shape)):

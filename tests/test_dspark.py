@@ -1,4 +1,4 @@
-"""DSpark (model/dspark.py, train/dspark_stage.py): the draft attention pattern, labels and
+"""DSpark (model/dspark.py, model/drafting.py, train/objectives/dspark.py): the draft attention pattern, labels and
 validity, the frozen stage end to end (the backbone bit-identical, no optimizer state for it, the
 held-out acceptance logged), post-training's stop-gradient, and a backbone checkpoint that does
 not fit. The loss and acceptance math: tests/test_dspark_objective.py."""
@@ -16,8 +16,8 @@ from deepseek41.config import resolve
 from deepseek41.model.dspark import Anchors, DraftAttention, DSpark, draft_model_config, draft_role
 from deepseek41.model.transformer import Transformer
 from deepseek41.sharding import make_mesh
-from deepseek41.train import dspark_stage
 from deepseek41.train import state as state_lib
+from deepseek41.train.objectives import dspark as dspark_objective, objective_for
 from deepseek41.train.checkpoint import CheckpointError, Checkpointer
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.trainer import train
@@ -152,7 +152,7 @@ def test_post_training_leaves_the_backbone_gradients_unchanged():
   key = jax.random.key(0)
 
   def grads(with_drafter):
-    return jax.grad(lambda p: dspark_stage.stage_loss(
+    return jax.grad(lambda p: dspark_objective.stage_loss(
         cfg, md.graphdef, p, None, state['router_bias'], batch, key, with_drafter)[0])(
             state['params'])
   g_all, g_backbone_only = grads(True), grads(False)
@@ -219,7 +219,7 @@ def test_post_training_without_a_backbone_starts_both_from_initialization(tmp_pa
   assert 'both start from initialization' in caplog.text
   cfg = resolve(small_config(**overrides))
   trained, _ = _params_of(str(tmp_path / 'joint'), cfg, 2, 'params')
-  init, _ = dspark_stage.split(state_lib.build_model(cfg), cfg)[1:3]
+  init, _ = objective_for(cfg).split(state_lib.build_model(cfg))[1:3]
   changed = [not np.array_equal(a, b) for a, b in
              zip(jax.tree.leaves(trained['backbone']), jax.tree.leaves(init['backbone']))]
   assert any(changed)

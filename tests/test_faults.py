@@ -18,6 +18,7 @@ from deepseek41.config import resolve
 from deepseek41.train.checkpoint import (MANIFEST, CheckpointError, CheckpointSaveError,
                                          Checkpointer)
 from deepseek41.train.trainer import TrainingDiverged, _StopFlag, train
+from deepseek41.train.warm_start import check_fits
 from deepseek41.train.workdir import WorkdirError, WorkdirLock
 from tests.util import small_config
 
@@ -47,7 +48,7 @@ def test_execution_only_choices_do_not_block_a_resume(tmp_path):
                       compute_dtype='bfloat16', attention_impl='chunked')
   ck = Checkpointer(str(tmp_path), cfg.checkpoint)
   ck.save(1, {'x': jax.numpy.ones(3)}, None, gpu, {})
-  warnings = ck.validate(1, {}, cfg.to_dict())
+  warnings = check_fits(ck, 1, {}, cfg.to_dict())
   ck.close()
   assert any('model.index_impl' in w for w in warnings)
   assert any('model.vision_attention_impl' in w for w in warnings)

@@ -9,7 +9,8 @@ at hand, the routed experts dropless as in evaluation); prompts of different len
 right-padded prefill. Prefill is CED by default where the model has an encoder/decoder split:
 the decoder runs over the last `n_win` prompt tokens, by default just enough that its windows
 hold exactly what the full forward would (decode after it is exact; decode.py). Speculative
-decoding needs a DSpark-stage checkpoint (`dspark.stage` other than `off`).
+decoding needs a checkpoint whose objective trained a drafter (a DSpark stage); the objective
+(train/objectives/) says where backbone and drafter lie in the restored weights.
 """
 
 from __future__ import annotations
@@ -32,15 +33,12 @@ from deepseek41.generate import sampling
 from deepseek41.generate.cache import CacheSpec, empty_cache, scatter_rows
 from deepseek41.generate.decode import ced_prefill, forward_chunk, ring_slots
 from deepseek41.model.ced import tail_reach
+from deepseek41.train.objectives import objective_for
 
 # Execution choices re-resolved for the devices that generate (the checkpoint's were resolved
 # for the ones that trained): the execution-only keys that have an `auto` rule.
 _EXECUTION_KEYS = tuple(sorted(k for k in execution_only_keys('model')
                                if base_config().model[k] == 'auto'))
-
-
-# The train state's entries that hold the model (no optimizer state, step or rng).
-MODEL_ENTRIES = ('params', 'router_bias', 'frozen')
 
 
 class GenerateError(ValueError):
@@ -160,22 +158,17 @@ class Generator:
                                    f'the tokenizer {self.tokenizer.source}')
       self.engram_map = None if engram_map is None else jnp.asarray(engram_map)
       self.mesh = make_mesh(cfg.mesh)
+      objective = objective_for(cfg)
       tx = make_optimizer(cfg.train)
       abstract = state_lib.abstract_state(cfg, tx)
       shardings = state_lib.state_shardings(abstract, self.mesh, cfg.mesh.rules)
       target = state_lib.with_shardings(abstract, shardings)
-      restored = ckpt.restore_parts(step, {k: target[k] for k in MODEL_ENTRIES if k in target})
+      # The model's weights only: no optimizer state, step or rng.
+      restored = ckpt.restore_parts(step, {k: target[k] for k in objective.model_entries})
     finally:
       ckpt.close()
     graphdef = state_lib.model_def(cfg, tx).graphdef
-    if cfg.dspark.stage != 'off':
-      from deepseek41.train.dspark_stage import merge
-      drafting = merge(graphdef, restored['params'], restored.get('frozen'),
-                       restored['router_bias'])
-      self.model, self.dspark = drafting.backbone, drafting.dspark
-    else:
-      self.model = state_lib.merge_model(graphdef, restored['params'], restored['router_bias'])
-      self.dspark = None
+    self.model, self.dspark = objective.reader_models(graphdef, restored)
     self.step = step
     self.workdir = workdir
     self._programs = Programs(self.model, self.dspark, self.engram_map)
@@ -219,8 +212,8 @@ class Generator:
     """Generate after each prompt (token ids; `image_docs` from `encode` for image prompts).
     Returns one Result per prompt, in order."""
     if speculative and self.dspark is None:
-      raise GenerateError(f'--speculative needs a DSpark-stage checkpoint; {self.workdir} is a '
-                          'pretraining run (dspark.stage = off)')
+      raise GenerateError(f'--speculative needs a DSpark-stage checkpoint; {self.workdir} holds '
+                          'no drafter (a pretraining run: dspark.stage = off)')
     with jax.set_mesh(self.mesh):
       return decode_loop(self._programs, self.cfg, prompts, eos_id=self.tokenizer.eos_id,
                          speculative=speculative, **kw)

@@ -29,6 +29,13 @@ from deepseek41 import config as config_lib
 from deepseek41.interop import hf_config, hf_layout, storage
 from deepseek41.interop.hf_config import HFConfigError
 from deepseek41.interop.safetensors_io import CheckpointReader, SafetensorsError, ShardedWriter
+from deepseek41.sharding import make_mesh
+from deepseek41.train import state as state_lib
+from deepseek41.train.checkpoint import Checkpointer
+from deepseek41.train.objectives import objective_for
+from deepseek41.train.optimizer import make_optimizer
+from deepseek41.train.state import named_leaves
+from deepseek41.train.warm_start import check_fits
 
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
                    'tokenizer.model')
@@ -44,24 +51,9 @@ class ConvertError(ValueError):
 # Shared helpers
 
 
-def _dotted(path) -> str:
-  """'blocks.3.attn.wq_a' from a tree path (the Variable's trailing `.value` dropped)."""
-  parts = []
-  for k in path:
-    name = getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', None)))
-    parts.append(str(name))
-  if parts and parts[-1] == 'value':
-    parts.pop()
-  return '.'.join(parts)
-
-
-def _leaves(tree) -> dict[str, Any]:
-  return {_dotted(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
 def _replace_leaves(tree, values: dict[str, Any]):
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  return jax.tree_util.tree_unflatten(treedef, [values[_dotted(p)] for p, _ in flat])
+  """`tree` with each leaf `values[its dotted name]` (state_lib.named_leaves' names)."""
+  return jax.tree.unflatten(jax.tree.structure(tree), [values[k] for k in named_leaves(tree)])
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -118,9 +110,6 @@ def config_file_text(c: ml_collections.ConfigDict, header: str) -> str:
 
 
 def _state_pieces(run):
-  from deepseek41.sharding import make_mesh
-  from deepseek41.train import state as state_lib
-  from deepseek41.train.optimizer import make_optimizer
   tx = make_optimizer(run.train)
   abstract = state_lib.abstract_state(run, tx)
   mesh = make_mesh(run.mesh)
@@ -261,8 +250,6 @@ def import_hf(hf_dir: str, workdir: str, *, base: ml_collections.ConfigDict | No
               mesh: dict[str, int] | None = None, progress: bool = True,
               say: Callable[[str], None] = print) -> str:
   """Convert `hf_dir` into a new work directory; returns its step-0 checkpoint directory."""
-  from deepseek41.train import state as state_lib
-  from deepseek41.train.checkpoint import Checkpointer
   path = os.path.join(hf_dir, 'config.json')
   try:
     with open(path) as f:
@@ -282,10 +269,10 @@ def import_hf(hf_dir: str, workdir: str, *, base: ml_collections.ConfigDict | No
   os.makedirs(staging)
   try:
     tx, abstract, mesh_obj, shardings = _state_pieces(run)
-    targets = {**_leaves(abstract['params']),
-               **{f'router_bias:{k}': v for k, v in _leaves(abstract['router_bias']).items()}}
-    shard_of = {**_leaves(shardings['params']),
-                **{f'router_bias:{k}': v for k, v in _leaves(shardings['router_bias']).items()}}
+    targets = {**named_leaves(abstract['params']), **{
+        f'router_bias:{k}': v for k, v in named_leaves(abstract['router_bias']).items()}}
+    shard_of = {**named_leaves(shardings['params']), **{
+        f'router_bias:{k}': v for k, v in named_leaves(shardings['router_bias']).items()}}
     placed, used = {}, set()
     entries = hf_layout.entries(run.model)
     with _progress(len(entries), 'import', progress) as bar:
@@ -397,9 +384,8 @@ def export_hf(workdir: str, hf_out: str, *, step: int | None = None, dtype: str 
               block: int = 32, tokenizer: str | None = None, mesh: dict[str, int] | None = None,
               shard_bytes: int = 2 << 30, progress: bool = True,
               say: Callable[[str], None] = print) -> str:
-  """Write checkpoint `step` (default: the newest) of `workdir` as a HF deepseek_v41 directory."""
-  from deepseek41.train import state as state_lib
-  from deepseek41.train.checkpoint import Checkpointer
+  """Write checkpoint `step` (default: the newest) of `workdir` as a HF deepseek_v41 directory:
+  its backbone, as its objective holds it (a DSpark stage's drafter has no HF tensors: left out)."""
   if dtype not in EXPORT_DTYPES:
     raise ConvertError(f'--dtype={dtype!r}: one of {EXPORT_DTYPES}')
   ckpt = Checkpointer(workdir, config_lib.CheckpointConfig(
@@ -411,22 +397,24 @@ def export_hf(workdir: str, hf_out: str, *, step: int | None = None, dtype: str 
     c = saved_run_config(ckpt.read_json_item(step, 'config'))
     _apply(c.mesh, mesh or {}, 'mesh')
     run = config_lib.resolve(c)
-    if run.dspark.stage != 'off':
-      raise ConvertError('dspark.stage is on: export the pretraining checkpoint the stage '
-                         'started from (the HF format has no drafter tensors)')
+    objective = objective_for(run)
     hf_cfg = hf_config.hf_from_model(run.model, quantization=quantization_config(block)
                                      if dtype == 'fp8' else None)
     for line in hf_config.numeric_differences(run.model):
       say(f'warning: the HF implementation will not reproduce this model exactly: {line}')
     tx, abstract, mesh_obj, shardings = _state_pieces(run)
-    ckpt.validate(step, state_lib.state_layout(abstract), run.to_dict())
+    check_fits(ckpt, step, state_lib.state_layout(abstract), run.to_dict())
     ckpt.verify(step)
     target = state_lib.with_shardings(abstract, shardings)
-    state = ckpt.restore_parts(step, {k: target[k] for k in ('params', 'router_bias')})
+    backbone = objective.backbone_weights(
+        ckpt.restore_parts(step, {k: target[k] for k in objective.model_entries}))
   finally:
     ckpt.close()
-  leaves = {**_leaves(state['params']),
-            **{f'router_bias:{k}': v for k, v in _leaves(state['router_bias']).items()}}
+  if objective.has_drafter:
+    say(f'step {step} of {workdir} holds a DSpark drafter: the HF format has no drafter '
+        'tensors, so only its backbone is exported')
+  leaves = {**named_leaves(backbone['params']), **{
+      f'router_bias:{k}': v for k, v in named_leaves(backbone['router_bias']).items()}}
 
   def fetch(entry):
     return np.asarray(jax.device_get(leaves[entry.ours if entry.group == 'params'

@@ -4,10 +4,11 @@ What a config builds, read from the model itself through `jax.eval_shape` (no ar
 and walked by deepseek41/model/inventory.py, the walk train/flops.py counts MFU with: the
 layer-role table; parameters by component (the text backbone, the Engram tables and the vision
 encoder + aligner apart); active parameters per token in decode and in CED prefill; training
-FLOPs per token and per image; global KV bytes per token from the cache formats and the SWA
-bytes per live request; with --mesh, parameter + optimizer bytes per device under the config's
-sharding rules. The DSpark drafter (model/dspark.py, docs/architecture.md section 3.14) is counted
-apart, whatever `dspark.stage`: it is trained after pretraining and is not in the backbone total.
+FLOPs per token (of what the config trains: its objective's, train/objectives/) and per image;
+global KV bytes per token from the cache formats and the SWA bytes per live request; with --mesh,
+parameter + optimizer bytes per device under the config's sharding rules. The DSpark drafter
+(model/dspark.py, docs/architecture.md section 3.14) is counted apart, whatever the config
+trains: it is trained after pretraining and is not in the backbone total.
 
 Active parameters count every weight a token multiplies, with routed experts at K/E of their
 size; embedding rows and Engram table rows are lookups and are not counted (nor is the vision
@@ -32,8 +33,8 @@ from deepseek41.config import MeshConfig, format_role_table, layer_roles, resolv
 from deepseek41.model import inventory
 from deepseek41.model.engram import layer_addresses
 from deepseek41.sharding import fitted_spec
-from deepseek41.train.flops import (attention_flops_per_layer, decode_attention_flops,
-                                    flops_per_token)
+from deepseek41.train.flops import attention_flops_per_layer, decode_attention_flops
+from deepseek41.train.objectives import objective_for
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.state import abstract_state, count_params
 
@@ -129,7 +130,8 @@ class _Shape:
 
 
 def bytes_per_device(abstract, rules, mesh_sizes: dict[str, int]) -> dict[str, float]:
-  """Parameter, optimizer and other state bytes on one device under the sharding rules."""
+  """Parameter (trained, and frozen where the objective holds some fixed), optimizer and router
+  bias bytes on one device under the sharding rules."""
   mesh = _Shape({a: mesh_sizes.get(a, 1) for a in MeshConfig.AXES})
   out = collections.Counter()
 
@@ -148,6 +150,8 @@ def bytes_per_device(abstract, rules, mesh_sizes: dict[str, int]) -> dict[str, f
               shards *= mesh.shape[a]
       out[section] += value.size * value.dtype.itemsize / shards
   visit('params', abstract['params'])
+  if 'frozen' in abstract:  # parameters the objective holds fixed (the frozen DSpark backbone)
+    visit('frozen', abstract['frozen'])
   visit('optimizer', abstract['opt'])
   visit('router_bias', abstract['router_bias'])
   return dict(out)
@@ -177,7 +181,7 @@ def describe(config, mesh_sizes: dict[str, int] | None = None) -> dict:
   cfg = _resolved(config, mesh_sizes)
   _, biases = inventory.abstract_params(cfg.model)
   leaves = inventory.model_leaves(cfg.model)
-  flops = flops_per_token(cfg.model, cfg.data.seq_len)
+  flops = objective_for(cfg).flops_per_token()
   groups = parameter_breakdown(leaves, biases)
   tables = sum(a.rows for a in layer_addresses(cfg.model).values()) * cfg.model.engram_head_dim \
       if cfg.model.engram else 0
@@ -234,7 +238,7 @@ def report(config, info: dict) -> str:
             + f' (1M / 4K: {decode[1 << 20] / decode[4096]:.2f}x)',
             f"global KV cache: {kv['global_bytes_per_token']:g} bytes per token; SWA "
             f"{kv['swa_bytes_per_request'] / 1e6:.2f} MB per live request",
-            flops_per_token(cfg.model, cfg.data.seq_len).formula]
+            objective_for(cfg).flops_per_token().formula]
   if 'bytes_per_device' in info:
     b = info['bytes_per_device']
     lines.append(f"per device on {b['mesh']}: params {b['params'] / 2**30:.2f} GiB + optimizer "

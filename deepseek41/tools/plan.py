@@ -95,8 +95,9 @@ from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.tools import info
 from deepseek41.tools.info import bytes_per_device, parse_mesh
 from deepseek41.train.optimizer import make_optimizer
+from deepseek41.train.objectives import objective_for
 from deepseek41.train.state import abstract_state, build_model, model_def, state_shardings
-from deepseek41.train.step import cross_entropy_sum, make_train_step
+from deepseek41.train.step import cross_entropy_sum
 
 # Device memory (bytes, as sold: decimal GB) and the backend whose `auto` choices the plan takes.
 DEVICE_KINDS = {
@@ -309,7 +310,7 @@ def lowered_train_step(cfg: RunConfig, devices=None):
   batch = abstract_batch(cfg)
   bsh = jax.tree.map(lambda x: batch_sharding(mesh, cfg.mesh.rules, x.ndim), batch)
   with jax.set_mesh(mesh):
-    step = jax.jit(make_train_step(cfg, md), in_shardings=(shardings, bsh),
+    step = jax.jit(objective_for(cfg).make_train_step(md), in_shardings=(shardings, bsh),
                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,))
     return step.lower(abstract, batch), compile_options(shardings)
 

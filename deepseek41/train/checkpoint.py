@@ -16,8 +16,9 @@
   one). A checkpoint without the file (written before checksums were recorded, or a run killed
   between the commit and the manifest) restores with a note that it was not verified.
 
-Restore validates `meta` and `config` against the current model before reading any array, so a
-mismatch is reported as a list of differences instead of a shape error deep inside Orbax.
+Before a restore reads any array, train/warm_start.py checks `meta` and `config` against the
+current model, so a mismatch is reported as a list of differences instead of a shape error deep
+inside Orbax.
 Nothing here ever deletes a complete checkpoint except Orbax's own retention policy
 (max_to_keep / keep_period) after a newer save has committed. A failed save raises
 CheckpointSaveError (naming the directory) as soon as it is seen, and removes the partial
@@ -48,7 +49,8 @@ log = logging.getLogger(__name__)
 
 # Model keys that change how the model is executed, not what it computes or stores, as the
 # schema marks them (config/schema.py). Several resolve from 'auto' per backend, so they must
-# not block resuming a GPU checkpoint on the CPU.
+# not block resuming a GPU checkpoint on the CPU (the rule: train/warm_start.py
+# `model_differences`, its one reader).
 EXECUTION_ONLY_MODEL_KEYS = execution_only_keys('model')
 
 MANIFEST = 'checksums.json'
@@ -146,21 +148,6 @@ def file_checksums(step_dir: str) -> dict[str, list[int]]:
       if rel != MANIFEST:
         out[rel] = [os.path.getsize(path), _crc32(path)]
   return dict(sorted(out.items()))
-
-
-def _diff(saved: Any, now: Any, prefix: str = '') -> list[str]:
-  if isinstance(saved, dict) and isinstance(now, dict):
-    out = []
-    for k in sorted(set(saved) | set(now)):
-      key = f'{prefix}.{k}' if prefix else str(k)
-      if k not in now:
-        out.append(f'{key}: in checkpoint, absent now')
-      elif k not in saved:
-        out.append(f'{key}: absent in checkpoint, present now')
-      else:
-        out += _diff(saved[k], now[k], key)
-    return out
-  return [] if saved == now else [f'{prefix}: checkpoint {saved!r} != now {now!r}']
 
 
 def _normalise(x):
@@ -389,41 +376,6 @@ class Checkpointer:
     if not isinstance(value, dict):
       raise CheckpointError(f'checkpoint {self.step_dir(step)}: {item!r} item is not a JSON object')
     return value
-
-  def validate(self, step: int, layout: dict, config_dict: dict) -> list[str]:
-    """Raise if the checkpoint does not fit the model; return warnings for benign differences."""
-    meta = self.read_json_item(step, 'meta')
-    saved_cfg = self.read_json_item(step, 'config')
-    problems = []
-    if meta.get('layout_version') != LAYOUT_VERSION:
-      problems.append(f'layout version: checkpoint {meta.get("layout_version")} != '
-                      f'now {LAYOUT_VERSION}')
-    saved_layout = meta.get('layout', {})
-    now_layout = _normalise(layout)
-    for path in sorted(set(saved_layout) | set(now_layout)):
-      if path not in now_layout:
-        problems.append(f'state{path}: in checkpoint {saved_layout[path]}, absent in the model')
-      elif path not in saved_layout:
-        problems.append(f'state{path}: in the model {now_layout[path]}, absent in checkpoint')
-      elif saved_layout[path] != now_layout[path]:
-        problems.append(f'state{path}: checkpoint shape/dtype {saved_layout[path]} != '
-                        f'model {now_layout[path]}')
-    now_cfg = _normalise(config_dict)
-    model_diffs = [d for d in _diff(saved_cfg.get('model', {}), now_cfg['model'], 'model')
-                   if d.split(':')[0].split('.')[-1] not in EXECUTION_ONLY_MODEL_KEYS]
-    problems += model_diffs
-    if problems:
-      raise CheckpointError(
-          f'checkpoint {self.step_dir(step)} does not fit the configured model:\n  ' +
-          '\n  '.join(problems) +
-          '\nUse the config the checkpoint was written with, or a fresh --workdir.')
-    warnings = []
-    for section in ('data', 'train', 'mesh', 'checkpoint', 'log', 'dspark'):
-      if section in saved_cfg:  # checkpoints from before a section existed: nothing to compare
-        warnings += _diff(saved_cfg[section], now_cfg[section], section)
-    warnings += [d for d in _diff(saved_cfg.get('model', {}), now_cfg['model'], 'model')
-                 if d not in model_diffs]
-    return warnings
 
   def restore_parts(self, step: int, target: dict):
     """Only the top-level state entries `target` names (ShapeDtypeStructs with shardings), e.g.

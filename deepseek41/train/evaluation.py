@@ -1,4 +1,5 @@
-"""Held-out evaluation: the mixture's loss and, with image sources, the caption losses."""
+"""Held-out evaluation: the mixture's loss, the objective's own held-out metrics (e.g. DSpark's
+acceptance and calibration) and, with image sources, the caption losses."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 from deepseek41.config import RunConfig
 from deepseek41.data.pipeline import make_dataset
 from deepseek41.train.feed import global_batch
+from deepseek41.train.objectives import objective_for
 
 
 def eval_config(cfg: RunConfig) -> RunConfig:
@@ -30,27 +32,27 @@ class Evaluator:
     self.sharding = sharding
     self.engram_map = engram_map
     self.local_batch = local_batch
-    self.drafts: list[dict] = []
+    self.objective = objective_for(cfg)
 
   def __call__(self, state) -> dict[str, float]:
-    """`eval_loss` over the whole mixture; with image sources also the caption loss (the text
-    of the image samples) with the real images and with blank ones. {} on synthetic data."""
+    """`eval_loss` over the whole mixture and the objective's metrics over the same batches;
+    with image sources also the caption loss (the text of the image samples) with the real
+    images and with blank ones. {} on synthetic data."""
     if self.cfg.data.synthetic:
       return {}
-    self.drafts = []  # the DSpark stage's per-anchor outputs, for acceptance and calibration
-    out = {'eval_loss': self.held_out_losses(state)[0]}
-    if self.drafts:
-      from deepseek41.train.dspark_stage import held_out_metrics
-      out.update(held_out_metrics(self.drafts))
+    outputs: list[dict] = []  # the eval step's outputs, for the objective's metrics
+    out = {'eval_loss': self.held_out_losses(state, outputs=outputs)[0]}
+    out.update(self.objective.held_out_metrics(outputs))
     if self.cfg.data.image_sources:
       out['eval_caption_loss_image'], out['eval_caption_loss_blank'] = self.held_out_losses(
           state, ('image',), blanks=(False, True))
     return {k: v for k, v in out.items() if v is not None}
 
-  def held_out_losses(self, state, kinds=('text', 'image'),
-                      blanks=(False,)) -> list[float | None]:
+  def held_out_losses(self, state, kinds=('text', 'image'), blanks=(False,),
+                      outputs: list[dict] | None = None) -> list[float | None]:
     """Mean held-out CE per entry of `blanks` (False: the batch as read, True: black images),
-    all over the same batches, which are read and decoded once."""
+    all over the same batches, which are read and decoded once; the eval step's outputs on the
+    batches as read are appended to `outputs`."""
     cfg = self.cfg
     # An endless unshuffled stream: every process gets the same number of batches, and each
     # evaluation sees the same eval_batches batches. In-process: worker start-up would cost
@@ -69,8 +71,8 @@ class Evaluator:
           with jax.set_mesh(self.mesh):
             out = jax.device_get(self.eval_step(state, batch))
           sums_v2[i] += (float(out['ce_sum']), float(out['tokens']))
-          if 'alpha_nk' in out and not blank:
-            self.drafts.append(out)
+          if outputs is not None and not blank:
+            outputs.append(out)
     finally:
       if hasattr(it, 'close'):
         it.close()

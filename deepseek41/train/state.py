@@ -2,7 +2,10 @@
 
     state = {'params': nnx.State[Param], 'router_bias': nnx.State[RouterBias],
              'opt': optax state, 'step': int32[], 'rng': uint32[2]}
-    (+ 'frozen': the backbone's nnx.State[Param] in the frozen DSpark stage)
+    (+ 'frozen': nnx.State[Param] the objective holds fixed, e.g. the frozen DSpark backbone)
+
+What the model is and how its variables split into these entries is the objective's
+(train/objectives/): this module shapes, shards and initialises whatever it returns.
 
 Parameters are stored in `model.param_dtype` (fp32 master weights by default; the optimizer's
 moments follow it); modules cast them to the compute dtype at use. The router biases sit beside
@@ -12,7 +15,6 @@ the parameters, so the optimizer (and weight decay) never sees them, and stay fp
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 from typing import Any
@@ -24,50 +26,27 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from deepseek41.config import RunConfig
-from deepseek41.model.params import RouterBias, cast_params, dtype_of
-from deepseek41.model.transformer import Transformer
+from deepseek41.model.params import cast_params, dtype_of
 from deepseek41.sharding import variable_sharding
+from deepseek41.train.objectives import objective_for
+from deepseek41.train.step import ModelDef
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelDef:
-  """Static pieces needed to rebuild the model from state: the graph and the optimizer."""
-  graphdef: Any
-  tx: Any
-
-
-def build_model(cfg: RunConfig, seed: int | None = None) -> Transformer:
-  """The model with every parameter stored in `model.param_dtype` (the one place it applies)."""
+def build_model(cfg: RunConfig, seed: int | None = None) -> nnx.Module:
+  """The objective's model with every parameter stored in `model.param_dtype` (the one place it
+  applies)."""
   seed = cfg.train.seed if seed is None else seed
-  if cfg.dspark.stage != 'off':  # the backbone and its drafter (train/dspark_stage.py)
-    from deepseek41.train.dspark_stage import DraftingModel
-    model = DraftingModel(cfg, nnx.Rngs(params=seed), remat=cfg.train.remat)
-  else:
-    model = Transformer(cfg.model, nnx.Rngs(params=seed), remat=cfg.train.remat,
-                        sequence_parallel=cfg.mesh.sequence_parallel,
-                        remat_layers=cfg.train.remat_layers)
+  model = objective_for(cfg).build_model(nnx.Rngs(params=seed))
   return cast_params(model, dtype_of(cfg.model.param_dtype))
 
 
-def split_model(model: Transformer):
-  graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
-  return graphdef, params, biases
-
-
-def merge_model(graphdef, params, biases) -> Transformer:
-  return nnx.merge(graphdef, params, biases)
-
-
 def _init_fn(cfg: RunConfig, tx):
+  objective = objective_for(cfg)
+
   def init():
-    fixed = None
-    if cfg.dspark.stage != 'off':
-      from deepseek41.train.dspark_stage import split
-      _, params, fixed, biases = split(build_model(cfg), cfg)
-    else:
-      _, params, biases = split_model(build_model(cfg))
+    _, params, fixed, biases = objective.split(build_model(cfg))
     state = {
         'params': params,
         'router_bias': biases,
@@ -75,7 +54,7 @@ def _init_fn(cfg: RunConfig, tx):
         'step': jnp.zeros((), jnp.int32),
         'rng': jax.random.key_data(jax.random.key(cfg.train.seed + 1)),
     }
-    if fixed is not None:  # the DSpark stage's frozen backbone: no optimizer state
+    if fixed is not None:  # parameters the objective holds fixed: no optimizer state
       state['frozen'] = fixed
     return state
   return init
@@ -189,3 +168,16 @@ def state_layout(abstract) -> dict[str, list]:
   """{path: [shape, dtype]} of every leaf: written into checkpoints and compared on restore."""
   flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
   return {jax.tree_util.keystr(path): [list(x.shape), str(x.dtype)] for path, x in flat}
+
+
+def _dotted(path) -> str:
+  """'blocks.3.attn.wq_a' from a tree path (the Variable's trailing `.value` dropped)."""
+  parts = [str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', None)))) for k in path]
+  if parts and parts[-1] == 'value':
+    parts.pop()
+  return '.'.join(parts)
+
+
+def named_leaves(tree) -> dict[str, Any]:
+  """{dotted path: leaf} of a state entry ('blocks.3.attn.wq_a': array)."""
+  return {_dotted(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}

@@ -9,14 +9,29 @@ sign rule updates the biases once per step from the global-batch loads.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from deepseek41.config import RunConfig
 from deepseek41.model.moe import update_router_bias
 from deepseek41.train.optimizer import learning_rate_schedule
-from deepseek41.train.state import ModelDef, merge_model
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+  """Static pieces needed to rebuild the model from state: the graph and the optimizer."""
+  graphdef: Any
+  tx: Any
+
+
+def merge_model(graphdef, params, biases) -> nnx.Module:
+  """The model from its graph, its parameters and its router biases."""
+  return nnx.merge(graphdef, params, biases)
 
 
 def cross_entropy_sum(logits_btv, targets_bt, mask_bt):

@@ -1,9 +1,11 @@
 """The training loop: config -> work directory -> mesh -> data -> model and optimizer -> state
 (init or resume) -> update step -> checkpoints -> evaluations -> loop.
 
-The units it uses: `workdir` (start-up checks and the lock), `step_log` (metrics fetched one
-step late, checked finite, written), `throughput` (timing), `evaluation` (held-out losses),
-`checkpoint` (verified saves and restores).
+The units it uses: `objectives` (what is trained: the model, its steps and FLOPs), `workdir`
+(start-up checks and the lock), `warm_start` (the state at the first step: resumed, or
+initialised and loaded), `step_log` (metrics fetched one step late, checked finite, written),
+`throughput` (timing), `evaluation` (held-out losses), `checkpoint` (verified saves and
+restores).
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ from deepseek41.train import state as state_lib
 from deepseek41.train.checkpoint import CheckpointError, Checkpointer, saved_stream_count
 from deepseek41.train.evaluation import Evaluator, eval_config
 from deepseek41.train.feed import global_batch
-from deepseek41.train.flops import device_peak_tflops, flops_per_token
+from deepseek41.train.flops import device_peak_tflops
 from deepseek41.train.metrics import MetricsWriter
+from deepseek41.train.objectives import objective_for
 from deepseek41.train.optimizer import make_optimizer
-from deepseek41.train import dspark_stage
-from deepseek41.train.step import make_eval_step, make_train_step
 from deepseek41.train.step_log import StepLog, TrainingDiverged
 from deepseek41.train.throughput import Throughput
+from deepseek41.train.warm_start import initial_state
 from deepseek41.train.workdir import WorkdirLock, prepare_workdir
 
 log = logging.getLogger('deepseek41')
@@ -237,14 +239,13 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
   bsharding = batch_sharding(mesh, rules)
 
   # ---- model and optimizer -----------------------------------------------------------------
+  objective = objective_for(cfg)  # what is trained: the model, its steps, its FLOPs
   tx = make_optimizer(cfg.train)
   md = state_lib.model_def(cfg, tx)
   abstract = state_lib.abstract_state(cfg, tx)
   shardings = state_lib.state_shardings(abstract, mesh, rules)
   layout = state_lib.state_layout(abstract)
-  fpt = flops_per_token(cfg.model, cfg.data.seq_len)
-  if cfg.dspark.stage != 'off':
-    fpt = dspark_stage.stage_flops_per_token(cfg, fpt)
+  fpt = objective.flops_per_token()
   peak = device_peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
   log.info('parameters: %s %s, %s active matmul per token',
            f'{state_lib.count_params(abstract["params"]):,}',
@@ -270,7 +271,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     if streams != n_proc:
       log.info('input: %d data streams, %d per process (streams %d-%d here)', streams,
                streams // n_proc, train_iter.first, train_iter.first + streams // n_proc - 1)
-    state, start = _initial_state(cfg, ckpt, tx, mesh, abstract, shardings, layout, train_iter)
+    state, start = initial_state(cfg, ckpt, tx, mesh, abstract, shardings, layout, train_iter)
     if primary:  # only now: a start rejected by the checkpoint leaves the old config.json
       with open(os.path.join(workdir, 'config.json'), 'w') as f:
         f.write(cfg.to_json())
@@ -279,20 +280,14 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     # ---- update step -----------------------------------------------------------------------
     replicated = NamedSharding(mesh, P())
     with jax.set_mesh(mesh):
-      if cfg.dspark.stage != 'off':
-        step_fn = dspark_stage.make_train_step(cfg, md.graphdef, tx)
-      else:
-        step_fn = make_train_step(cfg, md)
-      train_step = jax.jit(step_fn, in_shardings=(shardings, bsharding),
+      train_step = jax.jit(objective.make_train_step(md), in_shardings=(shardings, bsharding),
                            out_shardings=(shardings, replicated), donate_argnums=(0,))
       # Evaluation never drops expert assignments, whatever the training backend.
       eval_md = state_lib.model_def(eval_config(cfg), tx)
       if cfg.model.eval_moe_backend != cfg.model.moe_backend:
         log.info('routed experts: %s in training, %s (dropless) in evaluation',
                  cfg.model.moe_backend, cfg.model.eval_moe_backend)
-      eval_fn = dspark_stage.make_eval_step(eval_config(cfg), eval_md.graphdef) \
-          if cfg.dspark.stage != 'off' else make_eval_step(eval_md)
-      eval_step = jax.jit(eval_fn, in_shardings=(shardings, bsharding),
+      eval_step = jax.jit(objective.make_eval_step(eval_md), in_shardings=(shardings, bsharding),
                           out_shardings=replicated)
     if n_proc > 1:
       train_step = _CompiledTogether(train_step, 'train_step')
@@ -457,39 +452,6 @@ def _stream_count(ckpt: Checkpointer, requested: int, n_proc: int) -> int:
                           f'{saved} streams, which {n_proc} processes cannot split evenly; '
                           f'resume on {", ".join(map(str, fits))} process(es)')
   return saved
-
-
-def _initial_state(cfg, ckpt: Checkpointer, tx, mesh, abstract, shardings, layout, train_iter):
-  """(state, step): restored from the newest checkpoint after checking it, or initialised."""
-  start = ckpt.latest_step()
-  if start is None:
-    t0 = time.perf_counter()
-    state, _ = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
-    jax.block_until_ready(state)
-    # One program draws every parameter: its compile grows with the parameter count (50-70 s
-    # for configs/ablation_1b.py on the H200; docs/performance.md section 10.3), and the
-    # persistent compilation cache keeps it for the next fresh start.
-    log.info('initialised the parameters and optimizer state in %.1f s (compilation included)',
-             time.perf_counter() - t0)
-    if cfg.dspark.stage == 'frozen' or cfg.dspark.backbone_checkpoint:
-      state = dspark_stage.load_backbone(cfg, state, mesh, tx)  # from a pretrained backbone
-    elif cfg.dspark.stage == 'post_training':
-      log.info('dspark.stage=post_training without dspark.backbone_checkpoint: the backbone and '
-               'its drafter both start from initialization and train together')
-    if cfg.checkpoint.init_from:  # a new run from another checkpoint's weights (an HF import)
-      from deepseek41.interop.init_from import load_initial_weights
-      state = load_initial_weights(cfg, state, mesh, tx)
-    return state, 0
-  if not ckpt.verify(start):
-    log.warning('checkpoint %s has no checksums (written before they were recorded, or the run '
-                'stopped right after the save): restoring it unverified', ckpt.step_dir(start))
-  for w in ckpt.validate(start, layout, cfg.to_dict()):
-    log.warning('config differs from checkpoint %d: %s', start, w)
-  state = ckpt.restore(start, state_lib.with_shardings(abstract, shardings), train_iter)
-  log.info('resumed from %s', ckpt.step_dir(start))
-  if int(jax.device_get(state['step'])) != start:
-    raise RuntimeError(f'checkpoint {start} holds state step {int(state["step"])}')
-  return state, start
 
 
 class _StepProfiler:
