@@ -121,6 +121,36 @@ def test_round_trip_is_bit_identical(trained):
     load_warm_starts(other, fresh, mesh)
 
 
+def test_a_dspark_checkpoint_exports_its_backbone(trained, tmp_path):
+  """Export asks the checkpoint's objective where the backbone is: a DSpark stage whose backbone
+  was loaded from the toy run exports exactly the toy run's files, and says the drafter is
+  left out."""
+  from deepseek41.train.warm_start import load_warm_starts
+  _, _, workdir, _ = trained
+  stage = resolved(num_devices=jax.device_count(), **TOY, **{
+      'dspark.stage': 'post_training', 'dspark.num_blocks': 1, 'dspark.block_size': 3,
+      'dspark.n_routed_experts': 4, 'dspark.num_experts_per_tok': 2, 'dspark.markov_rank': 8,
+      'dspark.backbone_checkpoint': os.path.join(workdir, 'checkpoints', '0')})
+  tx, mesh = make_optimizer(stage.train), make_mesh(stage.mesh)
+  state, _ = state_lib.init_state(stage, tx, mesh, stage.mesh.rules)
+  state = load_warm_starts(stage, state, mesh)
+  ckpt = Checkpointer(str(tmp_path / 'stage'), stage.checkpoint)
+  ckpt.save(0, state, None, stage.to_dict(),
+            state_lib.state_layout(state_lib.abstract_state(stage, tx)))
+  ckpt.close()
+  notes = []
+  hf_convert.export_hf(str(tmp_path / 'stage'), str(tmp_path / 'hf_stage'), dtype='fp32',
+                       progress=False, say=notes.append)
+  hf_convert.export_hf(workdir, str(tmp_path / 'hf_pre'), dtype='fp32', progress=False,
+                       say=_quiet)
+  assert any('only its backbone is exported' in n for n in notes)
+  names = sorted(os.listdir(tmp_path / 'hf_pre'))
+  assert names == sorted(os.listdir(tmp_path / 'hf_stage')) and len(names) > 1
+  for name in names:
+    assert (tmp_path / 'hf_stage' / name).read_bytes() == \
+        (tmp_path / 'hf_pre' / name).read_bytes(), name
+
+
 def _tile_fp8_reference(w_oi):
   """e4m3 with a power-of-two scale per 32x32 tile, straight from the definition."""
   out = np.empty_like(w_oi, np.float32)
