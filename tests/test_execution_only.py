@@ -13,6 +13,7 @@ from deepseek41.config import SECTIONS, ModelConfig, execution_only_keys, resolv
 from deepseek41.config.keys import keys_of
 from deepseek41.train.checkpoint import CheckpointError, Checkpointer
 from deepseek41.train.trainer import train
+from deepseek41.train.warm_start import check_fits
 from tests.util import small_config
 
 MODEL_KEYS = [f.name for f in keys_of(ModelConfig)]
@@ -62,7 +63,7 @@ def test_a_resume_may_change_an_execution_only_key(saved, name):
   ck, written = saved
   now = json.loads(json.dumps(written))
   now['model'][name] = _another_value(name, written['model'][name])
-  warnings = ck.validate(1, {}, now)
+  warnings = check_fits(ck, 1, {}, now)
   assert any(w.startswith(f'model.{name}:') for w in warnings), warnings
 
 
@@ -73,7 +74,7 @@ def test_a_resume_that_changes_a_model_key_is_refused_naming_it(saved, name):
   now['model'][name] = _another_value(name, written['model'][name])
   with pytest.raises(CheckpointError, match=rf'does not fit the configured model:\n  '
                                             rf'model\.{name}: checkpoint'):
-    ck.validate(1, {}, now)
+    check_fits(ck, 1, {}, now)
 
 
 def test_a_run_resumes_with_its_execution_choices_changed(tmp_path):

@@ -33,7 +33,11 @@ from deepseek41.generate import sampling
 from deepseek41.generate.cache import CacheSpec, empty_cache, scatter_rows
 from deepseek41.generate.decode import ced_prefill, forward_chunk, ring_slots
 from deepseek41.model.ced import tail_reach
+from deepseek41.sharding import make_mesh
+from deepseek41.train import state as state_lib
+from deepseek41.train.checkpoint import Checkpointer
 from deepseek41.train.objectives import objective_for
+from deepseek41.train.optimizer import make_optimizer
 
 # Execution choices re-resolved for the devices that generate (the checkpoint's were resolved
 # for the ones that trained): the execution-only keys that have an `auto` rule.
@@ -126,10 +130,6 @@ class Generator:
   """A restored checkpoint ready to generate."""
 
   def __init__(self, workdir: str, step: int | None = None):
-    from deepseek41.sharding import make_mesh
-    from deepseek41.train import state as state_lib
-    from deepseek41.train.checkpoint import Checkpointer
-    from deepseek41.train.optimizer import make_optimizer
     workdir = os.path.abspath(workdir)
     if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
       raise GenerateError(f'--workdir={workdir} has no checkpoints/ directory: give the work '
