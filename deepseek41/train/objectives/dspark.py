@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 from deepseek41.config import RunConfig
-from deepseek41.model import dspark_objective as objective
+from deepseek41.model import dspark_objective
 from deepseek41.model.drafting import BACKBONE, DRAFTER, DraftingModel
 from deepseek41.model.dspark import Drafts
 from deepseek41.model.inventory import dspark_parameters
@@ -65,10 +65,10 @@ def step_key(rng_data, step):
 
 def draft_loss(cfg: RunConfig, drafts: Drafts, targets_nkv):
   ds = cfg.dspark
-  return objective.draft_loss(drafts.logits_nkv, targets_nkv, drafts.labels_nk,
-                              drafts.conf_logit_nk, drafts.valid_nk, ce_weight=ds.ce_weight,
-                              l1_weight=ds.l1_weight, bce_weight=ds.bce_weight,
-                              gamma=ds.slot_decay)
+  return dspark_objective.draft_loss(drafts.logits_nkv, targets_nkv, drafts.labels_nk,
+                                     drafts.conf_logit_nk, drafts.valid_nk,
+                                     ce_weight=ds.ce_weight, l1_weight=ds.l1_weight,
+                                     bce_weight=ds.bce_weight, gamma=ds.slot_decay)
 
 
 def _draft_loads(drafts: Drafts):
@@ -139,7 +139,7 @@ def make_train_step(cfg: RunConfig, graphdef, tx, frozen: bool):
     new_state = {**state, 'params': optax.apply_updates(params, updates), 'opt': opt,
                  'router_bias': new_biases, 'step': state['step'] + 1}
     backbone_loss = ce_sum / jnp.maximum(n, 1.0)
-    accept = objective.acceptance_metrics(drafts.logits_nkv, targets_nkv, drafts.valid_nk)
+    accept = dspark_objective.acceptance_metrics(drafts.logits_nkv, targets_nkv, drafts.valid_nk)
     metrics = {
         'loss': d_loss if frozen else backbone_loss,
         'balance_loss': aux['balance'],
@@ -169,7 +169,7 @@ def make_eval_step(cfg: RunConfig, graphdef):
     logits_btv, _, drafts, targets_nkv = model.drafts_and_targets(batch, key)
     ce_sum, n = cross_entropy_sum(logits_btv, batch['targets'], batch['loss_mask'])
     return {'ce_sum': ce_sum, 'tokens': n,
-            'alpha_nk': objective.acceptance_nk(drafts.logits_nkv, targets_nkv),
+            'alpha_nk': dspark_objective.acceptance_nk(drafts.logits_nkv, targets_nkv),
             'conf_logit_nk': drafts.conf_logit_nk, 'valid_nk': drafts.valid_nk}
   return eval_step
 
@@ -181,10 +181,11 @@ def held_out_metrics(outputs: list[dict]) -> dict[str, float]:
   cat = {k: np.concatenate([np.asarray(o[k]) for o in outputs]) for k in
          ('alpha_nk', 'conf_logit_nk', 'valid_nk')}
   alpha, conf, valid = cat['alpha_nk'], cat['conf_logit_nk'], cat['valid_nk']
-  out = {f'eval_{k}': float(v) for k, v in objective.acceptance_summary(alpha, valid).items()}
-  t_k = objective.fit_temperatures(conf, alpha, valid)
+  out = {f'eval_{k}': float(v) for k, v in
+         dspark_objective.acceptance_summary(alpha, valid).items()}
+  t_k = dspark_objective.fit_temperatures(conf, alpha, valid)
   out.update({f'eval_{k}': float(v) for k, v in
-              objective.calibration_metrics(conf, alpha, valid, t_k).items()})
+              dspark_objective.calibration_metrics(conf, alpha, valid, t_k).items()})
   out.update({f'eval_dspark_temperature/{k + 1}': float(t) for k, t in enumerate(np.asarray(t_k))})
   return out
 
