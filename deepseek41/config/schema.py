@@ -380,7 +380,7 @@ class CheckpointConfig:
   async_save: bool = key(True)
   # A checkpoint step directory (WORKDIR/checkpoints/<step>, e.g. written by
   # `deepseek41.tools.convert import`): a run with no checkpoint of its own starts from its
-  # parameters and router biases, with a fresh optimizer and step 0 (interop/init_from.py).
+  # parameters and router biases, with a fresh optimizer and step 0 (train/warm_start.py).
   init_from: str = key('')
 
 
