@@ -29,6 +29,9 @@ from deepseek41.batch import ROLE_PATCH
 from deepseek41.config import (RunConfig, base_config, config_from_saved, execution_only_keys,
                                resolve)
 from deepseek41.data.engram_vocab import compression_map
+from deepseek41.data.multimodal import build_document
+from deepseek41.data.pipeline import tokenizer_path_of
+from deepseek41.data.tokenizer import load_tokenizer
 from deepseek41.generate import sampling
 from deepseek41.generate.cache import CacheSpec, empty_cache, scatter_rows
 from deepseek41.generate.decode import ced_prefill, forward_chunk, ring_slots
@@ -113,12 +116,10 @@ def saved_data_config(saved: dict):
 def find_tokenizer(workdir: str, data_cfg):
   """The run's tokenizer: WORKDIR/tokenizer.json (the trainer copies it there), else the one its
   data section names."""
-  from deepseek41.data.tokenizer import load_tokenizer
   path = os.path.join(workdir, 'tokenizer.json')
   if os.path.isfile(path):
     return load_tokenizer(path)
   try:
-    from deepseek41.data.pipeline import tokenizer_path_of
     return load_tokenizer(tokenizer_path_of(data_cfg))
   except Exception as e:  # synthetic data, a moved cache, an unprepared corpus
     raise GenerateError(
@@ -177,7 +178,6 @@ class Generator:
     """(token ids per prompt, its image document or None per prompt). A prompt is a string or
     a list of parts {'text': str} / {'image': path or uint8 [H, W, 3]}, laid out as training
     lays out images (data/multimodal.py: the span, its alignment pad)."""
-    from deepseek41.data.multimodal import build_document
     tokens, docs = [], []
     for i, prompt in enumerate(prompts):
       parts = [{'text': prompt}] if isinstance(prompt, str) else list(prompt)

@@ -38,6 +38,7 @@ from deepseek41.model.mhc import collapse
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import dtype_of, normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
+from deepseek41.model.transformer import Block
 from deepseek41.ops.fp8_matmul import dense
 from deepseek41.ops.swa_attention import combine_with_sink, keyset_partial
 
@@ -114,7 +115,6 @@ class DSpark(nnx.Module):
   LM head of its own: it reads the backbone's)."""
 
   def __init__(self, cfg: ModelConfig, ds: DSparkConfig, rngs: nnx.Rngs):
-    from deepseek41.model.transformer import Block  # transformer imports nothing from here
     d, std = cfg.d_model, cfg.init_std
     self.cfg, self.ds = cfg, ds
     self.targets = ds.targets(cfg.num_layers)
