@@ -45,7 +45,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
 from bench_moe import build  # noqa: E402  (benchmarks/bench_moe.py)
 from timing import jsonl_emitter, time_fn, time_queued  # noqa: E402  (benchmarks/timing.py)
-from deepseek41.ops import grouped_gemm as gg  # noqa: E402
+from deepseek41.ops.gpu import grouped_gemm as gg  # noqa: E402
 from deepseek41.ops.expert_gemm import expert_ffn  # noqa: E402
 
 SWIGLU_LIMIT = 10.0

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from timing import jsonl_emitter, time_fn  # noqa: E402
 from deepseek41.model.mhc import collapse, expand, site_coefficients  # noqa: E402
-from deepseek41.ops import mhc_kernel as K  # noqa: E402
+from deepseek41.ops.gpu import mhc_kernel as K  # noqa: E402
 
 N = 4
 ITERS, EPS, NORM_EPS = 20, 1e-6, 1e-6

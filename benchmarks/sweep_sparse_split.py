@@ -24,7 +24,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from timing import jsonl_emitter, time_queued  # noqa: E402
 from bench_sparse_kernel import make_inputs  # noqa: E402
-from deepseek41.ops import sparse_kernel as S  # noqa: E402
+from deepseek41.ops.gpu import sparse_kernel as S  # noqa: E402
 
 
 def _tiles(spec):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from deepseek41.ops import expert_parallel as ep
+from deepseek41.ops.parallel import expert_parallel as ep
 
 B, T, D, F, E, K = 8, 12, 16, 32, 8, 2
 LIMIT = 7.0

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepseek41.ops import grouped_gemm as gg
+from deepseek41.ops.gpu import grouped_gemm as gg
 
 N, K, E, D, F = 64, 2, 8, 24, 40  # D, F not multiples of 16: the kernels pad them
 BM = gg.INTERPRET_TILES.block_m  # 32: tgmm takes two 16-row steps per tile

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from deepseek41.ops.swa_attention import _swa_partial_reference, swa_partial
-from deepseek41.ops.window_kernel import window_partial_fused
+from deepseek41.ops.gpu.window_kernel import window_partial_fused
 from tests.util import triton_lowering_for_h200
 
 # Small blocks so that every query block spans several key blocks and vice versa, and the
@@ -170,7 +170,7 @@ def test_forward_and_dq_walk_their_own_key_blocks(monkeypatch):
   """Outputs cannot tell which key block a kernel steps over, so this records the block each
   kernel's walk is built with: the forward's `block_k`, the dq kernel's `block_k_dq`, and the
   defaults at 16 heads (64 and 32) and 64 heads (32 and 32)."""
-  from deepseek41.ops import window_kernel as W  # noqa: PLC0415
+  from deepseek41.ops.gpu import window_kernel as W  # noqa: PLC0415
   seen = []
   real = W._key_blocks
   monkeypatch.setattr(W, '_key_blocks', lambda t0, bk, st: (seen.append(bk), real(t0, bk, st))[1])

@@ -27,7 +27,7 @@ from deepseek41.config import ModelConfig
 from deepseek41.model import engram_hash
 from deepseek41.model.norms import rms_normalize
 from deepseek41.model.params import EngramTable, const_param, normal_param
-from deepseek41.ops.engram_lookup import lookup_rows
+from deepseek41.ops.parallel.engram_lookup import lookup_rows
 
 
 @dataclasses.dataclass(frozen=True)

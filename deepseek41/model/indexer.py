@@ -50,9 +50,9 @@ from deepseek41.config import ModelConfig
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
-from deepseek41.ops.per_device import batch_local
+from deepseek41.ops.parallel.per_device import batch_local
 from deepseek41.ops.sparse_attention import selection_mask
-from deepseek41.ops.topk_select import MAX_L, topk_threshold_reference, topk_threshold
+from deepseek41.ops.gpu.topk_select import MAX_L, topk_threshold_reference, topk_threshold
 
 SELECT_IMPLS = ('top_k', 'threshold')
 

@@ -25,7 +25,7 @@ from deepseek41.config import ModelConfig
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import VisionParam, const_param, normal_param
 from deepseek41.ops import stand_in
-from deepseek41.ops.per_device import batch_local
+from deepseek41.ops.parallel.per_device import batch_local
 
 IMPLS = ('reference', 'fused')
 

@@ -44,9 +44,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from deepseek41.ops import grouped_gemm
+from deepseek41.ops.gpu import grouped_gemm
 from deepseek41.ops.fp8_matmul import batched_fp8_matmul, check_fp8, qdq_rowwise
-from deepseek41.ops.grouped_gemm import per_assignment, sort_by_expert as _sort_by_expert
+from deepseek41.ops.gpu.grouped_gemm import per_assignment, sort_by_expert as _sort_by_expert
 
 BACKENDS = ('reference', 'capacity_einsum', 'ragged_dot', 'grouped')
 

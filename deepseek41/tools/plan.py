@@ -90,7 +90,7 @@ from deepseek41.config import (MeshConfig, RunConfig, layer_roles, remat_label, 
 from deepseek41.model.csa2 import INDEXER_TOTALS, SINKS
 from deepseek41.model.params import RouterBias
 from deepseek41.ops import stand_in
-from deepseek41.ops.per_device import constrain_tokens, gather_tensor_split, residual_spec
+from deepseek41.ops.parallel.per_device import constrain_tokens, gather_tensor_split, residual_spec
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.tools import info
 from deepseek41.tools.info import bytes_per_device, parse_mesh

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 
 from deepseek41.ops import stand_in
 from deepseek41.ops.fp8_matmul import qdq_rowwise, quantize_rowwise
-from deepseek41.ops.index_scores import MIN_DOT, pad_axis
+from deepseek41.ops.gpu.index_scores import MIN_DOT, pad_axis
 
 
 @dataclasses.dataclass(frozen=True)

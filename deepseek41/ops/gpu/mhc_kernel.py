@@ -44,8 +44,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepseek41.ops import stand_in
-from deepseek41.ops.index_scores import pad_axis
-from deepseek41.ops.per_device import batch_local
+from deepseek41.ops.gpu.index_scores import pad_axis
+from deepseek41.ops.parallel.per_device import batch_local
 
 MIN_DOT = 16  # Triton's smallest matmul dimension
 _COEF_BLOCK = 128  # tokens per program of the per-token coefficient backward

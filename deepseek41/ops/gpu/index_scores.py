@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 
 from deepseek41.ops import stand_in
 from deepseek41.ops.contracts import index_scores_supported
-from deepseek41.ops.per_device import batch_local
+from deepseek41.ops.parallel.per_device import batch_local
 
 MIN_DOT = 16  # Triton's smallest matmul dimension
 
@@ -129,7 +129,7 @@ def _interpret() -> bool:
 
 def index_scores_mosaic_per_device(q_bthc, w_bth, k_bnc, limit_bt):
   """The TPU (Mosaic) kernel of ops/tpu_index_scores.py on each device's batch rows."""
-  from deepseek41.ops.tpu_index_scores import index_scores_tpu  # it imports this module
+  from deepseek41.ops.tpu.index_scores import index_scores_tpu  # it imports this module
   kernel = functools.partial(index_scores_tpu, interpret=_interpret())
   return batch_local(kernel, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
 

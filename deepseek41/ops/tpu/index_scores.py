@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from deepseek41.ops.index_scores import pad_axis
+from deepseek41.ops.gpu.index_scores import pad_axis
 
 
 def _kernel(lim_ref, q_ref, w_ref, k_ref, o_ref, *, heads, dim, bn, scale):

@@ -27,10 +27,10 @@ from jax.experimental import pallas as pl
 
 from deepseek41.ops import stand_in
 from deepseek41.ops.chunking import map_query_chunks
-from deepseek41.ops.index_scores import MIN_DOT
-from deepseek41.ops.per_device import batch_local
+from deepseek41.ops.gpu.index_scores import MIN_DOT
+from deepseek41.ops.parallel.per_device import batch_local
 from deepseek41.ops.sparse_attention import gather_rows
-from deepseek41.ops.sparse_kernel import (add_rows, compiler_params, droppable, name_outputs,
+from deepseek41.ops.gpu.sparse_kernel import (add_rows, compiler_params, droppable, name_outputs,
                                           per_query_specs, prepare_rows)
 
 IMPLS = ('reference', 'fused')
