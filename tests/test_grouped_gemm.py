@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from deepseek41.ops import grouped_gemm
 from deepseek41.ops.gpu import grouped_gemm as gg
 
 N, K, E, D, F = 64, 2, 8, 24, 40  # D, F not multiples of 16: the kernels pad them
@@ -48,9 +49,9 @@ def dispatch(x_nd, lay):
 
 def test_layout_matches_definition():
   idx, valid = routing(0)
-  lay = jax.jit(gg.make_layout, static_argnums=(2, 3))(idx, valid, E, BM)
+  lay = jax.jit(grouped_gemm.make_layout, static_argnums=(2, 3))(idx, valid, E, BM)
   idx, valid = np.asarray(idx), np.asarray(valid)
-  m_pad = gg.padded_rows(N * K, E, BM)
+  m_pad = grouped_gemm.padded_rows(N * K, E, BM)
   te = np.asarray(lay.tile_expert_t)
   g = np.asarray(lay.group_tiles_e1)
   assert te.shape == (m_pad // BM,) and g.shape == (E + 1,)
@@ -80,7 +81,7 @@ def test_layout_matches_definition():
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 def test_kernels_match_reference(dtype):
   idx, valid = routing(1)
-  lay = gg.make_layout(idx, valid, E, BM)
+  lay = grouped_gemm.make_layout(idx, valid, E, BM)
   ks = jax.random.split(jax.random.key(2), 3)
   x_md = dispatch(jax.random.normal(ks[0], (N, D)), lay).astype(dtype)
   w_edf = (jax.random.normal(ks[1], (E, D, F)) / np.sqrt(D)).astype(dtype)
@@ -88,7 +89,7 @@ def test_kernels_match_reference(dtype):
   dy_mf = dy_mf.astype(dtype)
   # bf16: the reference takes the same bf16 values in f32, so only the output rounding differs.
   rtol = RTOL if dtype == jnp.float32 else 8e-3
-  ref = lambda x, w: gg.grouped_matmul_reference(x, w, lay.tile_expert_t)  # noqa: E731
+  ref = lambda x, w: grouped_gemm.grouped_matmul_reference(x, w, lay.tile_expert_t)  # noqa: E731
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
   y_ref, vjp = jax.vjp(ref, f32(x_md), f32(w_edf))
   dx_ref, dw_ref = vjp(f32(dy_mf))
@@ -111,8 +112,8 @@ def test_kernels_match_reference(dtype):
 def test_grouped_matmul_grads_match_ragged_dot():
   """The custom VJP against lax.ragged_dot on the unpadded expert-sorted rows."""
   idx, valid = routing(3)
-  lay = gg.make_layout(idx, valid, E, BM)
-  order_a, _, counts_e = gg.sort_by_expert(idx, valid, E)
+  lay = grouped_gemm.make_layout(idx, valid, E, BM)
+  order_a, _, counts_e = grouped_gemm.sort_by_expert(idx, valid, E)
   ks = jax.random.split(jax.random.key(4), 3)
   x_nd = jax.random.normal(ks[0], (N, D))
   w_edf = jax.random.normal(ks[1], (E, D, F)) / np.sqrt(D)
@@ -154,7 +155,7 @@ def test_kernels_lower_to_triton_at_h200_shapes():
   pcr.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
   try:
     e, d, f, bm = 64, 1024, 384, gg.GPU_TILES.block_m
-    m = gg.padded_rows(4096 * 6, e, bm)
+    m = grouped_gemm.padded_rows(4096 * 6, e, bm)
     bf16 = jnp.bfloat16
     x = jax.ShapeDtypeStruct((m, d), bf16)
     w = jax.ShapeDtypeStruct((e, d, f), bf16)
@@ -207,7 +208,7 @@ def test_shapes_only_stand_in_holds_the_kernels_buffers_and_never_runs(fp8):
   # Three projections forward, then dgrad and wgrad of each: nine opaque kernels.
   assert hlo.count('custom_call_target="xla_python_cpu_callback"') + \
       hlo.count('custom_call_target="xla_ffi_python_cpu_callback"') == 9, hlo[:2000]
-  m_pad = gg.padded_rows(n * k, e, TILES.block_m)
+  m_pad = grouped_gemm.padded_rows(n * k, e, TILES.block_m)
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp >= m_pad * d * 4  # at least the layout's rows and their cotangent
   assert temp < interpreted.memory_analysis().temp_size_in_bytes

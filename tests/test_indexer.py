@@ -19,7 +19,7 @@ from deepseek41.model.indexer import (IndexKeys, IndexQuery, block_scores, candi
                                       newest_visible_bt, pool_entry_mask, recall_per_query,
                                       select_topk, select_topk_blocked)
 from deepseek41.model.rope import rope_for_role
-from deepseek41.ops.gpu.index_scores import index_scores_reference as index_scores
+from deepseek41.ops.index_scores import index_scores_reference as index_scores
 from deepseek41.ops.sparse_attention import selection_mask
 from tests.util import np_rope, packed_layout, resolved
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from deepseek41.ops.gpu.index_scores import index_scores_per_device, index_scores_reference
+from deepseek41.ops.index_scores import index_scores_per_device, index_scores_reference
 
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.train import state as state_lib

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from deepseek41.config import load_config_file, resolve
-from deepseek41.ops.gpu.index_scores import index_scores_reference
+from deepseek41.ops.index_scores import index_scores_reference
 from deepseek41.ops.tpu.grouped_gemm import grouped_dot, tiling_for
 from deepseek41.ops.tpu.index_scores import index_scores_tpu
 
@@ -116,7 +116,7 @@ def test_the_model_dispatch_runs_the_mosaic_indexer():
   """model.index_impl='mosaic' (SCORERS): interpreted on the CPU it equals the reference on the
   visible entries; under a TPU slice's mesh, deviceless, it compiles to the Mosaic kernel on each
   device's rows."""
-  from deepseek41.ops.gpu.index_scores import SCORERS
+  from deepseek41.ops.index_scores import SCORERS
   b, t, h, c, n = 2, 64, 2, 128, 96
   keys = jax.random.split(jax.random.key(1), 3)
   q, k, w = (jax.random.normal(keys[0], (b, t, h, c)), jax.random.normal(keys[1], (b, n, c)),

@@ -36,8 +36,8 @@ from deepseek41.model import indexer as idx_lib
 from deepseek41.model.compressor import Compressor, document_first_entry_bt, visible_btn
 from deepseek41.model.indexer import IndexKeys, IndexQuery
 from deepseek41.ops.chunking import map_query_chunks
-from deepseek41.ops.gpu.index_scores import SCORERS, index_scores_reference
-from deepseek41.ops.gpu.selected_scores import selected_scores
+from deepseek41.ops.index_scores import SCORERS, index_scores_reference
+from deepseek41.ops.selected_scores import selected_scores
 from deepseek41.ops.sparse_attention import compressed_branch, compressed_partial
 from deepseek41.quant import get_fake_quant
 

@@ -39,7 +39,6 @@ resolve differently.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax
@@ -52,7 +51,7 @@ from deepseek41.model.params import normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
 from deepseek41.ops.parallel.per_device import batch_local
 from deepseek41.ops.sparse_attention import selection_mask
-from deepseek41.ops.gpu.topk_select import MAX_L, topk_threshold_reference, topk_threshold
+from deepseek41.ops.topk_select import threshold_select
 
 SELECT_IMPLS = ('top_k', 'threshold')
 
@@ -90,11 +89,8 @@ def block_max(key_bcb):
 def _top_slots(key_btn, k: int, select_impl: str):
   """(idx_btk int32, valid_btk bool): the k best keys > -inf per row (ties: lowest index), k slots
   (also when N < k), invalid slots idx 0. top_k: descending key; threshold: ascending index."""
-  if select_impl == 'threshold' and key_btn.shape[-1] > MAX_L:  # too long to hold on chip
-    return topk_threshold_reference(key_btn, k)
-  if select_impl == 'threshold':  # on the CPU the kernel runs in the Pallas interpreter (tests)
-    return batch_local(functools.partial(topk_threshold, k=k,
-                                         interpret=jax.default_backend() == 'cpu'), key_btn)
+  if select_impl == 'threshold':  # the kernel, or its reference for rows too long for it
+    return threshold_select(key_btn, k)
   if select_impl != 'top_k':
     raise ValueError(f'select_impl must be one of {SELECT_IMPLS}, got {select_impl!r}')
   # Per device: GSPMD cannot split top_k's custom call (it would gather the whole batch).

@@ -1,18 +1,11 @@
-"""Lightning-indexer scores: the jnp reference and one fused GPU kernel (Pallas, Triton backend).
+"""Lightning-indexer scores on the GPU: one fused kernel (Pallas, Triton backend).
 
     I[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j]) * (H * C)^-1/2        fp32 [B, T, N]
 
-Both take `limit_bt`, the number of leading entries each query row can see; entries at or past
-it may hold 0 instead of the score (the caller masks everything invisible anyway).
-
-`index_scores_reference` writes the [T, H, N] dot products to memory and reads them back to
-apply relu and the head weights: at 64K tokens and 32 heads that round trip is most of the
-indexer's time. The kernel keeps each [bq, bn] tile's head loop on chip (one [bq, C] x [C, bn]
-matmul per head, relu and the weighted sum in registers) and skips key tiles past the causal
-limit of its query rows (written as 0).
-
-The kernel has no gradient: selection stops gradients, and the indexer's training signal uses
-the scores of the selected entries only (ops/selected_scores.py).
+The contract and the jnp reference are ops/index_scores.py's. The kernel keeps each [bq, bn]
+tile's head loop on chip (one [bq, C] x [C, bn] matmul per head, relu and the weighted sum in
+registers), so the reference's [T, H, N] dot products never reach HBM, and skips key tiles past
+the causal limit of its query rows (written as 0). No gradient, as the reference's dispatch.
 """
 
 from __future__ import annotations
@@ -24,22 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepseek41.ops import stand_in
-from deepseek41.ops.contracts import index_scores_supported
-from deepseek41.ops.parallel.per_device import batch_local
-
-MIN_DOT = 16  # Triton's smallest matmul dimension
-
-
-def index_scores_reference(q_bthc, w_bth, k_bnc, limit_bt=None):
-  """fp32 [B, T, N] indexer scores in jnp, every entry scored (`limit_bt` is not needed).
-
-  Materialises [B, T, H, N]: pass query chunks in the scalable path.
-  """
-  del limit_bt
-  h, c = q_bthc.shape[-2], q_bthc.shape[-1]
-  dots_bthn = jnp.einsum('bthc,bnc->bthn', q_bthc, k_bnc, preferred_element_type=jnp.float32)
-  w_bth = w_bth.astype(jnp.float32) * (h ** -0.5 * c ** -0.5)
-  return jnp.einsum('bthn,bth->btn', jax.nn.relu(dots_bthn), w_bth)
+from deepseek41.ops.contracts import MIN_DOT, index_scores_supported
 
 
 def _kernel(lim_ref, q_ref, w_ref, k_ref, o_ref, *, heads, dim, bq, bn, scale):
@@ -111,28 +89,3 @@ def index_scores_fused(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 64, blo
       name='csa2_index_scores',
   )(lim_bt, q_btf, w_bth, k_bnc)
   return out[:, :t, :n]
-
-
-def index_scores_per_device(q_bthc, w_bth, k_bnc, limit_bt):
-  """index_scores_fused on each device's batch rows (ops/per_device.py)."""
-  kernel = functools.partial(index_scores_fused, interpret=jax.default_backend() == 'cpu')
-  return batch_local(kernel, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
-
-
-def _interpret() -> bool:
-  """Interpret a Pallas kernel only where nothing compiles it: the platform of the mesh in
-  context (a deviceless TPU compile's mesh is the TPU's), else the default backend's."""
-  device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
-  platform = getattr(device, 'platform', None) or jax.default_backend()
-  return platform == 'cpu'
-
-
-def index_scores_mosaic_per_device(q_bthc, w_bth, k_bnc, limit_bt):
-  """The TPU (Mosaic) kernel of ops/tpu_index_scores.py on each device's batch rows."""
-  from deepseek41.ops.tpu.index_scores import index_scores_tpu  # it imports this module
-  kernel = functools.partial(index_scores_tpu, interpret=_interpret())
-  return batch_local(kernel, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
-
-
-SCORERS = {'reference': index_scores_reference, 'fused': index_scores_per_device,
-           'mosaic': index_scores_mosaic_per_device}  # model.index_impl

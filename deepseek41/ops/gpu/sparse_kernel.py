@@ -41,7 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from deepseek41.ops import stand_in
-from deepseek41.ops.gpu.index_scores import MIN_DOT
+from deepseek41.ops.contracts import MIN_DOT
 
 # The checkpoint name of the CSA2 kernels' outputs (this kernel's, the window kernel's and the
 # indexer's selected scores): `train.remat=block_keep_attention` saves them, so the backward

@@ -1,10 +1,7 @@
 """Exact top-k without a sort: a threshold (radix) select kernel (Pallas, Triton backend).
 
-Contract (the indexer's selection, model/indexer.py): per row of a fp32 key array, the k largest
-keys, of equal keys the lower index first (exactly `jax.lax.top_k`'s set), keeping only keys
-> -inf. Returns (idx int32 [..., k], valid bool [..., k]): the selected entries in ASCENDING
-index order in slots 0 .. min(k, #keys > -inf) - 1; later slots are invalid with idx 0. Floats
-are ordered totally, as top_k orders them (-0.0 < +0.0); keys must not be NaN.
+The contract and the jnp reference are ops/topk_select.py's: per row, `jax.lax.top_k`'s set of
+keys > -inf, the selected indices ascending in the first slots, invalid slots idx 0.
 
 `jax.lax.top_k` sorts whole rows on the GPU. The kernel instead finds the k-th largest key and
 keeps everything above it, one row (or a few short rows) per program, the row held in registers:
@@ -53,21 +50,6 @@ def _sortable_int(x):
 
 
 NEG_INF_IMAGE = INT_MIN + 0x007FFFFF   # _sortable_int(-inf): 0xFF800000 ^ 0x7FFFFFFF
-
-
-def topk_threshold_reference(key_rl, k: int):
-  """(idx_rk int32, valid_rk bool): `jax.lax.top_k`'s set, in the kernel's slot format.
-
-  The jnp reference: top_k over each row of key_rl [..., L], keys > -inf only, the selected
-  indices sorted ascending into the first slots, invalid slots idx 0. Any k (k > L pads).
-  """
-  l = key_rl.shape[-1]
-  vals_rk, idx_rk = jax.lax.top_k(key_rl.astype(jnp.float32), min(k, l))
-  idx_rk = jnp.sort(jnp.where(vals_rk > -jnp.inf, idx_rk, l), axis=-1)   # invalid -> last
-  if k > l:
-    idx_rk = jnp.pad(idx_rk, [(0, 0)] * (idx_rk.ndim - 1) + [(0, k - l)], constant_values=l)
-  valid_rk = idx_rk < l
-  return jnp.where(valid_rk, idx_rk, 0).astype(jnp.int32), valid_rk
 
 
 def _kernel(x_ref, o_ref, *, k, interpret):

@@ -42,7 +42,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepseek41.ops import stand_in
-from deepseek41.ops.gpu.index_scores import MIN_DOT, pad_axis
+from deepseek41.ops.contracts import MIN_DOT
+from deepseek41.ops.gpu.index_scores import pad_axis
 from deepseek41.ops.gpu.sparse_kernel import droppable, name_outputs, with_o
 ROWS = 32     # default query rows (queries x heads) per forward / dq block (at least H)
 ROWS_DKV = 32  # default query rows per dkv step (at least H: one query)

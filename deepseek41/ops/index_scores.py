@@ -1,0 +1,63 @@
+"""Lightning-indexer scores: the jnp reference and the dispatch to the kernels (model.index_impl).
+
+    I[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j]) * (H * C)^-1/2        fp32 [B, T, N]
+
+All take `limit_bt`, the number of leading entries each query row can see; entries at or past
+it may hold 0 instead of the score (the caller masks everything invisible anyway).
+
+`index_scores_reference` writes the [T, H, N] dot products to memory and reads them back to
+apply relu and the head weights: at 64K tokens and 32 heads that round trip is most of the
+indexer's time. The kernels keep each tile's head loop on chip: 'fused' the GPU's
+(ops/gpu/index_scores.py), 'mosaic' the TPU's (ops/tpu/index_scores.py), each on its device's
+batch rows (ops/parallel/per_device.py).
+
+No gradient: selection stops gradients, and the indexer's training signal uses the scores of
+the selected entries only (ops/selected_scores.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from deepseek41.ops.gpu.index_scores import index_scores_fused
+from deepseek41.ops.parallel.per_device import batch_local
+from deepseek41.ops.tpu.index_scores import index_scores_tpu
+
+
+def index_scores_reference(q_bthc, w_bth, k_bnc, limit_bt=None):
+  """fp32 [B, T, N] indexer scores in jnp, every entry scored (`limit_bt` is not needed).
+
+  Materialises [B, T, H, N]: pass query chunks in the scalable path.
+  """
+  del limit_bt
+  h, c = q_bthc.shape[-2], q_bthc.shape[-1]
+  dots_bthn = jnp.einsum('bthc,bnc->bthn', q_bthc, k_bnc, preferred_element_type=jnp.float32)
+  w_bth = w_bth.astype(jnp.float32) * (h ** -0.5 * c ** -0.5)
+  return jnp.einsum('bthn,bth->btn', jax.nn.relu(dots_bthn), w_bth)
+
+
+def index_scores_per_device(q_bthc, w_bth, k_bnc, limit_bt):
+  """The GPU kernel (ops/gpu/index_scores.py) on each device's batch rows."""
+  kernel = functools.partial(index_scores_fused, interpret=jax.default_backend() == 'cpu')
+  return batch_local(kernel, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
+
+
+def _interpret() -> bool:
+  """Interpret a Pallas kernel only where nothing compiles it: the platform of the mesh in
+  context (a deviceless TPU compile's mesh is the TPU's), else the default backend's."""
+  device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
+  platform = getattr(device, 'platform', None) or jax.default_backend()
+  return platform == 'cpu'
+
+
+def index_scores_mosaic_per_device(q_bthc, w_bth, k_bnc, limit_bt):
+  """The TPU (Mosaic) kernel (ops/tpu/index_scores.py) on each device's batch rows."""
+  kernel = functools.partial(index_scores_tpu, interpret=_interpret())
+  return batch_local(kernel, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
+
+
+SCORERS = {'reference': index_scores_reference, 'fused': index_scores_per_device,
+           'mosaic': index_scores_mosaic_per_device}  # model.index_impl
