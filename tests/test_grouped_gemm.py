@@ -185,7 +185,7 @@ def test_shapes_only_stand_in_holds_the_kernels_buffers_and_never_runs(fp8):
   """tools.plan's stand-in: within shapes_only the routed experts compile with the grouped
   layout's buffers but without the interpreter's loops (which copy the kernels' operands); a
   program traced within refuses to run, and a program traced outside runs the kernels."""
-  from deepseek41.ops import expert_gemm, stand_in
+  from deepseek41.ops import expert_gemm, launch
   n, d, f, e, k = 512, 64, 32, 8, 2
   ks = jax.random.split(jax.random.key(0), 6)
   x = jax.random.normal(ks[0], (n, d))
@@ -202,7 +202,7 @@ def test_shapes_only_stand_in_holds_the_kernels_buffers_and_never_runs(fp8):
 
   interpreted = grads('grouped').lower(x, wt, *ws).compile()
   traced_within = grads('grouped')
-  with stand_in.shapes_only():
+  with launch.shapes_only():
     compiled = traced_within.lower(x, wt, *ws).compile()
   hlo = compiled.as_text()
   # Three projections forward, then dgrad and wgrad of each: nine opaque kernels.

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepseek41.ops import stand_in
+from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
 from deepseek41.ops.fp8_matmul import quantize_rowwise
 from deepseek41.ops.gpu.index_scores import pad_axis
@@ -327,14 +327,14 @@ grouped_matmul_fp8 = _differentiable(_gmm_fp8, _weight_grad, """grouped_matmul w
   """)
 
 
-# ---- compile-only stand-in (tools.plan; ops/stand_in.py) -------------------------------------
+# ---- compile-only stand-in (tools.plan; ops/launch.py) -------------------------------------
 
 
 def projection(fp8: str):
   """The differentiable grouped projection (x_md, w_edf, tile_expert_t, group_tiles_e1, tiles,
   interpret) -> y_mf for model.fp8: the kernels, or their stand-in within
-  `stand_in.shapes_only()`."""
-  if stand_in.active():
+  `launch.shapes_only()`."""
+  if launch.active():
     return _OPAQUE[fp8 != 'off']
   return grouped_matmul if fp8 == 'off' else grouped_matmul_fp8
 
@@ -346,7 +346,7 @@ def _opaque_gmm(a_mk, w_edf, tile_expert_t, transpose_rhs: bool, fp8: bool):
   if fp8:
     operands = (*quantize_rowwise(a_mk, axis=1),
                 *quantize_rowwise(w_edf, axis=2 if transpose_rhs else 1))
-  return stand_in.opaque((a_mk.shape[0], n), a_mk.dtype, tile_expert_t, *operands)
+  return launch.opaque((a_mk.shape[0], n), a_mk.dtype, tile_expert_t, *operands)
 
 
 def _opaque_matmul(fp8: bool):
@@ -356,7 +356,7 @@ def _opaque_matmul(fp8: bool):
 
   def weight_grad(x_md, dy_mf, w_edf, tile_expert_t, group_tiles_e1, tiles, interpret):
     del tile_expert_t, tiles, interpret  # dW in the compute dtype whatever fp8, as tgmm
-    return stand_in.opaque(w_edf.shape, w_edf.dtype, group_tiles_e1, x_md, dy_mf)
+    return launch.opaque(w_edf.shape, w_edf.dtype, group_tiles_e1, x_md, dy_mf)
   return _differentiable(product, weight_grad, 'The grouped projection\'s buffers only.')
 
 

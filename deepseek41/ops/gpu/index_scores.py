@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepseek41.ops import stand_in
+from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT, index_scores_supported
 
 
@@ -75,7 +75,7 @@ def index_scores_fused(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 64, blo
   k_bnc = pad_axis(k_bnc.astype(dt), 1, bn)
   tp, np_ = q_btf.shape[1], k_bnc.shape[1]
   kernel = functools.partial(_kernel, heads=h, dim=c, bq=bq, bn=bn, scale=(h * c) ** -0.5)
-  out = stand_in.pallas_call(
+  out = launch.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((b, tp, np_), jnp.float32),
       grid=(b, tp // bq, np_ // bn),

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepseek41.ops import stand_in
+from deepseek41.ops import launch
 from deepseek41.ops.gpu.index_scores import pad_axis
 from deepseek41.ops.parallel.per_device import batch_local
 
@@ -500,7 +500,7 @@ def _forward(spec, x, f, post, comb, pin, fn, base, scale):
     for w in (n, n, n * n, cols):  # pre, post, comb, m (+ r)
       out_shape.append(jax.ShapeDtypeStruct((rows, w), jnp.float32))
       out_specs.append(_row_spec(tb, w))
-  outs = list(stand_in.pallas_call(
+  outs = list(launch.pallas_call(
       functools.partial(_fwd_kernel, spec=spec), out_shape=out_shape, grid=(rows // tb,),
       in_specs=in_specs, out_specs=out_specs, compiler_params=_params(spec),
       interpret=spec.interpret, name='mhc_fused_fwd')(*args))
@@ -536,14 +536,14 @@ def _fused_bwd(spec, res, cts):
   if spec.site:
     _, w_ncd, sb = _site_tables(spec, fn, base, scale)
     if spec.collapse == 'own':  # fold the collapse's d pre in before the coefficient backward
-      dpre = dpre + stand_in.pallas_call(
+      dpre = dpre + launch.pallas_call(
           functools.partial(_own_kernel, spec=spec),
           out_shape=jax.ShapeDtypeStruct((rows, n), jnp.float32), grid=(rows // tb,),
           in_specs=stream_specs + [_row_spec(tb, d)], out_specs=_row_spec(tb, n),
           compiler_params=_params(spec), interpret=spec.interpret,
           name='mhc_fused_own')(*stream_args, du.astype(x.dtype))
     tc = min(_COEF_BLOCK, rows)
-    da = stand_in.pallas_call(
+    da = launch.pallas_call(
         functools.partial(_coef_bwd_kernel, spec=spec),
         out_shape=jax.ShapeDtypeStruct((rows, cols), jnp.float32), grid=(rows // tc,),
         in_specs=[_row_spec(tc, cols), _whole((2, cols)), _row_spec(tc, n), _row_spec(tc, n),
@@ -578,7 +578,7 @@ def _fused_bwd(spec, res, cts):
   for w in widths:
     out_shape.append(jax.ShapeDtypeStruct((rows, w), jnp.float32))
     out_specs.append(_row_spec(tb, w))
-  outs = list(stand_in.pallas_call(
+  outs = list(launch.pallas_call(
       functools.partial(_bwd_kernel, spec=spec), out_shape=out_shape, grid=(rows // tb,),
       in_specs=in_specs, out_specs=out_specs, compiler_params=_params(spec),
       interpret=spec.interpret, name='mhc_fused_bwd')(*args))

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepseek41.ops import stand_in
+from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
 from deepseek41.ops.gpu.sparse_kernel import (add_rows, compiler_params, droppable, name_outputs,
                                               per_query_specs, prepare_rows)
@@ -79,7 +79,7 @@ def _forward(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, scale, block_k, num_warps
   k_bmc, idx_btk, nblk_bt1, bk = prepare_rows(k_bnc, idx_btk, valid_btk, block_k)
   rows, k_pad = k_bmc.shape[1], idx_btk.shape[-1]
   spec = per_query_specs(h, c, rows, k_pad)
-  s_btk = droppable(stand_in.pallas_call(
+  s_btk = droppable(launch.pallas_call(
       functools.partial(_fwd_kernel, bk=bk, scale=scale),
       out_shape=jax.ShapeDtypeStruct((b, t, k_pad), jnp.float32),
       grid=(t, b),  # queries fastest: neighbours share selected keys in L2
@@ -101,7 +101,7 @@ def _backward(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, ds_btk, scale, block_k, 
   spec = per_query_specs(h, c, rows, k_pad)
   ds_btk = jnp.pad(jnp.where(valid_btk, ds_btk, 0.0).astype(jnp.float32),
                    ((0, 0), (0, 0), (0, k_pad - k)))
-  dq_bthc, dw_bth, dk_bmc = stand_in.pallas_call(
+  dq_bthc, dw_bth, dk_bmc = launch.pallas_call(
       functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale, interpret=interpret),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, c), q_bthc.dtype),
                  jax.ShapeDtypeStruct((b, t, h), jnp.float32),

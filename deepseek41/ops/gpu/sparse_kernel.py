@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from deepseek41.ops import stand_in
+from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
 
 # The checkpoint name of the CSA2 kernels' outputs (this kernel's, the window kernel's and the
@@ -375,7 +375,7 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_
   if with_mass:
     out_shape.append(jax.ShapeDtypeStruct((b, t, k_pad), jnp.float32))
     out_specs.append(spec['idx'])
-  outs = droppable(stand_in.pallas_call(
+  outs = droppable(launch.pallas_call(
       functools.partial(_fwd_kernel, n=n, bk=bk, scale=scale, heads=heads),
       out_shape=out_shape,
       grid=(t, b),  # queries fastest: neighbours share selected rows in L2
@@ -408,7 +408,7 @@ def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse
   rows = kv_bmd.shape[1]
   dkv_spec = spec['kv']
   outputs = () if o_bthd is None else (o_bthd,)
-  dq_bthd, dkv_bmd = stand_in.pallas_call(
+  dq_bthd, dkv_bmd = launch.pallas_call(
       with_o(functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale,
                                 dkv_chunk=min(dkv_chunk, d), interpret=interpret), not outputs),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype),
@@ -473,7 +473,7 @@ def dq_and_coefficients(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_
   coef_spec = pl.BlockSpec((None, None, k_pad, hg), lambda i, j, g=0: (j, i, 0, g))
   coef_shape = jax.ShapeDtypeStruct((b, t, k_pad, h), q_bthd.dtype)
   outputs = () if o_bthd is None else (o_bthd,)
-  return stand_in.pallas_call(
+  return launch.pallas_call(
       with_o(functools.partial(_bwd_dq_kernel, n=kv_bnd.shape[1], bk=bk, scale=scale),
               not outputs),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype), coef_shape, coef_shape],
@@ -502,7 +502,7 @@ def dkv_from_coefficients(kv_bnd, idx_btk, valid_btk, parts, block_k, num_warps,
   coef_spec = pl.BlockSpec((None, None, k_pad, h), lambda i, j: (j, i, 0, 0))
   dkv_spec = pl.BlockSpec((None, rows, d), lambda i, j: (j, 0, 0))
   ins = [x for part in parts for x in part]
-  dkv_bmd = stand_in.pallas_call(
+  dkv_bmd = launch.pallas_call(
       functools.partial(_dkv_kernel, n=n, bk=bk, uses=len(parts), dkv_chunk=min(dkv_chunk, d),
                         interpret=interpret),
       out_shape=jax.ShapeDtypeStruct((b, rows, d), jnp.float32),

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepseek41.ops import stand_in
+from deepseek41.ops import launch
 
 INT_MIN = -2 ** 31
 LOW31 = 2 ** 31 - 1
@@ -127,7 +127,7 @@ def topk_threshold(key_rl, k: int, *, block_rows: int | None = None, num_warps: 
   if not interpret:
     from jax.experimental.pallas import triton as plt  # GPU-only module; imported lazily
     params = plt.CompilerParams(num_warps=num_warps or auto_warps, num_stages=1)
-  raw_rk = stand_in.pallas_call(
+  raw_rk = launch.pallas_call(
       functools.partial(_kernel, k=k, interpret=interpret),
       out_shape=jax.ShapeDtypeStruct((rp, kp), jnp.int32),
       grid=(rp // br,),

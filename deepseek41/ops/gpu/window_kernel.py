@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepseek41.ops import stand_in
+from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
 from deepseek41.ops.gpu.index_scores import pad_axis
 from deepseek41.ops.gpu.sparse_kernel import droppable, name_outputs, with_o
@@ -281,7 +281,7 @@ def _forward(st: _Static, q_brd, kv_btd, seg_bt, span_bt):
   b, n_rows, d = q_brd.shape
   t = seg_bt.shape[1]
   rows = st.bq * st.heads
-  return droppable(stand_in.pallas_call(
+  return droppable(launch.pallas_call(
       functools.partial(_fwd_kernel, st=st),
       out_shape=[jax.ShapeDtypeStruct((b, n_rows, d), kv_btd.dtype),
                  jax.ShapeDtypeStruct((b, n_rows), jnp.float32)],
@@ -300,7 +300,7 @@ def _backward(st: _Static, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br, do_brd
   t = seg_bt.shape[1]
   rows = st.bq * st.heads
   outputs = () if o_brd is None else (o_brd,)
-  dq_brd, delta_br = stand_in.pallas_call(
+  dq_brd, delta_br = launch.pallas_call(
       with_o(functools.partial(_dq_kernel, st=st), not outputs),
       out_shape=[jax.ShapeDtypeStruct((b, n_rows, d), q_brd.dtype),
                  jax.ShapeDtypeStruct((b, n_rows), jnp.float32)],
@@ -312,7 +312,7 @@ def _backward(st: _Static, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br, do_brd
       interpret=st.interpret,
       name='swa_window_dq',
   )(seg_bt, span_bt, q_brd, kv_btd, *outputs, do_brd, lse_br, dlse_br)
-  dkv_btd = stand_in.pallas_call(
+  dkv_btd = launch.pallas_call(
       functools.partial(_dkv_kernel, st=st),
       out_shape=jax.ShapeDtypeStruct((b, t, d), kv_btd.dtype),
       grid=(t // st.bk_dkv, b),

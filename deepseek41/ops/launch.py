@@ -40,7 +40,7 @@ def active() -> bool:
 
 def _never_run(*_):
   raise RuntimeError('a compile-only stand-in of a kernel ran: a program traced within '
-                     'stand_in.shapes_only() was executed; trace it outside to run it')
+                     'launch.shapes_only() was executed; trace it outside to run it')
 
 
 def opaque(shape, dtype, *operands):
