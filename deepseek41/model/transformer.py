@@ -30,7 +30,7 @@ from deepseek41.model.params import dtype_of, normal_param
 from deepseek41.model.vision import VisionEncoder
 from deepseek41.ops.gpu.mhc_kernel import expand_fused
 from deepseek41.ops.parallel.per_device import constrain_tokens, gather_tensor_split
-from deepseek41.ops.gpu.sparse_kernel import KERNEL_OUTPUTS
+from deepseek41.ops.launch import KERNEL_OUTPUTS
 
 
 @jax.custom_vjp

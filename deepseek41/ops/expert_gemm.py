@@ -44,6 +44,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from deepseek41.ops import launch
 from deepseek41.ops.fp8_matmul import batched_fp8_matmul, check_fp8, qdq_rowwise
 from deepseek41.ops.gpu.grouped_gemm import Tiles, default_tiles, projection
 from deepseek41.ops.grouped_gemm import make_layout, per_assignment
@@ -299,7 +300,7 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_d
   """
   n, k = expert_idx_nk.shape
   n_experts = w_gate_edf.shape[0]
-  interpret = jax.default_backend() == 'cpu'
+  interpret = launch.interpreted()
   tiles = tiles or default_tiles()
   lay = make_layout(expert_idx_nk, valid_nk, n_experts, tiles.block_m, max_valid)
 

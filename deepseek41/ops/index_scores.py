@@ -9,15 +9,14 @@ it may hold 0 instead of the score (the caller masks everything invisible anyway
 apply relu and the head weights: at 64K tokens and 32 heads that round trip is most of the
 indexer's time. The kernels keep each tile's head loop on chip: 'fused' the GPU's
 (ops/gpu/index_scores.py), 'mosaic' the TPU's (ops/tpu/index_scores.py), each on its device's
-batch rows (ops/parallel/per_device.py).
+batch rows (ops/parallel/per_device.py) and in the Pallas interpreter on the CPU
+(ops/launch.py; the tests).
 
 No gradient: selection stops gradients, and the indexer's training signal uses the scores of
 the selected entries only (ops/selected_scores.py).
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,22 +40,12 @@ def index_scores_reference(q_bthc, w_bth, k_bnc, limit_bt=None):
 
 def index_scores_per_device(q_bthc, w_bth, k_bnc, limit_bt):
   """The GPU kernel (ops/gpu/index_scores.py) on each device's batch rows."""
-  kernel = functools.partial(index_scores_fused, interpret=jax.default_backend() == 'cpu')
-  return batch_local(kernel, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
-
-
-def _interpret() -> bool:
-  """Interpret a Pallas kernel only where nothing compiles it: the platform of the mesh in
-  context (a deviceless TPU compile's mesh is the TPU's), else the default backend's."""
-  device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
-  platform = getattr(device, 'platform', None) or jax.default_backend()
-  return platform == 'cpu'
+  return batch_local(index_scores_fused, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
 
 
 def index_scores_mosaic_per_device(q_bthc, w_bth, k_bnc, limit_bt):
   """The TPU (Mosaic) kernel (ops/tpu/index_scores.py) on each device's batch rows."""
-  kernel = functools.partial(index_scores_tpu, interpret=_interpret())
-  return batch_local(kernel, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
+  return batch_local(index_scores_tpu, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
 
 
 SCORERS = {'reference': index_scores_reference, 'fused': index_scores_per_device,

@@ -17,8 +17,6 @@ training gradient into q, w and the index keys. Invalid slots score 0 and pass n
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -58,7 +56,6 @@ def selected_scores(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, *, impl: str = 're
   if impl == 'reference':
     return selected_scores_reference(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, chunk)
   if impl == 'fused':
-    kernel = functools.partial(selected_scores_fused,
-                               interpret=jax.default_backend() == 'cpu')
-    return batch_local(kernel, q_bthc, w_bth, k_bnc, idx_btk, valid_btk, whole_seq=(2,))
+    return batch_local(selected_scores_fused, q_bthc, w_bth, k_bnc, idx_btk, valid_btk,
+                       whole_seq=(2,))
   raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')

@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from deepseek41.ops.gpu.sparse_kernel import name_outputs
+from deepseek41.ops.launch import name_outputs
 
 
 class Merged(NamedTuple):

@@ -164,8 +164,7 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
   elif impl == 'gathered':
     out = _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk)
   elif impl == 'fused':  # on the CPU the kernels run in the Pallas interpreter (tests)
-    kernel = functools.partial(_sparse_fused, scale=scale, with_mass=with_mass, later=later,
-                               interpret=jax.default_backend() == 'cpu')
+    kernel = functools.partial(_sparse_fused, scale=scale, with_mass=with_mass, later=later)
     heads = {0: 2}
     if sink is not None:
       heads.update({4 + i: h for i, h in enumerate(_SINK_HEADS)})
@@ -213,8 +212,7 @@ def _branch_backward(args, merged, d_handoffs, *, scale, later_key):
   q_bthd, kv_bnd, idx_btk, valid_btk, sink = args
   defer = sink is not None
   flat = [a for part in (d_handoffs[later_key] if later_key else ()) for a in part]
-  kernel = functools.partial(_branch_backward_local, scale=scale, defer=defer,
-                             interpret=jax.default_backend() == 'cpu')
+  kernel = functools.partial(_branch_backward_local, scale=scale, defer=defer)
   heads = {0: 2, 4: 2, 5: 2, 6: 2}
   heads.update({7 + i: _SINK_HEADS[i % len(_SINK_HEADS)] for i in range(len(flat))})
   outs = batch_local(kernel, q_bthd, kv_bnd, idx_btk, valid_btk, *merged, *flat,
@@ -229,13 +227,13 @@ def _branch_backward(args, merged, d_handoffs, *, scale, later_key):
 
 
 def _branch_backward_local(q_bthd, kv_bnd, idx_btk, valid_btk, delta_bth, lse_bth, do_bthd,
-                           *flat, scale, defer, interpret, tensor_axis, context_axis):
+                           *flat, scale, defer, tensor_axis, context_axis):
   """`sparse_backward_fused` on this device's queries and heads. Every query may pick any entry,
   so the entries' gradient is summed over the context and tensor shards."""
   n = len(_SINK_HEADS)
   later_parts = [tuple(flat[i:i + n]) for i in range(0, len(flat), n)]
   out = sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, delta_bth, lse_bth, do_bthd,
-                              scale=scale, interpret=interpret, defer=defer,
+                              scale=scale, defer=defer,
                               later_parts=later_parts)
   if defer:
     dq, part = out

@@ -270,8 +270,7 @@ def window_branch(q_bthd, kv_btd, segment_ids_bt, *, window: int, scale: float |
 def _window_backward(args, merged, d_handoffs, *, window, scale):
   del d_handoffs
   q_bthd, kv_btd, segment_ids_bt, span_ids_bt = args
-  kernel = functools.partial(_window_backward_local, window=window, scale=scale,
-                             interpret=jax.default_backend() == 'cpu')
+  kernel = functools.partial(_window_backward_local, window=window, scale=scale)
   dq, dkv = batch_local(kernel, q_bthd, kv_btd, segment_ids_bt, span_ids_bt, *merged,
                         context_kw='context_axis', tensor_kw='tensor_axis',
                         heads={0: 2, 4: 2, 5: 2, 6: 2}, out_heads=(2, None))
@@ -301,8 +300,7 @@ def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chu
     return _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk,
                                 span_ids_bt)
   if impl == 'fused':  # `chunk` is the chunked impl's; the kernel picks its own blocks
-    kernel = functools.partial(_window_fused, window=window, scale=scale,
-                               interpret=jax.default_backend() == 'cpu')
+    kernel = functools.partial(_window_fused, window=window, scale=scale)
     return batch_local(kernel, q_bthd, kv_btd, segment_ids_bt, span_ids_bt,
                        context_kw='context_axis', heads={0: 2}, out_heads=(2, 2))
   raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')

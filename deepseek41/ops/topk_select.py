@@ -42,5 +42,4 @@ def threshold_select(key_rl, k: int):
   reference."""
   if key_rl.shape[-1] > MAX_L:
     return topk_threshold_reference(key_rl, k)
-  return batch_local(functools.partial(topk_threshold, k=k,
-                                       interpret=jax.default_backend() == 'cpu'), key_rl)
+  return batch_local(functools.partial(topk_threshold, k=k), key_rl)

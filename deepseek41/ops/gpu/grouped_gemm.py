@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
 from deepseek41.ops.fp8_matmul import quantize_rowwise
-from deepseek41.ops.gpu.index_scores import pad_axis
+from deepseek41.ops.launch import pad_axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ INTERPRET_TILES = Tiles(block_m=32, block_n=16, block_k=16, block_d=16, block_f=
 def default_tiles(wgrad: str | None = None) -> Tiles:
   """The platform's tiles (the interpreter's on the CPU), with the weight-gradient kernel
   `wgrad` if given (model.grouped_wgrad)."""
-  tiles = INTERPRET_TILES if jax.default_backend() == 'cpu' else GPU_TILES
+  tiles = INTERPRET_TILES if launch.interpreted() else GPU_TILES
   return tiles if wgrad is None else dataclasses.replace(tiles, wgrad=wgrad)
 
 
@@ -140,7 +140,7 @@ def _gmm_kernel(te_ref, x_ref, w_ref, *refs, bn, bk, k_steps, transpose_rhs, pre
 
 @functools.partial(jax.jit, static_argnames=('transpose_rhs', 'tiles', 'interpret', 'out_dtype'))
 def gmm(x_md, w_edf, tile_expert_t, scale_x_m=None, scale_w_en=None, *,
-        transpose_rhs: bool = False, tiles: Tiles = GPU_TILES, interpret: bool = False,
+        transpose_rhs: bool = False, tiles: Tiles = GPU_TILES, interpret: bool | None = None,
         out_dtype=None):
   """y_m = x_m @ W_{e(m)} ([M, F]), or x_m @ W_{e(m)}^T ([M, D]) with transpose_rhs.
 
@@ -148,7 +148,9 @@ def gmm(x_md, w_edf, tile_expert_t, scale_x_m=None, scale_w_en=None, *,
   M_pad / len(tile_expert_t)); rows of tiles marked -1 come out 0. Output in out_dtype (default
   x's dtype). FP8: x and W in e4m3 with float32 scale_x_m [M_pad] and scale_w_en [E, N] (N the
   output columns: F, or D with transpose_rhs), multiplied into the float32 accumulator.
+  interpret: the Pallas interpreter or not (None: ops/launch.py's rule).
   """
+  interpret = launch.interpreted(interpret)
   m_pad, kdim = x_md.shape
   n_tiles = tile_expert_t.shape[0]
   bm = m_pad // n_tiles
@@ -178,7 +180,7 @@ def gmm(x_md, w_edf, tile_expert_t, scale_x_m=None, scale_w_en=None, *,
     in_specs += [pl.BlockSpec((bm,), lambda i, j: (i,)),
                  pl.BlockSpec((e, np_), lambda i, j: (0, 0))]
     operands += [scale_x_m.astype(jnp.float32), scale_w_en]
-  y = pl.pallas_call(
+  y = launch.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((m_pad, np_), out_dtype),
       grid=(n_tiles, np_ // bn),
@@ -205,12 +207,14 @@ def _tgmm_kernel(lo_ref, hi_ref, x_ref, dy_ref, o_ref, *, steps_per_tile, br, pr
 
 @functools.partial(jax.jit, static_argnames=('block_m', 'out_dtype', 'tiles', 'interpret'))
 def tgmm(x_md, dy_mf, group_tiles_e1, *, block_m: int, out_dtype=None, tiles: Tiles = GPU_TILES,
-         interpret: bool = False):
+         interpret: bool | None = None):
   """dW_e = x_e^T @ dy_e over each expert's row tiles: [E, D, F] (E = len(group_tiles_e1) - 1).
 
   Rows outside the groups must be zero in x or dy (the padded layout guarantees it). Experts with
   no tiles get zeros. Output in out_dtype (default x's dtype), accumulated in float32.
+  interpret as `gmm`'s.
   """
+  interpret = launch.interpreted(interpret)
   m_pad, d = x_md.shape
   f = dy_mf.shape[1]
   n_experts = group_tiles_e1.shape[0] - 1
@@ -223,7 +227,7 @@ def tgmm(x_md, dy_mf, group_tiles_e1, *, block_m: int, out_dtype=None, tiles: Ti
   br = _fit(min(tiles.block_r, block_m), block_m)
   kernel = functools.partial(_tgmm_kernel, steps_per_tile=block_m // br, br=br,
                              precision=_precision(dt))
-  dw = pl.pallas_call(
+  dw = launch.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((n_experts, dp, fp), out_dtype or dt),
       grid=(n_experts, dp // bd, fp // bf),
@@ -327,7 +331,7 @@ grouped_matmul_fp8 = _differentiable(_gmm_fp8, _weight_grad, """grouped_matmul w
   """)
 
 
-# ---- compile-only stand-in (tools.plan; ops/launch.py) -------------------------------------
+# ---- compile-only stand-in (tools.plan; ops/launch.py) -----------------------------------------
 
 
 def projection(fp8: str):

@@ -41,23 +41,14 @@ def _kernel(lim_ref, q_ref, w_ref, k_ref, o_ref, *, heads, dim, bq, bn, scale):
     o_ref[...] = jnp.zeros((bq, bn), jnp.float32)
 
 
-def pad_axis(x, axis, multiple):
-  """x zero-padded along `axis` to a multiple of `multiple`."""
-  extra = -x.shape[axis] % multiple
-  if not extra:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, extra)
-  return jnp.pad(x, pad)
-
-
 @functools.partial(jax.jit, static_argnames=('block_q', 'block_n', 'num_warps', 'interpret'))
 def index_scores_fused(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 64, block_n: int = 128,
-                       num_warps: int = 4, interpret: bool = False):
+                       num_warps: int = 4, interpret: bool | None = None):
   """fp32 [B, T, N] indexer scores; entries j >= limit_bt[t] may be 0 instead of the score.
 
   limit_bt: int32 [B, T], how many leading entries row t can see (causality); tiles wholly past
-  the limit are not computed. `interpret=True` runs the kernel in the Pallas interpreter (CPU).
+  the limit are not computed. `interpret`: the Pallas interpreter or not (None: ops/launch.py's
+  rule).
   """
   from jax.experimental.pallas import triton as plt  # GPU-only module; imported lazily
 
@@ -69,10 +60,10 @@ def index_scores_fused(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 64, blo
   bq = min(block_q, max(MIN_DOT, pl.next_power_of_2(t)))
   bn = min(block_n, max(MIN_DOT, pl.next_power_of_2(n)))
   dt = q_bthc.dtype
-  q_btf = pad_axis(q_bthc.reshape(b, t, h * c), 1, bq)
-  w_bth = pad_axis(w_bth.astype(jnp.float32), 1, bq)
-  lim_bt = pad_axis(limit_bt.astype(jnp.int32), 1, bq)
-  k_bnc = pad_axis(k_bnc.astype(dt), 1, bn)
+  q_btf = launch.pad_axis(q_bthc.reshape(b, t, h * c), 1, bq)
+  w_bth = launch.pad_axis(w_bth.astype(jnp.float32), 1, bq)
+  lim_bt = launch.pad_axis(limit_bt.astype(jnp.int32), 1, bq)
+  k_bnc = launch.pad_axis(k_bnc.astype(dt), 1, bn)
   tp, np_ = q_btf.shape[1], k_bnc.shape[1]
   kernel = functools.partial(_kernel, heads=h, dim=c, bq=bq, bn=bn, scale=(h * c) ** -0.5)
   out = launch.pallas_call(

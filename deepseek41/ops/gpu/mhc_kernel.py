@@ -44,10 +44,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepseek41.ops import launch
-from deepseek41.ops.gpu.index_scores import pad_axis
+from deepseek41.ops.contracts import MIN_DOT
+from deepseek41.ops.launch import pad_axis
 from deepseek41.ops.parallel.per_device import batch_local
 
-MIN_DOT = 16  # Triton's smallest matmul dimension
 _COEF_BLOCK = 128  # tokens per program of the per-token coefficient backward
 
 
@@ -633,8 +633,7 @@ def _run_local(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, 
   for v in (bd, bd_b):
     if d % v or v < MIN_DOT or v & (v - 1):
       raise ValueError(f'd_model {d} must be a multiple of a power-of-two block_d >= 16 ({v})')
-  if interpret is None:
-    interpret = jax.default_backend() != 'gpu'
+  interpret = launch.interpreted(interpret)
   rows = b * t
   cap = max(MIN_DOT, pl.next_power_of_2(rows))
   tb, tb_b = min(block_t, cap), min(block_t_bwd or block_t, cap)
@@ -671,7 +670,7 @@ def site_collapse(x_btnd, fn, base, scale, pre_btn=None, **kw):
   `MHCSite` holds them; keyword knobs: iters, eps, norm_eps (the config's hc_sinkhorn_iters,
   hc_eps, rms_norm_eps), block_t, block_d, num_warps (forward) and block_t_bwd, block_d_bwd,
   num_warps_bwd (backward), num_stages and prefetch (both: Triton pipelining, look-ahead loads),
-  interpret (None: on unless the backend is a GPU).
+  interpret (None: ops/launch.py's rule, on only on the CPU).
   """
   kw = {**_KNOBS, **kw}
   _, u, pre, post, comb = _run(x_btnd, None, None, None, pre_btn, fn, base, scale, site=True,

@@ -20,8 +20,9 @@ from jax.experimental import pallas as pl
 
 from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
-from deepseek41.ops.gpu.sparse_kernel import (add_rows, compiler_params, droppable, name_outputs,
-                                              per_query_specs, prepare_rows)
+from deepseek41.ops.gpu.sparse_kernel import (add_rows, compiler_params, per_query_specs,
+                                              prepare_rows)
+from deepseek41.ops.launch import droppable, name_outputs
 
 
 def _dots(q_hc, k_kc):
@@ -141,12 +142,13 @@ _selected_scores.defvjp(_selected_scores_fwd, _selected_scores_bwd)
 
 
 def selected_scores_fused(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, *, block_k: int = 64,
-                          num_warps: int = 4, interpret: bool = False):
+                          num_warps: int = 4, interpret: bool | None = None):
   """fp32 [B, T, K] by the kernels; differentiable in q, w and k.
 
   H and d_I powers of two, d_I >= 16 (`index_scores_supported`); fewer than 16 heads are padded
   with zero heads (Triton's smallest product), which score and move nothing. block_k selected
-  keys are gathered per step. `interpret=True`: the Pallas interpreter (CPU).
+  keys are gathered per step. interpret: the Pallas interpreter or not (None: ops/launch.py's
+  rule).
   """
   h, c = q_bthc.shape[2:]
   h_pad = max(MIN_DOT, h)
@@ -155,5 +157,5 @@ def selected_scores_fused(q_bthc, w_bth, k_bnc, idx_btk, valid_btk, *, block_k: 
     w_bth = jnp.pad(w_bth, ((0, 0), (0, 0), (0, h_pad - h)))
   scores_btk, = name_outputs(_selected_scores(
       q_bthc, w_bth, k_bnc.astype(q_bthc.dtype), idx_btk, valid_btk, (h * c) ** -0.5,
-      int(block_k), int(num_warps), bool(interpret)))
+      int(block_k), int(num_warps), launch.interpreted(interpret)))
   return scores_btk

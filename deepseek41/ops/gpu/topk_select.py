@@ -103,15 +103,16 @@ def default_launch(l: int):
 
 @functools.partial(jax.jit, static_argnames=('k', 'block_rows', 'num_warps', 'interpret'))
 def topk_threshold(key_rl, k: int, *, block_rows: int | None = None, num_warps: int | None = None,
-                   interpret: bool = False):
+                   interpret: bool | None = None):
   """(idx_rk int32, valid_rk bool): exact top-k of each row of key_rl [..., L], as
   `topk_threshold_reference` (selected indices ascending, invalid slots idx 0, keys > -inf only).
 
-  Rows are held on chip: L <= MAX_L, else ValueError (the indexer then takes
-  `topk_threshold_reference`, the same output).
-  block_rows: rows per program (a power of two; default `default_launch`). `interpret=True` runs
-  the kernel in the Pallas interpreter (CPU).
+  Rows are held on chip: L <= MAX_L, else ValueError (ops/topk_select.threshold_select then
+  takes `topk_threshold_reference`, the same output).
+  block_rows: rows per program (a power of two; default `default_launch`). `interpret`: the
+  Pallas interpreter or not (None: ops/launch.py's rule).
   """
+  interpret = launch.interpreted(interpret)
   lead, l = key_rl.shape[:-1], key_rl.shape[-1]
   if l > MAX_L:
     raise ValueError(f'topk_threshold holds a row on chip: L <= {MAX_L}, got {l}')
