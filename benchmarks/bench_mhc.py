@@ -1,4 +1,4 @@
-"""Fused mHC kernels (deepseek41/ops/mhc_kernel.py) against the jnp path (model/mhc.py): time.
+"""Fused mHC kernels (deepseek41/ops/gpu/mhc_kernel.py) against the jnp path (model/mhc.py): time.
 
 Usage (GPU):  python benchmarks/bench_mhc.py [--d 1024,5120] [--check] [--out mhc.jsonl]
               [--configs 128x16x8/64x16x4,...]  (block_t x block_d x num_warps of the

@@ -70,7 +70,7 @@ def partial_fn(impl, with_mass, tiles=None, bwd_tiles=None):
 
 def set_atomics(mode):
   """Experiment hook: patch the Triton lowering's atomics (jax internals; benchmark only)."""
-  if mode == 'acq_rel':  # Pallas's default, which ops/sparse_kernel.py relaxes
+  if mode == 'acq_rel':  # Pallas's default, which ops/gpu/sparse_kernel.py relaxes
     from jax._src.pallas.triton import lowering  # noqa: PLC0415
     tt = lowering.tt_dialect
     lowering._atomic_rmw.__defaults__ = (None, tt.MemSemantic.ACQUIRE_RELEASE, tt.MemSyncScope.GPU)

@@ -1,4 +1,4 @@
-"""The expert exchanges on the devices at hand (ops/expert_parallel.py).
+"""The expert exchanges on the devices at hand (ops/parallel/expert_parallel.py).
 
 Runs each dropless exchange (`allgather`, `ragged`, `padded`) in a shard_map over all local
 devices on the `expert` axis against the experts without any exchange, forward and backward;

@@ -1,4 +1,4 @@
-"""Tile sweep of the sparse kernels alone (ops/sparse_kernel.py): block_k x warps x stages.
+"""Tile sweep of the sparse kernels alone (ops/gpu/sparse_kernel.py): block_k x warps x stages.
 
 Times the forward (`--fwd`), the fused backward (`--bwd`), and the deferred backward's two
 kernels: `dq_and_coefficients` (`--dq`, every CSA2 layer's backward in a group) and

@@ -7,7 +7,8 @@ Variants (what they undo, and the docs/performance.md section that measured it):
                         reselects (`save_only_these_names(csa2.SELECTION)` in
                         model/transformer.py becomes `nothing_saveable`; section 21)
   sparse_bwd_full_width the sparse kernel's backward forms each block's key/value gradient over
-                        the whole head width at once (`dkv_chunk`, ops/sparse_kernel.py; section 22)
+                        the whole head width at once (`dkv_chunk`, ops/gpu/sparse_kernel.py;
+                        section 22)
   head_fp32_backward    the LM head's backward by autodiff of its fp32-output product (fp32 /
                         TF32 GEMMs over the vocabulary; `head_logits`, model/transformer.py;
                         section 23)

@@ -1,4 +1,5 @@
-"""The Engram table exchange (ops/engram_lookup.py) on 8 fake CPU devices against the plain gather.
+"""The Engram table exchange (ops/parallel/engram_lookup.py) on 8 fake CPU devices against the
+plain gather.
 
 Rows and the table's gradient on meshes whose table group is one axis, two axes (fsdp x expert,
 in rule order), or absent, with tokens split over data and context and replicated over tensor;

@@ -1,4 +1,5 @@
-"""Expert parallelism (ops/expert_parallel.py) on 8 fake CPU devices against no mesh at all.
+"""Expert parallelism (ops/parallel/expert_parallel.py) on 8 fake CPU devices against no mesh at
+all.
 
 Each backend's routed experts, forward and gradients (x, router weights, the three expert
 tensors), on meshes that split the tokens, the experts and the expert width. f32 throughout;

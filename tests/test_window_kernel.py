@@ -1,4 +1,5 @@
-"""Fused window kernel (ops/window_kernel.py) against `_swa_partial_reference`, in interpret mode.
+"""Fused window kernel (ops/gpu/window_kernel.py) against `_swa_partial_reference`, in interpret
+mode.
 
 Outputs and gradients of q and kv under nonzero cotangents on both o and lse, with several
 documents per row, a padding tail, image spans, T not a multiple of the blocks, and a window

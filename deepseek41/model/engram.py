@@ -9,8 +9,8 @@
 The row ids depend only on token ids: `row_ids` computes them once per batch for every Engram
 layer (`Transformer.with_engram_rows` calls it; engram_hash.py holds the hashing), never inside a
 layer. Tables are rows x head_dim `EngramTable` parameters (their own learning rate) with the
-logical axis `engram_rows`, so the mesh rules shard their rows; ops/engram_lookup.py fetches
-each device's rows from their owners.
+logical axis `engram_rows`, so the mesh rules shard their rows; ops/parallel/engram_lookup.py
+fetches each device's rows from their owners.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class MHCHead(nnx.Module):
 def site_coefficients(x_btnd, fn, base, scale, iters: int, eps: float, norm_eps: float):
   """`MHCSite.__call__` as a function of its parameters: (pre_btn, post_btn, comb_btjk), fp32.
 
-  The jnp reference the fused kernels (deepseek41/ops/mhc_kernel.py) are held equal to.
+  The jnp reference the fused kernels (deepseek41/ops/gpu/mhc_kernel.py) are held equal to.
   """
   n = x_btnd.shape[2]
   m = jnp.einsum('btf,cf->btc', _flat_rms(x_btnd, norm_eps), fn.astype(jnp.float32))

@@ -29,7 +29,7 @@ quantize-dequantize: the same e4m3 values and scales, a compute-dtype ragged_dot
 
 Padding tokens (`valid` false) take no capacity, are never counted as dropped, and output 0.
 `valid` may also be given per assignment ([N, K]): an expert shard computes only the assignments
-to its own experts of tokens gathered from every shard (ops/expert_parallel.py).
+to its own experts of tokens gathered from every shard (ops/parallel/expert_parallel.py).
 All backends are jit-able and differentiable in x, weight_nk and the three expert tensors; all but
 `grouped` are plain jnp and indifferent to how the weights are sharded (`grouped` computes the
 experts of the weight tensor it is given: shard it by expert under shard_map, not by D or F).
@@ -346,7 +346,7 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_do
     fp8: 'off' or 'rowwise' (model.fp8): the expert GEMMs in e4m3 (module docstring).
     out_dtype: the dtype of y_nd (None: x's); float32 keeps the combined sum unrounded.
     max_valid: grouped only; a static bound the caller guarantees on the valid assignments
-      (None: N*K), which sizes the expert-sorted layout (ops/expert_parallel.py's bounded
+      (None: N*K), which sizes the expert-sorted layout (ops/parallel/expert_parallel.py's bounded
       allgather exchange).
 
   Returns:

@@ -10,7 +10,7 @@ with the window partial and the sink through `swa_attention.combine_with_sink`.
 - `gathered`: per query chunk, gather the k selected latents ([B, C, K, d]) and attend over them
   only; memory is linear in T and no [T, N] array exists. The H heads of a query share each
   gathered latent in one [H, d] x [d, K] matmul.
-- `fused`: the GPU kernel (ops/sparse_kernel.py): the gather happens on chip, nothing of size
+- `fused`: the GPU kernel (ops/gpu/sparse_kernel.py): the gather happens on chip, nothing of size
   [T, K, d] or [T, H, K] reaches HBM, forward and backward.
 """
 
@@ -125,7 +125,7 @@ def _sparse_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *sink, with_mass, tensor_a
   return out + tuple(a for s in (sinks[0] if sinks else ()) for a in s)
 
 
-# Head dimension of a deferred call's sink arrays (sparse_kernel.sink_shapes).
+# Head dimension of a deferred call's sink arrays (ops/gpu/sparse_kernel.py `sink_shapes`).
 _SINK_HEADS = (3, 3, 2, 2)
 
 
@@ -144,7 +144,7 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
   load_rows: kv_bnd is stored rows (a pytree of [B, N, ...] arrays, e.g. packed codes and
   scales) and load_rows turns gathered ones into [..., d] values; `gathered` only, no gradient.
   later / sink (`fused` only): calls over the same kv and selection that defer their key/value
-  gradient to the first (ops/sparse_kernel.py): `later` > 0 makes this the first and appends
+  gradient to the first (ops/gpu/sparse_kernel.py): `later` > 0 makes this the first and appends
   its sinks (one per later call) to the outputs; `sink`, one of them, makes this a later call.
   """
   if (later or sink is not None) and impl != 'fused':

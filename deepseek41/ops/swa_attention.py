@@ -15,8 +15,8 @@ Three implementations of the window branch, same signature, same results:
 - `reference`: dense [B, T, H, T] scores, the ground truth for tests and tiny shapes;
 - `chunked`: queries in blocks of `chunk`, each block against its own block and just enough
   previous blocks to cover the window; memory and FLOPs linear in T, no loop over blocks.
-- `fused`: the Pallas (Triton) kernels of `window_kernel.py`, masks computed on chip, with their
-  own backward; run by the Pallas interpreter on the CPU (tests).
+- `fused`: the Pallas (Triton) kernels of ops/gpu/window_kernel.py, masks computed on chip, with
+  their own backward; run by the Pallas interpreter on the CPU (ops/launch.py; the tests).
 
 Image spans: with `span_ids_bt` given, keys in the query's own image span are left out of the
 window; `span_attention.span_partial` supplies all of them (both directions) as another partial.

@@ -610,7 +610,8 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _run(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, **kw):
-  """The kernels on each device's batch rows (ops/per_device.py); fn, base, scale replicated."""
+  """The kernels on each device's batch rows (ops/parallel/per_device.py); fn, base, scale
+  replicated."""
   return batch_local(functools.partial(_run_local, **kw), x_btnd, f_btd, post_btn, comb_btjk,
                      pre_btn, fn, base, scale, replicated=(5, 6, 7))
 
