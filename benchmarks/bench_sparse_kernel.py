@@ -26,8 +26,8 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
 from timing import jsonl_emitter, time_fn  # noqa: E402  (benchmarks/timing.py)
-from deepseek41.ops.sparse_attention import compressed_partial  # noqa: E402
 from deepseek41.ops.gpu.sparse_kernel import sparse_partial_fused  # noqa: E402
+from deepseek41.ops.sparse_attention import compressed_partial  # noqa: E402
 
 CASES = {'1b': dict(h=16, d=512, ratio=2), 'v41': dict(h=64, d=512, ratio=4)}
 

@@ -33,8 +33,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
 from timing import jsonl_emitter, time_fn  # noqa: E402  (benchmarks/timing.py)
 from bench_sparse_kernel import make_inputs  # noqa: E402
-from deepseek41.ops.gpu import sparse_kernel  # noqa: E402
 from deepseek41.ops.contracts import MIN_DOT  # noqa: E402
+from deepseek41.ops.gpu import sparse_kernel  # noqa: E402
 
 
 def pair_lists(idx_btk, valid_btk, n, bk):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from deepseek41.ops.parallel import engram_lookup as el
 from deepseek41.config import DEFAULT_RULES, mesh_rules
+from deepseek41.ops.parallel import engram_lookup as el
 from deepseek41.sharding import fitted_spec
 
 B, T, J, R, H = 8, 32, 4, 4096, 8

@@ -23,10 +23,10 @@ import pytest
 
 from deepseek41.config import ConfigError
 from deepseek41.ops import grouped_gemm
-from deepseek41.ops.gpu import grouped_gemm as gg
 from deepseek41.ops.expert_gemm import expert_ffn
 from deepseek41.ops.fp8_matmul import (dense, fp8_matmul, fp8_matmul_reference,
                                        fp8_matmul_reference_vjp, qdq_rowwise, quantize_rowwise)
+from deepseek41.ops.gpu import grouped_gemm as gg
 from tests.util import packed_batch, resolved
 
 TIGHT = 1e-6

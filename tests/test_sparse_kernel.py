@@ -12,9 +12,9 @@ from flax import nnx
 
 from deepseek41.model.indexer import select_topk
 from deepseek41.model.transformer import Transformer
-from deepseek41.ops.sparse_attention import compressed_partial
 from deepseek41.ops.gpu import sparse_kernel
 from deepseek41.ops.gpu.sparse_kernel import sparse_partial_fused
+from deepseek41.ops.sparse_attention import compressed_partial
 from tests.util import packed_batch, resolved, token_ce, triton_lowering_for_h200
 
 H, D = 16, 32

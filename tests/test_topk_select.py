@@ -12,8 +12,8 @@ import pytest
 
 from deepseek41.model.indexer import (block_scores, candidate_blocks, newest_visible_bt,
                                       select_topk, select_topk_blocked)
-from deepseek41.ops.sparse_attention import selection_mask
 from deepseek41.ops.gpu.topk_select import topk_threshold
+from deepseek41.ops.sparse_attention import selection_mask
 from deepseek41.ops.topk_select import topk_threshold_reference
 from tests.test_indexer import first_visible, layout
 

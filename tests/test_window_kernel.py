@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepseek41.ops.swa_attention import _swa_partial_reference, swa_partial
 from deepseek41.ops.gpu.window_kernel import window_partial_fused
+from deepseek41.ops.swa_attention import _swa_partial_reference, swa_partial
 from tests.util import triton_lowering_for_h200
 
 # Small blocks so that every query block spans several key blocks and vice versa, and the

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from deepseek41.ops.chunking import map_query_chunks
+from deepseek41.ops.gpu.sparse_kernel import sparse_backward_fused, sparse_partial_fused
 from deepseek41.ops.parallel.per_device import batch_local
 from deepseek41.ops.softmax_merge import Branch
-from deepseek41.ops.gpu.sparse_kernel import sparse_backward_fused, sparse_partial_fused
 from deepseek41.ops.swa_attention import _masked_softmax_partial
 
 IMPLS = ('reference', 'gathered', 'fused')

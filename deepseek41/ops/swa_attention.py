@@ -31,9 +31,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from deepseek41.ops.gpu.window_kernel import window_backward_fused, window_partial_fused
 from deepseek41.ops.parallel.per_device import batch_local
 from deepseek41.ops.softmax_merge import Branch, merge_stats
-from deepseek41.ops.gpu.window_kernel import window_backward_fused, window_partial_fused
 
 IMPLS = ('reference', 'chunked', 'fused')
 
