@@ -167,9 +167,11 @@ def test_kernels_lower_to_triton_at_h200_shapes():
     def fp8_fwd_bwd(x, w, te, g, dy):
       y, vjp = jax.vjp(lambda x, w: fp8(x, w, te, g), x, w)
       return y, vjp(dy)
-    cases = [(lambda x, w, te: gg.gmm(x, w, te), (x, w, te)),
-             (lambda dy, w, te: gg.gmm(dy, w, te, transpose_rhs=True), (dy, w, te)),
-             (lambda x, dy, g: gg.tgmm(x, dy, g, block_m=bm), (x, dy, g)),
+    # Compiled, as on the GPU (the launch rule would interpret on this CPU).
+    cases = [(lambda x, w, te: gg.gmm(x, w, te, interpret=False), (x, w, te)),
+             (lambda dy, w, te: gg.gmm(dy, w, te, transpose_rhs=True, interpret=False),
+              (dy, w, te)),
+             (lambda x, dy, g: gg.tgmm(x, dy, g, block_m=bm, interpret=False), (x, dy, g)),
              # model.fp8: e4m3 operands, scaled epilogue, forward and dgrad (+ bf16 tgmm)
              (fp8_fwd_bwd, (x, w, te, g, dy))]
     for fn, args in cases:

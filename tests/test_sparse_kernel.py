@@ -222,11 +222,13 @@ def test_kernels_lower_for_triton():
   valid = jnp.ones((b, t, k), bool)
 
   def loss(qs, kv, grouped):
+    # Compiled, as on the GPU (the launch rule would interpret on this CPU).
+    kw = dict(scale=0.04, interpret=False)
     if grouped:
-      o, lse, _, sinks = sparse_partial_fused(qs[0], kv, idx, valid, later=1, scale=0.04)
-      o2, lse2, _ = sparse_partial_fused(qs[1], kv, idx, valid, sink=sinks[0], scale=0.04)
+      o, lse, _, sinks = sparse_partial_fused(qs[0], kv, idx, valid, later=1, **kw)
+      o2, lse2, _ = sparse_partial_fused(qs[1], kv, idx, valid, sink=sinks[0], **kw)
     else:
-      o, lse, _ = sparse_partial_fused(qs[0], kv, idx, valid, scale=0.04)
+      o, lse, _ = sparse_partial_fused(qs[0], kv, idx, valid, **kw)
       o2, lse2 = o, lse
     return sum(jnp.sum(x.astype(jnp.float32)) for x in (o, o2, lse, lse2))
   with triton_lowering_for_h200():
