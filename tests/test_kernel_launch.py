@@ -140,9 +140,9 @@ def test_the_scan_finds_each_way_around_the_helper():
       'imported': 'from jax.experimental.pallas import pallas_call\n',
       'keyword': 'y = kernel(x, interpret=jax.default_backend() == "cpu")\n',
       'default': 'def kernel(x, *, interpret=jax.default_backend() != "gpu"):\n  pass\n',
-      'assigned': 'interpret = jax.sharding.get_abstract_mesh().abstract_device.platform == "cpu"\n',
+      'assigned': 'interpret = jax.sharding.get_abstract_mesh().abstract_device.platform\n',
       'compared': 'tiles = SMALL if jax.default_backend() == "cpu" else BIG\n',
-      'helper': 'def _interpret():\n  platform = jax.default_backend()\n  return platform.lower()\n',
+      'helper': 'def _interpret():\n  name = jax.default_backend()\n  return name == "cpu"\n',
   }
   path = os.path.join('deepseek41', 'ops', 'gpu', 'made_up.py')
   for name, src in snippets.items():

@@ -73,6 +73,9 @@ def pallas_call(kernel, *, out_shape, interpret: bool | None = None, **kwargs):
   return call
 
 
+# ---- shapes only (tools.plan) --------------------------------------------------------------------
+
+
 @contextlib.contextmanager
 def shapes_only():
   """Within: the kernels trace as their operands and results only (module docstring)."""
