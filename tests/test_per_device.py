@@ -2,8 +2,9 @@
 
 GSPMD cannot split a pallas_call (it would gather the batch onto every device), so each kernel
 sits inside a shard_map (ops/parallel/per_device.py, ops/parallel/expert_parallel.py). Checked
-twice on 8 fake CPU devices, the kernels in the Pallas interpreter: structurally (no pallas_call outside a
-shard_map in the traced train loss) and numerically (loss and gradients equal to 1 device).
+twice on 8 fake CPU devices, the kernels in the Pallas interpreter: structurally (no pallas_call
+outside a shard_map in the traced train loss) and numerically (loss and gradients equal to 1
+device).
 The indexer-score kernel is a GPU-only config choice, so it is checked on its own.
 """
 

@@ -28,8 +28,8 @@ and relu makes exact zeros (of either sign, depending on w) common.
 
 select_impl (model.select_impl): 'top_k' runs `jax.lax.top_k` (it sorts whole rows on the GPU);
 'threshold' runs the exact threshold-select kernel (ops/gpu/topk_select.py; in the Pallas
-interpreter on the CPU), which picks the same SET, ties included, but fills the slots in ascending entry
-index order instead of descending score. Nothing downstream reads the slot order as a ranking:
+interpreter on the CPU), which picks the same SET, ties included, but fills the slots in
+ascending entry index order instead of descending score. Nothing downstream reads the slot order as a ranking:
 attention, the pool mask and the KL are sums over slots (their float summation order changes,
 so results agree to rounding, not bit for bit). Only `recall_per_query` (a logged diagnostic)
 breaks ties by lowest slot: student scores tied as the selection keys were sit in ascending
