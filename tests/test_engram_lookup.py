@@ -1,4 +1,5 @@
-"""The Engram table exchange (ops/engram_lookup.py) on 8 fake CPU devices against the plain gather.
+"""The Engram table exchange (ops/parallel/engram_lookup.py) on 8 fake CPU devices against the
+plain gather.
 
 Rows and the table's gradient on meshes whose table group is one axis, two axes (fsdp x expert,
 in rule order), or absent, with tokens split over data and context and replicated over tensor;
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from deepseek41.ops import engram_lookup as el
 from deepseek41.config import DEFAULT_RULES, mesh_rules
+from deepseek41.ops.parallel import engram_lookup as el
 from deepseek41.sharding import fitted_spec
 
 B, T, J, R, H = 8, 32, 4, 4096, 8

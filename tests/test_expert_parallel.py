@@ -1,4 +1,5 @@
-"""Expert parallelism (ops/expert_parallel.py) on 8 fake CPU devices against no mesh at all.
+"""Expert parallelism (ops/parallel/expert_parallel.py) on 8 fake CPU devices against no mesh at
+all.
 
 Each backend's routed experts, forward and gradients (x, router weights, the three expert
 tensors), on meshes that split the tokens, the experts and the expert width. f32 throughout;
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from deepseek41.ops import expert_parallel as ep
+from deepseek41.ops.parallel import expert_parallel as ep
 
 B, T, D, F, E, K = 8, 12, 16, 32, 8, 2
 LIMIT = 7.0

@@ -22,10 +22,11 @@ import numpy as np
 import pytest
 
 from deepseek41.config import ConfigError
-from deepseek41.ops import grouped_gemm as gg
+from deepseek41.ops import grouped_gemm
 from deepseek41.ops.expert_gemm import expert_ffn
 from deepseek41.ops.fp8_matmul import (dense, fp8_matmul, fp8_matmul_reference,
                                        fp8_matmul_reference_vjp, qdq_rowwise, quantize_rowwise)
+from deepseek41.ops.gpu import grouped_gemm as gg
 from tests.util import packed_batch, resolved
 
 TIGHT = 1e-6
@@ -198,7 +199,7 @@ def test_expert_fp8_is_close_to_off(expert_runs, backend):
 def test_grouped_fp8_kernel_equals_its_reference():
   tiles = gg.INTERPRET_TILES
   _, idx, _, valid, *_ = expert_inputs(1)
-  lay = gg.make_layout(idx, valid, E, tiles.block_m)
+  lay = grouped_gemm.make_layout(idx, valid, E, tiles.block_m)
   m = lay.used_m.shape[0]
   x = rows(5, (m, D), 3.0) * lay.used_m[:, None]
   dy = rows(6, (m, F), 3.0) * lay.used_m[:, None]
@@ -207,12 +208,12 @@ def test_grouped_fp8_kernel_equals_its_reference():
                           group_tiles_e1=lay.group_tiles_e1, tiles=tiles, interpret=True)
   y, vjp = jax.vjp(lambda x, w: fwd(x, w), x, w)
   dx, dw = vjp(dy)
-  assert rel_max(y, gg.grouped_matmul_fp8_reference(x, w, lay.tile_expert_t)) <= TIGHT
-  ref_dx = gg.grouped_matmul_fp8_reference(dy, w, lay.tile_expert_t, transpose_rhs=True)
+  assert rel_max(y, grouped_gemm.grouped_matmul_fp8_reference(x, w, lay.tile_expert_t)) <= TIGHT
+  ref_dx = grouped_gemm.grouped_matmul_fp8_reference(dy, w, lay.tile_expert_t, transpose_rhs=True)
   assert rel_max(dx, ref_dx) <= TIGHT
-  _, ref_vjp = jax.vjp(lambda w: gg.grouped_matmul_reference(x, w, lay.tile_expert_t), w)
+  _, ref_vjp = jax.vjp(lambda w: grouped_gemm.grouped_matmul_reference(x, w, lay.tile_expert_t), w)
   assert rel_max(dw, ref_vjp(dy)[0]) <= 1e-5  # the weight gradient is not quantized
-  assert rel_norm(y, gg.grouped_matmul_reference(x, w, lay.tile_expert_t)) > 1e-3
+  assert rel_norm(y, grouped_gemm.grouped_matmul_reference(x, w, lay.tile_expert_t)) > 1e-3
 
 
 # ---- model and config --------------------------------------------------------------------------

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepseek41.ops import grouped_gemm as gg
+from deepseek41.ops import grouped_gemm
+from deepseek41.ops.gpu import grouped_gemm as gg
 
 N, K, E, D, F = 64, 2, 8, 24, 40  # D, F not multiples of 16: the kernels pad them
 BM = gg.INTERPRET_TILES.block_m  # 32: tgmm takes two 16-row steps per tile
@@ -48,9 +49,9 @@ def dispatch(x_nd, lay):
 
 def test_layout_matches_definition():
   idx, valid = routing(0)
-  lay = jax.jit(gg.make_layout, static_argnums=(2, 3))(idx, valid, E, BM)
+  lay = jax.jit(grouped_gemm.make_layout, static_argnums=(2, 3))(idx, valid, E, BM)
   idx, valid = np.asarray(idx), np.asarray(valid)
-  m_pad = gg.padded_rows(N * K, E, BM)
+  m_pad = grouped_gemm.padded_rows(N * K, E, BM)
   te = np.asarray(lay.tile_expert_t)
   g = np.asarray(lay.group_tiles_e1)
   assert te.shape == (m_pad // BM,) and g.shape == (E + 1,)
@@ -80,7 +81,7 @@ def test_layout_matches_definition():
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 def test_kernels_match_reference(dtype):
   idx, valid = routing(1)
-  lay = gg.make_layout(idx, valid, E, BM)
+  lay = grouped_gemm.make_layout(idx, valid, E, BM)
   ks = jax.random.split(jax.random.key(2), 3)
   x_md = dispatch(jax.random.normal(ks[0], (N, D)), lay).astype(dtype)
   w_edf = (jax.random.normal(ks[1], (E, D, F)) / np.sqrt(D)).astype(dtype)
@@ -88,7 +89,7 @@ def test_kernels_match_reference(dtype):
   dy_mf = dy_mf.astype(dtype)
   # bf16: the reference takes the same bf16 values in f32, so only the output rounding differs.
   rtol = RTOL if dtype == jnp.float32 else 8e-3
-  ref = lambda x, w: gg.grouped_matmul_reference(x, w, lay.tile_expert_t)  # noqa: E731
+  ref = lambda x, w: grouped_gemm.grouped_matmul_reference(x, w, lay.tile_expert_t)  # noqa: E731
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
   y_ref, vjp = jax.vjp(ref, f32(x_md), f32(w_edf))
   dx_ref, dw_ref = vjp(f32(dy_mf))
@@ -111,8 +112,8 @@ def test_kernels_match_reference(dtype):
 def test_grouped_matmul_grads_match_ragged_dot():
   """The custom VJP against lax.ragged_dot on the unpadded expert-sorted rows."""
   idx, valid = routing(3)
-  lay = gg.make_layout(idx, valid, E, BM)
-  order_a, _, counts_e = gg.sort_by_expert(idx, valid, E)
+  lay = grouped_gemm.make_layout(idx, valid, E, BM)
+  order_a, _, counts_e = grouped_gemm.sort_by_expert(idx, valid, E)
   ks = jax.random.split(jax.random.key(4), 3)
   x_nd = jax.random.normal(ks[0], (N, D))
   w_edf = jax.random.normal(ks[1], (E, D, F)) / np.sqrt(D)
@@ -154,7 +155,7 @@ def test_kernels_lower_to_triton_at_h200_shapes():
   pcr.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
   try:
     e, d, f, bm = 64, 1024, 384, gg.GPU_TILES.block_m
-    m = gg.padded_rows(4096 * 6, e, bm)
+    m = grouped_gemm.padded_rows(4096 * 6, e, bm)
     bf16 = jnp.bfloat16
     x = jax.ShapeDtypeStruct((m, d), bf16)
     w = jax.ShapeDtypeStruct((e, d, f), bf16)
@@ -166,9 +167,11 @@ def test_kernels_lower_to_triton_at_h200_shapes():
     def fp8_fwd_bwd(x, w, te, g, dy):
       y, vjp = jax.vjp(lambda x, w: fp8(x, w, te, g), x, w)
       return y, vjp(dy)
-    cases = [(lambda x, w, te: gg.gmm(x, w, te), (x, w, te)),
-             (lambda dy, w, te: gg.gmm(dy, w, te, transpose_rhs=True), (dy, w, te)),
-             (lambda x, dy, g: gg.tgmm(x, dy, g, block_m=bm), (x, dy, g)),
+    # Compiled, as on the GPU (the launch rule would interpret on this CPU).
+    cases = [(lambda x, w, te: gg.gmm(x, w, te, interpret=False), (x, w, te)),
+             (lambda dy, w, te: gg.gmm(dy, w, te, transpose_rhs=True, interpret=False),
+              (dy, w, te)),
+             (lambda x, dy, g: gg.tgmm(x, dy, g, block_m=bm, interpret=False), (x, dy, g)),
              # model.fp8: e4m3 operands, scaled epilogue, forward and dgrad (+ bf16 tgmm)
              (fp8_fwd_bwd, (x, w, te, g, dy))]
     for fn, args in cases:
@@ -184,7 +187,7 @@ def test_shapes_only_stand_in_holds_the_kernels_buffers_and_never_runs(fp8):
   """tools.plan's stand-in: within shapes_only the routed experts compile with the grouped
   layout's buffers but without the interpreter's loops (which copy the kernels' operands); a
   program traced within refuses to run, and a program traced outside runs the kernels."""
-  from deepseek41.ops import expert_gemm, stand_in
+  from deepseek41.ops import expert_gemm, launch
   n, d, f, e, k = 512, 64, 32, 8, 2
   ks = jax.random.split(jax.random.key(0), 6)
   x = jax.random.normal(ks[0], (n, d))
@@ -201,13 +204,13 @@ def test_shapes_only_stand_in_holds_the_kernels_buffers_and_never_runs(fp8):
 
   interpreted = grads('grouped').lower(x, wt, *ws).compile()
   traced_within = grads('grouped')
-  with stand_in.shapes_only():
+  with launch.shapes_only():
     compiled = traced_within.lower(x, wt, *ws).compile()
   hlo = compiled.as_text()
   # Three projections forward, then dgrad and wgrad of each: nine opaque kernels.
   assert hlo.count('custom_call_target="xla_python_cpu_callback"') + \
       hlo.count('custom_call_target="xla_ffi_python_cpu_callback"') == 9, hlo[:2000]
-  m_pad = gg.padded_rows(n * k, e, TILES.block_m)
+  m_pad = grouped_gemm.padded_rows(n * k, e, TILES.block_m)
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp >= m_pad * d * 4  # at least the layout's rows and their cotangent
   assert temp < interpreted.memory_analysis().temp_size_in_bytes

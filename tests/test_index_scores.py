@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from deepseek41.config import ConfigError
-from deepseek41.ops.index_scores import index_scores_fused
+from deepseek41.ops.gpu.index_scores import index_scores_fused
 from deepseek41.ops.index_scores import index_scores_reference as index_scores
 from tests.util import resolved
 

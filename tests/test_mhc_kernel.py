@@ -11,7 +11,7 @@ from flax import nnx
 
 from deepseek41.model.mhc import (MHCSite, collapse, expand, fused_site_collapse, sinkhorn,
                                   site_coefficients)
-from deepseek41.ops import mhc_kernel as K
+from deepseek41.ops.gpu import mhc_kernel as K
 from tests.util import resolved, triton_lowering_for_h200
 
 N = 4

@@ -1,9 +1,10 @@
 """Every Pallas kernel of the model runs on each device's own batch rows under a mesh.
 
 GSPMD cannot split a pallas_call (it would gather the batch onto every device), so each kernel
-sits inside a shard_map (ops/per_device.py, ops/expert_parallel.py). Checked twice on 8 fake CPU
-devices, the kernels in the Pallas interpreter: structurally (no pallas_call outside a
-shard_map in the traced train loss) and numerically (loss and gradients equal to 1 device).
+sits inside a shard_map (ops/parallel/per_device.py, ops/parallel/expert_parallel.py). Checked
+twice on 8 fake CPU devices, the kernels in the Pallas interpreter: structurally (no pallas_call
+outside a shard_map in the traced train loss) and numerically (loss and gradients equal to 1
+device).
 The indexer-score kernel is a GPU-only config choice, so it is checked on its own.
 """
 

@@ -193,12 +193,12 @@ def test_block_keep_attention_counts_the_kernel_outputs_each_layer_keeps():
 
 
 def test_kernels_compile_as_their_buffers_for_the_gpu_plan():
-  """Within stand_in.shapes_only() every Pallas kernel is an opaque call of its results, inside
+  """Within launch.shapes_only() every Pallas kernel is an opaque call of its results, inside
   its custom VJP: the sparse attention's backward then keeps what the GPU's does (q, kv, the
   selection, o, lse) and never a [T, K, d] gather. Outside, the same code traces the kernel
   (at shapes not traced within: jit reuses what it traced), and a program traced within raises
   if it runs."""
-  from deepseek41.ops import stand_in
+  from deepseek41.ops import launch
   from deepseek41.ops.sparse_attention import compressed_partial
   h, d, n, k = 16, 32, 64, 16
 
@@ -213,13 +213,13 @@ def test_kernels_compile_as_their_buffers_for_the_gpu_plan():
 
   def primitives(args):
     return {e.primitive.name for e in jaxpr_eqns(jax.make_jaxpr(residuals)(*args).jaxpr)}
-  with stand_in.shapes_only():
+  with launch.shapes_only():
     kept = jax.eval_shape(residuals, *abstract(64))
     inside = primitives(abstract(64))
   assert 'pallas_call' not in inside and 'pure_callback' in inside
   assert max(x.size for x in kept) == 64 * h * d   # q or o: no [T, K, d]
   assert 'pallas_call' in primitives(abstract(32))
-  with stand_in.shapes_only():
+  with launch.shapes_only():
     fn = jax.jit(lambda q, kv: compressed_partial(q, kv, jnp.zeros((1, 64, k), jnp.int32),
                                                   jnp.ones((1, 64, k), bool), impl='fused')[0])
     with pytest.raises(Exception, match='stand-in of a kernel ran'):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from deepseek41.ops.selected_scores import (selected_scores, selected_scores_fused,
-                                            selected_scores_reference)
+from deepseek41.ops.gpu.selected_scores import selected_scores_fused
+from deepseek41.ops.selected_scores import selected_scores, selected_scores_reference
 from flax import nnx
 
 from deepseek41.model.transformer import Transformer

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from deepseek41.model.rope import apply_rope, rope_inv_freq
+from deepseek41.ops.gpu.window_kernel import window_backward_fused, window_partial_fused
 from deepseek41.ops.softmax_merge import merge
 from deepseek41.ops.sparse_attention import compressed_branch, compressed_partial
 from deepseek41.ops.swa_attention import combine_with_sink, swa_partial, window_branch
-from deepseek41.ops.window_kernel import window_backward_fused, window_partial_fused
 
 B, T, H, D, N, K, WINDOW = 2, 64, 16, 32, 16, 8, 8
 

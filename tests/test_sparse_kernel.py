@@ -12,9 +12,9 @@ from flax import nnx
 
 from deepseek41.model.indexer import select_topk
 from deepseek41.model.transformer import Transformer
+from deepseek41.ops.gpu import sparse_kernel
+from deepseek41.ops.gpu.sparse_kernel import sparse_partial_fused
 from deepseek41.ops.sparse_attention import compressed_partial
-from deepseek41.ops import sparse_kernel
-from deepseek41.ops.sparse_kernel import sparse_partial_fused
 from tests.util import packed_batch, resolved, token_ce, triton_lowering_for_h200
 
 H, D = 16, 32
@@ -222,11 +222,13 @@ def test_kernels_lower_for_triton():
   valid = jnp.ones((b, t, k), bool)
 
   def loss(qs, kv, grouped):
+    # Compiled, as on the GPU (the launch rule would interpret on this CPU).
+    kw = dict(scale=0.04, interpret=False)
     if grouped:
-      o, lse, _, sinks = sparse_partial_fused(qs[0], kv, idx, valid, later=1, scale=0.04)
-      o2, lse2, _ = sparse_partial_fused(qs[1], kv, idx, valid, sink=sinks[0], scale=0.04)
+      o, lse, _, sinks = sparse_partial_fused(qs[0], kv, idx, valid, later=1, **kw)
+      o2, lse2, _ = sparse_partial_fused(qs[1], kv, idx, valid, sink=sinks[0], **kw)
     else:
-      o, lse, _ = sparse_partial_fused(qs[0], kv, idx, valid, scale=0.04)
+      o, lse, _ = sparse_partial_fused(qs[0], kv, idx, valid, **kw)
       o2, lse2 = o, lse
     return sum(jnp.sum(x.astype(jnp.float32)) for x in (o, o2, lse, lse2))
   with triton_lowering_for_h200():

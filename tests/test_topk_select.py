@@ -12,8 +12,9 @@ import pytest
 
 from deepseek41.model.indexer import (block_scores, candidate_blocks, newest_visible_bt,
                                       select_topk, select_topk_blocked)
+from deepseek41.ops.gpu.topk_select import topk_threshold
 from deepseek41.ops.sparse_attention import selection_mask
-from deepseek41.ops.topk_select import topk_threshold_reference, topk_threshold
+from deepseek41.ops.topk_select import topk_threshold_reference
 from tests.test_indexer import first_visible, layout
 
 SPECIALS = np.array([-np.inf, -3e38, -1.5, -1e-45, -0.0, 0.0, 1e-45, 1.5, 3e38, np.inf],
@@ -207,7 +208,7 @@ def test_gradient_through_the_selection_is_the_same():
 
 def test_rows_too_long_for_the_kernel():
   """Past MAX_L the kernel refuses and the indexer's 'threshold' path uses the reference."""
-  from deepseek41.ops.topk_select import MAX_L
+  from deepseek41.ops.gpu.topk_select import MAX_L
   x = keys('ties', 2, MAX_L + 5, seed=2)
   with pytest.raises(ValueError, match='on chip'):
     topk_threshold(jnp.asarray(x), 8, interpret=True)

@@ -1,7 +1,7 @@
 """The TPU kernels (Pallas, Mosaic backend) and what each hot op takes on the TPU.
 
-- ops/tpu_grouped_gemm.py (megablox's grouped GEMM) equals jax.lax.ragged_dot, forward and both
-  gradients, with an empty expert and rows past the groups; ops/tpu_index_scores.py equals the
+- ops/tpu/grouped_gemm.py (megablox's grouped GEMM) equals jax.lax.ragged_dot, forward and both
+  gradients, with an empty expert and rows past the groups; ops/tpu/index_scores.py equals the
   jnp indexer scores on every visible entry and writes 0 on tiles past the causal limit. Both in
   the Pallas interpreter, on the CPU.
 - Both compile for v5p and v6e with the TPU compiler, deviceless (needs libtpu, the tpu extra),
@@ -19,8 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from deepseek41.config import load_config_file, resolve
 from deepseek41.ops.index_scores import index_scores_reference
-from deepseek41.ops.tpu_grouped_gemm import grouped_dot, tiling_for
-from deepseek41.ops.tpu_index_scores import index_scores_tpu
+from deepseek41.ops.tpu.grouped_gemm import grouped_dot, tiling_for
+from deepseek41.ops.tpu.index_scores import index_scores_tpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,7 +81,8 @@ def test_kernels_compile_for_tpu_deviceless(topology):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=one_chip)
 
   def compile_(fn, *args):
-    compiled = jax.jit(fn).lower(*args).compile()
+    with jax.set_mesh(one_chip.mesh):  # the launch rule (ops/launch.py) reads the mesh: the TPU
+      compiled = jax.jit(fn).lower(*args).compile()
     assert 'tpu_custom_call' in compiled.as_text()  # the Mosaic kernel, not an XLA fallback
     return compiled.cost_analysis()['flops']
 

@@ -161,11 +161,11 @@ def test_fused_attention_equals_reference_with_padding():
 
 
 def test_plan_stand_in_keeps_a_flash_kernels_buffers():
-  """tools.plan's stand-in for the fused vision attention (stand_in.shapes_only): forward +
+  """tools.plan's stand-in for the fused vision attention (launch.shapes_only): forward +
   backward compile without any [P, P] buffer, far under the dense path's temporaries, with the
   gradients' shapes and dtypes; a program traced within refuses to run."""
   from deepseek41.model.vision import vit_attention
-  from deepseek41.ops import stand_in
+  from deepseek41.ops import launch
   s, p, h, d = 2, 512, 2, 16
   q, k, v = (jax.ShapeDtypeStruct((s, p, h, d), jnp.bfloat16) for _ in range(3))
   lengths = jax.ShapeDtypeStruct((s,), jnp.int32)
@@ -176,7 +176,7 @@ def test_plan_stand_in_keeps_a_flash_kernels_buffers():
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   dense = grads('reference').lower(q, k, v, lengths).compile()
   within = grads('fused')
-  with stand_in.shapes_only():
+  with launch.shapes_only():
     lowered = within.lower(q, k, v, lengths)
     compiled = lowered.compile()
   assert [(g.shape, g.dtype) for g in lowered.out_info] == [((s, p, h, d), jnp.bfloat16)] * 3

@@ -1,4 +1,5 @@
-"""Fused window kernel (ops/window_kernel.py) against `_swa_partial_reference`, in interpret mode.
+"""Fused window kernel (ops/gpu/window_kernel.py) against `_swa_partial_reference`, in interpret
+mode.
 
 Outputs and gradients of q and kv under nonzero cotangents on both o and lse, with several
 documents per row, a padding tail, image spans, T not a multiple of the blocks, and a window
@@ -13,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from deepseek41.ops.gpu.window_kernel import window_partial_fused
 from deepseek41.ops.swa_attention import _swa_partial_reference, swa_partial
-from deepseek41.ops.window_kernel import window_partial_fused
 from tests.util import triton_lowering_for_h200
 
 # Small blocks so that every query block spans several key blocks and vice versa, and the
@@ -145,8 +146,8 @@ def test_pipeline_depth_reaches_each_kernel(num_stages, want):
   kv = jax.ShapeDtypeStruct((1, 64, 512), jnp.bfloat16)
   seg = jnp.ones((1, 64), jnp.int32)
 
-  def loss(q, kv):
-    o, _ = window_partial_fused(q, kv, seg, window=16, num_stages=num_stages)
+  def loss(q, kv):  # compiled, as on the GPU (the launch rule would interpret on this CPU)
+    o, _ = window_partial_fused(q, kv, seg, window=16, num_stages=num_stages, interpret=False)
     return jnp.sum(o.astype(jnp.float32))
   with triton_lowering_for_h200():
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(q, kv).lower(
@@ -170,7 +171,7 @@ def test_forward_and_dq_walk_their_own_key_blocks(monkeypatch):
   """Outputs cannot tell which key block a kernel steps over, so this records the block each
   kernel's walk is built with: the forward's `block_k`, the dq kernel's `block_k_dq`, and the
   defaults at 16 heads (64 and 32) and 64 heads (32 and 32)."""
-  from deepseek41.ops import window_kernel as W  # noqa: PLC0415
+  from deepseek41.ops.gpu import window_kernel as W  # noqa: PLC0415
   seen = []
   real = W._key_blocks
   monkeypatch.setattr(W, '_key_blocks', lambda t0, bk, st: (seen.append(bk), real(t0, bk, st))[1])

@@ -43,7 +43,7 @@ class ModelConfig:
   # or a plain pre-norm residual (ablation).
   residual: str = key('mhc_single_pass', choices=('mhc_single_pass', 'mhc_multi_pass', 'plain'))
   hc_mult: int = key(4)                 # [hc_mult] residual streams
-  # How the mHC sites run: `reference` (jnp, model/mhc.py) or `fused` (ops/mhc_kernel.py, GPU
+  # How the mHC sites run: `reference` (jnp, model/mhc.py) or `fused` (ops/gpu/mhc_kernel.py, GPU
   # Pallas kernels that read and write the streams once per site). auto = fused on the GPU where
   # it tiles (docs/performance.md section 10.2: one layer's mHC 8.3 -> 5.2 ms, 18 GB less).
   mhc_impl: str = key('auto', choices=('reference', 'fused'), auto=auto.mhc_impl,
@@ -74,7 +74,8 @@ class ModelConfig:
   # [I] Tables split over several devices: each device sends its distinct row ids to the rows'
   # owners in chunks of engram_exchange_capacity x (its lookups / owners) ids (at least 256);
   # ids past a chunk read zero rows and are counted in engram_dropped_frac. 0 = chunks of every
-  # lookup (exact under any skew, owners x the bytes). ops/engram_lookup.py says why 2 is ample.
+  # lookup (exact under any skew, owners x the bytes). ops/parallel/engram_lookup.py says why 2
+  # is ample.
   engram_exchange_capacity: float = key(2.0, execution_only=True)
   # CSA2 (sections 3.6-3.8): on in every shipped config; off = window attention only (ablation).
   csa2: bool = key(False)
@@ -108,8 +109,8 @@ class ModelConfig:
                          execution_only=True)
   # capacity_einsum: slots per expert = ceil(cf * N * K / E)
   capacity_factor: float = key(1.25, execution_only=True)
-  # Expert parallelism (mesh.expert > 1; ops/expert_parallel.py), how the dropless backends'
-  # tokens reach their experts' shards (model.expert_exchange):
+  # Expert parallelism (mesh.expert > 1; ops/parallel/expert_parallel.py), how the dropless
+  # backends' tokens reach their experts' shards (model.expert_exchange):
   #   allgather: every shard's tokens gathered on each expert shard, the partial outputs summed
   #     back (psum_scatter); a token crosses once whatever its K, never drops; sends (S-1) x N
   #     rows each way, S = mesh.expert: the smallest exchange while S < K.
@@ -125,7 +126,7 @@ class ModelConfig:
   # the H200 XLA's ragged_all_to_all took 644 ms where the padded exchange took 12.8 ms, one
   # device, 32K tokens: docs/performance.md 11.1).
   expert_buffer_factor: float = key(0.0, execution_only=True)
-  # The grouped experts' weight-gradient kernel (ops/grouped_gemm.py): our Triton tgmm, or jax's
+  # The grouped experts' weight-gradient kernel (ops/gpu/grouped_gemm.py): our Triton tgmm, or jax's
   # Mosaic GPU transposed ragged dot (Hopper only; elsewhere it falls back to tgmm). On the H200
   # mosaic makes the expert block's forward+backward 21% faster at the released shapes (d 5120)
   # but only 9% at the 1B ones, where the training step does not move and its compile takes 36 s
@@ -146,8 +147,8 @@ class ModelConfig:
   eval_moe_backend: str = key('auto', auto=auto.eval_moe_backend,
                               choices=('reference', 'capacity_einsum', 'ragged_dot', 'grouped'),
                               execution_only=True)
-  # fused: the GPU kernels (ops/window_kernel.py, ops/sparse_kernel.py); the other choices are
-  # the plain jnp paths, which every backend runs. auto picks the kernels on the GPU (the window
+  # fused: the GPU kernels (ops/gpu/window_kernel.py, ops/gpu/sparse_kernel.py); the other choices
+  # are the plain jnp paths, which every backend runs. auto picks the kernels on the GPU (the window
   # kernel where attention_kernel_supported() takes the shapes; docs/performance.md section 9).
   attention_impl: str = key('auto', choices=('reference', 'chunked', 'fused'),
                             auto=auto.attention_impl, execution_only=True)
@@ -166,7 +167,7 @@ class ModelConfig:
   index_causal_groups: int = key(4, execution_only=True)
   # With the fused kernel, the layers that read one index source's selection (and so the same
   # KV rows) add their key/value gradient once, in the index source's backward, instead of once
-  # each (ops/sparse_kernel.py; docs/performance.md section 25). Same gradients.
+  # each (ops/gpu/sparse_kernel.py; docs/performance.md section 25). Same gradients.
   sparse_group_dkv: bool = key(True, execution_only=True)
   # With the fused kernels, their backward runs against the layer's merged softmax
   # (log-sum-exp, output cotangent, D = sum dO * O) instead of through autodiff of the merge,
@@ -176,7 +177,7 @@ class ModelConfig:
   # Image-span queries per chunk of the span branch; each chunk's scores are recomputed in the
   # backward instead of kept (ops/span_attention.py). 0: whole spans, probabilities kept.
   span_chunk: int = key(256, execution_only=True)
-  # fused: the GPU kernel (ops/index_scores.py), for the shapes index_scores_supported() takes;
+  # fused: the GPU kernel (ops/gpu/index_scores.py), for the shapes index_scores_supported() takes;
   # auto picks it wherever it can run.
   index_impl: str = key('auto', choices=('reference', 'fused', 'mosaic'), auto=auto.index_impl,
                         execution_only=True)
@@ -319,8 +320,8 @@ class TrainConfig:
 
 
 # logical axis -> mesh axis or axes ('' = replicated); see sharding.py. Activations are split
-# over `batch` and, with context parallelism, over `context` along the sequence (ops/per_device.py:
-# the mesh axis names there are these rules' defaults).
+# over `batch` and, with context parallelism, over `context` along the sequence
+# (ops/parallel/per_device.py: the mesh axis names there are these rules' defaults).
 DEFAULT_RULES = (
     ('batch', 'data,fsdp,expert'),
     ('length', 'context'),
@@ -360,7 +361,7 @@ class MeshConfig:
   tensor: int = key(1)
   context: int = key(1)                 # sequence shards (context parallelism)
   # Sequence parallelism: with tensor > 1, the residual between layers (what block remat keeps)
-  # is split along the sequence over `tensor` too, not replicated (ops/per_device.py).
+  # is split along the sequence over `tensor` too, not replicated (ops/parallel/per_device.py).
   sequence_parallel: bool = key(True)
   # Resolved to ((logical_axis, (mesh_axis, ...)), ...).
   rules: tuple[tuple[str, tuple[str, ...]], ...] = key(DEFAULT_RULES)

@@ -173,7 +173,7 @@ class CSA2(nnx.Module):
       self.index_query = IndexQuery(cfg, cfg.index_n_heads, cfg.index_head_dim, rngs)
     # The later layers reading this layer's selection (hence its KV source's entries): with the
     # fused kernel they hand their key/value gradient's coefficients to this layer's backward,
-    # which adds it once for all (cfg.sparse_group_dkv; ops/sparse_kernel.py).
+    # which adds it once for all (cfg.sparse_group_dkv; ops/gpu/sparse_kernel.py).
     self.selection_readers = tuple(r.layer for r in layer_roles(cfg)
                                    if r.index_source == role.index_source and r.mode != SWA
                                    and r.layer != role.index_source)

@@ -28,9 +28,9 @@ from deepseek41.model.moe import MoE
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import dtype_of, normal_param
 from deepseek41.model.vision import VisionEncoder
-from deepseek41.ops.mhc_kernel import expand_fused
-from deepseek41.ops.per_device import constrain_tokens, gather_tensor_split
-from deepseek41.ops.sparse_kernel import KERNEL_OUTPUTS
+from deepseek41.ops.gpu.mhc_kernel import expand_fused
+from deepseek41.ops.launch import KERNEL_OUTPUTS
+from deepseek41.ops.parallel.per_device import constrain_tokens, gather_tensor_split
 
 
 @jax.custom_vjp

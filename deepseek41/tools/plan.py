@@ -43,8 +43,8 @@ one parameter-sized buffer the whole program keeps that no single-layer program 
 
 The production kernels (Pallas on the GPU, the TPU grouped GEMM) cannot be compiled for the CPU.
 For a GPU device kind the config is resolved for the GPU and its own code paths are compiled,
-each kernel as its buffers (`ops/stand_in.py`: an opaque call that holds exactly a kernel's
-operands and results, as a GPU kernel does): every Pallas kernel (`stand_in.pallas_call`, so the
+each kernel as its buffers (`ops/launch.py`: an opaque call that holds exactly a kernel's
+operands and results, as a GPU kernel does): every Pallas kernel (`launch.pallas_call`, so the
 custom VJPs around them keep the GPU's residuals), the routed experts' grouped GEMMs (the
 dropless `grouped` backend with its expert-sorted layout and, under expert parallelism, the
 allgather exchange's S N gathered tokens and their layout rows) and the vision tower's flash
@@ -89,8 +89,8 @@ from deepseek41.config import (MeshConfig, RunConfig, layer_roles, remat_label, 
                                resolve)
 from deepseek41.model.csa2 import INDEXER_TOTALS, SINKS
 from deepseek41.model.params import RouterBias
-from deepseek41.ops import stand_in
-from deepseek41.ops.per_device import constrain_tokens, gather_tensor_split, residual_spec
+from deepseek41.ops import launch
+from deepseek41.ops.parallel.per_device import constrain_tokens, gather_tensor_split, residual_spec
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.tools import info
 from deepseek41.tools.info import bytes_per_device, parse_mesh
@@ -133,14 +133,14 @@ _WORKER_ENV = 'DS41_PLAN_WORKER'
 
 def cpu_stand_ins(model: ml_collections.ConfigDict, backend: str) -> list[str]:
   """Make the config compile on the CPU for `backend`: for the GPU its own paths (the kernels
-  compile as their buffers within `stand_in.shapes_only()`), for the TPU the plain-jnp paths of
+  compile as their buffers within `launch.shapes_only()`), for the TPU the plain-jnp paths of
   the same math; returns what stands in for what, for the report."""
   if backend == 'cpu':
     return []
   notes = []
   if backend == 'gpu':
     # The GPU's own paths, resolved for the GPU; its Pallas kernels, grouped GEMMs and flash
-    # attention compile as their operands and results (ops/stand_in.py).
+    # attention compile as their operands and results (ops/launch.py).
     notes.append('GPU kernels (Pallas, cuDNN flash attention): as their operands and results')
   else:
     for key, plain in (('attention_impl', 'chunked'), ('sparse_impl', 'gathered'),
@@ -621,7 +621,7 @@ def plan(config, mesh_sizes: dict[str, int], *, batch: int | None = None,
   hbm = hbm if hbm_bytes is None else hbm_bytes
   cfg, notes = planned_config(config, mesh_sizes, batch=batch, seq_len=seq_len, backend=backend)
   state = state_bytes(cfg)
-  with stand_in.shapes_only():  # compiled, never run
+  with launch.shapes_only():  # compiled, never run
     programs = compile_programs(cfg, devices)
     full_step = full_step_memory(cfg, devices) if check_full_step else None
   per_device = assemble(state, programs)

@@ -8,9 +8,9 @@ of a group on the MXU and skips the experts' empty tiles; its backward is the sa
 transposed weights (dx) and its transposed grouped GEMM (dw, `tgmm`), megablox's own VJP.
 
 Rows are padded to whole row tiles (megablox needs M divisible by tm); tm/tk/tn are capped at
-the problem size so small test shapes compile. `interpret=True` runs the kernels in the Pallas
-interpreter (the CPU tests); without a TPU the kernel is still compiled for one, deviceless
-(tests/test_tpu_kernels.py).
+the problem size so small test shapes compile. On the CPU the kernels run in the Pallas
+interpreter (ops/launch.py's rule; `interpret` overrides it), as the tests run them; without a
+TPU the kernel is still compiled for one, deviceless (tests/test_tpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+
+from deepseek41.ops import launch
 
 DEFAULT_TILING = (512, 512, 512)  # (tm, tk, tn): the MXU-friendly default of MaxText-size GEMMs
 
@@ -37,7 +39,7 @@ def tiling_for(m: int, k: int, n: int, tiling=DEFAULT_TILING) -> tuple[int, int,
 
 
 @functools.partial(jax.jit, static_argnames=('tiling', 'interpret'))
-def grouped_dot(x_ad, w_edf, counts_e, *, tiling=DEFAULT_TILING, interpret: bool = False):
+def grouped_dot(x_ad, w_edf, counts_e, *, tiling=DEFAULT_TILING, interpret: bool | None = None):
   """[A, F] = each expert's rows of x_ad times its [D, F] weight, in x_ad's dtype (f32
   accumulation); differentiable in x_ad and w_edf."""
   a, d = x_ad.shape
@@ -51,5 +53,5 @@ def grouped_dot(x_ad, w_edf, counts_e, *, tiling=DEFAULT_TILING, interpret: bool
   x_ad = jnp.where(live_a1, x_ad, 0)
   x_pd = jnp.pad(x_ad, ((0, pad), (0, 0))) if pad else x_ad
   y_pf = megablox.gmm(x_pd, w_edf.astype(x_ad.dtype), counts_e, x_ad.dtype, (tm, tk, tn),
-                      None, None, False, interpret)
+                      None, None, False, launch.interpreted(interpret))
   return jnp.where(live_a1, y_pf[:a], 0).astype(x_ad.dtype)

@@ -43,11 +43,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepseek41.ops import stand_in
-from deepseek41.ops.index_scores import pad_axis
-from deepseek41.ops.per_device import batch_local
+from deepseek41.ops import launch
+from deepseek41.ops.contracts import MIN_DOT
+from deepseek41.ops.launch import pad_axis
+from deepseek41.ops.parallel.per_device import batch_local
 
-MIN_DOT = 16  # Triton's smallest matmul dimension
 _COEF_BLOCK = 128  # tokens per program of the per-token coefficient backward
 
 
@@ -500,7 +500,7 @@ def _forward(spec, x, f, post, comb, pin, fn, base, scale):
     for w in (n, n, n * n, cols):  # pre, post, comb, m (+ r)
       out_shape.append(jax.ShapeDtypeStruct((rows, w), jnp.float32))
       out_specs.append(_row_spec(tb, w))
-  outs = list(stand_in.pallas_call(
+  outs = list(launch.pallas_call(
       functools.partial(_fwd_kernel, spec=spec), out_shape=out_shape, grid=(rows // tb,),
       in_specs=in_specs, out_specs=out_specs, compiler_params=_params(spec),
       interpret=spec.interpret, name='mhc_fused_fwd')(*args))
@@ -536,14 +536,14 @@ def _fused_bwd(spec, res, cts):
   if spec.site:
     _, w_ncd, sb = _site_tables(spec, fn, base, scale)
     if spec.collapse == 'own':  # fold the collapse's d pre in before the coefficient backward
-      dpre = dpre + stand_in.pallas_call(
+      dpre = dpre + launch.pallas_call(
           functools.partial(_own_kernel, spec=spec),
           out_shape=jax.ShapeDtypeStruct((rows, n), jnp.float32), grid=(rows // tb,),
           in_specs=stream_specs + [_row_spec(tb, d)], out_specs=_row_spec(tb, n),
           compiler_params=_params(spec), interpret=spec.interpret,
           name='mhc_fused_own')(*stream_args, du.astype(x.dtype))
     tc = min(_COEF_BLOCK, rows)
-    da = stand_in.pallas_call(
+    da = launch.pallas_call(
         functools.partial(_coef_bwd_kernel, spec=spec),
         out_shape=jax.ShapeDtypeStruct((rows, cols), jnp.float32), grid=(rows // tc,),
         in_specs=[_row_spec(tc, cols), _whole((2, cols)), _row_spec(tc, n), _row_spec(tc, n),
@@ -578,7 +578,7 @@ def _fused_bwd(spec, res, cts):
   for w in widths:
     out_shape.append(jax.ShapeDtypeStruct((rows, w), jnp.float32))
     out_specs.append(_row_spec(tb, w))
-  outs = list(stand_in.pallas_call(
+  outs = list(launch.pallas_call(
       functools.partial(_bwd_kernel, spec=spec), out_shape=out_shape, grid=(rows // tb,),
       in_specs=in_specs, out_specs=out_specs, compiler_params=_params(spec),
       interpret=spec.interpret, name='mhc_fused_bwd')(*args))
@@ -610,7 +610,8 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _run(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, **kw):
-  """The kernels on each device's batch rows (ops/per_device.py); fn, base, scale replicated."""
+  """The kernels on each device's batch rows (ops/parallel/per_device.py); fn, base, scale
+  replicated."""
   return batch_local(functools.partial(_run_local, **kw), x_btnd, f_btd, post_btn, comb_btjk,
                      pre_btn, fn, base, scale, replicated=(5, 6, 7))
 
@@ -633,8 +634,7 @@ def _run_local(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, 
   for v in (bd, bd_b):
     if d % v or v < MIN_DOT or v & (v - 1):
       raise ValueError(f'd_model {d} must be a multiple of a power-of-two block_d >= 16 ({v})')
-  if interpret is None:
-    interpret = jax.default_backend() != 'gpu'
+  interpret = launch.interpreted(interpret)
   rows = b * t
   cap = max(MIN_DOT, pl.next_power_of_2(rows))
   tb, tb_b = min(block_t, cap), min(block_t_bwd or block_t, cap)
@@ -671,7 +671,7 @@ def site_collapse(x_btnd, fn, base, scale, pre_btn=None, **kw):
   `MHCSite` holds them; keyword knobs: iters, eps, norm_eps (the config's hc_sinkhorn_iters,
   hc_eps, rms_norm_eps), block_t, block_d, num_warps (forward) and block_t_bwd, block_d_bwd,
   num_warps_bwd (backward), num_stages and prefetch (both: Triton pipelining, look-ahead loads),
-  interpret (None: on unless the backend is a GPU).
+  interpret (None: ops/launch.py's rule, on only on the CPU).
   """
   kw = {**_KNOBS, **kw}
   _, u, pre, post, comb = _run(x_btnd, None, None, None, pre_btn, fn, base, scale, site=True,

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from deepseek41.ops.per_device import dividing_axes, token_split
+from deepseek41.ops.parallel.per_device import dividing_axes, token_split
 
 # config.DEFAULT_RULES' `engram_rows`; a table split another way is resharded to this by GSPMD.
 TABLE_AXES = ('fsdp', 'expert')

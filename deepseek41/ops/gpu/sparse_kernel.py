@@ -37,29 +37,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from deepseek41.ops import stand_in
-from deepseek41.ops.index_scores import MIN_DOT
-
-# The checkpoint name of the CSA2 kernels' outputs (this kernel's, the window kernel's and the
-# indexer's selected scores): `train.remat=block_keep_attention` saves them, so the backward
-# pass does not run the forward kernels again. A custom_vjp's residuals are values of their own
-# to a remat policy, so each forward rule names them as well as its caller names the outputs.
-KERNEL_OUTPUTS = 'csa2_kernel_outputs'
-
-
-def name_outputs(*xs):
-  """`checkpoint_name(x, KERNEL_OUTPUTS)` of each x (None passes through)."""
-  return tuple(None if x is None else checkpoint_name(x, KERNEL_OUTPUTS) for x in xs)
-
-
-def droppable(kernel):
-  """A forward kernel (a pallas_call) wrapped in a jit. JAX's dead-code rule for pallas_call
-  keeps every call, so a remat that saved the outputs would still trace the kernel into its
-  recomputation; a jit whose outputs nobody uses is dropped whole."""
-  return jax.jit(kernel)
+from deepseek41.ops import launch
+from deepseek41.ops.contracts import MIN_DOT
+from deepseek41.ops.launch import droppable, name_outputs
 
 # The slot mass needs every head's score of every slot against the final log-sum-exp. Up to
 # this many fp32 scores per query (16 heads x 512 slots: 64 registers per thread at 4 warps)
@@ -375,7 +357,7 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_
   if with_mass:
     out_shape.append(jax.ShapeDtypeStruct((b, t, k_pad), jnp.float32))
     out_specs.append(spec['idx'])
-  outs = droppable(stand_in.pallas_call(
+  outs = droppable(launch.pallas_call(
       functools.partial(_fwd_kernel, n=n, bk=bk, scale=scale, heads=heads),
       out_shape=out_shape,
       grid=(t, b),  # queries fastest: neighbours share selected rows in L2
@@ -408,7 +390,7 @@ def _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_bthd, dlse
   rows = kv_bmd.shape[1]
   dkv_spec = spec['kv']
   outputs = () if o_bthd is None else (o_bthd,)
-  dq_bthd, dkv_bmd = stand_in.pallas_call(
+  dq_bthd, dkv_bmd = launch.pallas_call(
       with_o(functools.partial(_bwd_kernel, n=n, bk=bk, scale=scale,
                                 dkv_chunk=min(dkv_chunk, d), interpret=interpret), not outputs),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype),
@@ -473,7 +455,7 @@ def dq_and_coefficients(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_
   coef_spec = pl.BlockSpec((None, None, k_pad, hg), lambda i, j, g=0: (j, i, 0, g))
   coef_shape = jax.ShapeDtypeStruct((b, t, k_pad, h), q_bthd.dtype)
   outputs = () if o_bthd is None else (o_bthd,)
-  return stand_in.pallas_call(
+  return launch.pallas_call(
       with_o(functools.partial(_bwd_dq_kernel, n=kv_bnd.shape[1], bk=bk, scale=scale),
               not outputs),
       out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q_bthd.dtype), coef_shape, coef_shape],
@@ -502,7 +484,7 @@ def dkv_from_coefficients(kv_bnd, idx_btk, valid_btk, parts, block_k, num_warps,
   coef_spec = pl.BlockSpec((None, None, k_pad, h), lambda i, j: (j, i, 0, 0))
   dkv_spec = pl.BlockSpec((None, rows, d), lambda i, j: (j, 0, 0))
   ins = [x for part in parts for x in part]
-  dkv_bmd = stand_in.pallas_call(
+  dkv_bmd = launch.pallas_call(
       functools.partial(_dkv_kernel, n=n, bk=bk, uses=len(parts), dkv_chunk=min(dkv_chunk, d),
                         interpret=interpret),
       out_shape=jax.ShapeDtypeStruct((b, rows, d), jnp.float32),
@@ -660,14 +642,15 @@ def _pad_channels(kv_bnd):
 def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
                          with_mass: bool = False, fwd_tiles: tuple[int, ...] | None = None,
                          bwd_tiles: tuple[int, ...] | None = None,
-                         interpret: bool = False, later: int = 0, sink=None):
+                         interpret: bool | None = None, later: int = 0, sink=None):
   """(o_bthd in kv's dtype, lse_bth fp32, mass_btk fp32 or None), as `compressed_partial`.
 
   The slot mass carries no gradient (it is the indexer's stop-gradient target).
   fwd_tiles: `ForwardTiles` or its leading fields (selected rows gathered per step, warps per
   program, pipeline depth); bwd_tiles: `BackwardTiles` or its leading fields; the missing ones
   from `default_tiles`.
-  `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
+  interpret: the Pallas interpreter or not (None: ops/launch.py's rule; the CPU tests'
+  interpreter).
 
   Deferred key/value gradient for calls sharing kv and selection (see above): `later` > 0 makes
   this the first call and appends its sinks (a tuple of `later` tuples of arrays) to the
@@ -679,7 +662,7 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
   fwd_tiles = _complete('fwd_tiles', fwd_tiles, fwd_default)
   bwd_tiles = _complete('bwd_tiles', bwd_tiles, bwd_default)
   args = (q_bthd, kv_bnd.astype(q_bthd.dtype), idx_btk, valid_btk)
-  static = (float(scale), bool(with_mass), h, fwd_tiles, bwd_tiles, bool(interpret))
+  static = (float(scale), bool(with_mass), h, fwd_tiles, bwd_tiles, launch.interpreted(interpret))
   sinks = None
   if later:
     o, lse, mass, sinks = _sparse_partial_first(*args, *static, int(later))
@@ -696,15 +679,17 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
 @functools.partial(jax.jit, static_argnames=('scale', 'bwd_tiles', 'interpret', 'defer'))
 def sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, delta_bth, lse_bth, do_bthd, *,
                           scale: float, bwd_tiles: tuple[int, ...] | None = None,
-                          interpret: bool = False, defer: bool = False, later_parts=()):
+                          interpret: bool | None = None, defer: bool = False, later_parts=()):
   """The sparse branch's gradients given D = sum_d dO * O, the log-sum-exp and the output
   cotangent of the softmax it is part of, with no log-sum-exp cotangent: the merged softmax's
   (D, L, dO) give its exact share of the merged gradient (ops/softmax_merge.py).
 
   Returns (dq_bthd, dkv_bnd); with `defer` (a later call over a shared selection) (dq_bthd, its
   part) instead, the part being what `later_parts` of the first call's backward holds: that
-  call's dkv adds them all once (`dkv_from_coefficients`). Tiles as `sparse_partial_fused`.
+  call's dkv adds them all once (`dkv_from_coefficients`). Tiles and `interpret` as
+  `sparse_partial_fused`.
   """
+  interpret = launch.interpreted(interpret)
   h, d = q_bthd.shape[-2:]
   q_p, kv_p = _pad_heads(q_bthd), _pad_channels(kv_bnd).astype(q_bthd.dtype)
   do_p = _pad_heads(do_bthd.astype(q_bthd.dtype))

@@ -1,5 +1,5 @@
 """Lightning-indexer scores on the TPU: one Pallas (Mosaic) kernel, the TPU twin of
-ops/index_scores.py's GPU kernel.
+ops/gpu/index_scores.py (the contract, the jnp reference and the dispatch: ops/index_scores.py).
 
     I[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j]) * (H * C)^-1/2        fp32 [B, T, N]
 
@@ -11,8 +11,8 @@ does not copy again). The per-tile limits travel as scalar-prefetch operands (SM
 
 Like the GPU kernel: no gradient (selection stops it; the indexer's loss reads the selected
 entries' scores only), entries at or past limit_bt may hold 0 instead of the score.
-`interpret=True` runs it in the Pallas interpreter (the CPU tests); deviceless it compiles for
-v5p and v6e (tests/test_tpu_kernels.py).
+It launches through ops/launch.py: in the Pallas interpreter on the CPU (the tests; `interpret`
+overrides); deviceless it compiles for v5p and v6e (tests/test_tpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from deepseek41.ops.index_scores import pad_axis
+from deepseek41.ops import launch
 
 
 def _kernel(lim_ref, q_ref, w_ref, k_ref, o_ref, *, heads, dim, bn, scale):
@@ -49,7 +49,7 @@ def _kernel(lim_ref, q_ref, w_ref, k_ref, o_ref, *, heads, dim, bn, scale):
 
 @functools.partial(jax.jit, static_argnames=('block_q', 'block_n', 'interpret'))
 def index_scores_tpu(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 128, block_n: int = 512,
-                     interpret: bool = False):
+                     interpret: bool | None = None):
   """fp32 [B, T, N] indexer scores; entries j >= limit_bt[b, t] may be 0 instead of the score.
 
   q_bthc, k_bnc in the compute dtype; C a multiple of 128 (the lane width: each head's slice of
@@ -62,10 +62,10 @@ def index_scores_tpu(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 128, bloc
                      f'to be a multiple of 128, got {c}')
   bq = min(block_q, -(-t // 8) * 8)
   bn = min(block_n, -(-n // 128) * 128)
-  q_btf = pad_axis(q_bthc.reshape(b, t, h * c), 1, bq)
-  w_bth = pad_axis(w_bth.astype(jnp.float32), 1, bq)
-  lim_bt = pad_axis(limit_bt.astype(jnp.int32), 1, bq)
-  k_bnc = pad_axis(k_bnc.astype(q_bthc.dtype), 1, bn)
+  q_btf = launch.pad_axis(q_bthc.reshape(b, t, h * c), 1, bq)
+  w_bth = launch.pad_axis(w_bth.astype(jnp.float32), 1, bq)
+  lim_bt = launch.pad_axis(limit_bt.astype(jnp.int32), 1, bq)
+  k_bnc = launch.pad_axis(k_bnc.astype(q_bthc.dtype), 1, bn)
   tp, np_ = q_btf.shape[1], k_bnc.shape[1]
   lim_bi = jnp.max(lim_bt.reshape(b, tp // bq, bq), axis=-1)  # per query tile
 
@@ -75,7 +75,7 @@ def index_scores_tpu(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 128, bloc
     return bi, jnp.minimum(j, jax.lax.div(jnp.maximum(lim[bi, i] - 1, 0), bn)), 0
 
   kernel = functools.partial(_kernel, heads=h, dim=c, bn=bn, scale=(h * c) ** -0.5)
-  out = pl.pallas_call(
+  out = launch.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((b, tp, np_), jnp.float32),
       grid_spec=pltpu.PrefetchScalarGridSpec(

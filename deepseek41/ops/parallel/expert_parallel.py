@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 from deepseek41.ops import expert_gemm
 from deepseek41.ops.contracts import default_expert_exchange
 from deepseek41.ops.grouped_gemm import sort_by_expert
-from deepseek41.ops.per_device import axis_size as _size, token_split
+from deepseek41.ops.parallel.per_device import axis_size as _size, token_split
 
 # The mesh axes of the expert layout (sharding.py builds the mesh with these names).
 EXPERT_AXIS = 'expert'

@@ -41,9 +41,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepseek41.ops import stand_in
-from deepseek41.ops.index_scores import MIN_DOT, pad_axis
-from deepseek41.ops.sparse_kernel import droppable, name_outputs, with_o
+from deepseek41.ops import launch
+from deepseek41.ops.contracts import MIN_DOT
+from deepseek41.ops.gpu.sparse_kernel import with_o
+from deepseek41.ops.launch import droppable, name_outputs, pad_axis
 ROWS = 32     # default query rows (queries x heads) per forward / dq block (at least H)
 ROWS_DKV = 32  # default query rows per dkv step (at least H: one query)
 SMEM_BUDGET = 200 * 1024
@@ -280,7 +281,7 @@ def _forward(st: _Static, q_brd, kv_btd, seg_bt, span_bt):
   b, n_rows, d = q_brd.shape
   t = seg_bt.shape[1]
   rows = st.bq * st.heads
-  return droppable(stand_in.pallas_call(
+  return droppable(launch.pallas_call(
       functools.partial(_fwd_kernel, st=st),
       out_shape=[jax.ShapeDtypeStruct((b, n_rows, d), kv_btd.dtype),
                  jax.ShapeDtypeStruct((b, n_rows), jnp.float32)],
@@ -299,7 +300,7 @@ def _backward(st: _Static, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br, do_brd
   t = seg_bt.shape[1]
   rows = st.bq * st.heads
   outputs = () if o_brd is None else (o_brd,)
-  dq_brd, delta_br = stand_in.pallas_call(
+  dq_brd, delta_br = launch.pallas_call(
       with_o(functools.partial(_dq_kernel, st=st), not outputs),
       out_shape=[jax.ShapeDtypeStruct((b, n_rows, d), q_brd.dtype),
                  jax.ShapeDtypeStruct((b, n_rows), jnp.float32)],
@@ -311,7 +312,7 @@ def _backward(st: _Static, q_brd, kv_btd, seg_bt, span_bt, o_brd, lse_br, do_brd
       interpret=st.interpret,
       name='swa_window_dq',
   )(seg_bt, span_bt, q_brd, kv_btd, *outputs, do_brd, lse_br, dlse_br)
-  dkv_btd = stand_in.pallas_call(
+  dkv_btd = launch.pallas_call(
       functools.partial(_dkv_kernel, st=st),
       out_shape=jax.ShapeDtypeStruct((b, t, d), kv_btd.dtype),
       grid=(t // st.bk_dkv, b),
@@ -414,7 +415,8 @@ def _ids(segment_ids_bt, span_ids_bt, block):
 
 @functools.partial(jax.jit, static_argnames=('window', 'scale', 'interpret') + TILE_ARGS)
 def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
-                         scale: float | None = None, span_ids_bt=None, interpret: bool = False,
+                         scale: float | None = None, span_ids_bt=None,
+                         interpret: bool | None = None,
                          block_q: int | None = None, block_k: int | None = None,
                          block_k_dq: int = 32,
                          block_q_dkv: int | None = None, block_k_dkv: int = 32,
@@ -440,11 +442,11 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
   kv) stay on chip and each step's tiles are multi-buffered, so `num_stages` (one for all three
   kernels or a (forward, dq, dkv) tuple; default per kernel) is 2 where that fits in ~200 KB and
   1 otherwise.
-  `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
+  interpret: the Pallas interpreter or not (None: ops/launch.py's rule; the CPU tests').
   """
   b, t, h, d = q_bthd.shape
   st, block = _setup(q_bthd, kv_btd, span_ids_bt, window=window, scale=scale,
-                     interpret=interpret, block_q=block_q, block_k=block_k,
+                     interpret=launch.interpreted(interpret), block_q=block_q, block_k=block_k,
                      block_k_dq=block_k_dq, block_q_dkv=block_q_dkv, block_k_dkv=block_k_dkv,
                      block_d=block_d, num_warps=num_warps, num_stages=num_stages)
   t_pad = -(-t // block) * block
@@ -460,16 +462,16 @@ def window_partial_fused(q_bthd, kv_btd, segment_ids_bt, *, window: int,
 @functools.partial(jax.jit, static_argnames=('window', 'scale', 'interpret') + TILE_ARGS)
 def window_backward_fused(q_bthd, kv_btd, segment_ids_bt, delta_bth, lse_bth, do_bthd, *,
                           window: int, scale: float | None = None, span_ids_bt=None,
-                          interpret: bool = False, **tiles):
+                          interpret: bool | None = None, **tiles):
   """(dq_bthd, dkv_btd): the window branch's gradients given D = sum_d dO * O, the log-sum-exp
   and the output cotangent of the softmax it is part of, with no log-sum-exp cotangent.
 
   Passing the merged softmax's (D, L, dO) gives this branch's exact share of the merged gradient
-  (ops/softmax_merge.py). Tiles as `window_partial_fused`.
+  (ops/softmax_merge.py). Tiles and `interpret` as `window_partial_fused`.
   """
   b, t, h, d = q_bthd.shape
   st, block = _setup(q_bthd, kv_btd, span_ids_bt, window=window, scale=scale,
-                     interpret=interpret, **tiles)
+                     interpret=launch.interpreted(interpret), **tiles)
   t_pad = -(-t // block) * block
   dt = kv_btd.dtype
 
