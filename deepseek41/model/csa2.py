@@ -205,11 +205,10 @@ class CSA2(nnx.Module):
       keys_raw = self.index_keys(latent_bgd, first_bg)
       n = cache.written_bn.shape[1]
       slot_bg = jnp.where(complete_bg, first_bg // r, n)
-      cache = EntryCache(kv_bnd=scatter_rows(cache.kv_bnd, slot_bg, store(cfg.kv_quant, entry_raw)),
-                         keys_bnc=scatter_rows(cache.keys_bnc, slot_bg,
-                                               store(cfg.index_quant, keys_raw)),
-                         written_bn=scatter_rows(cache.written_bn, slot_bg, complete_bg),
-                         rows=rows)
+      cache = EntryCache(
+          kv_bnd=scatter_rows(cache.kv_bnd, slot_bg, store(cfg.kv_quant, entry_raw)),
+          keys_bnc=scatter_rows(cache.keys_bnc, slot_bg, store(cfg.index_quant, keys_raw)),
+          written_bn=scatter_rows(cache.written_bn, slot_bg, complete_bg), rows=rows)
     b, n = cache.written_bn.shape
     j_n = jnp.arange(n, dtype=jnp.int32)
     dt = x_btd.dtype
@@ -228,7 +227,9 @@ class CSA2(nnx.Module):
     seg, pos = batch['segment_ids'], batch['positions']
     row_offset = batch.get('row_offset', 0)  # CED prefill: the query rows are a tail
     decoding = shared.decode is not None
-    if self.owns_kv and role.layer not in shared.kv:  # (else published by `publish_kv`)
+    # (CED prefill publishes beforehand, `Block.publish_global_kv`; generation always does,
+    # `Attention.decode`)
+    if self.owns_kv and role.layer not in shared.kv:
       shared = self.publish_kv(x_btd, batch, shared)
     comp, k_bnc = shared.kv[role.kv_source]
     if self.owns_index:
