@@ -84,7 +84,7 @@ def forward_chunk(model, cache: dict, tokens_bq, valid_bq, *, engram_map=None,
   start_b = cache['length'] if start_b is None else start_b
   batch = chunk_batch(cfg, cache, tokens_bq, valid_bq, start_b, engram_map, images)
   end_b = start_b + jnp.sum(valid_bq, axis=1, dtype=jnp.int32)
-  decoding = Decoding(start_b, end_b, dict(cache['layers']), write_entries)
+  decoding = Decoding(start_b, end_b, cache['layers'], write_entries)
   x, pre = model.residual_input(batch)
   x, pre, _, captured, shared = model.run_blocks(x, pre, batch, Shared(decode=decoding),
                                                  capture_layers)
@@ -115,7 +115,7 @@ def ced_prefill(model, cache: dict, tokens_bt, lengths_b, n_win: int, *, engram_
   valid_bt = jnp.arange(t)[None, :] < lengths_b[:, None]
   start_b = jnp.zeros_like(lengths_b)
   batch = chunk_batch(cfg, cache, tokens_bt, valid_bt, start_b, engram_map, images)
-  shared = Shared(decode=Decoding(start_b, lengths_b, dict(cache['layers'])))
+  shared = Shared(decode=Decoding(start_b, lengths_b, cache['layers']))
   x, pre = model.residual_input(batch)
   x, pre, _, captured, shared = model.run_blocks(x, pre, batch, shared, capture_layers,
                                                  blocks=model.blocks[:encoder])

@@ -101,9 +101,14 @@ class Attention(nnx.Module):
     if shared.decode is None:
       return self.csa2.publish_kv(x_btd, batch, shared)
     layer = self.role.layer
-    cache = shared.decode.caches[layer]
+    cache, shared = self._append_entries(x_btd, batch, shared.decode.caches[layer], shared)
+    return shared.with_cache(layer, cache)
+
+  def _append_entries(self, x_btd, batch, cache: AttentionCache, shared: Shared):
+    """Generation at a KV source: (the cache with the chunk's groups in its entries, shared
+    with every entry published)."""
     entries, published = self.csa2.decode_kv(x_btd, batch, cache.entries, shared.decode)
-    return shared.with_kv(layer, published).with_cache(layer, cache.replace(entries=entries))
+    return cache.replace(entries=entries), shared.with_kv(self.role.layer, published)
 
   def init_cache(self, spec: CacheSpec) -> AttentionCache:
     """This layer's empty generation cache."""
@@ -129,9 +134,7 @@ class Attention(nnx.Module):
     cached = ring_partial(q_bthd, load(cfg.swa_quant, cache.ring, x_btd.dtype), cache.ring_pos,
                           pos_bt, valid_bt, decoding.start_b, cfg.sliding_window)
     if self.owns_kv and self.role.layer not in shared.kv:
-      entries, published = self.csa2.decode_kv(x_btd, batch, cache.entries, decoding)
-      cache = cache.replace(entries=entries)
-      shared = shared.with_kv(self.role.layer, published)
+      cache, shared = self._append_entries(x_btd, batch, cache, shared)
     o_bthd, shared = self.attend(x_btd, q_r_btr, q_bthd, kv_btd, batch, shared,
                                  extra_partials=(cached,))
     slots = ring_slots(pos_bt, valid_bt, decoding.end_b, cache.ring_pos.shape[1])
