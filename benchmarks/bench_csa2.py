@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 from timing import time_fn  # noqa: E402  (benchmarks/timing.py)
 from deepseek41.config import layer_roles, resolve  # noqa: E402
 from deepseek41.model.attention import Attention  # noqa: E402
-from deepseek41.model.csa2 import INDEXER_TOTALS  # noqa: E402
+from deepseek41.model.shared import Shared  # noqa: E402
 
 # name -> (layer in configs/v41_flash.py, layer in configs/tiny.py)
 LAYERS = {'full2': (2, 2), 'reuse2': (3, 3), 'full1_candidates': (20, 4), 'reindex': (24, 6),
@@ -125,17 +125,17 @@ def csa2_case(cfg, name, t, dtype, small):
     key = jax.random.fold_in(jax.random.key(0), rep)
     k_x, k_ct = jax.random.split(key)
     x = jax.random.normal(k_x, (1, t, cfg.d_model), jnp.float32).astype(dtype)
-    shared = {}
+    shared = Shared()
     for src in sources:
       _, shared = run_source(src, x, shared)
-    shared.pop(INDEXER_TOTALS, None)
+    shared = shared.replace(indexer_totals=None)
     q_r, q, kv = project(attn, x)
     ct = jax.random.normal(k_ct, q.shape, jnp.float32).astype(dtype)
     return x, q_r, q, kv, shared, ct
 
   def core(state, x, q_r, q, kv, shared):
     o, out = nnx.merge(graphdef, state).attend(x, q_r, q, kv, batch, shared)
-    totals = out.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))
+    totals = jnp.zeros(3, jnp.float32) if out.indexer_totals is None else out.indexer_totals
     return o, totals[0] / jnp.maximum(totals[1], 1.0)
 
   @jax.jit

@@ -8,8 +8,8 @@ from flax import nnx
 
 from deepseek41.config import FULL, REINDEX, REUSE, layer_roles
 from deepseek41.model.compressor import document_first_entry_bt, visible_btn
-from deepseek41.model.csa2 import INDEXER_TOTALS
 from deepseek41.model.indexer import pool_entry_mask
+from deepseek41.model.shared import Shared
 from deepseek41.ops.sparse_attention import selection_mask
 from deepseek41.model.transformer import Transformer
 from tests.util import packed_batch, resolved, token_ce
@@ -27,11 +27,17 @@ def _walk(model, batch):
   """Run the blocks as Transformer does, recording `shared` after each layer."""
   x, pre = model.residual_input(batch)
   batch = model.with_engram_rows(batch)
-  shared, trail = {}, []
+  shared, trail = Shared(), []
   for block in model.blocks:
     x, pre, _, shared = block(x, pre, batch, shared)
-    trail.append(dict(shared))
+    trail.append(shared)
   return trail
+
+
+def _published(shared: Shared) -> set[str]:
+  """What `shared` holds, by kind and layer: {'kv1', 'sel1', 'pool2', ...}."""
+  return ({f'kv{l}' for l in shared.kv} | {f'sel{l}' for l in shared.selections} |
+          {f'pool{l}' for l in shared.pools} | {f'sinks{l}' for l in shared.sinks})
 
 
 _token_ce = nnx.jit(token_ce)
@@ -58,8 +64,9 @@ def test_roles_publish_and_reuse_exactly_what_they_should():
   roles = layer_roles(cfg.model)
   assert [r.mode for r in roles] == ['SWA', FULL, FULL, REINDEX]
   for role, shared in zip(roles, trail):
-    new = set(shared) - set(trail[role.layer - 1] if role.layer else {}) - {INDEXER_TOTALS}
-    assert (INDEXER_TOTALS in shared) == (role.layer >= 1)  # accumulated from the first source
+    new = _published(shared) - (_published(trail[role.layer - 1]) if role.layer else set())
+    # accumulated from the first source
+    assert (shared.indexer_totals is not None) == (role.layer >= 1)
     expected = set()
     if role.mode == FULL:
       expected |= {f'kv{role.layer}', f'sel{role.layer}'}
@@ -72,19 +79,19 @@ def test_roles_publish_and_reuse_exactly_what_they_should():
 
   # selections are visible entries; top-k and the candidate restriction are active at T=48
   final = trail[-1]
-  comp, _ = final['kv2']
+  comp, _ = final.kv[2]
   vis = np.asarray(visible_btn(batch['segment_ids'], comp))
   for layer in (2, 3):
-    idx, valid = final[f'sel{layer}']
+    idx, valid = final.selections[layer]
     sel = np.asarray(selection_mask(idx, valid, comp.num_entries))
     assert not (sel & ~vis).any()
     assert (sel.sum(-1) == np.minimum(vis.sum(-1), cfg.model.index_topk)).all()
     assert (vis.sum(-1) > cfg.model.index_topk).any()
-  blk_idx, blk_valid = final['pool2']
+  blk_idx, blk_valid = final.pools[2]
   first = document_first_entry_bt(batch['segment_ids'], comp)
   pool = np.asarray(pool_entry_mask(blk_idx, blk_valid, first, cfg.model.candidate_block_size,
                                     comp.num_entries))
-  idx3, valid3 = final['sel3']
+  idx3, valid3 = final.selections[3]
   sel3 = np.asarray(selection_mask(idx3, valid3, comp.num_entries))
   assert not (sel3 & ~pool).any()                       # Reindex stays inside the pool
   assert ((vis & ~pool).sum(-1) > 0).any()              # and the pool really restricts
@@ -98,9 +105,9 @@ def test_top_k_covering_everything_selects_exactly_the_visible_entries():
   batch = {k: jnp.asarray(v) for k, v in _aligned_batch(1).items()}
   final = _walk(model, batch)[-1]
   for layer, src in ((1, 1), (2, 2), (3, 2)):
-    comp, _ = final[f'kv{src}']
+    comp, _ = final.kv[src]
     vis = np.asarray(visible_btn(batch['segment_ids'], comp))
-    idx, valid = final[f'sel{layer}']
+    idx, valid = final.selections[layer]
     np.testing.assert_array_equal(np.asarray(selection_mask(idx, valid, comp.num_entries)), vis)
 
 

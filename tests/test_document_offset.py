@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from deepseek41.model.shared import Shared
 from deepseek41.model.transformer import Transformer
 from tests.util import packed_layout, resolved
 
@@ -57,10 +58,10 @@ def test_the_pool_binds_in_this_setting():
   model = Transformer(cfg.model, nnx.Rngs(params=0))
   _, batch = _offset_batch(cfg.data.document_align)
   x, pre = model.residual_input(batch)
-  shared = {}
+  shared = Shared()
   for block in model.blocks:
     x, pre, _, shared = block(x, pre, batch, shared)
-  comp, _ = shared[f'kv{cfg.model.candidate_source_layer_id}']
+  comp, _ = shared.kv[cfg.model.candidate_source_layer_id]
   most_visible = int(np.asarray(visible_btn(batch['segment_ids'], comp)).sum(-1).max())
   pool = cfg.model.candidate_block_size * cfg.model.candidate_topk_blocks
   assert cfg.model.index_topk < pool < most_visible

@@ -11,13 +11,15 @@ from flax import nnx
 
 from deepseek41.config import load_config_file, resolve
 from deepseek41.generate import sampling
-from deepseek41.generate.cache import (CacheSpec, empty_cache, global_bytes_per_token, load,
-                                       store)
+from deepseek41.generate.cache import empty_cache, global_bytes_per_token
 from deepseek41.generate.decode import ced_prefill, forward_chunk, replay_windows
 from deepseek41.generate.generator import Programs, decode_loop, exact_n_win
 from deepseek41.model.ced import exact_tail_rows
 from deepseek41.model.dspark import DSpark
+from deepseek41.model.layer_cache import CacheSpec
+from deepseek41.model.shared import Shared
 from deepseek41.model.transformer import Transformer
+from deepseek41.packing import load, store
 from deepseek41.quant import get_fake_quant
 from deepseek41.tools.info import kv_cache_bytes
 from tests.util import resolved
@@ -71,7 +73,7 @@ def test_decoding_with_caches_equals_the_full_forward(full_model):
   full = _full_logits(model, seq)
   lengths = np.array([9, 14], np.int32)
   prompt = np.where(np.arange(16)[None] < lengths[:, None], seq[:, :16], 0)
-  cache = empty_cache(cfg.model, SPEC)
+  cache = empty_cache(model, SPEC)
   logits, cache = _chunk(model, cache, jnp.asarray(prompt), jnp.asarray(prompt > -1) &
                          (np.arange(16)[None] < lengths[:, None]))
   for b in range(2):
@@ -110,21 +112,23 @@ def test_packed_cache_holds_the_fake_quantized_values(full_model):
   def published(m, batch):
     batch = m.with_engram_rows(batch)
     x, pre = m.residual_input(batch)
-    return m.run_blocks(x, pre, batch, {})[-1]
+    return m.run_blocks(x, pre, batch, Shared())[-1]
   shared = published(model, batch)
-  _, cache = _chunk(model, empty_cache(cfg.model, SPEC), jnp.asarray(tokens),
+  _, cache = _chunk(model, empty_cache(model, SPEC), jnp.asarray(tokens),
                     jnp.ones((2, 16), bool))
   for layer, ratio in ((1, 2), (2, 1)):
-    comp, keys = shared[f'kv{layer}']
-    lc = cache['layers'][str(layer)]
+    comp, keys = shared.kv[layer]
+    entries = cache['layers'][layer].entries
     n = 16 // ratio
-    assert np.asarray(lc['written'])[:, :n].all() and not np.asarray(lc['written'])[:, n:].any()
-    np.testing.assert_allclose(np.asarray(load(cfg.model.kv_quant, lc['kv'], jnp.float32))[:, :n],
-                               np.asarray(comp.kv_bnd), atol=1e-5)
+    written = np.asarray(entries.written_bn)
+    assert written[:, :n].all() and not written[:, n:].any()
     np.testing.assert_allclose(
-        np.asarray(load(cfg.model.index_quant, lc['keys'], jnp.float32))[:, :n],
+        np.asarray(load(cfg.model.kv_quant, entries.kv_bnd, jnp.float32))[:, :n],
+        np.asarray(comp.kv_bnd), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(load(cfg.model.index_quant, entries.keys_bnc, jnp.float32))[:, :n],
         np.asarray(keys), atol=1e-5)
-  assert 'kv' not in cache['layers']['3']  # a Reindex layer holds nothing of its own
+  assert cache['layers'][3].entries is None  # a Reindex layer holds nothing of its own
 
 
 def test_ced_prefill_then_decoding_is_exact(full_model):
@@ -139,7 +143,7 @@ def test_ced_prefill_then_decoding_is_exact(full_model):
   assert n_win < 26
   prompt = np.where(np.arange(32)[None] < lengths[:, None], seq[:, :32], 0)
   logits, _, cache = nnx.jit(lambda m, c, t, l: ced_prefill(m, c, t, l, n_win))(
-      model, empty_cache(cfg.model, SPEC), jnp.asarray(prompt), jnp.asarray(lengths))
+      model, empty_cache(model, SPEC), jnp.asarray(prompt), jnp.asarray(lengths))
   exact = exact_tail_rows(cfg.model, n_win)
   assert exact >= cfg.model.sliding_window
   for b in range(2):  # tail row i is position lengths - n_win + i
@@ -159,7 +163,7 @@ def test_bounded_replay_rebuilds_the_windows(full_model):
   window's reach the next-token logits are the exact ones; a short replay moves them."""
   cfg, model = full_model
   tokens = np.random.default_rng(4).integers(3, 96, (2, 36)).astype(np.int32)
-  _, cache = _chunk(model, empty_cache(cfg.model, SPEC), jnp.asarray(tokens),
+  _, cache = _chunk(model, empty_cache(model, SPEC), jnp.asarray(tokens),
                     jnp.ones((2, 36), bool))
   full = _full_logits(model, tokens)[:, -1]
   replay = nnx.jit(lambda m, c, n: replay_windows(m, c, n)[0][:, -1], static_argnums=2)
@@ -173,8 +177,9 @@ def test_released_cache_is_890_bytes_per_token():
   cfg = resolve(load_config_file(os.path.join(ROOT, 'configs', 'v41_flash.py')),
                 num_devices=8, backend='cpu')
   spec = CacheSpec(batch=1, max_len=64, max_chunk=1)
-  cache = jax.eval_shape(lambda: empty_cache(cfg.model, spec))
-  assert global_bytes_per_token(cache, cfg.model, spec) == \
+  model = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(params=0)))
+  cache = jax.eval_shape(lambda: empty_cache(model, spec))
+  assert global_bytes_per_token(cache, spec) == \
       kv_cache_bytes(cfg)['global_bytes_per_token'] == 890
 
 
@@ -293,13 +298,13 @@ def test_image_prompts_decode_like_the_full_forward():
 
   @nnx.jit
   def prefill_full(m, tokens):
-    logits, _, cache = forward_chunk(m, empty_cache(cfg.model, spec), tokens,
+    logits, _, cache = forward_chunk(m, empty_cache(m, spec), tokens,
                                      jnp.ones(tokens.shape, bool), images=images)
     return logits[:, -1], cache
 
   @nnx.jit
   def prefill_ced(m, tokens):
-    logits, _, cache = ced_prefill(m, empty_cache(cfg.model, spec), tokens, lengths, n,
+    logits, _, cache = ced_prefill(m, empty_cache(m, spec), tokens, lengths, n,
                                    images=images)
     return logits[:, -1], cache
   for prefill in (prefill_full, prefill_ced):

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from deepseek41.model.mhc import collapse, expand, sinkhorn
+from deepseek41.model.shared import Shared
 from deepseek41.model.transformer import Transformer
 from tests.util import packed_batch, resolved
 
@@ -72,7 +73,7 @@ def _transcription(model, batch, order):
   e = np.asarray(model.embed[...])[row['tokens'][0]].astype(np.float64)   # [T, D]
   x = np.repeat(e[:, None, :], n, axis=1)                                 # [T, n, D]
   pre_prev = np.tile(np.eye(n)[0], (x.shape[0], 1))
-  shared = {}
+  shared = Shared()
   valid = jnp.asarray(row['segment_ids'] > 0)
 
   def attn(block, u):

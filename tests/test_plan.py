@@ -229,7 +229,7 @@ def test_kernels_compile_as_their_buffers_for_the_gpu_plan():
 
 def test_an_index_sources_sinks_are_not_kept_bytes():
   """With the grouped key/value gradient (GPU paths) an index source publishes zero-valued
-  sinks for its readers (model/csa2.py `SINKS`); nothing stores them in the forward, so its
+  sinks for its readers (model/shared.py `Shared.sinks`); nothing stores them in the forward, so its
   kept bytes are those without grouping, while its backward receives the readers' hand-off."""
   config = _four_layer_tiny()
   m = config.model

@@ -33,9 +33,10 @@ from deepseek41.data.multimodal import build_document
 from deepseek41.data.pipeline import tokenizer_path_of
 from deepseek41.data.tokenizer import load_tokenizer
 from deepseek41.generate import sampling
-from deepseek41.generate.cache import CacheSpec, empty_cache, scatter_rows
-from deepseek41.generate.decode import ced_prefill, forward_chunk, ring_slots
+from deepseek41.generate.cache import empty_cache
+from deepseek41.generate.decode import ced_prefill, forward_chunk
 from deepseek41.model.ced import tail_reach
+from deepseek41.model.layer_cache import CacheSpec, ring_slots, scatter_rows
 from deepseek41.sharding import make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.checkpoint import Checkpointer
@@ -283,7 +284,7 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
       jax.tree.map(jnp.asarray, image_fields(cfg, image_docs, t))
   key = jax.random.key(seed)
   feature_dim = cfg.model.d_model if speculative else 0
-  cache = empty_cache(cfg.model, spec, feature_dim)
+  cache = empty_cache(progs.model, spec, feature_dim)
   t0 = time.perf_counter()
   if prefill == 'ced':
     win = min(n_win or exact_n_win(cfg), t)
@@ -355,20 +356,20 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
 def _write_features(dspark, cache, captured, valid_bq, start_b):
   """DSpark's context m_t of the chunk's rows into the cache's feature ring."""
   m_bqd = dspark.context(captured)
-  b, tq = valid_bq.shape
+  tq = valid_bq.shape[1]
   pos_bq = start_b[:, None] + jnp.arange(tq, dtype=jnp.int32)[None, :]
   end_b = start_b + jnp.sum(valid_bq, axis=1, dtype=jnp.int32)
   cap = cache['feat_pos'].shape[1]
   slots = ring_slots(pos_bq, valid_bq, end_b, cap)
-  b_idx = jnp.arange(b)[:, None]
-  return {**cache, 'feat': scatter_rows(cache['feat'], b_idx, slots, m_bqd),
-          'feat_pos': scatter_rows(cache['feat_pos'], b_idx, slots, pos_bq)}
+  return {**cache, 'feat': scatter_rows(cache['feat'], slots, m_bqd),
+          'feat_pos': scatter_rows(cache['feat_pos'], slots, pos_bq)}
 
 
 class Programs:
   """The jitted pieces of generation over the split model state (merged inside each program)."""
 
   def __init__(self, model, dspark, engram_map):
+    self.model = model  # its layers build the caches (`empty_cache`)
     self.graph, self.state = nnx.split((model, dspark))
     self.engram_map = engram_map
     self._jit = {}

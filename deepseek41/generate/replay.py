@@ -23,9 +23,10 @@ from absl import app, flags
 from flax import nnx
 
 from deepseek41.data.pipeline import make_dataset
-from deepseek41.generate.cache import CacheSpec, empty_cache
+from deepseek41.generate.cache import empty_cache
 from deepseek41.generate.decode import forward_chunk, replay_windows
 from deepseek41.generate.generator import GenerateError, Generator
+from deepseek41.model.layer_cache import CacheSpec
 
 
 def exact_replay_window(m) -> int:
@@ -44,7 +45,7 @@ def next_token_kl(model, cfg, tokens_nl: np.ndarray, n_wins, *, batch: int = 8,
   @jax.jit
   def exact_fn(state, tokens):
     mdl = nnx.merge(graph, state)
-    logits, _, cache = forward_chunk(mdl, empty_cache(cfg.model, spec), tokens,
+    logits, _, cache = forward_chunk(mdl, empty_cache(mdl, spec), tokens,
                                      jnp.ones(tokens.shape, bool), engram_map=engram_map)
     return jax.nn.log_softmax(logits[:, -1]), cache
 

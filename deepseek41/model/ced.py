@@ -14,6 +14,7 @@ of the stacked windows and spans (a span passes a difference on to its last posi
 
 from __future__ import annotations
 
+from deepseek41.model.shared import Shared
 from deepseek41.model.transformer import Transformer
 
 
@@ -42,9 +43,9 @@ def ced_prefill_logits(model: Transformer, batch, n_win: int):
     raise ValueError(f'n_win must be in [1, {t}], got {n_win}')
   x, pre = model.residual_input(batch)
   batch = model.with_engram_rows(batch)
-  x, pre, _, _, shared = model.run_blocks(x, pre, batch, {}, blocks=model.blocks[:encoder])
+  x, pre, _, _, shared = model.run_blocks(x, pre, batch, Shared(), blocks=model.blocks[:encoder])
   first_decoder = model.blocks[encoder]
-  if first_decoder.attn.csa2 is not None and first_decoder.attn.csa2.owns_kv:
+  if first_decoder.attn.owns_kv:
     shared = first_decoder.publish_global_kv(x, pre, batch, shared)
   start = t - n_win
   tail = _tail(batch, start)

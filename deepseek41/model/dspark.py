@@ -38,6 +38,7 @@ from deepseek41.model.mhc import collapse
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import dtype_of, normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
+from deepseek41.model.shared import Shared
 from deepseek41.model.transformer import Block
 from deepseek41.ops.fp8_matmul import dense
 from deepseek41.ops.swa_attention import combine_with_sink, keyset_partial
@@ -65,7 +66,7 @@ class DraftAttention(Attention):
   document: not). Each block turns m into its own keys with its own W_kv and kv_norm.
   """
 
-  def __call__(self, x_nrd, batch, shared: dict):
+  def __call__(self, x_nrd, batch, shared: Shared):
     ctx = batch['dspark_context']
     positions_nr = batch['positions']
     _, q_nrhd, kv_nrd = self.project(x_nrd, positions_nr)
@@ -194,7 +195,7 @@ class DSpark(nnx.Module):
     auxes = []
     for block in self.blocks:
       with jax.named_scope(f'dspark{block.layer}'):
-        x, pre, aux, _ = block(x, pre, rows_batch, {})
+        x, pre, aux, _ = block(x, pre, rows_batch, Shared())
       auxes.append(aux)
 
     if cfg.residual == 'mhc_single_pass':

@@ -87,8 +87,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from deepseek41.batch import batch_keys
 from deepseek41.config import (MeshConfig, RunConfig, layer_roles, remat_label, remats_layer,
                                resolve)
-from deepseek41.model.csa2 import INDEXER_TOTALS, SINKS
 from deepseek41.model.params import RouterBias
+from deepseek41.model.shared import Shared
 from deepseek41.ops import launch
 from deepseek41.ops.parallel.per_device import constrain_tokens, gather_tensor_split, residual_spec
 from deepseek41.sharding import batch_sharding, make_mesh
@@ -357,7 +357,7 @@ def compile_programs(cfg: RunConfig, devices=None) -> dict:
     mdl = nnx.merge(graphdef, params, biases)
     x, pre = mdl.residual_input(batch)
     batch = mdl.with_engram_rows(batch)
-    ins, shared = [], {}
+    ins, shared = [], Shared()
     for block in mdl.blocks:
       ins.append((x, pre, shared))
       x, pre, _, shared = block(x, pre, batch, shared)
@@ -419,8 +419,7 @@ def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
     x2, pre2, aux, shared2 = nnx.merge(gd, p, rb)(gather_tensor_split(x, sp), pre, batch,
                                                   rebuild(s_float, s_int))
     x2 = constrain_tokens(x2, sp)
-    new = {k: v for k, v in shared2.items() if k not in shared or k == INDEXER_TOTALS}
-    return (x2, pre2, new), aux
+    return (x2, pre2, shared2.added_since(shared)), aux
 
   args = (p, rb, x, pre, s_float, s_int, batch)
   shardings = (p_sh, rb_sh, spec(x), spec(pre), spec(s_float), spec(s_int), spec(batch))
@@ -442,9 +441,9 @@ def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
       _compile, args=args + (o_float,), shardings=shardings + (spec(o_float),),
       out_shardings=(p_sh,) + in_ct_sh)
   mem, seconds = compile_fwd_bwd(fwd_bwd, name=f'layer {block.layer} forward + backward')
-  # An index source's sinks are zeros nothing reads in the forward (model/csa2.py `SINKS`):
+  # An index source's sinks are zeros nothing reads in the forward (model/shared.py `Shared`):
   # not kept. Their cotangents, the readers' coefficients, are counted where they are cotangents.
-  sinks = {k: v for k, v in outs[2].items() if k.startswith(SINKS)}
+  sinks = outs[2].sinks
   result = {
       'fwd_bwd': mem, 'compile_seconds': seconds,
       # Under block remat a layer keeps exactly its outputs until its backward.
