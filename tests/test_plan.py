@@ -13,7 +13,7 @@ import pytest
 
 from deepseek41.config import layer_roles, load_config_file, resolve
 from deepseek41.sharding import make_mesh
-from deepseek41.tools import plan
+from deepseek41.tools import memory_plan, plan
 from deepseek41.train import state as state_lib
 from deepseek41.train.optimizer import make_optimizer
 from tests.util import jaxpr_eqns
@@ -25,7 +25,7 @@ MESH = {'fsdp': 4, 'expert': 2}
 # Measured here (fsdp=4 x expert=2): -8.3% with block remat, -8.1% with it on layers 0-1, -6.6%
 # without remat; -12.6% for ablation_1b at fsdp=8, 8 x 4096 tokens, block remat: the whole
 # program keeps about one parameter-sized buffer more than the per-layer programs show
-# (plan.assemble). 15% catches a lost term (the gradients alone are 17% of the step here) or
+# (memory_plan.assemble). 15% catches a lost term (the gradients alone are 17% of the step here) or
 # a double count (the plan once came out +32% without remat and +38% with remat on half).
 TOLERANCE = 0.15
 
@@ -51,13 +51,13 @@ def _device0_bytes(tree) -> int:
 
 
 def test_exact_parts_match_real_sharded_arrays():
-  cfg, _ = plan.planned_config(load_config_file(os.path.join(ROOT, 'configs', 'tiny.py')), MESH)
+  cfg, _ = memory_plan.planned_config(load_config_file(os.path.join(ROOT, 'configs', 'tiny.py')), MESH)
   mesh = make_mesh(cfg.mesh)
   tx = make_optimizer(cfg.train)
   state, shardings = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
   grads = jax.jit(jax.grad(lambda p: sum(jnp.sum(x) for x in jax.tree.leaves(p))),
                   out_shardings=shardings['params'])(state['params'])
-  want = plan.state_bytes(cfg)
+  want = memory_plan.state_bytes(cfg)
   assert want['params'] == _device0_bytes(state['params'])
   assert want['optimizer'] == _device0_bytes(state['opt'])
   assert want['router_bias'] == _device0_bytes(state['router_bias'])
@@ -71,17 +71,17 @@ def test_role_table_splits_layers_by_remat():
   config = _four_layer_tiny()
   config.train.remat_layers = 3
   cfg = resolve(config)
-  table = plan.role_table(cfg)
+  table = memory_plan.role_table(cfg)
   assert sorted(l for ls in table.values() for l in ls) == [0, 1, 2, 3]
   assert {key[-1] for key, ls in table.items() for l in ls if l < 3} == {True}
   assert [key[-1] for key, ls in table.items() if 3 in ls] == [False]
 
 
 def test_role_table_groups_identical_layers():
-  cfg, _ = plan.planned_config(load_config_file(os.path.join(ROOT, 'configs', 'v41_flash.py')),
+  cfg, _ = memory_plan.planned_config(load_config_file(os.path.join(ROOT, 'configs', 'v41_flash.py')),
                                {'fsdp': 32, 'expert': 8}, batch=256, seq_len=4096,
                                backend='gpu')
-  table = plan.role_table(cfg)
+  table = memory_plan.role_table(cfg)
   assert sum(len(v) for v in table.values()) == 40
   assert len(table) < 12  # 40 layers, a handful of programs
   assert cfg.model.compute_dtype == 'bfloat16' and cfg.model.moe_backend == 'grouped'
@@ -103,8 +103,8 @@ def test_plan_matches_compiled_full_step(remat, remat_layers, residual):
       config, {'mesh_sizes': MESH, 'device_kind': 'cpu'}, 8)))
   t0 = time.perf_counter()
   worker.start()
-  cfg, _ = plan.planned_config(config, MESH)
-  full = plan.full_step_memory(cfg, jax.devices()[:math.prod(MESH.values())])
+  cfg, _ = memory_plan.planned_config(config, MESH)
+  full = memory_plan.full_step_memory(cfg, jax.devices()[:math.prod(MESH.values())])
   worker.join()
   p = result['plan']
   d = p['per_device']
@@ -132,7 +132,7 @@ def test_plan_matches_compiled_full_step(remat, remat_layers, residual):
 
 def test_bad_mesh_is_named():
   with pytest.raises(Exception, match='mesh'):
-    plan.planned_config(load_config_file(os.path.join(ROOT, 'configs', 'tiny.py')),
+    memory_plan.planned_config(load_config_file(os.path.join(ROOT, 'configs', 'tiny.py')),
                         {'fsdp': 3})
 
 
@@ -140,25 +140,25 @@ def test_activations_split_as_the_trainer_splits_the_residual():
   """The residual between layers is split over context and, with sequence parallelism, over
   tensor (constrain_tokens): the plan's kept layer outputs must be too, or a context-parallel
   plan counts every token on every shard."""
-  cfg, _ = plan.planned_config(load_config_file(os.path.join(ROOT, 'configs', 'tiny.py')),
+  cfg, _ = memory_plan.planned_config(load_config_file(os.path.join(ROOT, 'configs', 'tiny.py')),
                                {'fsdp': 2, 'context': 2, 'tensor': 2})
   mesh = make_mesh(cfg.mesh)
   rules = cfg.mesh.rules
   b, t = 4, 64
   x = jax.ShapeDtypeStruct((b, t, 4, 32), jnp.bfloat16)          # mHC streams
   entries = jax.ShapeDtypeStruct((b, t // 2, 32), jnp.bfloat16)   # compressed: not split
-  sp = plan._batch_spec(mesh, rules, x, b, t, over_tensor=True)
+  sp = memory_plan._batch_spec(mesh, rules, x, b, t, over_tensor=True)
   assert tuple(sp.spec)[:2] == ('fsdp', ('context', 'tensor'))
-  assert plan._sharded_bytes(x, sp) == b * t * 4 * 32 * 2 // 8
-  assert tuple(plan._batch_spec(mesh, rules, x, b, t).spec)[:2] == ('fsdp', 'context')
-  assert tuple(plan._batch_spec(mesh, rules, entries, b, t, True).spec)[:2] == ('fsdp', None)
+  assert memory_plan._sharded_bytes(x, sp) == b * t * 4 * 32 * 2 // 8
+  assert tuple(memory_plan._batch_spec(mesh, rules, x, b, t).spec)[:2] == ('fsdp', 'context')
+  assert tuple(memory_plan._batch_spec(mesh, rules, entries, b, t, True).spec)[:2] == ('fsdp', None)
 
 
 def test_gpu_plan_compiles_the_dropless_experts():
   """On a GPU device kind the routed experts are planned as they run there: the grouped backend
   behind the allgather exchange, its kernels as opaque calls (never the capacity einsum)."""
   config = _four_layer_tiny()
-  p = plan.plan(config, MESH, device_kind='h200', devices=jax.devices()[:8])
+  p = memory_plan.plan(config, MESH, device_kind='h200', devices=jax.devices()[:8])
   assert p['moe_backend'] == 'grouped'
   assert any(n.startswith('moe_backend: auto -> grouped') for n in p['stand_ins'])
   assert p['per_device']['activations'] > 0 and p['fits']
@@ -179,16 +179,16 @@ def test_block_keep_attention_counts_the_kernel_outputs_each_layer_keeps():
   itemsize = 2 if m.compute_dtype == 'bfloat16' else 4
   partial = b * t * m.num_heads * (m.head_dim * itemsize + 4)
   scores = b * t * m.index_topk * 4
-  got = {r.layer: plan._kernel_output_bytes(m, r, batch, spec) for r in layer_roles(m)}
+  got = {r.layer: memory_plan._kernel_output_bytes(m, r, batch, spec) for r in layer_roles(m)}
   assert got == {0: partial, 1: 2 * partial + 2 * scores, 2: 2 * partial + 2 * scores,
                  3: 2 * partial + 2 * scores}, got
   # With the fused kernels the layer keeps its merged softmax instead (model.merged_backward).
   fused = dataclasses.replace(m, attention_impl='fused', sparse_impl='fused')
-  got = {r.layer: plan._kernel_output_bytes(fused, r, batch, spec) for r in layer_roles(m)}
+  got = {r.layer: memory_plan._kernel_output_bytes(fused, r, batch, spec) for r in layer_roles(m)}
   assert got == {0: partial, 1: partial + 2 * scores, 2: partial + 2 * scores,
                  3: partial + 2 * scores}, got
   unmerged = dataclasses.replace(fused, merged_backward=False)
-  assert plan._kernel_output_bytes(unmerged, layer_roles(m)[1], batch, spec) == (
+  assert memory_plan._kernel_output_bytes(unmerged, layer_roles(m)[1], batch, spec) == (
       2 * partial + 2 * scores)
 
 
@@ -239,7 +239,7 @@ def test_an_index_sources_sinks_are_not_kept_bytes():
   roles = {}
   for group in (False, True):
     m.sparse_group_dkv = group
-    p = plan.plan(config, {'fsdp': 1}, device_kind='h200', devices=jax.devices()[:1])
+    p = memory_plan.plan(config, {'fsdp': 1}, device_kind='h200', devices=jax.devices()[:1])
     roles[group] = {l: r for r in p['programs']['roles'].values() for l in r['layers']}
   assert roles[True][1]['kept_bytes'] == roles[False][1]['kept_bytes']
   assert roles[True][1]['cotangent_in_bytes'] > roles[False][1]['cotangent_in_bytes']

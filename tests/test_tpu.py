@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 pytest.importorskip('libtpu', reason="libtpu is not installed: pip install -e '.[tpu]'")
 
 from deepseek41.config import load_config_file  # noqa: E402
-from deepseek41.tools import tpu_plan  # noqa: E402
+from deepseek41.tools import memory_plan, tpu_plan  # noqa: E402
 from deepseek41.train.flops import flops_per_token  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,12 +47,12 @@ def test_the_compilers_refusal_is_read_as_does_not_fit():
   x = jax.ShapeDtypeStruct((2**16,), jnp.float32, sharding=chip)
   with pytest.raises(jax.errors.JaxRuntimeError) as refusal:
     jax.jit(lambda x: x[:, None] * x[None, :]).lower(x).compile()
-  assert tpu_plan.over_hbm(refusal.value) == {'temp': 16 * 2**30}
-  assert tpu_plan.refused_memory(refusal.value)['over_hbm']
+  assert memory_plan.over_hbm(refusal.value) == {'temp': 16 * 2**30}
+  assert memory_plan.refused_memory(refusal.value)['over_hbm']
   other = jax.errors.JaxRuntimeError('INVALID_ARGUMENT: something else')
-  assert tpu_plan.over_hbm(other) is None
+  assert memory_plan.over_hbm(other) is None
   with pytest.raises(jax.errors.JaxRuntimeError):
-    tpu_plan.refused_memory(other)
+    memory_plan.refused_memory(other)
 
 
 def test_full_train_step_compiles_for_a_v5p_slice(tiny_plan):

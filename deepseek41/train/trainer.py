@@ -22,6 +22,8 @@ import time
 
 import jax
 import numpy as np
+from jax._src import distributed  # the coordination client's barrier (_CompiledTogether)
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from deepseek41.config import RunConfig, format_role_table, resolve
@@ -174,7 +176,6 @@ class CompilationCache:
     self._before = {}
 
   def __enter__(self):
-    from jax.experimental.compilation_cache import compilation_cache
     self._before = {name: getattr(jax.config, name) for name in self._SETTINGS}
     if self.directory:
       try:  # private to the user on creation: JAX runs what it loads from here
@@ -193,7 +194,6 @@ class CompilationCache:
     return self
 
   def __exit__(self, *exc):
-    from jax.experimental.compilation_cache import compilation_cache
     jax.monitoring.unregister_event_listener(self._on_event)
     jax.monitoring.unregister_event_duration_listener(self._on_duration)
     for name, value in self._before.items():
@@ -388,7 +388,6 @@ class _CompiledTogether:
     key = (treedef, tuple((np.shape(x), getattr(x, 'dtype', type(x))) for x in leaves))
     if key not in self.compiled:
       self.compiled[key] = self.fn.lower(*args).compile()
-      from jax._src import distributed  # the client's barrier: no collective, its own timeout
       _CompiledTogether._count += 1
       t0 = time.perf_counter()
       distributed.global_state.client.wait_at_barrier(

@@ -32,6 +32,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
 from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
@@ -104,7 +106,6 @@ def _precision(dtype):
 def _compiler_params(num_warps, num_stages, interpret):
   if interpret:
     return None
-  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
   return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -286,7 +287,6 @@ _MOSAIC_WGRAD = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=
 def tgmm_mosaic(x_md, dy_mf, group_tiles_e1, *, block_m: int, out_dtype=None):
   """tgmm through jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu: each expert's
   group is its whole row tiles (the zero padding rows add nothing)."""
-  from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu  # noqa: PLC0415 (GPU)
   rows_e = (group_tiles_e1[1:] - group_tiles_e1[:-1]) * block_m
   dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(
       x_md, dy_mf.astype(x_md.dtype), group_sizes=rows_e.astype(jnp.int32), **_MOSAIC_WGRAD)

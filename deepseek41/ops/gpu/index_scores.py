@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT, index_scores_supported
@@ -50,7 +51,6 @@ def index_scores_fused(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 64, blo
   the limit are not computed. `interpret`: the Pallas interpreter or not (None: ops/launch.py's
   rule).
   """
-  from jax.experimental.pallas import triton as plt  # GPU-only module; imported lazily
 
   b, t, h, c = q_bthc.shape
   n = k_bnc.shape[1]

@@ -42,6 +42,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
@@ -450,7 +451,6 @@ def _bwd_kernel(*refs, spec: _Spec):
 
 
 def _params(spec):
-  from jax.experimental.pallas import triton as plt  # GPU-only module; imported lazily
   return plt.CompilerParams(num_warps=spec.num_warps, num_stages=spec.num_stages)
 
 

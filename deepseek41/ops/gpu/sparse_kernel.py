@@ -38,6 +38,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+try:  # private to jax, so guarded: another jax keeps its own atomics (below)
+  from jax._src.pallas.triton import lowering as _triton_lowering
+except ImportError:
+  _triton_lowering = None
 
 from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
@@ -60,13 +66,15 @@ def _relax_pallas_triton_atomics():
   gradient adds through `add_rows`, which nothing reads back before the kernel ends.
   Left alone if the helper's signature is not the one this was written against.
   """
+  if _triton_lowering is None:
+    return
   try:
-    from jax._src.pallas.triton import lowering  # noqa: PLC0415 (private: guarded below)
-    tt = lowering.tt_dialect
-    defaults = lowering._atomic_rmw.__defaults__
+    tt = _triton_lowering.tt_dialect
+    defaults = _triton_lowering._atomic_rmw.__defaults__
     if defaults == (None, tt.MemSemantic.ACQUIRE_RELEASE, tt.MemSyncScope.GPU):
-      lowering._atomic_rmw.__defaults__ = (None, tt.MemSemantic.RELAXED, tt.MemSyncScope.GPU)
-  except (ImportError, AttributeError):  # another jax: keep its (correct, slower) default
+      _triton_lowering._atomic_rmw.__defaults__ = (None, tt.MemSemantic.RELAXED,
+                                                   tt.MemSyncScope.GPU)
+  except AttributeError:  # another jax: keep its (correct, slower) default
     pass
 
 
@@ -148,7 +156,6 @@ def add_rows(ref, rows_k, col0, vals_kc, *, n, interpret):
   """ref[rows_k, col0:col0 + c] += vals_kc with (relaxed) atomics. Invalid slots all point at the
   dummy row n: on the GPU they are masked out of the atomics, so they do not serialise on one
   row; the interpreter takes no mask, and callers cut row n off."""
-  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
   bk, c = vals_kc.shape
   cols_c = col0 + jnp.arange(c, dtype=jnp.int32)
   mask = None if interpret else jnp.broadcast_to((rows_k < n)[:, None], (bk, c))
@@ -339,7 +346,6 @@ class BackwardTiles(NamedTuple):
 
 
 def compiler_params(num_warps, num_stages):
-  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
   return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 

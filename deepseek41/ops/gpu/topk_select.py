@@ -32,6 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from deepseek41.ops import launch
 
@@ -81,7 +82,6 @@ def _kernel(x_ref, o_ref, *, k, interpret):
   if interpret:  # the interpreter takes no mask: the dump slot absorbs the unselected lanes
     o_ref[rows_rl, slot_rl] = cols_rl
   else:
-    from jax.experimental.pallas import triton as plt  # GPU-only module; imported lazily
     plt.store(o_ref.at[rows_rl, slot_rl], cols_rl, mask=sel_rl)
   o_ref[:, pl.ds(k + 1, 1)] = (total_r1 >> 16) + jnp.minimum(total_r1 & (PACK - 1), need_r1)
 
@@ -126,7 +126,6 @@ def topk_threshold(key_rl, k: int, *, block_rows: int | None = None, num_warps: 
   x_rl = _pad_to(x_rl, rp, lp)
   params = None
   if not interpret:
-    from jax.experimental.pallas import triton as plt  # GPU-only module; imported lazily
     params = plt.CompilerParams(num_warps=num_warps or auto_warps, num_stages=1)
   raw_rk = launch.pallas_call(
       functools.partial(_kernel, k=k, interpret=interpret),

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
@@ -255,7 +256,6 @@ def _dkv_kernel(seg_ref, span_ref, q_ref, kv_ref, do_ref, lse_ref, delta_ref, dk
 def _params(st: _Static, kernel: int):
   if st.interpret:
     return None
-  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 (GPU module, lazy)
   return plt.CompilerParams(num_warps=st.num_warps, num_stages=st.stages[kernel])
 
 
