@@ -228,6 +228,21 @@ def test_second_signal_waits_for_the_save_third_exits_at_once(monkeypatch, caplo
           'complete checkpoints in /w/checkpoints: [2, 4]') in caplog.records[-1].getMessage()
 
 
+def test_the_trainer_takes_sigterm_back_from_jax_distributed():
+  """jax.distributed.initialize(), between the command line's entry and train()'s, gives SIGTERM
+  to its preemption notifier (which only logs it): the nested entry installs the handler again,
+  keeping a signal already received; the outermost exit restores what was there before."""
+  before = signal.getsignal(signal.SIGTERM)
+  with STOP as stop:
+    stop._handle(signal.SIGINT, None)  # received during the command line's imports
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as the preemption notifier takes it
+    with STOP:
+      assert signal.getsignal(signal.SIGTERM) == stop._handle
+      assert stop.signal == signal.SIGINT
+    assert signal.getsignal(signal.SIGTERM) == stop._handle
+  assert signal.getsignal(signal.SIGTERM) == before
+
+
 def _run_cli(tmp_path, overrides):
   """`python -m deepseek41.train` on small_config(**overrides) in tmp_path/w, output merged."""
   cfg_file = tmp_path / 'cfg.py'

@@ -18,6 +18,8 @@ start skips.
 
 Signal handlers belong to the process, so there is one `StopSignals`, `STOP`, entered by the
 command line before its imports and by `train()`: a signal at any moment of start-up counts.
+`train()` installs the handler again: jax.distributed.initialize() hands SIGTERM to its own
+preemption notifier, which logs it and nothing else.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopSignals:
-  """Records stop signals while entered (re-entrant: the outermost entry installs the handler,
-  from the main thread only, and its exit restores the previous ones)."""
+  """Records stop signals while entered (re-entrant: the outermost entry saves the previous
+  handlers and its exit restores them; every entry, in the main thread only, installs the
+  handler again, since jax.distributed.initialize() between two entries gives SIGTERM to its
+  preemption notifier, which would swallow it)."""
 
   def __init__(self):
     self._old = {}
@@ -54,9 +58,11 @@ class StopSignals:
   def __enter__(self):
     if self._depth == 0:
       self._reset()
-      if threading.current_thread() is threading.main_thread():
-        for sig in SIGNALS:
-          self._old[sig] = signal.signal(sig, self._handle)
+    if threading.current_thread() is threading.main_thread():
+      for sig in SIGNALS:
+        old = signal.signal(sig, self._handle)
+        if self._depth == 0:
+          self._old[sig] = old
     self._depth += 1
     return self
 
