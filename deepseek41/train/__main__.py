@@ -87,6 +87,7 @@ def main(argv):
       else:
         logging.error('jax.distributed.initialize: %s', e)
       sys.exit(EXIT_BAD_INPUT)
+    STOP.reinstall()  # initialize() gave SIGTERM to its preemption notifier, which only logs it
   from deepseek41.config import ConfigError
   from deepseek41.data.shards import DataError
   from deepseek41.train.checkpoint import CheckpointError, CheckpointSaveError

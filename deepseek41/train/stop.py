@@ -58,13 +58,17 @@ class StopSignals:
   def __enter__(self):
     if self._depth == 0:
       self._reset()
-    if threading.current_thread() is threading.main_thread():
-      for sig in SIGNALS:
-        old = signal.signal(sig, self._handle)
-        if self._depth == 0:
-          self._old[sig] = old
+    old = self.reinstall()
+    if self._depth == 0:
+      self._old = old
     self._depth += 1
     return self
+
+  def reinstall(self) -> dict:
+    """Install the handler (main thread only); returns the handlers it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+      return {}
+    return {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
 
   def __exit__(self, *exc):
     self._depth -= 1
