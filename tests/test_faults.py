@@ -263,16 +263,21 @@ def test_third_sigint_exits_at_once_cleanly_and_the_checkpoints_resume(tmp_path)
                'train.compilation_cache_dir': jax.config.jax_compilation_cache_dir}
   workdir = tmp_path / 'w'
   proc = _run_cli(tmp_path, overrides)
+  seen = []
+
+  def read_until(text):  # each signal is handled before the next is sent: none coalesce
+    while line := proc.stdout.readline():
+      seen.append(line)
+      if text in line:
+        return
+
   try:
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-      if (workdir / 'metrics.jsonl').exists() and len(_steps(workdir)) >= 5:
-        break
-      time.sleep(0.02)
-    for _ in range(3):
+    read_until('INFO step 5:')
+    for answer in ('received SIGINT:', 'received SIGINT again', None):
       proc.send_signal(signal.SIGINT)
-      time.sleep(0.05)
-    out, _ = proc.communicate(timeout=60)
+      if answer:
+        read_until(answer)
+    out = ''.join(seen) + proc.communicate(timeout=60)[0]
   finally:
     if proc.poll() is None:
       proc.kill()
