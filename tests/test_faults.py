@@ -1,23 +1,33 @@
-"""Fault injection: failed saves, corrupt checkpoints, signals, a locked or unusable work
-directory, resumes after a kill, bad command lines. Tiny synthetic runs on the CPU."""
+"""Fault injection: failed, stuck and cut-short saves, an unwritable metrics.jsonl, corrupt
+checkpoints, signals at start-up and in the loop, a locked or unusable work directory, resumes
+after a kill, bad command lines. Tiny synthetic runs on the CPU."""
 
 import errno
+import gc
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
 import numpy as np
 import pytest
+from orbax.checkpoint._src.handlers import json_checkpoint_handler
+from orbax.checkpoint._src.multihost import multihost
 
 from deepseek41.config import resolve
+from deepseek41.train import checkpoint as checkpoint_lib
+from deepseek41.train import metrics as metrics_lib
+from deepseek41.train import trainer as trainer_lib
 from deepseek41.train.checkpoint import (MANIFEST, CheckpointError, CheckpointSaveError,
                                          Checkpointer)
-from deepseek41.train.trainer import TrainingDiverged, _StopFlag, train
+from deepseek41.train.metrics import MetricsWriteError
+from deepseek41.train.stop import STOP
+from deepseek41.train.trainer import TrainingDiverged, train
 from deepseek41.train.warm_start import check_fits
 from deepseek41.train.workdir import WorkdirError, WorkdirLock
 from tests.util import small_config
@@ -198,13 +208,236 @@ def test_divergence_message_calls_only_a_verified_checkpoint_intact(tmp_path):
   ck.close()
 
 
-def test_second_signal_waits_for_the_save_third_aborts():
-  with _StopFlag() as stop:
+def test_second_signal_waits_for_the_save_third_exits_at_once(monkeypatch, caplog):
+  """The handler never raises (an exception raised in a signal handler is dropped inside a GC
+  callback, or unwinds out of a blocking JAX call under running threads); the third signal ends
+  the process with os._exit, naming the checkpoints it leaves."""
+  exits = []
+  monkeypatch.setattr(os, '_exit', exits.append)
+  with STOP as stop, caplog.at_level(logging.WARNING):
+    stop.describe_checkpoints = lambda: 'complete checkpoints in /w/checkpoints: [2, 4]'
     stop._handle(signal.SIGINT, None)
     stop._handle(signal.SIGINT, None)  # a second Ctrl-C: logged, the save goes on
-    assert stop.signal == signal.SIGINT
-    with pytest.raises(KeyboardInterrupt):
+    assert stop.signal == signal.SIGINT and not exits
+    try:
       stop._handle(signal.SIGTERM, None)
+    except BaseException as e:  # a KeyboardInterrupt here would also end the test session
+      pytest.fail(f'the third signal raised {e!r} instead of exiting')
+  assert exits == [128 + signal.SIGTERM]
+  assert ('received SIGTERM three times: exiting now (status 143) without waiting for any save; '
+          'complete checkpoints in /w/checkpoints: [2, 4]') in caplog.records[-1].getMessage()
+
+
+def test_the_trainer_takes_sigterm_back_from_jax_distributed():
+  """jax.distributed.initialize(), between the command line's entry and train()'s, gives SIGTERM
+  to its preemption notifier (which only logs it): the nested entry installs the handler again,
+  keeping a signal already received; the outermost exit restores what was there before."""
+  before = signal.getsignal(signal.SIGTERM)
+  with STOP as stop:
+    stop._handle(signal.SIGINT, None)  # received during the command line's imports
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as the preemption notifier takes it
+    with STOP:
+      assert signal.getsignal(signal.SIGTERM) == stop._handle
+      assert stop.signal == signal.SIGINT
+    assert signal.getsignal(signal.SIGTERM) == stop._handle
+  assert signal.getsignal(signal.SIGTERM) == before
+
+
+def _run_cli(tmp_path, overrides):
+  """`python -m deepseek41.train` on small_config(**overrides) in tmp_path/w, output merged."""
+  cfg_file = tmp_path / 'cfg.py'
+  cfg_file.write_text('from tests.util import small_config\n'
+                      f'def get_config():\n  return small_config(**{overrides!r})\n')
+  return subprocess.Popen([sys.executable, '-m', 'deepseek41.train', f'--config={cfg_file}',
+                           f'--workdir={tmp_path / "w"}'], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+
+
+def test_third_sigint_exits_at_once_cleanly_and_the_checkpoints_resume(tmp_path):
+  """Three Ctrl-Cs while steps run and saves are in flight: exit status 130 within seconds, one
+  line naming the checkpoints kept, no traceback, no C++ abort ('terminate called without an
+  active exception' came from unwinding a KeyboardInterrupt out of a blocking JAX call); every
+  complete checkpoint verifies and the newest resumes."""
+  overrides = {'train.steps': 100000, 'checkpoint.every_steps': 2, 'checkpoint.async_save': True,
+               'train.compilation_cache_dir': jax.config.jax_compilation_cache_dir}
+  workdir = tmp_path / 'w'
+  proc = _run_cli(tmp_path, overrides)
+  seen = []
+
+  def read_until(text):  # each signal is handled before the next is sent: none coalesce
+    while line := proc.stdout.readline():
+      seen.append(line)
+      if text in line:
+        return
+
+  try:
+    read_until('INFO step 5:')
+    for answer in ('received SIGINT:', 'received SIGINT again', None):
+      proc.send_signal(signal.SIGINT)
+      if answer:
+        read_until(answer)
+    out = ''.join(seen) + proc.communicate(timeout=60)[0]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
+  assert 'received SIGINT three times: exiting now (status 130)' in out
+  for crash in ('Traceback', 'terminate called', 'Fatal Python error'):
+    assert crash not in out, out[-3000:]
+  ck = Checkpointer(str(workdir), resolve(small_config(**overrides)).checkpoint)
+  kept = ck.complete_steps()
+  assert kept and f'complete checkpoints in {ck.directory}: {kept}' in out
+  for step in kept:
+    ck.verify(step)  # raises if corrupt; False (unverified) if cut between commit and checksums
+  ck.close()
+  result = train(small_config(**overrides), str(workdir), stop_at_step=kept[-1] + 1)
+  assert result.step == kept[-1] + 1 and not result.stopped_by_signal
+
+
+def test_signal_during_start_up_ends_the_run_before_the_first_step(tmp_path, monkeypatch, caplog):
+  """A SIGINT during start-up whose handler runs inside a garbage-collection callback (JAX keeps
+  one in gc.callbacks): Python's KeyboardInterrupt would be dropped there ('Exception ignored')
+  and the run trained to the end. It stops before the first step, saying there is nothing to
+  save, with nothing written."""
+  real_make_mesh = trainer_lib.make_mesh
+  sent = []
+
+  def sigint_inside_gc(phase, info):
+    del info
+    if phase == 'start' and not sent:
+      sent.append(True)
+      os.kill(os.getpid(), signal.SIGINT)  # its handler runs here, inside the callback
+
+  def make_mesh_during_a_collection(*args):
+    gc.callbacks.append(sigint_inside_gc)
+    try:
+      gc.collect()
+    finally:
+      gc.callbacks.remove(sigint_inside_gc)
+    return real_make_mesh(*args)
+
+  monkeypatch.setattr(trainer_lib, 'make_mesh', make_mesh_during_a_collection)
+  workdir = tmp_path / 'w'
+  with caplog.at_level(logging.WARNING):
+    result = train(small_config(**{'checkpoint.every_steps': 2}), str(workdir))
+  assert sent and result.stopped_by_signal and result.step == 0
+  assert any('stopped by SIGINT during start-up, before the first step: nothing to save' in
+             r.getMessage() and 'no checkpoint yet' in r.getMessage() for r in caplog.records)
+  assert not os.listdir(workdir / 'checkpoints') and not (workdir / 'metrics.jsonl').exists()
+  assert not (workdir / 'config.json').exists()
+
+
+def test_checkpoints_tree_unwritable_during_a_save_fails_at_once(tmp_path, monkeypatch):
+  """The tree loses its write permission once `4.orbax-checkpoint-tmp` exists. Created in
+  Orbax's background, the item directories failed there and the save of the data item (in the
+  main thread) waited 300 s for them, deaf to SIGTERM (here the wait is cut to 5 s: the save
+  then failed with a TimeoutError). Now the save fails at once, naming the cause, the directory
+  and the complete checkpoints; nothing of the failed save is left."""
+  monkeypatch.setattr(multihost, '_DEFAULT_BARRIER_TIMEOUT', 5)
+  real_mkdir = os.mkdir
+
+  def unwritable_inside_the_save(path, *args, **kwargs):
+    if f'{os.sep}4.orbax-checkpoint-tmp{os.sep}' in os.fspath(path):
+      raise PermissionError(errno.EACCES, 'Permission denied', os.fspath(path))
+    return real_mkdir(path, *args, **kwargs)
+
+  monkeypatch.setattr(os, 'mkdir', unwritable_inside_the_save)
+  workdir = tmp_path / 'w'
+  config = small_config(**{'train.steps': 6, 'checkpoint.every_steps': 2,
+                           'checkpoint.async_save': True})
+  with pytest.raises(CheckpointSaveError) as err:
+    train(config, str(workdir))
+  monkeypatch.undo()
+  msg = str(err.value)
+  assert f'saving checkpoint 4 to {workdir / "checkpoints"} failed (PermissionError' in msg, msg
+  assert 'Complete checkpoints are kept: [2]' in msg and '\n' not in msg
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['2']
+  assert _steps(workdir) == [1, 2, 3, 4]  # no step after the failed save
+  ck = _checkpointer(workdir)
+  assert ck.verify(2)
+  ck.close()
+
+
+def test_a_save_that_does_not_finish_stops_the_run_without_waiting_for_it(tmp_path, monkeypatch):
+  """A save stuck in the background (a hung file system): the wait for it ends after
+  SAVE_TIMEOUT_S with CheckpointSaveError naming the complete checkpoints and the unfinished one,
+  and close() does not wait for it again. (The stuck write is released a few seconds later, for
+  the test's own threads: without the bound, the wait would simply have lasted until then.)"""
+  real = json_checkpoint_handler.JsonCheckpointHandler._save_fn
+  disk = threading.Event()
+
+  async def hangs_at_step_4(self, x, directory):
+    if f'{os.sep}4.orbax-checkpoint-tmp' in str(directory):
+      disk.wait()
+    return await real(self, x, directory)
+
+  monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, '_save_fn', hangs_at_step_4)
+  monkeypatch.setattr(checkpoint_lib, 'SAVE_TIMEOUT_S', 1, raising=False)
+  ck = _checkpointer(tmp_path, **{'checkpoint.async_save': True})
+  state = {'x': jax.numpy.ones(3)}
+  ck.save(2, state, None, {'model': {}}, {})
+  ck.save(4, state, None, {'model': {}}, {})
+  threading.Timer(8, disk.set).start()
+  try:
+    with pytest.raises(CheckpointSaveError) as err:
+      ck.wait()
+    msg = str(err.value)
+    ck.close()  # returns: the stuck save's threads are not waited for again
+    assert f'saving checkpoint 4 to {tmp_path / "checkpoints"} failed (it did not finish' in msg
+    assert 'Complete checkpoints are kept: [2]' in msg
+    assert 'checkpoints/4.orbax-checkpoint-tmp is left in place; a new start skips it' in msg
+  finally:
+    disk.set()
+
+
+def test_unwritable_metrics_file_is_named_at_start_up(tmp_path):
+  """Refused before anything is compiled or written (it was a raw traceback after the state's
+  initialisation)."""
+  (tmp_path / 'metrics.jsonl').mkdir()  # as root, the one file that cannot be opened for writing
+  with pytest.raises(WorkdirError, match=rf'{tmp_path}/metrics.jsonl cannot be written \(Is a '
+                     'directory\\): the run appends its metrics there'):
+    train(small_config(), str(tmp_path))
+  assert not (tmp_path / 'config.json').exists() and not (tmp_path / 'checkpoints').exists()
+
+
+class _FullDiskAtStep:
+  """A metrics.jsonl whose disk fills up when the line of `step` is written."""
+
+  def __init__(self, f, step):
+    self.f, self.step = f, step
+
+  def write(self, text):
+    if text.startswith(f'{{"step": {self.step},'):
+      raise OSError(errno.ENOSPC, 'No space left on device')
+    return self.f.write(text)
+
+  def __getattr__(self, name):
+    return getattr(self.f, name)
+
+
+def test_metrics_file_failing_mid_run_saves_a_checkpoint_and_stops(tmp_path, monkeypatch):
+  """The disk under metrics.jsonl fills up at step 3's line (written once step 4 is dispatched):
+  the run saves checkpoint 4 and stops with one message naming the file (it was a raw OSError
+  with nothing saved); it resumes from 4."""
+  real_open = open
+  monkeypatch.setattr(metrics_lib, 'open', lambda path, mode='r', *a, **k: _FullDiskAtStep(
+      real_open(path, mode, *a, **k), 3) if mode == 'a' else real_open(path, mode, *a, **k),
+      raising=False)
+  workdir = str(tmp_path / 'w')
+  config = small_config(**{'train.steps': 6})
+  with pytest.raises(MetricsWriteError) as err:
+    train(config, workdir)
+  monkeypatch.undo()
+  assert str(err.value).startswith(
+      f'cannot write {workdir}/metrics.jsonl at step 3 (No space left on device); saved '
+      f'checkpoint 4 ({workdir}/checkpoints/4) and stopped')
+  assert _steps(workdir) == [1, 2]
+  ck = _checkpointer(workdir)
+  assert ck.complete_steps() == [4] and ck.verify(4)
+  ck.close()
+  assert train(config, workdir).step == 6
+  assert _steps(workdir) == [1, 2, 5, 6]  # the lines of steps 3 and 4 are in the log only
 
 
 def test_workdir_lock_names_the_holder_and_is_released(tmp_path):

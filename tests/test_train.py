@@ -226,8 +226,8 @@ def test_retention_and_writers(corpus, tmp_path):
 
 @pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM])
 def test_stop_flag_catches_signals(sig):
-  from deepseek41.train.trainer import _StopFlag
-  with _StopFlag() as stop:
+  from deepseek41.train.stop import STOP
+  with STOP as stop:
     os.kill(os.getpid(), sig)
     deadline = time.time() + 5
     while stop.signal is None and time.time() < deadline:
