@@ -37,6 +37,12 @@ OPTIONAL = {
     'torch': "the 'hf' extra (benchmarks/hf_parity.py)",
     'transformers': "the 'hf' extra",
 }
+# Modules whose own imports wait for a reason of start-up order.
+DEFERRED = {
+    'deepseek41.train.__main__': 'the stop-signal handler (train/stop.py) is installed before '
+                                 'jax and the trainer are imported: a signal during those '
+                                 'seconds must end the run, not vanish in a gc callback',
+}
 
 
 def _module_name(path: str) -> str:
@@ -154,6 +160,6 @@ def test_imports_sit_at_the_top_of_their_module():
   bad = []
   for module, path in MODULES.items():
     for line, name, inner in _imports(path, module):
-      if inner and name.split('.')[0] not in OPTIONAL:
+      if inner and name.split('.')[0] not in OPTIONAL and module not in DEFERRED:
         bad.append(f'{os.path.relpath(path, ROOT)}:{line}: import of {name} inside a function')
   assert not bad, '\n'.join(sorted(set(bad), key=lambda b: (b.split(':')[0], int(b.split(':')[1]))))

@@ -31,6 +31,7 @@ logged, the third exits at once.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -138,7 +139,6 @@ def _cpu_only(jax) -> bool:
   if platforms:
     return platforms.split(',')[0].strip() == 'cpu'
   try:  # no platform asked for: the CPU unless a CUDA or TPU plugin is installed
-    import importlib.util
     return not any(importlib.util.find_spec(m) for m in ('jax_cuda12_plugin', 'jax_cuda13_plugin',
                                                          'libtpu'))
   except (ImportError, ValueError):

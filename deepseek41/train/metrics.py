@@ -14,12 +14,17 @@ with MetricsWriteError.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
 import sys
 
+from tensorboardX import SummaryWriter
+from tqdm import tqdm
+
+from deepseek41.config import ConfigError
 from deepseek41.train.workdir import WorkdirError
 
 log = logging.getLogger(__name__)
@@ -67,14 +72,12 @@ class MetricsWriter:
       raise _unusable(self.path, e) from e
     self.tb = None
     if enabled and tensorboard:
-      from tensorboardX import SummaryWriter
       self.tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
     self.wandb = None
     if enabled and wandb_project:
       self.wandb = _wandb_run(workdir, wandb_project, wandb_mode, run_config or {})
     self.bar = None
     if enabled and progress_bar:
-      from tqdm import tqdm
       self.bar = tqdm(total=total_steps, initial=start_step, desc='train', unit='step',
                       dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
 
@@ -143,10 +146,8 @@ def _wandb_run(workdir: str, project: str, mode: str, run_config: dict):
   try:
     import wandb
   except ImportError:
-    from deepseek41.config import ConfigError
     raise ConfigError("log.wandb_project: set, but the wandb package is missing: "
                       "pip install -e '.[wandb]' (or leave log.wandb_project empty)") from None
-  import hashlib
   path = os.path.abspath(workdir)
   return wandb.init(project=project, mode=mode, dir=path, name=os.path.basename(path),
                     id='ds41-' + hashlib.sha1(path.encode()).hexdigest()[:12], resume='allow',
