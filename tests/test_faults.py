@@ -361,8 +361,8 @@ def test_checkpoints_tree_unwritable_during_a_save_fails_at_once(tmp_path, monke
 
 def test_a_save_that_does_not_finish_stops_the_run_without_waiting_for_it(tmp_path, monkeypatch):
   """A save stuck in the background (a hung file system): the wait for it ends after
-  SAVE_TIMEOUT_S with CheckpointSaveError naming the complete checkpoints and the unfinished one,
-  and close() does not wait for it again. (The stuck write is released a few seconds later, for
+  checkpoint.save_timeout_s with CheckpointSaveError naming the complete checkpoints and the
+  unfinished one, and close() does not wait for it again. (The stuck write is released a few seconds later, for
   the test's own threads: without the bound, the wait would simply have lasted until then.)"""
   real = json_checkpoint_handler.JsonCheckpointHandler._save_fn
   disk = threading.Event()
@@ -373,8 +373,7 @@ def test_a_save_that_does_not_finish_stops_the_run_without_waiting_for_it(tmp_pa
     return await real(self, x, directory)
 
   monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, '_save_fn', hangs_at_step_4)
-  monkeypatch.setattr(checkpoint_lib, 'SAVE_TIMEOUT_S', 1, raising=False)
-  ck = _checkpointer(tmp_path, **{'checkpoint.async_save': True})
+  ck = _checkpointer(tmp_path, **{'checkpoint.async_save': True, 'checkpoint.save_timeout_s': 1})
   state = {'x': jax.numpy.ones(3)}
   ck.save(2, state, None, {'model': {}}, {})
   ck.save(4, state, None, {'model': {}}, {})

@@ -260,6 +260,8 @@ def check_checkpoint(ck: CheckpointConfig):
   require(ck.every_steps >= 0, 'checkpoint.every_steps', 'must be >= 0')
   require(ck.max_to_keep >= 1, 'checkpoint.max_to_keep', 'must be >= 1')
   require(ck.keep_period >= 0, 'checkpoint.keep_period', 'must be >= 0')
+  require(ck.save_timeout_s > 0, 'checkpoint.save_timeout_s',
+          f'must be > 0 seconds, got {ck.save_timeout_s}')
 
 
 def check_log(lg: LogConfig):

@@ -65,8 +65,8 @@ class ModelConfig:
   engram_head_dim: int = key(16)        # [engram_head_dim] (released 256)
   engram_vocab_start: int = key(1000)   # [engram_vocab_size]: prime search start (released 16M)
   engram_pad_token_id: int = key(2)     # [engram_pad_token_id], in the hashed id space
-  # [engram_compressed_vocab_size]: ids the tokenizer compresses to (data/engram_vocab.py model_fits_data
-  # checks it against the data's tokenizer); 0 = hash raw token ids.
+  # [engram_compressed_vocab_size]: ids the tokenizer compresses to (`model_fits_data` in
+  # data/engram_vocab.py checks it against the data's tokenizer); 0 = hash raw token ids.
   engram_compressed_vocab_size: int = key(0)
   # Pad table rows to a multiple of this so they can shard (a sum of primes divides by few mesh
   # sizes); 1 = exact.
@@ -379,6 +379,10 @@ class CheckpointConfig:
   max_to_keep: int = key(3)             # keep the newest N ...
   keep_period: int = key(0)             # ... plus every K-th step (0: none)
   async_save: bool = key(True)
+  # The longest the trainer waits for one save to finish (its background writes, the commit and
+  # the checksums): Orbax's own default bound. Past it the save is taken to be stuck (a hung
+  # file system) and the run stops with exit 74, the complete checkpoints kept.
+  save_timeout_s: float = key(1200.0)
   # A checkpoint step directory (WORKDIR/checkpoints/<step>, e.g. written by
   # `deepseek41.tools.convert import`): a run with no checkpoint of its own starts from its
   # parameters and router biases, with a fresh optimizer and step 0 (train/warm_start.py).

@@ -13,7 +13,7 @@ Exit status (sysexits.h values where one fits):
   75  stopped by SIGTERM / SIGINT after saving a checkpoint, or during start-up with nothing to
       save (EX_TEMPFAIL): start it again to resume; a scheduler can requeue on 75
   74  writing the work directory failed during the run (EX_IOERR: full or unwritable disk): a
-      checkpoint save failed, or did not finish within checkpoint.SAVE_TIMEOUT_S (20 min), or
+      checkpoint save failed, or did not finish within checkpoint.save_timeout_s (20 min), or
       metrics.jsonl stopped accepting lines (then a checkpoint of that step was saved first);
       complete checkpoints kept
   2   the run cannot start or go on as given: bad config, data, checkpoint or work directory

@@ -26,7 +26,7 @@ seen, and removes the partial `<step>.orbax-checkpoint-tmp*` directory it left (
 could not: a new start skips it). The step directories are created in the caller's thread, so a
 checkpoints tree that became unwritable fails the save at once; Orbax's background creation
 would leave the writers waiting 300 s for a directory that never comes. A save that has not
-finished SAVE_TIMEOUT_S after it began is reported the same way and abandoned
+finished checkpoint.save_timeout_s after it began is reported the same way and abandoned
 (its threads are not waited for again; the command line then exits without joining them).
 """
 
@@ -63,10 +63,6 @@ EXECUTION_ONLY_MODEL_KEYS = execution_only_keys('model')
 MANIFEST = 'checksums.json'
 _CHUNK = 1 << 24
 
-# The longest the trainer waits for one save to finish (its background writes, the commit and
-# the checksums): Orbax's own default bound on an async save. Past it the save is taken to be
-# stuck (a hung file system) and the run stops with CheckpointSaveError.
-SAVE_TIMEOUT_S = 1200
 _POLL_S = 0.1  # signal handlers run between polls
 _DETAIL_CHARS = 300
 # The thread class of Orbax's background writers (private: nothing public lists them).
@@ -207,6 +203,7 @@ class Checkpointer:
     self.directory = os.path.abspath(os.path.join(workdir, 'checkpoints'))
     self.primary = primary  # writes the checksum manifests and removes failed saves
     self.async_save = cfg.async_save
+    self.save_timeout_s = cfg.save_timeout_s  # the bound on one save (wait)
     self._pending: int | None = None  # an async save not yet seen to commit
     self._started = 0.0  # time.monotonic() when the pending save began
     self._abandoned = False  # a save timed out: its threads may never end
@@ -223,7 +220,7 @@ class Checkpointer:
         keep_period=cfg.keep_period or None,
         enable_async_checkpointing=cfg.async_save,
         # Orbax's bound a little later than ours, so that ours, with its message, ends a wait.
-        async_options=ocp.AsyncOptions(timeout_secs=SAVE_TIMEOUT_S + 60,
+        async_options=ocp.AsyncOptions(timeout_secs=int(cfg.save_timeout_s) + 60,
                                        create_directories_asynchronously=False),
         create=True,
     )
@@ -287,15 +284,17 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Block until the pending save has committed and its checksums are written; raise
-    CheckpointSaveError if it failed or has not finished SAVE_TIMEOUT_S after it began."""
+    CheckpointSaveError if it failed or has not finished checkpoint.save_timeout_s after it
+    began."""
     if self._pending is not None:
       step = self._pending
       # A poll, not Orbax's join: it is bounded, and the stop signals' handler runs between.
       while self.manager.is_saving_in_progress():
-        if time.monotonic() - self._started > SAVE_TIMEOUT_S:
+        if time.monotonic() - self._started > self.save_timeout_s:
           self._pending, self._abandoned = None, True
           # Its threads may still write into the tmp directory: it is left for a new start to skip.
-          self._fail(step, f'it did not finish within {SAVE_TIMEOUT_S} s', remove=False)
+          self._fail(step, 'it did not finish within checkpoint.save_timeout_s = '
+                     f'{self.save_timeout_s:g} s', remove=False)
         time.sleep(_POLL_S)
       try:
         self.manager.wait_until_finished()
@@ -335,11 +334,11 @@ class Checkpointer:
     if self._manifest is None:
       return
     writer, self._manifest = self._manifest, None
-    writer.join(timeout=max(SAVE_TIMEOUT_S - (time.monotonic() - self._started), _POLL_S))
+    writer.join(timeout=max(self.save_timeout_s - (time.monotonic() - self._started), _POLL_S))
     if writer.is_alive():
       self._abandoned = True
-      self._fail(writer.step, f'its checksums were not written within {SAVE_TIMEOUT_S} s',
-                 committed=True)
+      self._fail(writer.step, 'its checksums were not written within checkpoint.save_timeout_s '
+                 f'= {self.save_timeout_s:g} s', committed=True)
     if writer.error is not None:
       self._fail(writer.step, writer.error, committed=True)
 
