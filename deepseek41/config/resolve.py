@@ -21,7 +21,8 @@ from deepseek41.config import checks
 from deepseek41.config.keys import ConfigError, keys_of, require
 from deepseek41.config.schema import (CheckpointConfig, DataConfig, DSparkConfig, ImageGeometry,
                                       LogConfig, MeshConfig, ModelConfig, RunConfig, Sources,
-                                      TrainConfig, base_config)
+                                      TasksConfig, TrainConfig, base_config)
+from deepseek41.config.tasks import TASK_NAMES
 
 
 def _check_keys(cfg: ml_collections.ConfigDict, schema: ml_collections.ConfigDict, prefix=''):
@@ -46,7 +47,8 @@ def _tuple(v) -> tuple:
 
 
 _CONVERT = {int: int, float: float, bool: bool, str: str,
-            tuple[int, ...]: lambda v: tuple(int(x) for x in _tuple(v))}
+            tuple[int, ...]: lambda v: tuple(int(x) for x in _tuple(v)),
+            tuple[float, ...]: lambda v: tuple(float(x) for x in _tuple(v))}
 
 
 def read_section(cls, section: ml_collections.ConfigDict, name: str,
@@ -115,9 +117,10 @@ def _check_source_paths(d: DataConfig):
   """Entries that exist but cannot be what their key reads (missing ones are prepared or
   reported by the data pipeline, which knows how to make them)."""
   for path, _ in d.sources:
-    require(path == 'default' or not os.path.isfile(path), 'data.sources',
+    require(path == 'default' or path in TASK_NAMES or not os.path.isfile(path), 'data.sources',
             f'entry {path!r} is a file; a text source is a directory written by '
-            '`python -m deepseek41.data.prepare` (or `default`, the embedded corpus)')
+            '`python -m deepseek41.data.prepare` (or `default`, the embedded corpus, or a '
+            f'task: {", ".join(TASK_NAMES)})')
   for path, _ in d.image_sources:
     require(path == 'shapes' or not os.path.isfile(path) or path.endswith('.jsonl'),
             'data.image_sources', f'entry {path!r} is a file but not .jsonl; an image source is '
@@ -125,7 +128,8 @@ def _check_source_paths(d: DataConfig):
 
 
 
-def _resolve_data(section: ml_collections.ConfigDict, m: ModelConfig) -> DataConfig:
+def _resolve_data(section: ml_collections.ConfigDict, m: ModelConfig,
+                  tasks: TasksConfig) -> DataConfig:
   values = read_section(DataConfig, section, 'data')
   images = ImageGeometry(
       patch_size=m.vision_patch, merge=m.vision_merge, max_image_tokens=m.vision_max_image_tokens,
@@ -133,7 +137,7 @@ def _resolve_data(section: ml_collections.ConfigDict, m: ModelConfig) -> DataCon
       max_images_per_row=values['max_images_per_row']) if m.vision else None
   d = DataConfig(**{**values, 'sources': parse_sources(values['sources'], 'data.sources'),
                     'image_sources': parse_sources(values['image_sources'], 'data.image_sources'),
-                    'images': images})
+                    'images': images, 'tasks': tasks})
   checks.check_data(d, m)
   checks.check_images(d, m)
   _check_source_paths(d)
@@ -203,9 +207,11 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
     num_devices = jax.device_count()
   model = _resolve_model(cfg.model, backend)
   mesh = _resolve_mesh(cfg.mesh, num_devices)
-  data = _resolve_data(cfg.data, model)
+  tasks = TasksConfig(**read_section(TasksConfig, cfg.tasks, 'tasks'))
+  data = _resolve_data(cfg.data, model, tasks)
   train = TrainConfig(**read_section(TrainConfig, cfg.train, 'train'))
   checks.check_train(train)
+  checks.check_tasks(tasks, data, train, model, mesh)
   checks.check_remat_layers(train, model)
   checks.check_batch_split(train, mesh)
   checks.check_expert_split(model, mesh)
@@ -217,7 +223,7 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
   dspark = _resolve_dspark(cfg.dspark, model)
   checks.check_dspark(dspark, model, mesh, train)
   return RunConfig(model=model, data=data, train=train, mesh=mesh, checkpoint=checkpoint, log=log,
-                   dspark=dspark)
+                   dspark=dspark, tasks=tasks)
 
 
 def config_from_saved(saved: dict, sections: tuple[str, ...] | None = None

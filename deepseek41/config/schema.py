@@ -23,8 +23,6 @@ LAYOUT_VERSION = 1  # bump when the train-state pytree layout changes incompatib
 
 QUANT_FORMATS = ('none', 'fp4_e4m3_16', 'fp4_ue8m0_32', 'fp8_ue8m0_32')
 
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """The model, as every module sees it (`auto` choices resolved)."""
@@ -232,6 +230,15 @@ def engram_compresses(m: ModelConfig) -> bool:
   return bool(m.engram and m.engram_layer_ids and m.engram_compressed_vocab_size)
 
 
+def max_positions(m: ModelConfig, seq_len: int) -> int:
+  """The longest sequence the model is configured for: YaRN's extended range, or the trained
+  sequence length (data.seq_len) without YaRN."""
+  if m.yarn_factor > 1.0:
+    return int(m.yarn_original_max_position * m.yarn_factor)
+  return seq_len
+
+
+
 @dataclasses.dataclass(frozen=True)
 class ImageGeometry:
   """What the data pipeline needs of the vision model to lay out image spans and patches."""
@@ -248,6 +255,41 @@ class ImageGeometry:
 
 
 Sources = tuple[tuple[str, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TasksConfig:
+  """The synthetic long-context tasks (README, "Long-context evaluation"): retrieval documents
+  generated from a seed inside the data pipeline when data.sources names them (`mqar:0.5,
+  default:0.5`), and by evaluation (train.eval_tasks, `python -m deepseek41.eval`). Every task
+  encodes its text with the run's tokenizer and supervises only its answers (unless
+  `supervise='all'`); a document is one whole piece of the packed stream."""
+  # Tokens per training document (its positions: inputs and targets); 0 = data.seq_len, one
+  # document per row. Shorter documents pack several to a row.
+  length: int = key(0)
+  # Training loss on the answer tokens only, or on every token of the document.
+  supervise: str = key('answers', choices=('answers', 'all'))
+  # mqar, multi-query associative recall: `mqar_pairs` "key:value" pairs, then random filler
+  # tokens with `mqar_queries` of the keys asked again ("key:" -> value) at random places.
+  mqar_pairs: int = key(8)
+  mqar_queries: int = key(4)            # distinct keys asked; at most mqar_pairs
+  mqar_key_letters: int = key(3)        # lowercase letters per key
+  mqar_value_digits: int = key(3)       # digits per value
+  # passkey: a number of passkey_digits digits hidden in repeated filler sentences at a depth,
+  # asked for at the end.
+  passkey_digits: int = key(5)
+  # needle: needle_count sentences "the code for <word> is <number>" hidden in real text (the
+  # first text source of data.sources, else the default corpus; or needle_filler, a prepared
+  # dataset directory or `default`); needle_queries of them are asked for at the end, the
+  # others are distractors. Depth places the first asked needle; the others lie anywhere.
+  needle_count: int = key(1)
+  needle_queries: int = key(1)
+  needle_value_digits: int = key(7)
+  needle_filler: str = key('')
+  # Evaluation: documents per task, length and depth; depths (0 = at the start of the filler,
+  # 1 = right before the question) of the tasks that have one (passkey, needle).
+  eval_examples: int = key(16)
+  eval_depths: tuple[float, ...] = key((0.0, 0.25, 0.5, 0.75, 1.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +321,12 @@ class DataConfig:
   # first start: a resumed run keeps its checkpoint's count (README, "Several GPUs and hosts").
   streams: int = key(0)
   images: ImageGeometry | None           # derived from the model; None when model.vision is off
+  # Derived: the tasks section, for the task sources of data.sources (None: its defaults).
+  tasks: TasksConfig | None = None
+
+  def task_params(self) -> TasksConfig:
+    return self.tasks or TasksConfig(**{f.name: f.metadata['default']
+                                        for f in keys_of(TasksConfig)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,6 +358,10 @@ class TrainConfig:
   remat_layers: int = key(0)
   eval_every_steps: int = key(50)       # 0 disables evaluation
   eval_batches: int = key(4)
+  # Long-context tasks evaluated with the held-out loss: "task@length,..." (e.g.
+  # 'passkey@256,mqar@4k'; the tasks section says how many documents, at which depths), logged
+  # as eval_acc/<task>@<length>; '' = none.
+  eval_tasks: str = key('')
   peak_tflops: float = key(0.0)         # per-device peak for MFU; 0 = look up by device kind
   # JAX's persistent compilation cache: compiled programs are written here and loaded by any
   # later run of the same program (a restart, a rerun); '' = off. Under the user's cache dir, not
@@ -443,6 +495,7 @@ class RunConfig:
   checkpoint: CheckpointConfig
   log: LogConfig
   dspark: DSparkConfig
+  tasks: TasksConfig
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -452,7 +505,8 @@ class RunConfig:
 
 
 SECTIONS = {'model': ModelConfig, 'data': DataConfig, 'train': TrainConfig, 'mesh': MeshConfig,
-            'checkpoint': CheckpointConfig, 'log': LogConfig, 'dspark': DSparkConfig}
+            'checkpoint': CheckpointConfig, 'log': LogConfig, 'dspark': DSparkConfig,
+            'tasks': TasksConfig}
 
 
 def base_config() -> ml_collections.ConfigDict:

@@ -28,6 +28,7 @@ from flax import nnx
 from deepseek41.batch import ROLE_PATCH
 from deepseek41.config import (RunConfig, base_config, config_from_saved, execution_only_keys,
                                resolve)
+from deepseek41.config import max_positions as config_max_positions
 from deepseek41.data.engram_vocab import compression_map
 from deepseek41.data.multimodal import build_document
 from deepseek41.data.pipeline import tokenizer_path_of
@@ -70,12 +71,8 @@ class Result:
 
 
 def max_positions(cfg: RunConfig) -> int:
-  """The longest sequence the model is configured for: YaRN's extended range, or the trained
-  sequence length without YaRN."""
-  m = cfg.model
-  if m.yarn_factor > 1.0:
-    return int(m.yarn_original_max_position * m.yarn_factor)
-  return cfg.data.seq_len
+  """The longest sequence the model is configured for (config.max_positions)."""
+  return config_max_positions(cfg.model, cfg.data.seq_len)
 
 
 def exact_n_win(cfg: RunConfig) -> int:

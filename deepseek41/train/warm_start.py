@@ -34,7 +34,7 @@ from deepseek41.train.optimizer import make_optimizer
 log = logging.getLogger(__name__)
 
 # Sections compared on resume beyond the model: a difference is reported, never refused.
-_RUN_SECTIONS = ('data', 'train', 'mesh', 'checkpoint', 'log', 'dspark')
+_RUN_SECTIONS = ('data', 'train', 'mesh', 'checkpoint', 'log', 'dspark', 'tasks')
 
 
 # ---- the rules ---------------------------------------------------------------------------------
