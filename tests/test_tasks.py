@@ -194,8 +194,6 @@ def test_eval_batches_hold_one_document_per_row(corpus):
 
 
 def test_bad_task_settings_are_named(corpus):
-  with pytest.raises(ConfigError, match=r'^data.sources: the tasks \[.mqar.\] .*synthetic'):
-    resolve(small_config(**{'data.sources': 'mqar'}), num_devices=1, backend='cpu')
   with pytest.raises(ConfigError, match=r'^tasks.mqar_queries: must be in \[1, '):
     _cfg(corpus, 'default', **{'tasks.mqar_queries': 9})
   with pytest.raises(ConfigError, match=r'^train.eval_tasks: passkey@1k: 1024 tokens exceed the '

@@ -4,8 +4,8 @@
 The units it uses: `objectives` (what is trained: the model, its steps and FLOPs), `workdir`
 (start-up checks and the lock), `warm_start` (the state at the first step: resumed, or
 initialised and loaded), `step_log` (metrics fetched one step late, checked finite, written),
-`throughput` (timing), `evaluation` (held-out losses), `checkpoint` (verified saves and
-restores), `stop` (SIGTERM / SIGINT).
+`throughput` (timing), `evaluation` (held-out losses, task accuracy), `checkpoint` (verified
+saves and restores), `stop` (SIGTERM / SIGINT).
 
 Faults never lose work: a stop signal saves a checkpoint at the next step boundary and returns
 (stopped_by_signal; before the first step there is nothing to save, and the run returns at once);
@@ -37,7 +37,7 @@ from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.checkpoint import (CheckpointError, Checkpointer, complete_steps,
                                          saved_stream_count)
-from deepseek41.train.evaluation import Evaluator, eval_config
+from deepseek41.train.evaluation import Evaluator, eval_config, make_task_step
 from deepseek41.train.feed import global_batch
 from deepseek41.train.flops import device_peak_tflops
 from deepseek41.train.metrics import MetricsWriteError, MetricsWriter, check_writable
@@ -297,9 +297,13 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
                  cfg.model.moe_backend, cfg.model.eval_moe_backend)
       eval_step = jax.jit(objective.make_eval_step(eval_md), in_shardings=(shardings, bsharding),
                           out_shardings=replicated)
+      # train.eval_tasks: the backbone's argmax and answer CE on the tasks' documents
+      task_step = jax.jit(make_task_step(objective, eval_md.graphdef),
+                          in_shardings=(shardings, bsharding), out_shardings=replicated)
     if n_proc > 1:
       train_step = _CompiledTogether(train_step, 'train_step')
       eval_step = _CompiledTogether(eval_step, 'eval_step')
+      task_step = _CompiledTogether(task_step, 'task_step')
 
     # ---- metrics, evaluation, checkpoints ----------------------------------------------------
     writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard,
@@ -313,7 +317,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
                             device_count=jax.device_count(), process_count=n_proc,
                             vision=cfg.model.vision)
     step_log = StepLog(cfg, writer, throughput, ckpt.describe_newest)
-    evaluate = Evaluator(cfg, eval_step, mesh, bsharding, engram_map, local_batch)
+    evaluate = Evaluator(cfg, eval_step, mesh, bsharding, engram_map, local_batch, task_step)
 
     save = _Saver(ckpt, step_log, throughput, train_iter, cfg.to_dict(), layout)
 

@@ -47,6 +47,6 @@ def held_out_documents(task: Task, length: int, depth: float | None,
   """`count` evaluation documents of `task` at `length` and `depth`: the same for every run and
   checkpoint (seeded by task, length and depth only), so variants are scored on one set. Open
   the task on the held-out split (its filler text)."""
-  seed = [0xE7A1, TASK_NAMES.index(task.name), length, -1 if depth is None else
-          int(round(depth * 1e6))]
+  seed = [0xE7A1, TASK_NAMES.index(task.name), length,
+          0 if depth is None else 1 + int(round(depth * 1e6))]
   return [task.document(np.random.default_rng(seed + [i]), length, depth) for i in range(count)]

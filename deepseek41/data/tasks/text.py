@@ -145,12 +145,14 @@ class CorpusFiller:
   def take(self, n: int, rng: np.random.Generator) -> np.ndarray:
     out, total = [], 0
     d = int(rng.integers(len(self.docs)))
+    newline = self.text.ids('\n')
     while total < n:
       doc_t = np.asarray(self.docs[d % len(self.docs)])
-      doc_t = doc_t[doc_t != self.drop_id]
+      doc_t = doc_t[doc_t != self.drop_id]  # documents end in a line break instead
       if self.source_tokenizer is not None and len(doc_t):
-        doc_t = self.text.encode_fresh(self.source_tokenizer.decode(doc_t) + '\n')
-      out.append(doc_t[:n - total].astype(np.int32))
+        doc_t = self.text.encode_fresh(self.source_tokenizer.decode(doc_t))
+      doc_t = np.concatenate([doc_t.astype(np.int32), newline])
+      out.append(doc_t[:n - total])
       total += len(out[-1])
       d += 1
     return np.concatenate(out) if out else np.zeros(0, np.int32)
