@@ -1,15 +1,17 @@
 """Long-context task sources (data/tasks/): deterministic documents whose answers are right (read
 back from the text), a loss mask on exactly the answers, mixing by weight, a held-out split."""
 
-import dataclasses
 import json
+import os
+import pickle
 import re
 
 import numpy as np
 import pytest
 
-from deepseek41.config import ConfigError, resolve
-from deepseek41.data.pipeline import document_batch, make_dataset, open_task
+from deepseek41.batch import batch_keys
+from deepseek41.config import ConfigError, ImageGeometry, load_config_file, resolve
+from deepseek41.data.pipeline import TaskSource, document_batch, make_dataset, open_task
 from deepseek41.data.prepare import prepare_dataset
 from deepseek41.data.shards import DataError
 from deepseek41.data.tasks import held_out_documents
@@ -89,6 +91,11 @@ def test_documents_are_deterministic_and_their_answers_right(corpus, name):
   assert len({d.tokens.tobytes() for d in docs}) == 6
   for doc in docs:
     _check_answers(tok, name, doc, 400)
+  # Grain's worker processes get the source pickled: the same documents there
+  source = TaskSource(task, 10, 400, seed=3)
+  there = pickle.loads(pickle.dumps(source))
+  for i in (0, 7):
+    assert all((source[i][k] == there[i][k]).all() for k in source[i])
 
 
 @pytest.mark.parametrize('name', ['passkey', 'needle'])
@@ -191,6 +198,27 @@ def test_eval_batches_hold_one_document_per_row(corpus):
   for r, doc in enumerate(docs):
     np.testing.assert_array_equal(batch['tokens'][r], doc.tokens[:-1])
     np.testing.assert_array_equal(batch['loss_mask'][r], doc.answer_mask())
+
+
+def test_every_config_takes_the_tasks():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for name in ('tiny.py', 'tiny_multimodal.py', 'ablation_1b.py'):
+    cfg = resolve(load_config_file(os.path.join(root, 'configs', name), {
+        'data.sources': 'mqar:0.5,passkey:0.25,needle:0.25', 'train.eval_tasks': 'mqar@256'}),
+        num_devices=1, backend='cpu')
+    assert [p for p, _ in cfg.data.sources] == ['mqar', 'passkey', 'needle']
+    assert cfg.data.task_params() is cfg.tasks
+
+
+def test_eval_batches_of_a_vision_model_carry_empty_image_keys(corpus):
+  cfg = _cfg(corpus, 'default')
+  docs = held_out_documents(open_task(cfg.data, 'passkey', 'heldout', _tokenizer(corpus)),
+                            160, 0.5, 2)
+  geometry = ImageGeometry(patch_size=4, merge=3, max_image_tokens=16, min_pixels=0,
+                           image_token_id=0, max_images_per_row=2)
+  batch = document_batch(docs, 2, 160, geometry)
+  assert set(batch) == set(batch_keys(True))
+  assert batch['image_patches'].shape == (2, 2, 9 * 16, 48) and not batch['image_grid'].any()
 
 
 def test_bad_task_settings_are_named(corpus):
