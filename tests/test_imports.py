@@ -25,14 +25,14 @@ LAYERS = (
     ('deepseek41.data',),
     ('deepseek41.train',),
     ('deepseek41.generate', 'deepseek41.interop'),
-    ('deepseek41.tools',),
+    ('deepseek41.tools', 'deepseek41.eval'),
 )
 LEVEL = {unit: level for level, units in enumerate(LAYERS) for unit in units}
 
 # Imports that may sit inside a function: optional dependencies, each with its extra.
 OPTIONAL = {
     'wandb': "the 'wandb' extra (log.wandb_project)",
-    'matplotlib': "the 'plot' / 'test' extras (tools.compare --out)",
+    'matplotlib': "the 'plot' / 'test' extras (tools.compare --out, the eval command's heat map)",
     'libtpu': "the 'tpu' extra (tools.tpu_plan compiles for TPU slices)",
     'torch': "the 'hf' extra (benchmarks/hf_parity.py)",
     'transformers': "the 'hf' extra",
