@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepseek41.config import ConfigError, TaskSpec, resolve
+from deepseek41.config import TaskSpec, resolve
 from deepseek41.data.prepare import prepare_dataset
 from deepseek41.data.tokenizer import load_tokenizer
 from deepseek41.eval import report as report_lib
-from deepseek41.eval.restore import EvalError, open_checkpoint
+from deepseek41.eval.restore import EvalError, open_checkpoint, run_tokenizer
 from deepseek41.eval.run import Options, evaluate
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.train.evaluation import (TaskEvaluator, make_task_step, model_predictor,
@@ -155,6 +155,27 @@ def test_eval_reports_a_checkpoint(run, tmp_path):
   pytest.importorskip('matplotlib')
   report_lib.heat_map(report, str(tmp_path / 'r.png'))
   assert os.path.getsize(tmp_path / 'r.png') > 1000
+
+
+def test_a_dspark_stage_is_scored_by_its_backbone(corpus, run, tmp_path):
+  """A frozen DSpark stage on the run's checkpoint scores exactly as that checkpoint does."""
+  stage = str(tmp_path / 'stage')
+  train(_config(corpus, **{'train.steps': 1, 'dspark.stage': 'frozen',
+                           'dspark.backbone_checkpoint': f'{run}/checkpoints/2',
+                           'dspark.num_blocks': 1, 'dspark.block_size': 3,
+                           'dspark.n_routed_experts': 4, 'dspark.num_experts_per_tok': 2,
+                           'dspark.markov_rank': 8}), stage)
+  options = Options(specs=(TaskSpec('mqar', 64),), examples=4, heldout_batches=0)
+  drafting, plain = (evaluate(open_checkpoint(w), options)['tasks'] for w in (stage, run))
+  assert drafting == plain
+
+
+def test_an_imports_tokenizer_is_found(run, tmp_path):
+  """`tools.convert import` keeps the tokenizer in OUT/tokenizer/: the tasks encode with it."""
+  (tmp_path / 'tokenizer').mkdir()
+  shutil.copy(f'{run}/tokenizer.json', tmp_path / 'tokenizer' / 'tokenizer.json')
+  tok, path = run_tokenizer(str(tmp_path), None)
+  assert path == str(tmp_path / 'tokenizer' / 'tokenizer.json') and tok.vocab_size > 256
 
 
 def test_bad_input_is_named(run, tmp_path):

@@ -10,6 +10,7 @@ import dataclasses
 import os
 from typing import Any
 
+import jax
 import numpy as np
 
 from deepseek41.config import (ConfigError, RunConfig, base_config, config_from_saved,
@@ -57,6 +58,10 @@ def reading_config(saved: dict) -> RunConfig:
     c.model[key] = 'auto'
   c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor, c.mesh.context = -1, 1, 1, 1, 1
   c.train.remat = 'none'
+  # The held-out batch splits over every device here (the run's may have been fewer).
+  devices = jax.device_count()
+  c.train.grad_accum_steps = 1
+  c.train.batch_size = -(-c.train.batch_size // devices) * devices
   return resolve(c)
 
 
@@ -113,7 +118,7 @@ def open_checkpoint(workdir: str, step: int | None = None) -> Checkpoint:
                     f'the model {cfg.model.vocab_size}')
   mesh = make_mesh(cfg.mesh)
   try:
-    objective, weights, _ = restore_weights(f'--workdir={workdir} --step', step_dir, cfg, mesh)
+    objective, weights, _ = restore_weights('--step', step_dir, cfg, mesh)
   except CheckpointError as e:
     raise EvalError(str(e)) from None
   cfg = eval_config(cfg)

@@ -5,7 +5,7 @@ greedily decoded through generation)."""
 from __future__ import annotations
 
 import dataclasses
-import logging
+import math
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -22,8 +22,6 @@ from deepseek41.train.evaluation import (Evaluator, TaskEvaluator, TaskScore, ba
                                          make_task_step, model_predictor, task_rows)
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.step import ModelDef
-
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +50,7 @@ def check_options(ck: Checkpoint, opts: Options) -> None:
         raise EvalError(f'--generate: {spec.label} decodes its answers after prompts of up to '
                         f'{spec.length} tokens, which needs {spec.length + 1} positions; the '
                         f'model has {limit}')
-  unit = batch_shards(cfg.mesh) * jax.process_count()
+  unit = math.lcm(batch_shards(cfg.mesh), jax.process_count())
   if opts.rows % unit:
     raise EvalError(f'--batch_size={opts.rows}: must be a multiple of the {unit} devices the '
                     'batch is split over')
