@@ -25,7 +25,7 @@ case "$variant" in
   *) echo "unknown variant $variant (csa2 | dense | window)" >&2; exit 2 ;;
 esac
 WORKDIR=/tmp/longctx_$variant
-# 64 key:value pairs with 16 asked (about 600 tokens of pairs before the filler); four needles,
+# 64 key:value pairs with 16 asked (a few hundred tokens of pairs before the filler); four needles,
 # one asked, three distractors; every task document fills its 16K row; only answers supervised.
 python3 -m deepseek41.train --config=configs/ablation_1b.py --workdir=$WORKDIR \
   --config.$VARIANT_KEY=$variant --config.log.progress_bar=False --config.log.every_steps=25 \

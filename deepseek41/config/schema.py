@@ -23,6 +23,8 @@ LAYOUT_VERSION = 1  # bump when the train-state pytree layout changes incompatib
 
 QUANT_FORMATS = ('none', 'fp4_e4m3_16', 'fp4_ue8m0_32', 'fp8_ue8m0_32')
 
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """The model, as every module sees it (`auto` choices resolved)."""
@@ -238,7 +240,6 @@ def max_positions(m: ModelConfig, seq_len: int) -> int:
   return seq_len
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ImageGeometry:
   """What the data pipeline needs of the vision model to lay out image spans and patches."""
@@ -325,6 +326,7 @@ class DataConfig:
   tasks: TasksConfig | None = None
 
   def task_params(self) -> TasksConfig:
+    """The tasks section's values (set by resolve; a DataConfig built by hand gets defaults)."""
     return self.tasks or TasksConfig(**{f.name: f.metadata['default']
                                         for f in keys_of(TasksConfig)})
 
