@@ -17,7 +17,8 @@ from deepseek41.config import TaskSpec, resolve
 from deepseek41.data.prepare import prepare_dataset
 from deepseek41.data.tokenizer import load_tokenizer
 from deepseek41.eval import report as report_lib
-from deepseek41.eval.restore import EvalError, open_checkpoint, run_tokenizer
+from deepseek41.eval.restore import EvalError, open_checkpoint
+from deepseek41.train.reading import run_tokenizer
 from deepseek41.eval.run import Options, evaluate
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.train.evaluation import (TaskEvaluator, make_task_step, model_predictor,

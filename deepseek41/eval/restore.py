@@ -13,24 +13,18 @@ from typing import Any
 import jax
 import numpy as np
 
-from deepseek41.config import (ConfigError, RunConfig, base_config, config_from_saved,
-                               execution_only_keys, resolve)
+from deepseek41.config import ConfigError, RunConfig, resolve
 from deepseek41.data.engram_vocab import compression_map
-from deepseek41.data.pipeline import tokenizer_path_of
 from deepseek41.data.shards import DataError
-from deepseek41.data.tokenizer import Tokenizer, load_tokenizer
+from deepseek41.data.tokenizer import Tokenizer
 from deepseek41.sharding import make_mesh
 from deepseek41.train import state as state_lib
-from deepseek41.train.checkpoint import CheckpointError, Checkpointer
+from deepseek41.train.checkpoint import CheckpointError
 from deepseek41.train.evaluation import eval_config
 from deepseek41.train.objectives import Objective
 from deepseek41.train.optimizer import make_optimizer
+from deepseek41.train.reading import checkpoint_step, portable_config, run_tokenizer
 from deepseek41.train.warm_start import restore_weights
-
-# The execution choices with an `auto` rule: resolved for the devices that evaluate.
-_EXECUTION_KEYS = tuple(sorted(k for k in execution_only_keys('model')
-                               if base_config().model[k] == 'auto'))
-
 
 class EvalError(ValueError):
   """Bad input to evaluation; the message names the culprit (flag, work directory, step)."""
@@ -51,12 +45,9 @@ class Checkpoint:
 
 
 def reading_config(saved: dict) -> RunConfig:
-  """The saved config with its execution choices back to `auto`, a mesh of every device over
-  data and no remat: resolvable wherever evaluation runs."""
-  c = config_from_saved(saved)
-  for key in _EXECUTION_KEYS:
-    c.model[key] = 'auto'
-  c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor, c.mesh.context = -1, 1, 1, 1, 1
+  """The saved config, portable (train/reading.py) and without remat: resolvable wherever
+  evaluation runs."""
+  c = portable_config(saved)
   c.train.remat = 'none'
   # The held-out batch splits over every device here (the run's may have been fewer).
   devices = jax.device_count()
@@ -65,54 +56,21 @@ def reading_config(saved: dict) -> RunConfig:
   return resolve(c)
 
 
-def run_tokenizer(workdir: str, cfg: RunConfig) -> tuple[Tokenizer, str]:
-  """The checkpoint's tokenizer: WORKDIR/tokenizer.json (the trainer's copy),
-  WORKDIR/tokenizer/tokenizer.json (an HF import's), else the one its data section names."""
-  for path in (os.path.join(workdir, 'tokenizer.json'),
-               os.path.join(workdir, 'tokenizer', 'tokenizer.json')):
-    if os.path.isfile(path):
-      return load_tokenizer(path), path
-  try:
-    path = tokenizer_path_of(cfg.data)
-  except DataError as e:
-    raise EvalError(f'{workdir} has no tokenizer.json, and its data config gives none ({e}); '
-                    'the tasks encode their text with the run\'s tokenizer: copy it to '
-                    f'{workdir}/tokenizer.json') from None
-  return load_tokenizer(path), path
-
-
-def _reader(workdir: str) -> Checkpointer:
-  """The work directory's checkpoints, read only: it never saves, so it never deletes."""
-  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
-    raise EvalError(f'--workdir={workdir} has no checkpoints/ directory: give the work '
-                    'directory of a training run (or of `tools.convert import`)')
-  settings = resolve(base_config(), backend='cpu', num_devices=1).checkpoint
-  return Checkpointer(workdir, dataclasses.replace(settings, max_to_keep=None,
-                                                   async_save=False), primary=False)
-
-
 def open_checkpoint(workdir: str, step: int | None = None) -> Checkpoint:
   """Checkpoint `step` (default: the newest) of `workdir`, restored for evaluation."""
   workdir = os.path.abspath(workdir)
-  ckpt = _reader(workdir)
   try:
-    steps = sorted(ckpt.manager.all_steps())
-    if not steps:
-      raise EvalError(f'--workdir={workdir}: checkpoints/ holds no complete checkpoint')
-    if step is None:
-      step = steps[-1]
-    elif step not in steps:
-      raise EvalError(f'--step={step}: no checkpoint of that step in {workdir}/checkpoints '
-                      f'(there are: {", ".join(map(str, steps))})')
-    saved = ckpt.read_json_item(step, 'config')
-    step_dir = ckpt.step_dir(step)
-  finally:
-    ckpt.close()
+    step, step_dir, saved = checkpoint_step(workdir, step)
+  except CheckpointError as e:
+    raise EvalError(str(e)) from None
   try:
     cfg = reading_config(saved)
   except ConfigError as e:
     raise EvalError(f'{step_dir}: its config does not resolve here: {e}') from None
-  tokenizer, tokenizer_path = run_tokenizer(workdir, cfg)
+  try:
+    tokenizer, tokenizer_path = run_tokenizer(workdir, cfg.data)
+  except DataError as e:
+    raise EvalError(str(e)) from None
   if tokenizer.vocab_size > cfg.model.vocab_size:
     raise EvalError(f'{workdir}: the tokenizer {tokenizer_path} has {tokenizer.vocab_size} ids, '
                     f'the model {cfg.model.vocab_size}')
