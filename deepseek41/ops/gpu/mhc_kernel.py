@@ -454,6 +454,14 @@ def _params(spec):
   return plt.CompilerParams(num_warps=spec.num_warps, num_stages=spec.num_stages)
 
 
+def _launch_rows(kernel, spec, blocks: int, in_specs, out_shape, out_specs, name: str, args):
+  """The kernel over `blocks` row tiles; its outputs as a list (popped in order by the caller)."""
+  return list(launch.pallas_call(
+      functools.partial(kernel, spec=spec), out_shape=out_shape, grid=(blocks,),
+      in_specs=in_specs, out_specs=out_specs, compiler_params=_params(spec),
+      interpret=spec.interpret, name=name)(*args))
+
+
 def _row_spec(tb, *tail):
   zeros = (0,) * len(tail)
   return pl.BlockSpec((tb,) + tail, lambda i: (i,) + zeros)
@@ -500,10 +508,8 @@ def _forward(spec, x, f, post, comb, pin, fn, base, scale):
     for w in (n, n, n * n, cols):  # pre, post, comb, m (+ r)
       out_shape.append(jax.ShapeDtypeStruct((rows, w), jnp.float32))
       out_specs.append(_row_spec(tb, w))
-  outs = list(launch.pallas_call(
-      functools.partial(_fwd_kernel, spec=spec), out_shape=out_shape, grid=(rows // tb,),
-      in_specs=in_specs, out_specs=out_specs, compiler_params=_params(spec),
-      interpret=spec.interpret, name='mhc_fused_fwd')(*args))
+  outs = _launch_rows(_fwd_kernel, spec, rows // tb, in_specs, out_shape, out_specs,
+                      'mhc_fused_fwd', args)
   xo = outs.pop(0) if spec.expand else None
   u = outs.pop(0) if spec.collapse != 'none' else None
   pre, post_o, comb_o, m = outs if spec.site else (None,) * 4
@@ -578,10 +584,8 @@ def _fused_bwd(spec, res, cts):
   for w in widths:
     out_shape.append(jax.ShapeDtypeStruct((rows, w), jnp.float32))
     out_specs.append(_row_spec(tb, w))
-  outs = list(launch.pallas_call(
-      functools.partial(_bwd_kernel, spec=spec), out_shape=out_shape, grid=(rows // tb,),
-      in_specs=in_specs, out_specs=out_specs, compiler_params=_params(spec),
-      interpret=spec.interpret, name='mhc_fused_bwd')(*args))
+  outs = _launch_rows(_bwd_kernel, spec, rows // tb, in_specs, out_shape, out_specs,
+                      'mhc_fused_bwd', args)
   dx = outs.pop(0)
   df, dpost_i, dcomb_i = (outs.pop(0), outs.pop(0), outs.pop(0)) if spec.expand else (None,) * 3
   dpin = outs.pop(0) if spec.collapse == 'given' else None
