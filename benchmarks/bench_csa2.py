@@ -71,7 +71,7 @@ def parse_args(argv=None):
 
 def model_config(args):
   c = load_config('tiny.py' if args.small else 'v41_flash.py')
-  c.model.csa2 = True
+  c.model.attention_variant = 'csa2'
   if args.small:
     c.model.compute_dtype = 'float32'
   for item in args.set:

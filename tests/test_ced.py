@@ -11,11 +11,11 @@ from tests.util import packed_batch, resolved
 
 @pytest.mark.parametrize('overrides', [
     {'model.residual': 'mhc_multi_pass'},                   # CSA2 off: window-only decoder
-    {'model.csa2': True, 'model.index_n_heads': 2, 'model.index_head_dim': 8,
+    {'model.attention_variant': 'csa2', 'model.index_n_heads': 2, 'model.index_head_dim': 8,
      'model.index_topk': 4, 'model.candidate_topk_blocks': 2, 'model.candidate_block_size': 2,
      'model.engram': True, 'model.engram_layer_ids': (1, 3),
      'model.residual': 'mhc_single_pass'},                  # + CSA2, Engram in the decoder
-    {'model.csa2': True, 'model.index_n_heads': 2, 'model.index_head_dim': 8,
+    {'model.attention_variant': 'csa2', 'model.index_n_heads': 2, 'model.index_head_dim': 8,
      'model.residual': 'plain'},
 ])
 def test_prefill_tail_matches_full_forward(overrides):

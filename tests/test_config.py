@@ -176,7 +176,8 @@ def test_released_config_parameter_accounting():
 def test_flop_accounting_counts_the_csa2_work():
   from deepseek41.train.flops import active_matmul_params, flops_per_token
   tiny = os.path.join(ROOT, 'configs', 'tiny.py')
-  off = resolve(load_config_file(tiny, {'model.csa2': False}), num_devices=1, backend='cpu').model
+  off = resolve(load_config_file(tiny, {'model.attention_variant': 'window'}), num_devices=1,
+                backend='cpu').model
   on = resolve(load_config_file(tiny), num_devices=1, backend='cpu').model
   # tiny: r=2 compressor at 2 (wkv + wgate 128x64 each; W_k 64x32 per 2 tokens), r=1 at 4
   # (wkv 128x64; W_k 64x32), index queries at 2, 4, 6 (W_qb 64x4x32, W_w 128x4)

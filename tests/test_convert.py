@@ -29,7 +29,7 @@ from util import resolved, small_config
 # before layers 1 and 4; single-pass mHC. Widths are multiples of 32 so every FP8/FP4 format
 # applies (scale blocks of 32).
 TOY = {
-    'model.residual': 'mhc_single_pass', 'model.engram': True, 'model.csa2': True,
+    'model.residual': 'mhc_single_pass', 'model.engram': True, 'model.attention_variant': 'csa2',
     'model.q_head_norm': False, 'model.num_layers': 6, 'model.num_encoder_layers': 3,
     'model.compress_ratios': (0, 2, 2, 1, 1, 1), 'model.kv_source_layer_ids': (1, 3),
     'model.index_source_layer_ids': (1, 3, 4), 'model.candidate_source_layer_id': 3,

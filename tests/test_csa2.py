@@ -14,7 +14,7 @@ from deepseek41.ops.sparse_attention import selection_mask
 from deepseek41.model.transformer import Transformer
 from tests.util import packed_batch, resolved, token_ce
 
-CSA2 = {'model.csa2': True, 'model.index_n_heads': 2, 'model.index_head_dim': 8,
+CSA2 = {'model.attention_variant': 'csa2', 'model.index_n_heads': 2, 'model.index_head_dim': 8,
         'model.sparse_chunk': 16, 'model.index_topk_block': 2}  # two-stage top-k active
 
 
@@ -134,7 +134,7 @@ def test_causality_and_document_isolation(csa2_model):
 
 def test_the_compressed_branch_changes_the_model(csa2_model):
   batch = _aligned_batch(4)
-  off, _ = _model(**{'model.csa2': False})
+  off, _ = _model(**{'model.attention_variant': 'window'})
   assert np.abs(np.asarray(_token_ce(csa2_model, batch)) -
                 np.asarray(_token_ce(off, batch))).max() > 1e-4
 

@@ -19,7 +19,7 @@ from tests.util import packed_layout, resolved
 T, DOC = 48, 32
 # Blocks of 8 at ratio 1 (the shipped configs' shape): a pool of 2 blocks (16 entries) binds on a
 # 32-token document, and top-8 is smaller than the pool.
-POOL = {'model.csa2': True, 'model.index_n_heads': 2, 'model.index_head_dim': 8,
+POOL = {'model.attention_variant': 'csa2', 'model.index_n_heads': 2, 'model.index_head_dim': 8,
         'model.sparse_chunk': 16, 'model.index_topk_block': 2, 'model.index_topk': 8,
         'model.candidate_block_size': 8, 'model.candidate_topk_blocks': 2}
 

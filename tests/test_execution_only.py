@@ -41,7 +41,7 @@ def _another_value(name: str, value):
 @pytest.fixture(scope='module')
 def saved(tmp_path_factory):
   """A checkpoint of a small CSA2 model: its directory and the config it was written with."""
-  cfg = resolve(small_config(**{'model.csa2': True}), num_devices=1, backend='cpu')
+  cfg = resolve(small_config(**{'model.attention_variant': 'csa2'}), num_devices=1, backend='cpu')
   ck = Checkpointer(str(tmp_path_factory.mktemp('ck')), cfg.checkpoint)
   ck.save(1, {'x': jax.numpy.ones(3)}, None, cfg.to_dict(), {})
   ck.close()
@@ -54,7 +54,7 @@ def test_the_schema_marks_the_execution_choices():
           'sparse_chunk', 'span_chunk', 'index_topk_block', 'merged_backward'} \
       <= set(EXECUTION_ONLY)
   assert not {'d_model', 'num_layers', 'vocab_size', 'param_dtype', 'compress_ratios',
-              'engram_table_row_multiple', 'csa2'} & set(EXECUTION_ONLY)
+              'engram_table_row_multiple', 'attention_variant'} & set(EXECUTION_ONLY)
   assert execution_only_keys('train') == frozenset()  # other sections only warn on a change
 
 
@@ -81,7 +81,7 @@ def test_a_run_resumes_with_its_execution_choices_changed(tmp_path):
   """A real resume: 2 steps, then 2 more with every execution-only key that has another value
   the CPU runs changed at once (the first start's compiled programs do not serve the second)."""
   workdir = str(tmp_path / 'run')
-  first = {'model.csa2': True, 'train.steps': 4}
+  first = {'model.attention_variant': 'csa2', 'train.steps': 4}
   assert train(small_config(**first), workdir, stop_at_step=2).step == 2
   changed = {
       'model.attention_impl': 'reference', 'model.sparse_impl': 'reference',

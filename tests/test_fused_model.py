@@ -18,7 +18,7 @@ from deepseek41.model.transformer import Transformer
 from tests.test_multimodal_model import VISION, image_batch
 from tests.util import packed_batch, resolved, token_ce
 
-KERNEL_SHAPES = {'model.csa2': True, 'model.num_heads': 16, 'model.o_groups': 2,
+KERNEL_SHAPES = {'model.attention_variant': 'csa2', 'model.num_heads': 16, 'model.o_groups': 2,
                  'model.index_n_heads': 2, 'model.index_head_dim': 8, 'model.sparse_chunk': 16,
                  'model.index_topk_block': 2}
 RELEASED_QUANT = {'model.kv_quant': 'fp4_e4m3_16', 'model.index_quant': 'fp4_ue8m0_32',

@@ -28,7 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every mechanism a cache must carry: CSA2 (ratio 2 and 1 sources, Reuse, Reindex with the
 # candidate pool) with the released FP4/FP8 formats, Engram, single-pass mHC, a CED split.
-FULL = {'model.init_std': 0.1, 'model.csa2': True, 'model.head_dim': 32, 'model.rope_head_dim': 8,
+FULL = {'model.init_std': 0.1, 'model.attention_variant': 'csa2', 'model.head_dim': 32,
+        'model.rope_head_dim': 8,
         'model.index_n_heads': 2, 'model.index_head_dim': 32, 'model.index_topk': 4,
         'model.candidate_topk_blocks': 2, 'model.candidate_block_size': 2,
         'model.kv_quant': 'fp4_e4m3_16', 'model.index_quant': 'fp4_ue8m0_32',

@@ -35,12 +35,14 @@ def test_fused_scores_equal_reference_where_visible(ratio, t, n, heads, dim):
 
 def test_fused_scores_are_a_gpu_choice():
   with pytest.raises(ConfigError, match='model.index_impl'):
-    resolved(**{'model.csa2': True, 'model.index_impl': 'fused'})       # CPU
+    resolved(**{'model.attention_variant': 'csa2', 'model.index_impl': 'fused'})       # CPU
   with pytest.raises(ConfigError, match='model.index_impl'):
     resolved(**{'model.index_impl': 'triton'})
   with pytest.raises(ConfigError, match='model.selected_scores_impl'):
-    resolved(**{'model.csa2': True, 'model.selected_scores_impl': 'fused'})  # CPU
-  assert resolved(**{'model.csa2': True}).model.index_impl == 'reference'  # auto on the CPU
+    resolved(**{'model.attention_variant': 'csa2',
+                'model.selected_scores_impl': 'fused'})  # CPU
+  # auto on the CPU
+  assert resolved(**{'model.attention_variant': 'csa2'}).model.index_impl == 'reference'
 
 
 @pytest.mark.parametrize('ratio', [1, 2])
@@ -56,7 +58,7 @@ def test_selection_with_the_kernel_equals_reference(ratio):
   from deepseek41.model.indexer import IndexKeys, IndexQuery
   from tests.util import packed_layout
 
-  cfg = resolved(**{'model.csa2': True, 'model.index_n_heads': 2,
+  cfg = resolved(**{'model.attention_variant': 'csa2', 'model.index_n_heads': 2,
                     'model.index_head_dim': 16}).model
   b, t = 2, 48
   seg, pos = packed_layout([[20, 28], [10, 14, 24]], t)
@@ -109,7 +111,7 @@ def test_selection_is_the_same_in_causal_runs(ratio, impl):
   from deepseek41.model.indexer import IndexKeys, IndexQuery
   from tests.util import packed_layout
 
-  cfg = resolved(**{'model.csa2': True, 'model.index_n_heads': 2,
+  cfg = resolved(**{'model.attention_variant': 'csa2', 'model.index_n_heads': 2,
                     'model.index_head_dim': 16}).model
   b, t = 2, 96
   seg, pos = packed_layout([[40, 56], [10, 14, 24, 48]], t)

@@ -147,7 +147,7 @@ def test_window_and_span_partials_are_one_softmax_over_their_union(impl):
 
 @pytest.fixture(scope='module')
 def model_and_logits():
-  cfg = resolved(**VISION, **{'model.csa2': True, 'model.engram': True,
+  cfg = resolved(**VISION, **{'model.attention_variant': 'csa2', 'model.engram': True,
                               'model.residual': 'mhc_single_pass'}).model
   model = Transformer(cfg, nnx.Rngs(0))
   run = jax.jit(lambda b: model(b)[0])

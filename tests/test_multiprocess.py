@@ -47,7 +47,7 @@ FLAGS = [
     '--config.model.index_source_layer_ids=(1,2,3)',
     '--config.model.candidate_source_layer_id=2', '--config.model.engram_layer_ids=(1,)',
     '--config.model.moe_intermediate_size=16', '--config.model.residual=plain',
-    '--config.model.engram=False', '--config.model.csa2=False',
+    '--config.model.engram=False', '--config.model.attention_variant=window',
     '--config.checkpoint.every_steps=2', '--config.checkpoint.keep_period=2',
     '--config.checkpoint.async_save=False',
     '--config.log.every_steps=1', '--config.log.progress_bar=False',

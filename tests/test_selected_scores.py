@@ -119,7 +119,7 @@ def _loss_and_grads(cfg, impl, batch):
 def test_model_with_the_fused_indexer_equals_reference():
   """The whole model (documents packed, released fake quantization) with both indexer kernels
   (model.index_impl and model.selected_scores_impl 'fused') against both jnp scorers."""
-  shapes = {'model.csa2': True, 'model.num_heads': 16, 'model.o_groups': 2,
+  shapes = {'model.attention_variant': 'csa2', 'model.num_heads': 16, 'model.o_groups': 2,
             'model.index_n_heads': 16, 'model.index_head_dim': 32, 'model.sparse_chunk': 16,
             'model.index_topk_block': 2, **RELEASED_QUANT}
   cfg = resolved(**shapes).model

@@ -118,7 +118,8 @@ def test_fused_pads_any_heads_and_width_to_what_triton_multiplies():
 @pytest.mark.parametrize('kv_quant', ['none', 'fp4_e4m3_16'])
 def test_model_with_the_fused_kernel_equals_the_gathered_path(kv_quant):
   """Loss and every parameter gradient, documents packed, released KV fake quantization on/off."""
-  cfg = resolved(**{'model.csa2': True, 'model.index_n_heads': 2, 'model.index_head_dim': 8,
+  cfg = resolved(**{'model.attention_variant': 'csa2', 'model.index_n_heads': 2,
+                    'model.index_head_dim': 8,
                     'model.sparse_chunk': 16, 'model.num_heads': 16, 'model.o_groups': 2,
                     'model.kv_quant': kv_quant}).model
   batch = {k: jnp.asarray(v) for k, v in packed_batch(seed=3, docs_per_row=2, pad=4).items()}
@@ -147,7 +148,8 @@ GROUPED = {'model.num_layers': 6, 'model.num_encoder_layers': 4,
 def test_grouped_key_value_gradient_equals_the_gathered_path():
   """Layers sharing a selection add their kv gradient once (the index source's backward): the
   same loss and gradients as the gathered path, with one key/value kernel per group."""
-  cfg = resolved(**{'model.csa2': True, 'model.index_n_heads': 2, 'model.index_head_dim': 8,
+  cfg = resolved(**{'model.attention_variant': 'csa2', 'model.index_n_heads': 2,
+                    'model.index_head_dim': 8,
                     'model.sparse_chunk': 16, 'model.num_heads': 16, 'model.o_groups': 2,
                     **GROUPED}).model
   batch = {k: jnp.asarray(v)[:2] for k, v in packed_batch(seed=3, docs_per_row=2, pad=4).items()}

@@ -57,8 +57,8 @@ def test_block_remat_with_csa2_same_update_without_reselecting():
   """With CSA2 on, block remat gives the same update (the indexer's distillation included) and
   saves each index source's selection: its backward reruns no selection top-k, only the MoE
   routing's (the recomputed layers' own top-k)."""
-  grads_none, _, metrics_none = _one_step(**{'model.csa2': True})
-  grads, _, metrics = _one_step(**{'model.csa2': True, 'train.remat': 'block'})
+  grads_none, _, metrics_none = _one_step(**{'model.attention_variant': 'csa2'})
+  grads, _, metrics = _one_step(**{'model.attention_variant': 'csa2', 'train.remat': 'block'})
   np.testing.assert_allclose(metrics['loss'], metrics_none['loss'], rtol=1e-6)
   assert float(metrics['indexer_loss']) > 0
   np.testing.assert_allclose(metrics['indexer_loss'], metrics_none['indexer_loss'], rtol=1e-6)
@@ -71,7 +71,7 @@ def test_block_remat_with_csa2_same_update_without_reselecting():
     moe = sum('moe' in st for st in stacks)
     return moe, len(stacks) - moe
 
-  cfg = resolved(**{'model.csa2': True}).model
+  cfg = resolved(**{'model.attention_variant': 'csa2'}).model
   batch = {k: jnp.asarray(v)[:2] for k, v in packed_batch(seed=5).items()}
   counts = {}
   for remat in ('none', 'block'):
@@ -121,7 +121,7 @@ def test_block_keep_attention_runs_no_forward_kernel_again():
   """With the GPU attention kernels (interpreted on the CPU), remat=block_keep_attention gives
   the update of no remat, and its backward runs none of the forward kernels again (window,
   sparse, selected scores), where plain block remat runs each once more."""
-  cfg = resolved(**{'model.csa2': True, 'model.num_heads': 16, 'model.o_groups': 2,
+  cfg = resolved(**{'model.attention_variant': 'csa2', 'model.num_heads': 16, 'model.o_groups': 2,
                     'model.index_n_heads': 16, 'model.index_head_dim': 16,
                     'model.sparse_chunk': 16}).model
   # The config takes these kernels on the GPU only; on the CPU they run interpreted.

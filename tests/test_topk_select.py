@@ -170,7 +170,7 @@ def test_select_chunked_threshold_equals_top_k():
   from deepseek41.model.indexer import IndexKeys, IndexQuery
   from tests.util import packed_layout, resolved
 
-  cfg = resolved(**{'model.csa2': True, 'model.index_n_heads': 2,
+  cfg = resolved(**{'model.attention_variant': 'csa2', 'model.index_n_heads': 2,
                     'model.index_head_dim': 16}).model
   b, t = 2, 48
   seg, pos = packed_layout([[20, 28], [10, 14, 24]], t)

@@ -19,20 +19,21 @@ from deepseek41.config.resolve import (config_from_saved, load_config_file, mesh
                                        parse_sources, resolve)
 from deepseek41.config.roles import (FULL, REINDEX, REUSE, SWA, LayerRole, format_role_table,
                                      layer_roles, remat_label, remats_layer)
-from deepseek41.config.schema import (DEFAULT_RULES, LAYOUT_VERSION, QUANT_FORMATS, SECTIONS,
-                                      CheckpointConfig, DataConfig, DSparkConfig, ImageGeometry,
-                                      LogConfig, MeshConfig, ModelConfig, RunConfig, Sources,
-                                      TasksConfig, TrainConfig, base_config, engram_compresses,
-                                      execution_only_keys, max_positions)
+from deepseek41.config.schema import (ATTENTION_VARIANTS, DEFAULT_RULES, LAYOUT_VERSION,
+                                      QUANT_FORMATS, SECTIONS, CheckpointConfig, DataConfig,
+                                      DSparkConfig, ImageGeometry, LogConfig, MeshConfig,
+                                      ModelConfig, RunConfig, Sources, TasksConfig, TrainConfig,
+                                      base_config, engram_compresses, execution_only_keys,
+                                      max_positions, upgrade_saved_model)
 from deepseek41.config.tasks import DEPTH_TASKS, TASK_NAMES, TaskSpec, parse_task_specs
 
 __all__ = [
-    'CheckpointConfig', 'ConfigError', 'DEFAULT_RULES', 'DEPTH_TASKS', 'DSparkConfig',
-    'DataConfig', 'FULL',
+    'ATTENTION_VARIANTS', 'CheckpointConfig', 'ConfigError', 'DEFAULT_RULES', 'DEPTH_TASKS',
+    'DSparkConfig', 'DataConfig', 'FULL',
     'ImageGeometry', 'LAYOUT_VERSION', 'LayerRole', 'LogConfig', 'MeshConfig', 'ModelConfig',
     'QUANT_FORMATS', 'REINDEX', 'REUSE', 'RunConfig', 'SECTIONS', 'SWA', 'Sources',
     'TASK_NAMES', 'TaskSpec', 'TasksConfig', 'TrainConfig', 'base_config', 'config_from_saved',
     'engram_compresses', 'execution_only_keys', 'format_role_table', 'layer_roles',
     'load_config_file', 'max_positions', 'mesh_rules', 'parse_sources', 'parse_task_specs',
-    'remat_label', 'remats_layer', 'resolve',
+    'remat_label', 'remats_layer', 'resolve', 'upgrade_saved_model',
 ]

@@ -288,6 +288,10 @@ def check_context_split(d: DataConfig, m: ModelConfig, mesh: MeshConfig):
     return
   require(d.seq_len % mesh.context == 0, 'mesh.context',
           f'{mesh.context} sequence shards cannot split data.seq_len={d.seq_len} evenly')
+  require(not m.dense, 'model.attention_variant',
+          "'dense' attends every query to its whole document, which context parallelism splits "
+          f'over mesh.context={mesh.context} shards; set mesh.context=1 (or the variant csa2 or '
+          'window)')
   require(d.seq_len // mesh.context >= m.sliding_window, 'mesh.context',
           f'{d.seq_len // mesh.context} tokens per sequence shard cannot hold the window halo of '
           f'model.sliding_window={m.sliding_window} tokens')

@@ -19,15 +19,21 @@ import ml_collections
 
 from deepseek41.config import checks
 from deepseek41.config.keys import ConfigError, keys_of, require
-from deepseek41.config.schema import (CheckpointConfig, DataConfig, DSparkConfig, ImageGeometry,
-                                      LogConfig, MeshConfig, ModelConfig, RunConfig, Sources,
-                                      TasksConfig, TrainConfig, base_config)
+from deepseek41.config.schema import (RENAMED_MODEL_KEYS, CheckpointConfig, DataConfig,
+                                      DSparkConfig, ImageGeometry, LogConfig, MeshConfig,
+                                      ModelConfig, RunConfig, Sources, TasksConfig, TrainConfig,
+                                      base_config, upgrade_saved_model)
 from deepseek41.config.tasks import TASK_NAMES
 
 
 def _check_keys(cfg: ml_collections.ConfigDict, schema: ml_collections.ConfigDict, prefix=''):
   for name in cfg.keys():
     full = f'{prefix}{name}'
+    if name not in schema and prefix == 'model.' and name in RENAMED_MODEL_KEYS:
+      new, convert = RENAMED_MODEL_KEYS[name]
+      raise ConfigError(f'config key {full!r} was replaced by model.{new}: set '
+                        f'model.{new}={convert(True)!r} for {name}=True, '
+                        f'{convert(False)!r} for {name}=False (docs/architecture.md 3.8.1)')
     if name not in schema:
       close = [k for k in schema.keys() if k.lower() == name.lower() or k.startswith(name[:3])]
       hint = f' (did you mean {", ".join(prefix + k for k in close)}?)' if close else ''
@@ -231,9 +237,12 @@ def config_from_saved(saved: dict, sections: tuple[str, ...] | None = None
   """The ConfigDict of a resolved config saved as JSON (a checkpoint's `config` item): the
   declared keys only (derived fields are rebuilt by `resolve`), lists back to tuples, source
   lists back to their 'dir:weight,...' form. `sections`: only these are read, the others keep
-  their defaults."""
+  their defaults. Replaced model keys are read as their successors (`upgrade_saved_model`), so
+  a checkpoint written before a rename resolves to the same model."""
   def tuples(v):
     return tuple(tuples(x) for x in v) if isinstance(v, list) else v
+  if 'model' in saved:
+    saved = {**saved, 'model': upgrade_saved_model(saved['model'])}
   c = base_config()
   for section in (sections or c.keys()):
     for name in c[section].keys():

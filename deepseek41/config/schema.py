@@ -23,6 +23,15 @@ LAYOUT_VERSION = 1  # bump when the train-state pytree layout changes incompatib
 
 QUANT_FORMATS = ('none', 'fp4_e4m3_16', 'fp4_ue8m0_32', 'fp8_ue8m0_32')
 
+ATTENTION_VARIANTS = ('csa2', 'dense', 'window')  # model.attention_variant
+
+# Model keys that were replaced: {old key: (the key now, old value -> its value now)}. A saved
+# config (a checkpoint's config.json) holding the old key is read as the same model; a config
+# file setting it is refused with this replacement named (resolve.py).
+RENAMED_MODEL_KEYS = {
+    'csa2': ('attention_variant', lambda on: 'csa2' if on else 'window'),
+}
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +86,16 @@ class ModelConfig:
   # lookup (exact under any skew, owners x the bytes). ops/parallel/engram_lookup.py says why 2
   # is ample.
   engram_exchange_capacity: float = key(2.0, execution_only=True)
-  # CSA2 (sections 3.6-3.8): on in every shipped config; off = window attention only (ablation).
-  csa2: bool = key(False)
+  # The attention of every ratio > 0 layer (docs/architecture.md section 3.8.1; ratio-0 layers
+  # are window-only in every variant):
+  #   csa2:   its window plus the compressed entries its index source selects (sections 3.6-3.8;
+  #           every shipped config);
+  #   dense:  every earlier token of its document, exactly (ablation baseline; no compressor or
+  #           indexer);
+  #   window: its sliding window only (ablation).
+  # Replaces `model.csa2` (True = 'csa2', False = 'window'); saved configs that have it are read
+  # as the same model (`upgrade_saved_model`).
+  attention_variant: str = key('window', choices=ATTENTION_VARIANTS)
   index_n_heads: int = key(4)           # [index_n_heads]
   index_head_dim: int = key(32)         # [index_head_dim]
   index_topk: int = key(8)              # [index_topk]
@@ -222,9 +239,30 @@ class ModelConfig:
   image_token_id: int = key(0)
 
   @property
+  def csa2(self) -> bool:
+    """Whether ratio > 0 layers run the compressed sparse branch (attention_variant 'csa2')."""
+    return self.attention_variant == 'csa2'
+
+  @property
+  def dense(self) -> bool:
+    """Whether ratio > 0 layers attend to their whole document (attention_variant 'dense')."""
+    return self.attention_variant == 'dense'
+
+  @property
   def image_span_max_len(self) -> int:
     """Longest image span (alignment pad included): how far span attention reaches; 0 = none."""
     return max_span_positions(self.vision_max_image_tokens) if self.vision else 0
+
+
+def upgrade_saved_model(saved_model: dict) -> dict:
+  """A saved model section (a checkpoint's config.json) in today's keys: each replaced key
+  (`RENAMED_MODEL_KEYS`) becomes its successor, unless the successor is saved too."""
+  out = dict(saved_model)
+  for old, (new, convert) in RENAMED_MODEL_KEYS.items():
+    if old in out:
+      value = out.pop(old)
+      out.setdefault(new, convert(value))
+  return out
 
 
 def engram_compresses(m: ModelConfig) -> bool:

@@ -48,7 +48,7 @@ def draft_model_config(cfg: ModelConfig, ds: DSparkConfig) -> ModelConfig:
   """The backbone's block shapes with the draft MoE's expert count and top-k (section 3.14)."""
   return dataclasses.replace(cfg, n_routed_experts=ds.n_routed_experts,
                              num_experts_per_tok=ds.num_experts_per_tok, mhc_impl='reference',
-                             engram_layer_ids=(), csa2=False)
+                             engram_layer_ids=(), attention_variant='window')
 
 
 def draft_role(layer: int) -> LayerRole:
