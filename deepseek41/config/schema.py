@@ -175,7 +175,7 @@ class ModelConfig:
   # threshold select (ops/topk_select.py); the same entries either way.
   select_impl: str = key('auto', choices=('top_k', 'threshold'),
                          auto=auto.select_impl, execution_only=True)
-  # Queries per chunk in the gathered path and the indexer.
+  # Queries per chunk in the gathered path, the indexer and the dense variant's chunked path.
   sparse_chunk: int = key(1024, execution_only=True)
   # [I] The indexer's query chunks run in up to this many runs, each scoring and selecting over
   # only the entries its last row can see (model/csa2.py `causal_groups`): a causal slab is half

@@ -233,10 +233,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
            jax.devices()[0].device_kind,
            f'; process {jax.process_index()} of {jax.process_count()} with '
            f'{jax.local_device_count()}' if jax.process_count() > 1 else '')
-  log.info('layer roles (%s):\n%s',
-           'CSA2 on: ratio>0 layers add their selected compressed entries to the window'
-           if cfg.model.csa2 else 'CSA2 off: every layer attends over its sliding window only',
-           format_role_table(cfg.model))
+  log.info('layer roles:\n%s', format_role_table(cfg.model))
 
   # ---- input -------------------------------------------------------------------------------
   n_proc = jax.process_count()
