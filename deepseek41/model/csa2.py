@@ -35,6 +35,7 @@ from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 
 from deepseek41.config import SWA, LayerRole, ModelConfig, layer_roles
+from deepseek41.model import diagnostics
 from deepseek41.model import indexer as idx_lib
 from deepseek41.model.compressor import (CompressedKV, Compressor, RowRing,
                                          document_first_entry_bt, visible_btn)
@@ -249,6 +250,10 @@ class CSA2(nnx.Module):
       if blocks is not None:
         shared = shared.with_pool(role.layer, blocks)
     sel_idx, sel_valid = shared.selections[role.index_source]
+    if shared.probe is not None:  # diagnostics: the selection against dense attention
+      shared = shared.with_probe_stats(role.layer, diagnostics.selection_stats(
+          q_bthd, comp, sel_idx, sel_valid, seg, shared.probe.answer_rows_bt,
+          topk=cfg.index_topk, window=cfg.sliding_window, chunk=shared.probe.chunk))
     # Only an index source in training needs the per-slot mass (its indexer's distillation
     # target); generation computes no indexer loss.
     distill = self.owns_index and not decoding

@@ -8,6 +8,8 @@
                                          gradient's coefficients (model.sparse_group_dkv)
     indexer_totals  index sources     -> [sum of per-query KL, queries counted, sum of recall]
     decode          generation        -> the chunk's rows and the layers' caches (`Decoding`)
+    probe           diagnostics       -> each CSA2 layer's selection against dense attention
+                                         (`Probe`, model/diagnostics.py); None otherwise
 
 `Shared` is an immutable pytree: a layer returns an updated copy, and the whole of it flows
 through block remat (`jax.checkpoint`, model/transformer.py) and CED prefill (model/ced.py) like
@@ -48,6 +50,15 @@ class Decoding:
   write_entries: bool = struct.field(pytree_node=False, default=True)
 
 
+@struct.dataclass
+class Probe:
+  """Diagnostics of a forward (model/diagnostics.py `selection_diagnostics`): the CSA2 layers
+  measure their selection against the dense attention over every visible entry."""
+  answer_rows_bt: Any = None   # int32 [B, T]: the row each query should retrieve; -1 none
+  stats: dict = struct.field(default_factory=dict)  # {layer: diagnostics.SelectionStats}
+  chunk: int = struct.field(pytree_node=False, default=256)  # queries per chunk
+
+
 def _merged(d: dict, layer: int, value) -> dict:
   return {**d, layer: value}
 
@@ -61,6 +72,7 @@ class Shared:
   sinks: dict = struct.field(default_factory=dict)       # {layer: tuple of sinks}
   indexer_totals: Any = None                              # fp32 [3] once an index source ran
   decode: Decoding | None = None
+  probe: Probe | None = None
 
   def with_kv(self, layer: int, entries: SourceEntries) -> Shared:
     return self.replace(kv=_merged(self.kv, layer, entries))
@@ -86,6 +98,10 @@ class Shared:
     """Generation: layer `layer`'s updated cache."""
     return self.replace(decode=self.decode.replace(caches=_merged(self.decode.caches, layer,
                                                                   cache)))
+
+  def with_probe_stats(self, layer: int, stats) -> Shared:
+    """Diagnostics: layer `layer`'s `diagnostics.SelectionStats`."""
+    return self.replace(probe=self.probe.replace(stats=_merged(self.probe.stats, layer, stats)))
 
   def added_since(self, before: Shared) -> Shared:
     """What was published after `before` (and the indexer totals): one layer's outputs."""
