@@ -123,7 +123,7 @@ def main(argv=None):
       bench_csa2.release()
   print(table(rows))
   if args.out:
-    with open(os.path.splitext(args.out)[0] + '.md', 'w') as f:
+    with open(os.path.splitext(args.out)[0] + '_table.txt', 'w') as f:
       f.write(table(rows) + '\n')
   print(json.dumps({'device': str(jax.devices()[0].device_kind), 'cases': len(rows)}))
 

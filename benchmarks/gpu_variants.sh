@@ -13,7 +13,7 @@ case "$mode" in
   layers)
     python3 benchmarks/bench_variants.py --seq_lens "${SEQ_LENS:-4096,16384,32768,65536}" \
       --reps 5 --out "$OUT/variants_layers.jsonl" > "$OUT/variants_layers.log" 2>&1
-    echo "bench exit $?"; cat "$OUT/variants_layers.md" ;;
+    echo "bench exit $?"; cat "$OUT/variants_layers_table.txt" ;;
   train)
     SYN="--config.data.synthetic=True --config.checkpoint.every_steps=0 \
       --config.train.eval_every_steps=0 --config.log.every_steps=1 --config.log.progress_bar=False"
@@ -36,6 +36,6 @@ case "$mode" in
         cp "$wd/metrics.jsonl" "$OUT/train_$name.jsonl" 2>/dev/null
       done
     done
-    python3 benchmarks/summarize_variants.py "$OUT"/train_*.jsonl | tee "$OUT/variants_train.md" ;;
+    python3 benchmarks/summarize_variants.py "$OUT"/train_*.jsonl | tee "$OUT/variants_train_table.txt" ;;
   *) echo "unknown mode $mode (layers | train)" >&2; exit 2 ;;
 esac
