@@ -117,7 +117,9 @@ def _token_batch(tokens, seg, pos):
 
 @pytest.fixture(scope='module')
 def dense_model():
-  cfg = resolved(**DENSE, **{'model.init_std': 0.1, 'model.sliding_window': 4})
+  # The dense keys are the layer's latent in its window format: FP8 here, as released.
+  cfg = resolved(**DENSE, **{'model.init_std': 0.1, 'model.sliding_window': 4,
+                             'model.head_dim': 32, 'model.swa_quant': 'fp8_ue8m0_32'})
   cfg = dataclasses.replace(cfg, model=dataclasses.replace(
       cfg.model, moe_backend=cfg.model.eval_moe_backend))
   return cfg, Transformer(cfg.model, nnx.Rngs(params=0))
