@@ -36,13 +36,16 @@ def _loss_and_grads(cfg, impls, batch):
   return nnx.jit(lambda m: nnx.value_and_grad(loss)(m))(model)
 
 
-@pytest.mark.parametrize('case', ['documents_released_quant', 'image_spans', 'unmerged'])
+@pytest.mark.parametrize('case', ['documents_released_quant', 'image_spans', 'unmerged',
+                                  'dense'])
 def test_kernels_equal_the_jnp_paths(case):
   # 'unmerged': the kernels' backward through autodiff of the softmax merge
-  # (model.merged_backward=False) instead of from the merged statistics.
-  if case in ('documents_released_quant', 'unmerged'):
+  # (model.merged_backward=False) instead of from the merged statistics. 'dense': the dense
+  # variant (model.attention_variant), its layers on the window kernel over the whole row.
+  if case in ('documents_released_quant', 'unmerged', 'dense'):
     cfg = resolved(**{**KERNEL_SHAPES, **RELEASED_QUANT,
-                      'model.merged_backward': case != 'unmerged'}).model
+                      'model.merged_backward': case != 'unmerged',
+                      'model.attention_variant': 'dense' if case == 'dense' else 'csa2'}).model
     batch = packed_batch(seed=5, docs_per_row=2, pad=4)
   else:
     cfg = resolved(**KERNEL_SHAPES, **VISION).model
