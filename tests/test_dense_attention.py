@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from deepseek41.ops.dense_attention import causal_runs, dense_branch, dense_partial
+from deepseek41.ops.gpu.window_kernel import window_partial_fused
 from deepseek41.ops.softmax_merge import merge
+from tests.util import triton_lowering_for_h200
 
 B, T, H, D = 2, 23, 2, 8
 
@@ -148,3 +150,21 @@ def test_the_branch_merges_like_the_partial():
   got = jax.grad(functools.partial(loss, branch=True), argnums=(0, 1, 2))(q, kv, sink)
   for a, b in zip(got, want):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4)
+
+
+def test_fused_dense_lowers_for_the_h200_at_the_shipped_shapes():
+  """The window kernel with the row as its window, forward and backward, at
+  configs/ablation_1b.py's heads and width, lowers to Triton for an H200 (on this CPU: the
+  lowering only, no GPU and no Triton compile)."""
+  t = 1024
+  q = jnp.zeros((1, t, 16, 512), jnp.bfloat16)
+  kv = jnp.zeros((1, t, 512), jnp.bfloat16)
+  seg = jnp.ones((1, t), jnp.int32)
+
+  def loss(q, kv):  # compiled, as on the GPU (the launch rule would interpret on this CPU)
+    o, _ = window_partial_fused(q, kv, seg, window=t, interpret=False)
+    return jnp.sum(o.astype(jnp.float32))
+  with triton_lowering_for_h200():
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(q, kv).lower(
+        lowering_platforms=('cuda',)).as_text()
+  assert text.count('swa_window_') >= 3   # the forward, dq and dkv kernels

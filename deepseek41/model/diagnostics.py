@@ -116,7 +116,9 @@ def selection_diagnostics(model, batch, answer_rows_bt=None, chunk: int = 256
                           ) -> dict[int, SelectionStats]:
   """{layer: SelectionStats} of every CSA2 layer over one forward of `batch` (the model's
   training-layout forward; the logits are not computed). answer_rows_bt: int [B, T], for each
-  query row the row it should retrieve (-1: none)."""
+  query row the row it should retrieve, -1 elsewhere. Teacher-forced, row t predicts token
+  t + 1: the row before an answer's i-th token gets the row of the hidden item's i-th token
+  (the passkey's digit, the MQAR value) in the context."""
   if not model.cfg.csa2:
     return {}
   batch = model.with_engram_rows(batch)
