@@ -8,6 +8,8 @@ and is counted honestly in FLOPs and cache bytes.
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +58,15 @@ def test_a_config_file_setting_model_csa2_is_told_the_replacement():
   c.model.csa2 = True
   with pytest.raises(ConfigError, match=r"model.csa2.*model.attention_variant='csa2'"):
     resolve(c, num_devices=1, backend='cpu')
+
+
+def test_the_command_line_names_the_replacement_too(tmp_path):
+  result = subprocess.run(
+      [sys.executable, '-m', 'deepseek41.train', '--config=configs/tiny.py',
+       '--config.model.csa2=False', f'--workdir={tmp_path}'], cwd=ROOT, capture_output=True,
+      text=True, timeout=300, env={**os.environ, 'PYTHONPATH': ROOT})
+  assert result.returncode == 2
+  assert "model.attention_variant='csa2' for csa2=True, 'window' for csa2=False" in result.stderr
 
 
 def test_the_shipped_configs_run_csa2():

@@ -16,7 +16,7 @@ name. The rest of the package imports what it needs from here.
 
 from deepseek41.config.keys import ConfigError
 from deepseek41.config.resolve import (config_from_saved, load_config_file, mesh_rules,
-                                       parse_sources, resolve)
+                                       parse_sources, replaced_key_hint, resolve)
 from deepseek41.config.roles import (FULL, REINDEX, REUSE, SWA, LayerRole, format_role_table,
                                      layer_roles, remat_label, remats_layer)
 from deepseek41.config.schema import (ATTENTION_VARIANTS, DEFAULT_RULES, LAYOUT_VERSION,
@@ -35,5 +35,5 @@ __all__ = [
     'TASK_NAMES', 'TaskSpec', 'TasksConfig', 'TrainConfig', 'base_config', 'config_from_saved',
     'engram_compresses', 'execution_only_keys', 'format_role_table', 'layer_roles',
     'load_config_file', 'max_positions', 'mesh_rules', 'parse_sources', 'parse_task_specs',
-    'remat_label', 'remats_layer', 'resolve', 'upgrade_saved_model',
+    'remat_label', 'remats_layer', 'replaced_key_hint', 'resolve', 'upgrade_saved_model',
 ]

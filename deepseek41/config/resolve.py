@@ -26,14 +26,22 @@ from deepseek41.config.schema import (RENAMED_MODEL_KEYS, CheckpointConfig, Data
 from deepseek41.config.tasks import TASK_NAMES
 
 
+def replaced_key_hint(full: str) -> str | None:
+  """What to set instead of `full` ('model.csa2'), a key that was replaced; None otherwise."""
+  section, _, name = full.partition('.')
+  if section != 'model' or name not in RENAMED_MODEL_KEYS:
+    return None
+  new, convert = RENAMED_MODEL_KEYS[name]
+  return (f'config key {full!r} was replaced by model.{new}: set model.{new}='
+          f'{convert(True)!r} for {name}=True, {convert(False)!r} for {name}=False '
+          '(docs/architecture.md 3.8.1)')
+
+
 def _check_keys(cfg: ml_collections.ConfigDict, schema: ml_collections.ConfigDict, prefix=''):
   for name in cfg.keys():
     full = f'{prefix}{name}'
-    if name not in schema and prefix == 'model.' and name in RENAMED_MODEL_KEYS:
-      new, convert = RENAMED_MODEL_KEYS[name]
-      raise ConfigError(f'config key {full!r} was replaced by model.{new}: set '
-                        f'model.{new}={convert(True)!r} for {name}=True, '
-                        f'{convert(False)!r} for {name}=False (docs/architecture.md 3.8.1)')
+    if name not in schema and replaced_key_hint(full):
+      raise ConfigError(replaced_key_hint(full))
     if name not in schema:
       close = [k for k in schema.keys() if k.lower() == name.lower() or k.startswith(name[:3])]
       hint = f' (did you mean {", ".join(prefix + k for k in close)}?)' if close else ''

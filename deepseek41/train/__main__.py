@@ -156,7 +156,7 @@ def check_overrides(argv: list[str]) -> str | None:
   config_file = _config_file(argv)
   if config_file is not None and not os.path.isfile(config_file.split(':', 1)[0]):
     return f'--config file {config_file!r} does not exist'
-  from deepseek41.config import base_config
+  from deepseek41.config import base_config, replaced_key_hint
   schema = base_config()
   for arg in argv[1:]:
     if not arg.startswith('--config.'):
@@ -165,6 +165,8 @@ def check_overrides(argv: list[str]) -> str | None:
     node = schema
     for i, part in enumerate(key.split('.')):
       if not hasattr(node, 'keys') or part not in node:
+        if replaced_key_hint(key):
+          return f'{replaced_key_hint(key)}; in {arg!r}'
         known = ', '.join(sorted(node.keys())) if hasattr(node, 'keys') else ''
         where = '.'.join(key.split('.')[:i]) or 'the config'
         return (f'unknown config key {key!r} in {arg!r}' +
