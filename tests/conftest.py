@@ -17,3 +17,6 @@ jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
 
 if not flags.FLAGS.is_parsed():
   flags.FLAGS.mark_as_parsed()
+
+# The fixtures every tier shares live in the one helper module.
+from tests.helpers import corpus, pretrained_run  # noqa: E402,F401

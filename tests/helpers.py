@@ -9,6 +9,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from deepseek41.batch import (IMAGE, ROLE_END, ROLE_NEWLINE, ROLE_PATCH, ROLE_START, TEXT,
@@ -20,6 +21,7 @@ from deepseek41.model.transformer import Transformer
 from deepseek41.train import state as state_lib
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.step import forward_loss
+from deepseek41.train.trainer import train
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,6 +77,43 @@ def small_config(**overrides):
       node = node[p]
     node[leaf] = value
   return c
+
+
+# ---- the session's trained run (fixtures: tests/conftest.py makes them visible) -------------
+
+CORPUS_STEPS = 8
+
+
+@pytest.fixture(scope='session')
+def corpus(tmp_path_factory):
+  """Overrides that train the small model on a 20-file slice of the default corpus (prepared
+  once a session)."""
+  return {
+      'data.synthetic': False,
+      'data.cache_dir': str(tmp_path_factory.mktemp('corpus-cache')),
+      'data.default_corpus_vocab_size': 300,
+      'data.default_corpus_max_files': 20,
+      'model.vocab_size': 320,
+      'mesh.data': -1,
+      'train.steps': CORPUS_STEPS,
+  }
+
+
+def corpus_config(corpus: dict, **overrides):
+  """The config of the session's trained run, with `overrides`."""
+  return small_config(**{**corpus, **overrides})
+
+
+@pytest.fixture(scope='session')
+def pretrained_run(corpus, tmp_path_factory) -> str:
+  """The session's one trained run (`corpus_config(corpus)`, saving every CORPUS_STEPS / 2
+  steps): CORPUS_STEPS steps, checkpoints at the half and the end, its tokenizer.json beside
+  them. Tests read it, or copy it to change it; resume, fault, generation and DSpark tests
+  start from it."""
+  workdir = str(tmp_path_factory.mktemp('pretrained') / 'run')
+  config = corpus_config(corpus, **{'checkpoint.every_steps': CORPUS_STEPS // 2})
+  assert train(config, workdir).step == CORPUS_STEPS
+  return workdir
 
 
 def resolved(num_devices=1, **overrides):

@@ -8,6 +8,7 @@
     checks.py   pure validators, each error a ConfigError naming the key
     resolve.py  resolve(): ConfigDict -> RunConfig; config_from_saved, load_config_file
     roles.py    the layer-role table the model reads (docs/design.md "Layer roles")
+    command_line.py  a command line's --config file and overrides, checked before absl parses
 
 Config files under `configs/` start from `base_config()` and override what they need; anything
 they or a `--config.a.b=c` override name that is not declared is rejected with the key's full

@@ -150,45 +150,11 @@ EXIT_SAVE_FAILED = 74   # EX_IOERR
 EXIT_BAD_INPUT = 2
 
 
-def check_overrides(argv: list[str]) -> str | None:
-  """Name a missing --config file, or an unknown `--config.a.b=c` key, before absl turns it
-  into a long traceback."""
-  config_file = _config_file(argv)
-  if config_file is not None and not os.path.isfile(config_file.split(':', 1)[0]):
-    return f'--config file {config_file!r} does not exist'
-  from deepseek41.config import base_config, replaced_key_hint
-  schema = base_config()
-  for arg in argv[1:]:
-    if not arg.startswith('--config.'):
-      continue
-    key = arg[len('--config.'):].split('=', 1)[0]
-    node = schema
-    for i, part in enumerate(key.split('.')):
-      if not hasattr(node, 'keys') or part not in node:
-        if replaced_key_hint(key):
-          return f'{replaced_key_hint(key)}; in {arg!r}'
-        known = ', '.join(sorted(node.keys())) if hasattr(node, 'keys') else ''
-        where = '.'.join(key.split('.')[:i]) or 'the config'
-        return (f'unknown config key {key!r} in {arg!r}' +
-                (f'; {where} has: {known}' if known else ''))
-      node = node[part]
-  return None
-
-
-def _config_file(argv: list[str]) -> str | None:
-  """The value of --config in argv (`--config=F` or `--config F`), or None."""
-  for i, arg in enumerate(argv[1:], start=1):
-    if arg.startswith('--config='):
-      return arg[len('--config='):]
-    if arg == '--config' and i + 1 < len(argv):
-      return argv[i + 1]
-  return None
-
-
 def run():
   """Console-script entry point (`ds41-train`)."""
   with STOP:  # before the imports and the flag parsing: a stop signal never goes unseen
-    problem = check_overrides(sys.argv)
+    from deepseek41.config.command_line import check_command_line
+    problem = check_command_line(sys.argv)
     if problem:
       print(f'error: {problem}', file=sys.stderr)
       sys.exit(2)

@@ -21,7 +21,7 @@ from deepseek41.train.objectives import dspark as dspark_objective, objective_fo
 from deepseek41.train.checkpoint import CheckpointError, Checkpointer
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.trainer import train
-from tests.helpers import REPO_ROOT, packed_batch, small_config
+from tests.helpers import CORPUS_STEPS, REPO_ROOT, packed_batch, small_config
 
 DRAFTER = {'dspark.stage': 'frozen', 'dspark.num_blocks': 1, 'dspark.block_size': 3,
            'dspark.n_routed_experts': 4, 'dspark.num_experts_per_tok': 2,
@@ -89,15 +89,14 @@ def test_drafts_read_only_the_past_and_label_the_future():
   assert np.asarray(out.valid_nk[0]).tolist() == [True, False, False]
 
 
-@pytest.fixture(scope='module')
-def pretrained(tmp_path_factory):
-  """A 2-step pretraining run of the small model on the default corpus (its checkpoint 2)."""
-  root = tmp_path_factory.mktemp('dspark')
-  data = {'data.synthetic': False, 'data.cache_dir': str(root / 'cache'),
-          'data.default_corpus_vocab_size': 300, 'data.default_corpus_max_files': 5,
-          'model.vocab_size': 320, 'train.steps': 2}
-  train(small_config(**data), str(root / 'pre'))
-  return root, data
+@pytest.fixture
+def pretrained(pretrained_run, corpus):
+  """The session's trained run (its last checkpoint) and the overrides it was trained with."""
+  return pretrained_run, corpus
+
+
+def _last_checkpoint(run: str) -> str:
+  return os.path.join(run, 'checkpoints', str(CORPUS_STEPS))
 
 
 def _params_of(workdir, cfg, step, key):
@@ -110,18 +109,19 @@ def _params_of(workdir, cfg, step, key):
   return state[key], state
 
 
-def test_frozen_stage_keeps_the_backbone_bit_identical(pretrained):
-  root, data = pretrained
-  overrides = {**DRAFTER, **data, 'dspark.backbone_checkpoint': str(root / 'pre/checkpoints/2'),
+def test_frozen_stage_keeps_the_backbone_bit_identical(pretrained, tmp_path):
+  run, data = pretrained
+  backbone = _last_checkpoint(run)
+  overrides = {**DRAFTER, **data, 'dspark.backbone_checkpoint': backbone,
                'train.steps': 3, 'train.eval_every_steps': 3, 'train.eval_batches': 1}
-  workdir = str(root / 'draft')
+  workdir = str(tmp_path / 'draft')
   train(small_config(**overrides), workdir, stop_at_step=2)
   # The resume reads the stage's own checkpoint (its frozen backbone included), not the backbone's.
-  overrides_resume = {**overrides, 'dspark.backbone_checkpoint': str(root / 'nowhere')}
+  overrides_resume = {**overrides, 'dspark.backbone_checkpoint': str(tmp_path / 'nowhere')}
   assert train(small_config(**overrides_resume), workdir).step == 3
 
   pre_cfg = resolve(small_config(**data))
-  before, _ = _params_of(str(root / 'pre'), pre_cfg, 2, 'params')
+  before, _ = _params_of(run, pre_cfg, CORPUS_STEPS, 'params')
   cfg = resolve(small_config(**overrides_resume))
   after, state = _params_of(workdir, cfg, 3, 'frozen')
   for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after['backbone']), strict=True):
@@ -162,13 +162,13 @@ def test_post_training_leaves_the_backbone_gradients_unchanged():
 
 
 def test_a_backbone_checkpoint_of_another_model_says_what_differs(pretrained, tmp_path):
-  root, data = pretrained
+  run, data = pretrained
   overrides = {**DRAFTER, **data, 'model.moe_intermediate_size': 24,
-               'dspark.backbone_checkpoint': str(root / 'pre/checkpoints/2')}
+               'dspark.backbone_checkpoint': _last_checkpoint(run)}
   with pytest.raises(CheckpointError, match=r'dspark\.backbone_checkpoint: .*moe_intermediate_size'):
     train(small_config(**overrides), str(tmp_path / 'bad'))
   with pytest.raises(CheckpointError, match=r'not a checkpoint step directory'):
-    train(small_config(**{**overrides, 'dspark.backbone_checkpoint': str(root / 'pre')}),
+    train(small_config(**{**overrides, 'dspark.backbone_checkpoint': run}),
           str(tmp_path / 'bad2'))
 
 
@@ -194,13 +194,13 @@ def test_cli_stage_without_a_backbone_says_so(tmp_path):
 def test_stage_on_an_fsdp_expert_tensor_mesh_matches_data_parallel(pretrained, tmp_path):
   """The drafter's blocks, MoE exchange and heads sharded over fsdp x expert x tensor train
   exactly as on a data-parallel mesh (same anchors, same losses)."""
-  root, data = pretrained
+  run, data = pretrained
   losses = {}
   for name, mesh in [('data8', {'mesh.data': -1}),
                      ('split', {'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.expert': 2,
                                 'mesh.tensor': 2})]:
     overrides = {**DRAFTER, **data, **mesh, 'train.steps': 2,
-                 'dspark.backbone_checkpoint': str(root / 'pre/checkpoints/2')}
+                 'dspark.backbone_checkpoint': _last_checkpoint(run)}
     train(small_config(**overrides), str(tmp_path / name))
     rows = [json.loads(line) for line in open(tmp_path / name / 'metrics.jsonl')]
     losses[name] = [r['loss'] for r in rows if r.get('loss') is not None]

@@ -19,28 +19,11 @@ from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.trainer import TrainingDiverged, train
 from deepseek41.config import resolve
 from deepseek41.sharding import make_mesh
-from tests.helpers import REPO_ROOT, small_config
+from tests.helpers import CORPUS_STEPS, REPO_ROOT, corpus_config, small_config
 
 ROOT = REPO_ROOT
-STEPS = 8
-
-
-@pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-  """Overrides that train on a 20-file slice of the default corpus (prepared once)."""
-  return {
-      'data.synthetic': False,
-      'data.cache_dir': str(tmp_path_factory.mktemp('cache')),
-      'data.default_corpus_vocab_size': 300,
-      'data.default_corpus_max_files': 20,
-      'model.vocab_size': 320,
-      'mesh.data': -1,
-      'train.steps': STEPS,
-  }
-
-
-def _config(corpus, **overrides):
-  return small_config(**{**corpus, **overrides})
+STEPS = CORPUS_STEPS
+_config = corpus_config
 
 
 def _final_state(workdir, config):
@@ -78,12 +61,9 @@ def _assert_states_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.fixture(scope='module')
-def straight(corpus, tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp('straight'))
-  result = train(_config(corpus), workdir)
-  assert result.step == STEPS
-  return workdir
+@pytest.fixture
+def straight(pretrained_run):
+  return pretrained_run
 
 
 def test_resume_is_bit_exact(corpus, straight, tmp_path):

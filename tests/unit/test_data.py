@@ -8,16 +8,15 @@ properties rather than against recorded outputs.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from deepseek41.config import DataConfig
-from deepseek41.data import default_corpus, pipeline
+from deepseek41.data import default_corpus, pipeline, prepare
 from deepseek41.data.pipeline import BATCH_KEYS, make_dataset, resolve_sources, vocab_size_of
 from deepseek41.data.prepare import prepare_dataset
 from deepseek41.data.shards import DataError, ShardWriter, TokenShardSource
@@ -209,22 +208,22 @@ def test_prepare_errors_name_the_input(tmp_path):
   assert not any(p.name.startswith('o') for p in tmp_path.iterdir())  # nothing half-written
 
 
-def test_prepare_cli(tmp_path):
+def test_prepare_cli(tmp_path, capsys, caplog):
+  """The prepare command line, in-process (tests/system/test_cli.py runs it as a program)."""
   _, corpus, jsonl = _write_corpus(tmp_path)
-  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get('PYTHONPATH', ''))
-  cmd = [sys.executable, '-m', 'deepseek41.data.prepare', '--input', corpus, '--input', jsonl,
-         '--output', str(tmp_path / 'out'), '--vocab_size', '300', '--no_progress']
-  ok = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
-  assert ok.returncode == 0, ok.stderr
-  assert 'wrote' in ok.stdout and 'RuntimeWarning' not in ok.stderr
-  assert (f'WARNING: skipped 1 binary files (prepare.json lists them): {corpus}/image.bin'
-          in ok.stderr)
-  assert f'WARNING: {corpus}/latin1.txt is not valid UTF-8: replaced 1 byte by' in ok.stderr
-  assert json.loads(_read(tmp_path / 'out' / 'prepare.json'))['argv'] == cmd[3:]
-  cmd[cmd.index(corpus)] = str(tmp_path / 'missing')
-  cmd[cmd.index(str(tmp_path / 'out'))] = str(tmp_path / 'out2')
-  bad = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
-  assert bad.returncode == 2 and str(tmp_path / 'missing') in bad.stderr
+  args = ['--input', corpus, '--input', jsonl, '--output', str(tmp_path / 'out'),
+          '--vocab_size', '300', '--no_progress']
+  with caplog.at_level(logging.WARNING):
+    assert prepare.main(args) == 0
+  assert 'wrote' in capsys.readouterr().out
+  assert (f'skipped 1 binary files (prepare.json lists them): {corpus}/image.bin'
+          in caplog.text)
+  assert f'{corpus}/latin1.txt is not valid UTF-8: replaced 1 byte by' in caplog.text
+  assert json.loads(_read(tmp_path / 'out' / 'prepare.json'))['argv'] == args
+  args[args.index(corpus)] = str(tmp_path / 'missing')
+  args[args.index(str(tmp_path / 'out'))] = str(tmp_path / 'out2')
+  assert prepare.main(args) == 2
+  assert str(tmp_path / 'missing') in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,8 +5,6 @@ checkpoint and names bad input."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -196,23 +194,3 @@ def test_bad_input_is_named(run, tmp_path):
   (empty / 'checkpoints').mkdir(parents=True)
   with pytest.raises(EvalError, match='holds no complete checkpoint'):
     open_checkpoint(str(empty))
-
-
-def test_cli(run, tmp_path):
-  out = str(tmp_path / 'report')
-  cmd = [sys.executable, '-m', 'deepseek41.eval', f'--workdir={run}', '--tasks=mqar@64',
-         '--examples=8', '--heldout_batches=0', f'--out={out}']
-  done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-  assert done.returncode == 0, done.stderr[-2000:]
-  assert 'mqar@64' in done.stdout
-  report = json.load(open(out + '.json'))
-  assert [t['label'] for t in report['tasks']] == ['mqar@64'] and 'heldout_loss' not in report
-  bad = subprocess.run(cmd[:-1] + ['--tasks=mqar@64,keys@2k'], capture_output=True, text=True,
-                       timeout=600)
-  assert bad.returncode == 2 and "--tasks: unknown task 'keys'" in bad.stderr
-  bare = str(tmp_path / 'bare')
-  shutil.copytree(run, bare)
-  shutil.rmtree(os.path.join(bare, 'checkpoints', '2'))
-  bad = subprocess.run(cmd[:1] + ['-m', 'deepseek41.eval', f'--workdir={bare}',
-                                  '--tasks=mqar@64'], capture_output=True, text=True, timeout=600)
-  assert bad.returncode == 2 and 'holds no complete checkpoint' in bad.stderr, bad.stderr
