@@ -46,7 +46,9 @@ def _tuple(v) -> tuple:
 
 
 _CONVERT = {int: int, float: float, bool: bool, str: str,
-            tuple[int, ...]: lambda v: tuple(int(x) for x in _tuple(v))}
+            tuple[int, ...]: lambda v: tuple(int(x) for x in _tuple(v)),
+            tuple[tuple[float, ...], ...]: lambda v: tuple(tuple(float(x) for x in _tuple(row))
+                                                           for row in _tuple(v))}
 
 
 def read_section(cls, section: ml_collections.ConfigDict, name: str,
@@ -204,7 +206,7 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
   model = _resolve_model(cfg.model, backend)
   mesh = _resolve_mesh(cfg.mesh, num_devices)
   data = _resolve_data(cfg.data, model)
-  train = TrainConfig(**read_section(TrainConfig, cfg.train, 'train'))
+  train = TrainConfig(**read_section(TrainConfig, cfg.train, 'train', backend))
   checks.check_train(train)
   checks.check_remat_layers(train, model)
   checks.check_batch_split(train, mesh)
