@@ -57,8 +57,8 @@ def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None,
   `stack_axes`: the axes indexing independent matrices (experts, heads, groups); `token_axis`:
   a `TokenTable`'s row axis when not 0 (see the module docstring)."""
   assert len(shape) == len(axes), (shape, axes)
-  assert all(0 <= a < len(shape) for a in stack_axes) and len(stack_axes) <= len(shape) - 2, \
-      (shape, stack_axes)
+  assert not stack_axes or (all(0 <= a < len(shape) for a in stack_axes)
+                            and len(stack_axes) <= len(shape) - 2), (shape, stack_axes)
   assert token_axis is None or (issubclass(kind, TokenTable) and 0 <= token_axis < len(shape))
   value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
   layout = {'stack_axes': tuple(stack_axes)} if stack_axes else {}

@@ -652,7 +652,7 @@ def report(p: dict) -> str:
       f"{p['batch']} x {p['seq_len']} tokens ({p['per_device_batch']} sequence(s) per device); "
       f"remat {p['remat']}; compute {p['compute_dtype']}, params {p['param_dtype']}",
       f"  parameters   {g(d['params'])}   exact (abstract state, fitted specs)",
-      f"  optimizer    {g(d['optimizer'])}   exact (AdamW moments + counts)",
+      f"  optimizer    {g(d['optimizer'])}   exact (the optimizer's moments + counts)",
       f"  gradients    {g(d['gradients'])}   exact (param-shaped, param dtype)",
       f"  router bias  {g(d.get('router_bias', 0))}",
       f"  activations  {g(d['activations'])}   compiled: {len(roles)} role program(s) for "
