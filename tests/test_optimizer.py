@@ -26,7 +26,7 @@ from deepseek41.train.objectives import objective_for
 from deepseek41.train.optimizer import (ADAMW, MUON, SINKHORN, hybrid_labels,
                                         learning_rate_schedule, make_optimizer)
 from deepseek41.train.trainer import train
-from tests.util import resolved, small_config
+from tests.util import packed_batch, resolved, small_config
 
 COEFFS = ns_coefficients(((3.4445, -4.775, 2.0315), (2.0, -1.5, 0.5)), (8, 2))
 # The whole structure: Engram tables, mHC's static parameters, experts, head-wise Q.
@@ -384,3 +384,30 @@ def test_resuming_with_another_optimizer_is_refused(straight, tmp_path):
   msg = str(err.value)
   assert msg.startswith('train.optimizer:') and "'muon_hybrid'" in msg and "'adamw'" in msg
   assert 'shape/dtype' not in msg and 'absent' not in msg   # the cause, not the layout
+
+
+def test_the_dspark_stage_trains_with_muon_hybrid():
+  """The DSpark stage's step (its own, objectives/dspark.py) with the hybrid: the drafter's
+  Markov tables get the Sinkhorn update, its routed experts Muon's, each expert on its own."""
+  from tests.test_dspark import DRAFTER
+  cfg = resolved(**{**DRAFTER, 'dspark.stage': 'post_training', 'train.optimizer': 'muon_hybrid',
+                    'train.weight_decay': 0.0})
+  tx = make_optimizer(cfg.train)
+  md = state_lib.model_def(cfg, tx)
+  state = jax.jit(state_lib._init_fn(cfg, tx))()
+  batch = {k: jnp.asarray(v) for k, v in packed_batch(seed=1).items()}
+  new, metrics = jax.jit(objective_for(cfg).make_train_step(md))(state, batch)
+  assert np.isfinite(float(metrics['loss'])) and np.isfinite(float(metrics['extra']['dspark_loss']))
+  lr, t = _lr(cfg), cfg.train
+  moved = lambda *path: (_leaf(new['params'], *path) - _leaf(state['params'], *path))
+  markov = -moved('dspark', 'markov_in') / (t.sinkhorn_gamma * lr)
+  live = np.abs(markov).sum(axis=1) > 0
+  assert 0 < live.sum() < len(live)   # the tokens the drafts read, only
+  np.testing.assert_allclose(np.sqrt(np.mean(markov[live] ** 2, axis=1)), 1.0, rtol=1e-4)
+  experts = -moved('dspark', 'blocks', 0, 'moe', 'w_up') / lr
+  for e in range(experts.shape[0]):
+    unit = experts[e] / (t.muon_rms_match * math.sqrt(max(experts.shape[1:])))
+    # an expert's gradient has at most the rank of the tokens it served: the polar factor keeps
+    # its null directions at ~0, and every other singular value at 1
+    sv = _singular_values(unit)
+    assert np.all((np.abs(sv - 1) < 2e-2) | (sv < 5e-2)) and np.sum(np.abs(sv - 1) < 2e-2) >= 1, sv
