@@ -26,14 +26,16 @@ from deepseek41.train.objectives import objective_for
 from deepseek41.train.optimizer import (ADAMW, MUON, SINKHORN, hybrid_labels,
                                         learning_rate_schedule, make_optimizer)
 from deepseek41.train.trainer import train
+from tests.test_multimodal_model import VISION
 from tests.util import packed_batch, resolved, small_config
 
 COEFFS = ns_coefficients(((3.4445, -4.775, 2.0315), (2.0, -1.5, 0.5)), (8, 2))
 # The whole structure: Engram tables, mHC's static parameters, experts, head-wise Q.
 HYBRID = {'train.optimizer': 'muon_hybrid', 'model.engram': True,
           'model.residual': 'mhc_single_pass'}
-# + CSA2 (the indexer's head-wise Q), for the updates alone (no forward pass to compile)
-EVERY_GROUP = {**HYBRID, 'model.csa2': True}
+# + CSA2 (the indexer's head-wise Q) and the ViT (its fused q/k/v), for the updates alone (no
+# forward pass to compile)
+EVERY_GROUP = {**HYBRID, **VISION, 'model.csa2': True}
 
 
 def _polar(x):
@@ -201,6 +203,12 @@ def test_each_expert_and_each_q_head_is_orthogonalised_on_its_own():
   gwo = _leaf(grads, 'blocks', 0, 'attn', 'wo_a')
   for g in range(wo.shape[0]):
     _assert_orthogonal(wo[g], gwo[g], rms)
+  # the ViT's fused [d, 3, heads, head_dim]: each of q, k, v of each head
+  qkv = -_leaf(updates, 'vision', 'blocks', 0, 'attn', 'w_qkv') / lr
+  gqkv = _leaf(grads, 'vision', 'blocks', 0, 'attn', 'w_qkv')
+  for j in range(3):
+    for h in range(qkv.shape[2]):
+      _assert_orthogonal(qkv[:, j, h], gqkv[:, j, h], rms)
 
 
 def test_a_norm_weight_moves_like_adamw():
