@@ -316,7 +316,8 @@ class TrainConfig:
   # The Newton-Schulz phases [S: NANO]: (a, b, c) of X -> aX + b(XX^T)X + c(XX^T)^2 X and how many
   # iterations of each: 8 fast ones (Keller Jordan's coefficients, singular values pushed into
   # ~[0.7, 1.2]), then 2 that settle them at 1.
-  muon_ns_coeffs: tuple[tuple[float, ...], ...] = key(((3.4445, -4.775, 2.0315), (2.0, -1.5, 0.5)))
+  muon_ns_coeffs: tuple[tuple[float, ...], ...] = key(
+      ((3.4445, -4.775, 2.0315), (2.0, -1.5, 0.5)))
   muon_ns_steps: tuple[int, ...] = key((8, 2))
   # Each matrix's update scaled to this RMS x the rate (x sqrt(max(fan_in, fan_out)), the
   # orthogonal factor's RMS being 1/sqrt of it): AdamW's update RMS, so train.lr serves both
@@ -332,11 +333,11 @@ class TrainConfig:
   muon_lr_multiplier: float = key(1.0)
   sinkhorn_lr_multiplier: float = key(1.0)
   # The token tables' update [S: NANO's reading of the report; TileKernels' Engram kernels]:
-  # EMA momentum with Nesterov look-ahead [I: 0.95, NANO and TileKernels' tests], rows and columns
-  # normalised in turn `sinkhorn_normalizations` times (odd: rows first and last), scaled to RMS
-  # 1 per row, times sinkhorn_gamma. Rows whose momentum norm is at most sinkhorn_tau x the mean
-  # row norm (tokens not seen for a while) get no update [S value; I meaning, NANO's];
-  # sinkhorn_eps is added to every norm.
+  # Nesterov momentum (as an EMA or a sum: the same direction) [I: 0.95, NANO and TileKernels'
+  # tests], rows and columns normalised in turn `sinkhorn_normalizations` times (odd: rows first
+  # and last), scaled to RMS 1 per row, times sinkhorn_gamma. Rows whose momentum norm is at most
+  # sinkhorn_tau x the mean row norm (tokens not seen for a while) get no update [S value; I
+  # meaning, NANO's]; sinkhorn_eps is added to every norm.
   sinkhorn_momentum: float = key(0.95)
   sinkhorn_gamma: float = key(0.18)
   sinkhorn_normalizations: int = key(11)
