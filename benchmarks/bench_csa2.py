@@ -20,12 +20,19 @@ parameters and all its float inputs (for Reuse, including the source's compresse
 what a training step runs for this layer. Method: jit, one warm-up (compile) call,
 block_until_ready, median over --reps runs on fresh inputs (benchmarks/timing.py).
 Each result is printed and appended to --out as one JSON line as soon as it exists.
+
+Each case runs in its own function scope (`run_case`) and everything it allocated is released
+before the next (its arrays, its compiled programs: `release`), so the whole table runs in one
+call: at 65,536 tokens the Reuse layer used to fail on an 8.55 GiB allocation after the dense
+and Full cases had run in the same process. Each record carries the compiled program's own
+memory (XLA's memory analysis: arguments, outputs and temporaries, GiB).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib.util
 import json
 import os
@@ -40,7 +47,7 @@ sys.path.insert(0, ROOT)
 from timing import time_fn  # noqa: E402  (benchmarks/timing.py)
 from deepseek41.config import layer_roles, resolve  # noqa: E402
 from deepseek41.model.attention import Attention  # noqa: E402
-from deepseek41.model.csa2 import INDEXER_TOTALS  # noqa: E402
+from deepseek41.model.shared import Shared  # noqa: E402
 
 # name -> (layer in configs/v41_flash.py, layer in configs/tiny.py)
 LAYERS = {'full2': (2, 2), 'reuse2': (3, 3), 'full1_candidates': (20, 4), 'reindex': (24, 6),
@@ -71,7 +78,7 @@ def parse_args(argv=None):
 
 def model_config(args):
   c = load_config('tiny.py' if args.small else 'v41_flash.py')
-  c.model.csa2 = True
+  c.model.attention_variant = 'csa2'
   if args.small:
     c.model.compute_dtype = 'float32'
   for item in args.set:
@@ -106,8 +113,13 @@ def _split_float(tree):
 
 def csa2_case(cfg, name, t, dtype, small):
   """(fwd, fwd_bwd, make_args, role) for one layer of the role table at sequence length t."""
+  return layer_case(cfg, LAYERS[name][1 if small else 0], t, dtype)
+
+
+def layer_case(cfg, layer, t, dtype):
+  """(fwd, fwd_bwd, make_args, role): layer `layer`'s attention core at sequence length t, in
+  cfg's attention variant (the CSA2 sources it reads run untimed in make_args)."""
   roles = layer_roles(cfg)
-  layer = LAYERS[name][1 if small else 0]
   role = roles[layer]
   rngs = nnx.Rngs(params=0)
   attn = Attention(cfg, role, rngs)
@@ -116,7 +128,7 @@ def csa2_case(cfg, name, t, dtype, small):
   # Sources this layer reads (KV source, index source, candidate pool) run once, untimed.
   source_layers = sorted({role.kv_source, role.index_source,
                           cfg.candidate_source_layer_id if role.uses_candidates else -1} -
-                         {layer, -1})
+                         {layer, -1}) if cfg.csa2 else []
   sources = [Attention(cfg, roles[s], nnx.Rngs(params=1 + s)) for s in source_layers]
   run_source = nnx.jit(lambda m, x, s: m(x, batch, s))
   project = nnx.jit(lambda m, x: m.project(x, batch['positions']))
@@ -125,17 +137,17 @@ def csa2_case(cfg, name, t, dtype, small):
     key = jax.random.fold_in(jax.random.key(0), rep)
     k_x, k_ct = jax.random.split(key)
     x = jax.random.normal(k_x, (1, t, cfg.d_model), jnp.float32).astype(dtype)
-    shared = {}
+    shared = Shared()
     for src in sources:
       _, shared = run_source(src, x, shared)
-    shared.pop(INDEXER_TOTALS, None)
+    shared = shared.replace(indexer_totals=None)
     q_r, q, kv = project(attn, x)
     ct = jax.random.normal(k_ct, q.shape, jnp.float32).astype(dtype)
     return x, q_r, q, kv, shared, ct
 
   def core(state, x, q_r, q, kv, shared):
     o, out = nnx.merge(graphdef, state).attend(x, q_r, q, kv, batch, shared)
-    totals = out.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))
+    totals = jnp.zeros(3, jnp.float32) if out.indexer_totals is None else out.indexer_totals
     return o, totals[0] / jnp.maximum(totals[1], 1.0)
 
   @jax.jit
@@ -183,6 +195,40 @@ def dense_case(t, heads, head_dim, dtype, implementation):
   return fwd, fwd_bwd, make_args
 
 
+def program_gib(fn, args) -> float | None:
+  """What XLA's memory analysis gives the compiled program: arguments + outputs + temporaries
+  (GiB); None where the backend reports none."""
+  try:
+    stats = fn.lower(*args).compile().memory_analysis()
+  except Exception:  # noqa: BLE001 - a backend without the analysis
+    return None
+  if stats is None:
+    return None
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes +
+          stats.temp_size_in_bytes) / 2**30
+
+
+def release():
+  """Free what the finished case left: its arrays (cycles through nnx modules need the
+  collector) and every compiled program with the buffers it holds."""
+  gc.collect()
+  jax.clear_caches()
+  gc.collect()
+
+
+def run_case(case, modes, reps, row, emit):
+  """Time (and size) one case's modes, each result to emit(row); `case` builds (fwd, fwd_bwd,
+  make_args) here, so that nothing of it outlives this call."""
+  fwd, fwd_bwd, make_args = case()
+  for mode, fn in (('fwd', fwd), ('fwd_bwd', fwd_bwd)):
+    if mode in modes:
+      ms, compile_s = time_fn(fn, make_args, reps)
+      gib = program_gib(fn, make_args(0))
+      emit(dict(row, mode=mode, ms=ms, compile_s=compile_s, program_gib=gib,
+                **({'tflops': row['flops'] * (3.5 if mode == 'fwd_bwd' else 1.0) / ms / 1e9}
+                   if 'flops' in row else {})))
+
+
 def record(row, args):
   row.update(date=datetime.datetime.now().isoformat(timespec='seconds'),
              device=str(jax.devices()[0].device_kind), jax=jax.__version__)
@@ -198,29 +244,33 @@ def main(argv=None):
   dtype = jnp.float32 if args.small else jnp.bfloat16
   modes = args.modes.split(',')
   common = dict(command=' '.join(sys.argv), sets=args.set, reps=args.reps)
+
+  def emit(row):
+    record(row, args)
   for t in (int(s) for s in args.seq_lens.split(',')):
     if args.dense:
-      heads, dim = (2 * cfg.num_heads, cfg.head_dim // 2) if cfg.head_dim > 256 else \
-          (cfg.num_heads, cfg.head_dim)
+      heads, dim = cudnn_shape(cfg)
       impl = 'xla' if args.small else 'cudnn'
-      fwd, fwd_bwd, make_args = dense_case(t, heads, dim, dtype, impl)
-      flops = 4 * t * (t + 1) / 2 * heads * dim  # causal forward: q.k and p.v per pair
-      for mode, fn in (('fwd', fwd), ('fwd_bwd', fwd_bwd)):
-        if mode in modes:
-          ms, compile_s = time_fn(fn, make_args, args.reps)
-          total = flops * (3.5 if mode == 'fwd_bwd' else 1.0)  # flash bwd recomputes q.k
-          record(dict(case=f'dense_{impl}', heads=heads, head_dim=dim, seq_len=t, mode=mode,
-                      ms=ms, tflops=total / ms / 1e9, compile_s=compile_s, **common), args)
+      # flops: causal forward, q.k and p.v per pair; the flash backward recomputes q.k (3.5x)
+      run_case(lambda: dense_case(t, heads, dim, dtype, impl), modes, args.reps,
+               dict(case=f'dense_{impl}', heads=heads, head_dim=dim, seq_len=t,
+                    flops=4 * t * (t + 1) / 2 * heads * dim, **common), emit)
+      release()
     for name in args.layers.split(','):
-      fwd, fwd_bwd, make_args, role = csa2_case(cfg, name, t, dtype, args.small)
-      for mode, fn in (('fwd', fwd), ('fwd_bwd', fwd_bwd)):
-        if mode in modes:
-          ms, compile_s = time_fn(fn, make_args, args.reps)
-          record(dict(case=name, layer=role.layer, role=role.mode, ratio=role.ratio,
-                      seq_len=t, mode=mode, ms=ms, compile_s=compile_s,
-                      heads=cfg.num_heads, head_dim=cfg.head_dim, index_heads=cfg.index_n_heads,
-                      topk=cfg.index_topk, window=cfg.sliding_window,
-                      quant=[cfg.kv_quant, cfg.index_quant, cfg.swa_quant], **common), args)
+      role = layer_roles(cfg)[LAYERS[name][1 if args.small else 0]]
+      run_case(lambda: csa2_case(cfg, name, t, dtype, args.small)[:3], modes, args.reps,
+               dict(case=name, layer=role.layer, role=role.mode, ratio=role.ratio, seq_len=t,
+                    heads=cfg.num_heads, head_dim=cfg.head_dim, index_heads=cfg.index_n_heads,
+                    topk=cfg.index_topk, window=cfg.sliding_window,
+                    quant=[cfg.kv_quant, cfg.index_quant, cfg.swa_quant], **common), emit)
+      release()
+
+
+def cudnn_shape(cfg) -> tuple[int, int]:
+  """(heads, head_dim) of cuDNN attention with the model's FLOPs per query-key pair: cuDNN stops
+  at head dim 256, so 2H x d/2 where d is wider."""
+  return (2 * cfg.num_heads, cfg.head_dim // 2) if cfg.head_dim > 256 else \
+      (cfg.num_heads, cfg.head_dim)
 
 
 if __name__ == '__main__':

@@ -41,11 +41,12 @@ from bench_grouped_gemm import CASES as EXPERT_CASES  # noqa: E402
 from bench_grouped_gemm import kernel_inputs, make_experts, routing  # noqa: E402
 from bench_moe import build  # noqa: E402  (benchmarks/bench_moe.py)
 from timing import jsonl_emitter, time_fn  # noqa: E402  (benchmarks/timing.py)
-from deepseek41.ops import grouped_gemm as gg  # noqa: E402
+from deepseek41.ops import launch  # noqa: E402
 from deepseek41.ops.fp8_matmul import (batched_fp8_matmul, fp8_matmul,  # noqa: E402
                                        quantize_rowwise)
+from deepseek41.ops.gpu import grouped_gemm as gg  # noqa: E402
 
-INTERPRET = jax.default_backend() == 'cpu'
+INTERPRET = launch.interpreted()
 
 
 def projections(d, q_lora, heads, head_dim, groups, o_lora, inter):

@@ -55,9 +55,10 @@ def stdlib_prompts(tokenizer, count: int, mean_len: int) -> list[np.ndarray]:
 
 def main(argv):
   del argv
-  from deepseek41.generate.cache import CacheSpec, empty_cache, global_bytes_per_token
+  from deepseek41.generate.cache import empty_cache, global_bytes_per_token
   from deepseek41.generate.generator import Generator, decode_loop
   from deepseek41.generate.replay import exact_replay_window, held_out_sequences, next_token_kl
+  from deepseek41.model.layer_cache import CacheSpec
   from deepseek41.tools.info import kv_cache_bytes
   start = time.perf_counter()
   result = {'device': str(jax.devices()[0].device_kind)}
@@ -108,8 +109,8 @@ def main(argv):
       save()
 
   spec = CacheSpec(batch=1, max_len=4096, max_chunk=1)
-  shapes = jax.eval_shape(lambda: empty_cache(cfg.model, spec))
-  result['global_bytes_per_token'] = global_bytes_per_token(shapes, cfg.model, spec)
+  shapes = jax.eval_shape(lambda: empty_cache(gen.model, spec))
+  result['global_bytes_per_token'] = global_bytes_per_token(shapes, spec)
   result['info_global_bytes_per_token'] = kv_cache_bytes(cfg)['global_bytes_per_token']
   save()
 
@@ -128,7 +129,7 @@ def main(argv):
     if not time_left(f'flops_{context}'):
       continue
     spec = CacheSpec(batch=1, max_len=context + 8, max_chunk=1)
-    cache = jax.eval_shape(lambda: empty_cache(cfg.model, spec))
+    cache = jax.eval_shape(lambda: empty_cache(gen.model, spec))
     cache['length'] = jax.ShapeDtypeStruct((1,), jnp.int32)
     progs = gen._programs
     fn = progs._compiled('plain', None, ('temperature', 'top_p', 'features')) \

@@ -45,8 +45,9 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
 from bench_moe import build  # noqa: E402  (benchmarks/bench_moe.py)
 from timing import jsonl_emitter, time_fn, time_queued  # noqa: E402  (benchmarks/timing.py)
-from deepseek41.ops import grouped_gemm as gg  # noqa: E402
+from deepseek41.ops import grouped_gemm, launch  # noqa: E402
 from deepseek41.ops.expert_gemm import expert_ffn  # noqa: E402
+from deepseek41.ops.gpu import grouped_gemm as gg  # noqa: E402
 
 SWIGLU_LIMIT = 10.0
 _REL = dict(d=5120, f=2304, experts=48, k=6, group=4096)
@@ -60,7 +61,7 @@ CASES = {
 # The down projection's kernels (x [M, F] @ W [F, D], and their transposes) for the kernel
 # timings and sweeps: case 1b with D and F swapped.
 CASES['1b_down'] = dict(CASES['1b'], d=CASES['1b']['f'], f=CASES['1b']['d'])
-INTERPRET = jax.default_backend() == 'cpu'  # our kernels in the Pallas interpreter (smoke runs)
+INTERPRET = launch.interpreted()  # our kernels in the Pallas interpreter on the CPU (smoke runs)
 GMM_FIELDS = ('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages')
 TGMM_FIELDS = ('block_m', 'block_d', 'block_f', 'block_r', 'tgmm_warps', 'tgmm_stages')
 
@@ -164,7 +165,7 @@ def kernel_inputs(c, dtype, block_m, rep):
   n, e, k, d, f = c['tokens'], c['experts'], c['k'], c['d'], c['f']
   key = jax.random.fold_in(jax.random.key(5), rep)
   idx, _ = routing(key, n, e, k, 0.0)
-  lay = gg.make_layout(idx, jnp.ones(n, bool), e, block_m)
+  lay = grouped_gemm.make_layout(idx, jnp.ones(n, bool), e, block_m)
   x_md = jnp.where(lay.used_m[:, None],
                    jax.random.normal(jax.random.fold_in(key, 1), (lay.used_m.shape[0], d)), 0)
   dy_mf = jnp.where(lay.used_m[:, None],

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from timing import time_fn  # noqa: E402
+from deepseek41.ops.gpu.index_scores import index_scores_fused  # noqa: E402
 from deepseek41.ops.index_scores import index_scores_reference as index_scores  # noqa: E402
-from deepseek41.ops.index_scores import index_scores_fused  # noqa: E402
 
 
 def main(argv=None):

@@ -23,9 +23,9 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
 from timing import jsonl_emitter, time_fn  # noqa: E402  (benchmarks/timing.py)
+from deepseek41.ops.gpu.topk_select import topk_threshold  # noqa: E402
+from deepseek41.ops.gpu.window_kernel import window_partial_fused  # noqa: E402
 from deepseek41.ops.swa_attention import swa_partial  # noqa: E402
-from deepseek41.ops.topk_select import topk_threshold  # noqa: E402
-from deepseek41.ops.window_kernel import window_partial_fused  # noqa: E402
 
 
 def window_inputs(seed, b, t, h=16, d=512, spans=True):

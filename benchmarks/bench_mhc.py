@@ -1,4 +1,4 @@
-"""Fused mHC kernels (deepseek41/ops/mhc_kernel.py) against the jnp path (model/mhc.py): time.
+"""Fused mHC kernels (deepseek41/ops/gpu/mhc_kernel.py) against the jnp path (model/mhc.py): time.
 
 Usage (GPU):  python benchmarks/bench_mhc.py [--d 1024,5120] [--check] [--out mhc.jsonl]
               [--configs 128x16x8/64x16x4,...]  (block_t x block_d x num_warps of the
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from timing import jsonl_emitter, time_fn  # noqa: E402
 from deepseek41.model.mhc import collapse, expand, site_coefficients  # noqa: E402
-from deepseek41.ops import mhc_kernel as K  # noqa: E402
+from deepseek41.ops.gpu import mhc_kernel as K  # noqa: E402
 
 N = 4
 ITERS, EPS, NORM_EPS = 20, 1e-6, 1e-6

@@ -25,8 +25,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
 from bench_sparse_kernel import selection  # noqa: E402  (benchmarks/)
 from timing import jsonl_emitter, time_fn  # noqa: E402
-from deepseek41.ops.selected_scores import (selected_scores_fused,  # noqa: E402
-                                            selected_scores_reference)
+from deepseek41.ops.gpu.selected_scores import selected_scores_fused  # noqa: E402
+from deepseek41.ops.selected_scores import selected_scores_reference  # noqa: E402
 
 
 def make_inputs(seed, b, t, h, c, ratio, k, dtype):

@@ -26,8 +26,8 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
 from timing import jsonl_emitter, time_fn  # noqa: E402  (benchmarks/timing.py)
+from deepseek41.ops.gpu.sparse_kernel import sparse_partial_fused  # noqa: E402
 from deepseek41.ops.sparse_attention import compressed_partial  # noqa: E402
-from deepseek41.ops.sparse_kernel import sparse_partial_fused  # noqa: E402
 
 CASES = {'1b': dict(h=16, d=512, ratio=2), 'v41': dict(h=64, d=512, ratio=4)}
 
@@ -70,7 +70,7 @@ def partial_fn(impl, with_mass, tiles=None, bwd_tiles=None):
 
 def set_atomics(mode):
   """Experiment hook: patch the Triton lowering's atomics (jax internals; benchmark only)."""
-  if mode == 'acq_rel':  # Pallas's default, which ops/sparse_kernel.py relaxes
+  if mode == 'acq_rel':  # Pallas's default, which ops/gpu/sparse_kernel.py relaxes
     from jax._src.pallas.triton import lowering  # noqa: PLC0415
     tt = lowering.tt_dialect
     lowering._atomic_rmw.__defaults__ = (None, tt.MemSemantic.ACQUIRE_RELEASE, tt.MemSyncScope.GPU)

@@ -1,4 +1,4 @@
-"""The expert exchanges on the devices at hand (ops/expert_parallel.py).
+"""The expert exchanges on the devices at hand (ops/parallel/expert_parallel.py).
 
 Runs each dropless exchange (`allgather`, `ragged`, `padded`) in a shard_map over all local
 devices on the `expert` axis against the experts without any exchange, forward and backward;
@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
-from deepseek41.ops import expert_gemm, expert_parallel as ep
+from deepseek41.ops import expert_gemm
+from deepseek41.ops.parallel import expert_parallel as ep
 
 sys.path.insert(0, str(Path(__file__).parent))
 from timing import time_fn  # noqa: E402

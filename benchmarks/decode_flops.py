@@ -32,8 +32,9 @@ _CONTEXTS = flags.DEFINE_list('contexts', ['4096', '65536', '1048576'], 'Context
 def main(argv):
   del argv
   from deepseek41.config import load_config_file, resolve
-  from deepseek41.generate.cache import CacheSpec, empty_cache
+  from deepseek41.generate.cache import empty_cache
   from deepseek41.generate.decode import forward_chunk
+  from deepseek41.model.layer_cache import CacheSpec
   from deepseek41.model.transformer import Transformer
   from deepseek41.train.flops import decode_attention_flops
   c = load_config_file(_CONFIG.value)
@@ -53,7 +54,7 @@ def main(argv):
   out = {'config': _CONFIG.value}
   for context in (int(x) for x in _CONTEXTS.value):
     spec = CacheSpec(batch=1, max_len=context, max_chunk=1)
-    cache = jax.eval_shape(lambda: empty_cache(cfg.model, spec))
+    cache = jax.eval_shape(lambda: empty_cache(model, spec))
     t0 = time.perf_counter()
     compiled = jax.jit(step).lower(state, cache, jax.ShapeDtypeStruct((1, 1), jnp.int32)).compile()
     cost = compiled.cost_analysis()

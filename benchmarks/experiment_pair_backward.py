@@ -3,7 +3,7 @@
     python benchmarks/experiment_pair_backward.py [--seq_len 65536] [--out pairs.jsonl]
     python benchmarks/experiment_pair_backward.py --interpret --seq_len 64   # CPU check only
 
-docs/performance.md section 22: the sparse backward (ops/sparse_kernel.py) is bound by the bytes
+docs/performance.md section 22: the sparse backward (ops/gpu/sparse_kernel.py) is bound by the bytes
 of its key/value-gradient adds, T * K * d fp32 values a layer. Here one program takes a pair of
 neighbouring queries (2p, 2p + 1): it walks the first query's selection, computes both queries'
 contributions to each row (the second's masked to the rows it also selected) and adds their sum
@@ -33,8 +33,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
 from timing import jsonl_emitter, time_fn  # noqa: E402  (benchmarks/timing.py)
 from bench_sparse_kernel import make_inputs  # noqa: E402
-from deepseek41.ops import sparse_kernel  # noqa: E402
-from deepseek41.ops.index_scores import MIN_DOT  # noqa: E402
+from deepseek41.ops.contracts import MIN_DOT  # noqa: E402
+from deepseek41.ops.gpu import sparse_kernel  # noqa: E402
 
 
 def pair_lists(idx_btk, valid_btk, n, bk):

@@ -10,7 +10,8 @@ source benchmarks/device_env.sh
 # Section 1 of docs/performance.md: the 1B model at 4K tokens, window attention only.
 COMMON="--config=configs/ablation_1b.py --config.log.progress_bar=False \
   --config.data.seq_len=4096 --config.train.batch_size=8 --config.train.remat=none \
-  --config.model.csa2=False --config.model.kv_quant=none --config.model.index_quant=none \
+  --config.model.attention_variant=window --config.model.kv_quant=none \
+  --config.model.index_quant=none \
   --config.model.swa_quant=none"
 run() {  # name, extra flags...
   local name=$1; shift

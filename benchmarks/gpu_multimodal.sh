@@ -4,7 +4,7 @@
 # at 448x448 px (32x32 patches -> 11x11 = 121 LM tokens per image) mixed with the default
 # corpus (batch 4: 8 rows with images do not fit without remat). Reports images/s and tokens/s (metrics.jsonl). Writes logs to $OUT.
 #   STEPS=60 bash benchmarks/gpu_multimodal.sh [--config.key=value ...]
-#   NAME=nocsa2 STEPS=30 bash benchmarks/gpu_multimodal.sh --config.model.csa2=False
+#   NAME=nocsa2 STEPS=30 bash benchmarks/gpu_multimodal.sh --config.model.attention_variant=window
 set -uo pipefail
 source benchmarks/device_env.sh
 python3 -m deepseek41.train --config=configs/ablation_1b.py --config.log.progress_bar=False \

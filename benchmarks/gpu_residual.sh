@@ -16,7 +16,7 @@ for residual in $residuals; do
     --config.train.eval_every_steps=${EVAL:-100} --config.train.eval_batches=8 \
     --config.log.every_steps=10 --config.data.seq_len=4096 --config.train.batch_size=8 \
     --config.train.remat=none --config.train.warmup_steps=20 \
-    --config.model.csa2=False --config.model.swa_quant=none \
+    --config.model.attention_variant=window --config.model.swa_quant=none \
     --config.model.residual=$residual > "$OUT/residual_$residual.log" 2>&1
   echo "$residual exit $? wall $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
   cp /tmp/res_$residual/metrics.jsonl "$OUT/residual_$residual.jsonl"

@@ -42,7 +42,7 @@ COMMON="--config=$CONFIG --config.data.streams=2 $SHAPE --config.log.progress_ba
   --config.train.steps=$STEPS --config.train.warmup_steps=${WARMUP:-40} --config.train.remat=none \
   --config.train.eval_every_steps=0 --config.checkpoint.every_steps=0 \
   --config.log.every_steps=$LOG_EVERY --config.data.cache_dir=/tmp/ds41-cache"
-WINDOW="--config.train.batch_size=$WINDOW_BATCH --config.model.csa2=False \
+WINDOW="--config.train.batch_size=$WINDOW_BATCH --config.model.attention_variant=window \
   --config.model.residual=plain --config.model.kv_quant=none --config.model.index_quant=none \
   --config.model.swa_quant=none"
 FULL="--config.train.batch_size=$FULL_BATCH"

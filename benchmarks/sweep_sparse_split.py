@@ -1,4 +1,4 @@
-"""Tile sweep of the sparse kernels alone (ops/sparse_kernel.py): block_k x warps x stages.
+"""Tile sweep of the sparse kernels alone (ops/gpu/sparse_kernel.py): block_k x warps x stages.
 
 Times the forward (`--fwd`), the fused backward (`--bwd`), and the deferred backward's two
 kernels: `dq_and_coefficients` (`--dq`, every CSA2 layer's backward in a group) and
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from timing import jsonl_emitter, time_queued  # noqa: E402
 from bench_sparse_kernel import make_inputs  # noqa: E402
-from deepseek41.ops import sparse_kernel as S  # noqa: E402
+from deepseek41.ops.gpu import sparse_kernel as S  # noqa: E402
 
 
 def _tiles(spec):

@@ -7,7 +7,8 @@ Variants (what they undo, and the docs/performance.md section that measured it):
                         reselects (`save_only_these_names(csa2.SELECTION)` in
                         model/transformer.py becomes `nothing_saveable`; section 21)
   sparse_bwd_full_width the sparse kernel's backward forms each block's key/value gradient over
-                        the whole head width at once (`dkv_chunk`, ops/sparse_kernel.py; section 22)
+                        the whole head width at once (`dkv_chunk`, ops/gpu/sparse_kernel.py;
+                        section 22)
   head_fp32_backward    the LM head's backward by autodiff of its fp32-output product (fp32 /
                         TF32 GEMMs over the vocabulary; `head_logits`, model/transformer.py;
                         section 23)
@@ -45,14 +46,14 @@ def _remat_nothing_saved():
 
 
 def _sparse_bwd_full_width():
-  from deepseek41.ops import sparse_kernel  # noqa: PLC0415 (after sys.path is set)
+  from deepseek41.ops.gpu import sparse_kernel  # noqa: PLC0415 (after sys.path is set)
   default = sparse_kernel.default_tiles
   sparse_kernel.default_tiles = lambda heads: (
       default(heads)[0], default(heads)[1]._replace(dkv_chunk=sparse_kernel.FULL_WIDTH))
 
 
 def _sparse_unpipelined():
-  from deepseek41.ops import sparse_kernel  # noqa: PLC0415
+  from deepseek41.ops.gpu import sparse_kernel  # noqa: PLC0415
   default = sparse_kernel.default_tiles
 
   def earlier(heads):
@@ -71,13 +72,14 @@ def _head_fp32_backward():
 
 
 def _mhc_no_prefetch():
-  from deepseek41.ops import mhc_kernel  # noqa: PLC0415
+  from deepseek41.ops.gpu import mhc_kernel  # noqa: PLC0415
   mhc_kernel._KNOBS.update(block_d=16, block_d_bwd=16, num_warps_bwd=4, prefetch=False)
 
 
 def _tiles_before_dec2():
   import functools  # noqa: PLC0415
-  from deepseek41.ops import grouped_gemm, swa_attention  # noqa: PLC0415
+  from deepseek41.ops import swa_attention  # noqa: PLC0415
+  from deepseek41.ops.gpu import grouped_gemm  # noqa: PLC0415
   grouped_gemm.GPU_TILES = grouped_gemm.Tiles(
       block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, block_d=128,
       block_f=128, block_r=64, tgmm_warps=8, tgmm_stages=3, wgrad='mosaic')

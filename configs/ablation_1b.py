@@ -38,7 +38,7 @@ def get_config():
   m.engram_n_heads = 4
   m.engram_head_dim = 64
   m.engram_vocab_start = 100_000     # 2 x 1.2M rows x 64 = 154M table parameters
-  m.csa2 = True
+  m.attention_variant = 'csa2'
   m.kv_quant = 'fp4_e4m3_16'
   m.index_quant = 'fp4_ue8m0_32'
   m.swa_quant = 'fp8_ue8m0_32'

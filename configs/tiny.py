@@ -35,7 +35,7 @@ def get_config():
   m.engram_layer_ids = (1, 3)
   # CSA2 with the released FP4/FP8 fake quantization. At 128 tokens every mode is live: top-8 of
   # up to 64 (ratio 2) or 128 (ratio 1) entries, Reindex inside 4 blocks x 4 = 16 candidates.
-  m.csa2 = True
+  m.attention_variant = 'csa2'
   m.kv_quant = 'fp4_e4m3_16'
   m.index_quant = 'fp4_ue8m0_32'
   m.swa_quant = 'fp8_ue8m0_32'

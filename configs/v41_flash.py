@@ -43,7 +43,7 @@ def get_config():
   m.hc_mult = 4
   m.hc_sinkhorn_iters = 20
   m.hc_eps = 1e-6
-  m.csa2 = True
+  m.attention_variant = 'csa2'
   m.kv_quant = 'fp4_e4m3_16'
   m.index_quant = 'fp4_ue8m0_32'
   m.swa_quant = 'fp8_ue8m0_32'

@@ -9,6 +9,9 @@ these bytes and the training path's fake quantization agree. Bytes per value:
   fp4_e4m3_16   0.5 + 1/16     compressed main KV
   fp4_ue8m0_32  0.5 + 1/32     indexer keys
   fp8_ue8m0_32  1 + 1/32       SWA window
+
+`store` / `load` are what a generation cache does with a value in `model.*_quant`'s format
+(`'none'`: the compute dtype as is).
 """
 
 from __future__ import annotations
@@ -101,3 +104,26 @@ def unpack(name: str, packed: Packed, dtype=jnp.float32):
     scale = jax.lax.bitcast_convert_type(scales.astype(jnp.int32) << 23, jnp.float32)
   q_bjk = q.reshape(*q.shape[:-1], q.shape[-1] // block, block)
   return (q_bjk * scale[..., None]).reshape(q.shape).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# A cache's storage: `model.*_quant = 'none'` keeps the compute dtype as is, a format its bytes.
+
+
+def store(fmt: str, x):
+  """x [..., d] as a cache keeps it in format `fmt` ('none' or a `FORMATS` name)."""
+  return x if fmt == 'none' else pack(fmt, x)
+
+
+def load(fmt: str, stored, dtype):
+  """The values `store(fmt, x)` keeps, in `dtype`: the fake quantization of x, bit for bit."""
+  return stored.astype(dtype) if fmt == 'none' else unpack(fmt, stored, dtype)
+
+
+def empty_stored(fmt: str, lead: tuple[int, ...], d: int, dtype):
+  """Zeros [*lead, d] as format `fmt` stores them."""
+  if fmt == 'none':
+    return jnp.zeros((*lead, d), dtype)
+  zeros = pack(fmt, jnp.zeros((1, d), jnp.float32))
+  return Packed(jnp.zeros((*lead, zeros.codes.shape[-1]), jnp.uint8),
+                jnp.zeros((*lead, zeros.scales.shape[-1]), jnp.uint8))

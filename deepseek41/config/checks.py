@@ -13,7 +13,9 @@ from deepseek41.batch import max_span_positions
 from deepseek41.config.keys import require
 from deepseek41.config.roles import latest_at_or_below
 from deepseek41.config.schema import (CheckpointConfig, DataConfig, DSparkConfig, LogConfig,
-                                      MeshConfig, ModelConfig, TrainConfig, engram_compresses)
+                                      MeshConfig, ModelConfig, TasksConfig, TrainConfig,
+                                      engram_compresses, max_positions)
+from deepseek41.config.tasks import TASK_NAMES, parse_task_specs
 from deepseek41.ops.contracts import (attention_kernel_supported, index_scores_supported,
                                       mhc_kernel_supported, mosaic_index_supported)
 
@@ -188,7 +190,8 @@ def check_data(d: DataConfig, m: ModelConfig):
             'must be even with ratio-2 layers, or compressed groups would straddle documents')
   require(d.default_corpus_vocab_size >= 259, 'data.default_corpus_vocab_size',
           'must be >= 259 (256 bytes + special tokens)')
-  if not d.sources and not d.synthetic:
+  if not d.synthetic and all(path in TASK_NAMES for path, _ in d.sources):
+    # no text source: the default corpus's tokenizer (the tasks encode through it)
     require(m.vocab_size >= d.default_corpus_vocab_size, 'model.vocab_size',
             f'{m.vocab_size} is smaller than data.default_corpus_vocab_size '
             f'({d.default_corpus_vocab_size})')
@@ -207,6 +210,46 @@ def check_images(d: DataConfig, m: ModelConfig):
     require(span <= d.seq_len, 'model.vision_max_image_tokens',
             f'the longest image span ({span} positions) must fit in data.seq_len={d.seq_len}, or '
             'packing could not keep it whole')
+
+
+def check_tasks(tk: TasksConfig, d: DataConfig, t: TrainConfig, m: ModelConfig,
+                mesh: MeshConfig):
+  """The task section, the task sources of data.sources and train.eval_tasks."""
+  require(0 <= tk.length <= d.seq_len, 'tasks.length',
+          f'must be in [0, data.seq_len={d.seq_len}] (0: data.seq_len), got {tk.length}')
+  require(tk.mqar_pairs >= 1, 'tasks.mqar_pairs', f'must be >= 1, got {tk.mqar_pairs}')
+  require(1 <= tk.mqar_queries <= tk.mqar_pairs, 'tasks.mqar_queries',
+          f'must be in [1, tasks.mqar_pairs={tk.mqar_pairs}] (distinct keys are asked), got '
+          f'{tk.mqar_queries}')
+  require(1 <= tk.mqar_key_letters <= 16 and 26 ** tk.mqar_key_letters >= tk.mqar_pairs,
+          'tasks.mqar_key_letters', f'{tk.mqar_key_letters} letters cannot make '
+          f'{tk.mqar_pairs} distinct keys (1..16 letters, 26^letters >= tasks.mqar_pairs)')
+  for k in ('mqar_value_digits', 'passkey_digits', 'needle_value_digits'):
+    require(1 <= getattr(tk, k) <= 18, f'tasks.{k}', f'must be in [1, 18], got {getattr(tk, k)}')
+  require(tk.needle_count >= 1, 'tasks.needle_count', f'must be >= 1, got {tk.needle_count}')
+  require(1 <= tk.needle_queries <= tk.needle_count, 'tasks.needle_queries',
+          f'must be in [1, tasks.needle_count={tk.needle_count}], got {tk.needle_queries}')
+  require(tk.eval_examples >= 1, 'tasks.eval_examples', f'must be >= 1, got {tk.eval_examples}')
+  require(len(tk.eval_depths) >= 1 and all(0 <= x <= 1 for x in tk.eval_depths),
+          'tasks.eval_depths', f'must be one or more depths in [0, 1], got {tk.eval_depths}')
+  # (With data.synthetic the sources are not read; train.eval_tasks then fails at the start of
+  # training, for want of a tokenizer: generation resolves saved configs as synthetic.)
+  for spec in parse_task_specs(t.eval_tasks, 'train.eval_tasks'):
+    check_task_length(spec.label, spec.length, m, d.seq_len, mesh.context, 'train.eval_tasks')
+
+
+def check_task_length(label: str, length: int, m: ModelConfig, seq_len: int, context: int,
+                      key: str):
+  """A task's context length must be within the model's positions and split over the context
+  shards as the training sequence is."""
+  limit = max_positions(m, seq_len)
+  require(length <= limit, key,
+          f'{label}: {length} tokens exceed the model\'s {limit} positions ' +
+          ('(model.yarn_original_max_position x model.yarn_factor)' if m.yarn_factor > 1 else
+           '(data.seq_len; without YaRN, model.yarn_factor = 1, the model is not extended)'))
+  require(length % context == 0 and length // context >= m.sliding_window, key,
+          f'{label}: {length} tokens do not split over mesh.context={context} shards of at '
+          f'least model.sliding_window={m.sliding_window} tokens')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +315,10 @@ def check_context_split(d: DataConfig, m: ModelConfig, mesh: MeshConfig):
     return
   require(d.seq_len % mesh.context == 0, 'mesh.context',
           f'{mesh.context} sequence shards cannot split data.seq_len={d.seq_len} evenly')
+  require(not m.dense, 'model.attention_variant',
+          "'dense' attends every query to its whole document, which context parallelism splits "
+          f'over mesh.context={mesh.context} shards; set mesh.context=1 (or the variant csa2 or '
+          'window)')
   require(d.seq_len // mesh.context >= m.sliding_window, 'mesh.context',
           f'{d.seq_len // mesh.context} tokens per sequence shard cannot hold the window halo of '
           f'model.sliding_window={m.sliding_window} tokens')
@@ -287,6 +334,8 @@ def check_checkpoint(ck: CheckpointConfig):
   require(ck.every_steps >= 0, 'checkpoint.every_steps', 'must be >= 0')
   require(ck.max_to_keep >= 1, 'checkpoint.max_to_keep', 'must be >= 1')
   require(ck.keep_period >= 0, 'checkpoint.keep_period', 'must be >= 0')
+  require(ck.save_timeout_s > 0, 'checkpoint.save_timeout_s',
+          f'must be > 0 seconds, got {ck.save_timeout_s}')
 
 
 def check_log(lg: LogConfig):

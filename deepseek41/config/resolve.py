@@ -19,14 +19,29 @@ import ml_collections
 
 from deepseek41.config import checks
 from deepseek41.config.keys import ConfigError, keys_of, require
-from deepseek41.config.schema import (CheckpointConfig, DataConfig, DSparkConfig, ImageGeometry,
-                                      LogConfig, MeshConfig, ModelConfig, RunConfig, Sources,
-                                      TrainConfig, base_config)
+from deepseek41.config.schema import (RENAMED_MODEL_KEYS, CheckpointConfig, DataConfig,
+                                      DSparkConfig, ImageGeometry, LogConfig, MeshConfig,
+                                      ModelConfig, RunConfig, Sources, TasksConfig, TrainConfig,
+                                      base_config, upgrade_saved_model)
+from deepseek41.config.tasks import TASK_NAMES
+
+
+def replaced_key_hint(full: str) -> str | None:
+  """What to set instead of `full` ('model.csa2'), a key that was replaced; None otherwise."""
+  section, _, name = full.partition('.')
+  if section != 'model' or name not in RENAMED_MODEL_KEYS:
+    return None
+  new, convert = RENAMED_MODEL_KEYS[name]
+  return (f'config key {full!r} was replaced by model.{new}: set model.{new}='
+          f'{convert(True)!r} for {name}=True, {convert(False)!r} for {name}=False '
+          '(docs/architecture.md 3.8.1)')
 
 
 def _check_keys(cfg: ml_collections.ConfigDict, schema: ml_collections.ConfigDict, prefix=''):
   for name in cfg.keys():
     full = f'{prefix}{name}'
+    if name not in schema and replaced_key_hint(full):
+      raise ConfigError(replaced_key_hint(full))
     if name not in schema:
       close = [k for k in schema.keys() if k.lower() == name.lower() or k.startswith(name[:3])]
       hint = f' (did you mean {", ".join(prefix + k for k in close)}?)' if close else ''
@@ -47,6 +62,7 @@ def _tuple(v) -> tuple:
 
 _CONVERT = {int: int, float: float, bool: bool, str: str,
             tuple[int, ...]: lambda v: tuple(int(x) for x in _tuple(v)),
+            tuple[float, ...]: lambda v: tuple(float(x) for x in _tuple(v)),
             tuple[tuple[float, ...], ...]: lambda v: tuple(tuple(float(x) for x in _tuple(row))
                                                            for row in _tuple(v))}
 
@@ -117,9 +133,10 @@ def _check_source_paths(d: DataConfig):
   """Entries that exist but cannot be what their key reads (missing ones are prepared or
   reported by the data pipeline, which knows how to make them)."""
   for path, _ in d.sources:
-    require(path == 'default' or not os.path.isfile(path), 'data.sources',
+    require(path == 'default' or path in TASK_NAMES or not os.path.isfile(path), 'data.sources',
             f'entry {path!r} is a file; a text source is a directory written by '
-            '`python -m deepseek41.data.prepare` (or `default`, the embedded corpus)')
+            '`python -m deepseek41.data.prepare` (or `default`, the embedded corpus, or a '
+            f'task: {", ".join(TASK_NAMES)})')
   for path, _ in d.image_sources:
     require(path == 'shapes' or not os.path.isfile(path) or path.endswith('.jsonl'),
             'data.image_sources', f'entry {path!r} is a file but not .jsonl; an image source is '
@@ -127,7 +144,8 @@ def _check_source_paths(d: DataConfig):
 
 
 
-def _resolve_data(section: ml_collections.ConfigDict, m: ModelConfig) -> DataConfig:
+def _resolve_data(section: ml_collections.ConfigDict, m: ModelConfig,
+                  tasks: TasksConfig) -> DataConfig:
   values = read_section(DataConfig, section, 'data')
   images = ImageGeometry(
       patch_size=m.vision_patch, merge=m.vision_merge, max_image_tokens=m.vision_max_image_tokens,
@@ -135,7 +153,7 @@ def _resolve_data(section: ml_collections.ConfigDict, m: ModelConfig) -> DataCon
       max_images_per_row=values['max_images_per_row']) if m.vision else None
   d = DataConfig(**{**values, 'sources': parse_sources(values['sources'], 'data.sources'),
                     'image_sources': parse_sources(values['image_sources'], 'data.image_sources'),
-                    'images': images})
+                    'images': images, 'tasks': tasks})
   checks.check_data(d, m)
   checks.check_images(d, m)
   _check_source_paths(d)
@@ -205,9 +223,11 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
     num_devices = jax.device_count()
   model = _resolve_model(cfg.model, backend)
   mesh = _resolve_mesh(cfg.mesh, num_devices)
-  data = _resolve_data(cfg.data, model)
+  tasks = TasksConfig(**read_section(TasksConfig, cfg.tasks, 'tasks'))
+  data = _resolve_data(cfg.data, model, tasks)
   train = TrainConfig(**read_section(TrainConfig, cfg.train, 'train', backend))
   checks.check_train(train)
+  checks.check_tasks(tasks, data, train, model, mesh)
   checks.check_remat_layers(train, model)
   checks.check_batch_split(train, mesh)
   checks.check_expert_split(model, mesh)
@@ -219,7 +239,7 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
   dspark = _resolve_dspark(cfg.dspark, model)
   checks.check_dspark(dspark, model, mesh, train)
   return RunConfig(model=model, data=data, train=train, mesh=mesh, checkpoint=checkpoint, log=log,
-                   dspark=dspark)
+                   dspark=dspark, tasks=tasks)
 
 
 def config_from_saved(saved: dict, sections: tuple[str, ...] | None = None
@@ -227,9 +247,12 @@ def config_from_saved(saved: dict, sections: tuple[str, ...] | None = None
   """The ConfigDict of a resolved config saved as JSON (a checkpoint's `config` item): the
   declared keys only (derived fields are rebuilt by `resolve`), lists back to tuples, source
   lists back to their 'dir:weight,...' form. `sections`: only these are read, the others keep
-  their defaults."""
+  their defaults. Replaced model keys are read as their successors (`upgrade_saved_model`), so
+  a checkpoint written before a rename resolves to the same model."""
   def tuples(v):
     return tuple(tuples(x) for x in v) if isinstance(v, list) else v
+  if 'model' in saved:
+    saved = {**saved, 'model': upgrade_saved_model(saved['model'])}
   c = base_config()
   for section in (sections or c.keys()):
     for name in c[section].keys():

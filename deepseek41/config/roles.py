@@ -64,6 +64,11 @@ def format_role_table(m: ModelConfig) -> str:
     lines.append(
         f'{r.layer:>5} {r.block:<8} {r.ratio:>5} {r.mode:<8} {r.kv_source:>6} {r.index_source:>7} '
         f"{cand:<9} {'yes' if r.engram else '-':<6} {r.rope:<8}")
+  if not m.csa2:  # the CSA2 columns describe the wiring only; nothing runs them
+    lines.append(f'model.attention_variant={m.attention_variant!r}: every ratio > 0 layer '
+                 + ('attends to every earlier token of its document'
+                    if m.dense else 'attends over its sliding window only')
+                 + '; no compressor, indexer or candidate pool runs')
   return '\n'.join(lines)
 
 

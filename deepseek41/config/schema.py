@@ -23,6 +23,15 @@ LAYOUT_VERSION = 1  # bump when the train-state pytree layout changes incompatib
 
 QUANT_FORMATS = ('none', 'fp4_e4m3_16', 'fp4_ue8m0_32', 'fp8_ue8m0_32')
 
+ATTENTION_VARIANTS = ('csa2', 'dense', 'window')  # model.attention_variant
+
+# Model keys that were replaced: {old key: (the key now, old value -> its value now)}. A saved
+# config (a checkpoint's config.json) holding the old key is read as the same model; a config
+# file setting it is refused with this replacement named (resolve.py).
+RENAMED_MODEL_KEYS = {
+    'csa2': ('attention_variant', lambda on: 'csa2' if on else 'window'),
+}
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +52,7 @@ class ModelConfig:
   # or a plain pre-norm residual (ablation).
   residual: str = key('mhc_single_pass', choices=('mhc_single_pass', 'mhc_multi_pass', 'plain'))
   hc_mult: int = key(4)                 # [hc_mult] residual streams
-  # How the mHC sites run: `reference` (jnp, model/mhc.py) or `fused` (ops/mhc_kernel.py, GPU
+  # How the mHC sites run: `reference` (jnp, model/mhc.py) or `fused` (ops/gpu/mhc_kernel.py, GPU
   # Pallas kernels that read and write the streams once per site). auto = fused on the GPU where
   # it tiles (docs/performance.md section 10.2: one layer's mHC 8.3 -> 5.2 ms, 18 GB less).
   mhc_impl: str = key('auto', choices=('reference', 'fused'), auto=auto.mhc_impl,
@@ -65,8 +74,8 @@ class ModelConfig:
   engram_head_dim: int = key(16)        # [engram_head_dim] (released 256)
   engram_vocab_start: int = key(1000)   # [engram_vocab_size]: prime search start (released 16M)
   engram_pad_token_id: int = key(2)     # [engram_pad_token_id], in the hashed id space
-  # [engram_compressed_vocab_size]: ids the tokenizer compresses to (data/engram_vocab.py model_fits_data
-  # checks it against the data's tokenizer); 0 = hash raw token ids.
+  # [engram_compressed_vocab_size]: ids the tokenizer compresses to (`model_fits_data` in
+  # data/engram_vocab.py checks it against the data's tokenizer); 0 = hash raw token ids.
   engram_compressed_vocab_size: int = key(0)
   # Pad table rows to a multiple of this so they can shard (a sum of primes divides by few mesh
   # sizes); 1 = exact.
@@ -74,10 +83,19 @@ class ModelConfig:
   # [I] Tables split over several devices: each device sends its distinct row ids to the rows'
   # owners in chunks of engram_exchange_capacity x (its lookups / owners) ids (at least 256);
   # ids past a chunk read zero rows and are counted in engram_dropped_frac. 0 = chunks of every
-  # lookup (exact under any skew, owners x the bytes). ops/engram_lookup.py says why 2 is ample.
+  # lookup (exact under any skew, owners x the bytes). ops/parallel/engram_lookup.py says why 2
+  # is ample.
   engram_exchange_capacity: float = key(2.0, execution_only=True)
-  # CSA2 (sections 3.6-3.8): on in every shipped config; off = window attention only (ablation).
-  csa2: bool = key(False)
+  # The attention of every ratio > 0 layer (docs/architecture.md section 3.8.1; ratio-0 layers
+  # are window-only in every variant):
+  #   csa2:   its window plus the compressed entries its index source selects (sections 3.6-3.8;
+  #           every shipped config);
+  #   dense:  every earlier token of its document, exactly (ablation baseline; no compressor or
+  #           indexer);
+  #   window: its sliding window only (ablation).
+  # Replaces `model.csa2` (True = 'csa2', False = 'window'); saved configs that have it are read
+  # as the same model (`upgrade_saved_model`).
+  attention_variant: str = key('window', choices=ATTENTION_VARIANTS)
   index_n_heads: int = key(4)           # [index_n_heads]
   index_head_dim: int = key(32)         # [index_head_dim]
   index_topk: int = key(8)              # [index_topk]
@@ -108,8 +126,8 @@ class ModelConfig:
                          execution_only=True)
   # capacity_einsum: slots per expert = ceil(cf * N * K / E)
   capacity_factor: float = key(1.25, execution_only=True)
-  # Expert parallelism (mesh.expert > 1; ops/expert_parallel.py), how the dropless backends'
-  # tokens reach their experts' shards (model.expert_exchange):
+  # Expert parallelism (mesh.expert > 1; ops/parallel/expert_parallel.py), how the dropless
+  # backends' tokens reach their experts' shards (model.expert_exchange):
   #   allgather: every shard's tokens gathered on each expert shard, the partial outputs summed
   #     back (psum_scatter); a token crosses once whatever its K, never drops; sends (S-1) x N
   #     rows each way, S = mesh.expert: the smallest exchange while S < K.
@@ -125,7 +143,7 @@ class ModelConfig:
   # the H200 XLA's ragged_all_to_all took 644 ms where the padded exchange took 12.8 ms, one
   # device, 32K tokens: docs/performance.md 11.1).
   expert_buffer_factor: float = key(0.0, execution_only=True)
-  # The grouped experts' weight-gradient kernel (ops/grouped_gemm.py): our Triton tgmm, or jax's
+  # The grouped experts' weight-gradient kernel (ops/gpu/grouped_gemm.py): our Triton tgmm, or jax's
   # Mosaic GPU transposed ragged dot (Hopper only; elsewhere it falls back to tgmm). On the H200
   # mosaic makes the expert block's forward+backward 21% faster at the released shapes (d 5120)
   # but only 9% at the 1B ones, where the training step does not move and its compile takes 36 s
@@ -146,8 +164,8 @@ class ModelConfig:
   eval_moe_backend: str = key('auto', auto=auto.eval_moe_backend,
                               choices=('reference', 'capacity_einsum', 'ragged_dot', 'grouped'),
                               execution_only=True)
-  # fused: the GPU kernels (ops/window_kernel.py, ops/sparse_kernel.py); the other choices are
-  # the plain jnp paths, which every backend runs. auto picks the kernels on the GPU (the window
+  # fused: the GPU kernels (ops/gpu/window_kernel.py, ops/gpu/sparse_kernel.py); the other choices
+  # are the plain jnp paths, which every backend runs. auto picks the kernels on the GPU (the window
   # kernel where attention_kernel_supported() takes the shapes; docs/performance.md section 9).
   attention_impl: str = key('auto', choices=('reference', 'chunked', 'fused'),
                             auto=auto.attention_impl, execution_only=True)
@@ -157,7 +175,7 @@ class ModelConfig:
   # threshold select (ops/topk_select.py); the same entries either way.
   select_impl: str = key('auto', choices=('top_k', 'threshold'),
                          auto=auto.select_impl, execution_only=True)
-  # Queries per chunk in the gathered path and the indexer.
+  # Queries per chunk in the gathered path, the indexer and the dense variant's chunked path.
   sparse_chunk: int = key(1024, execution_only=True)
   # [I] The indexer's query chunks run in up to this many runs, each scoring and selecting over
   # only the entries its last row can see (model/csa2.py `causal_groups`): a causal slab is half
@@ -166,7 +184,7 @@ class ModelConfig:
   index_causal_groups: int = key(4, execution_only=True)
   # With the fused kernel, the layers that read one index source's selection (and so the same
   # KV rows) add their key/value gradient once, in the index source's backward, instead of once
-  # each (ops/sparse_kernel.py; docs/performance.md section 25). Same gradients.
+  # each (ops/gpu/sparse_kernel.py; docs/performance.md section 25). Same gradients.
   sparse_group_dkv: bool = key(True, execution_only=True)
   # With the fused kernels, their backward runs against the layer's merged softmax
   # (log-sum-exp, output cotangent, D = sum dO * O) instead of through autodiff of the merge,
@@ -176,7 +194,7 @@ class ModelConfig:
   # Image-span queries per chunk of the span branch; each chunk's scores are recomputed in the
   # backward instead of kept (ops/span_attention.py). 0: whole spans, probabilities kept.
   span_chunk: int = key(256, execution_only=True)
-  # fused: the GPU kernel (ops/index_scores.py), for the shapes index_scores_supported() takes;
+  # fused: the GPU kernel (ops/gpu/index_scores.py), for the shapes index_scores_supported() takes;
   # auto picks it wherever it can run.
   index_impl: str = key('auto', choices=('reference', 'fused', 'mosaic'), auto=auto.index_impl,
                         execution_only=True)
@@ -221,14 +239,43 @@ class ModelConfig:
   image_token_id: int = key(0)
 
   @property
+  def csa2(self) -> bool:
+    """Whether ratio > 0 layers run the compressed sparse branch (attention_variant 'csa2')."""
+    return self.attention_variant == 'csa2'
+
+  @property
+  def dense(self) -> bool:
+    """Whether ratio > 0 layers attend to their whole document (attention_variant 'dense')."""
+    return self.attention_variant == 'dense'
+
+  @property
   def image_span_max_len(self) -> int:
     """Longest image span (alignment pad included): how far span attention reaches; 0 = none."""
     return max_span_positions(self.vision_max_image_tokens) if self.vision else 0
 
 
+def upgrade_saved_model(saved_model: dict) -> dict:
+  """A saved model section (a checkpoint's config.json) in today's keys: each replaced key
+  (`RENAMED_MODEL_KEYS`) becomes its successor, unless the successor is saved too."""
+  out = dict(saved_model)
+  for old, (new, convert) in RENAMED_MODEL_KEYS.items():
+    if old in out:
+      value = out.pop(old)
+      out.setdefault(new, convert(value))
+  return out
+
+
 def engram_compresses(m: ModelConfig) -> bool:
   """Whether Engram hashes tokenizer-compressed ids (model.engram_compressed_vocab_size > 0)."""
   return bool(m.engram and m.engram_layer_ids and m.engram_compressed_vocab_size)
+
+
+def max_positions(m: ModelConfig, seq_len: int) -> int:
+  """The longest sequence the model is configured for: YaRN's extended range, or the trained
+  sequence length (data.seq_len) without YaRN."""
+  if m.yarn_factor > 1.0:
+    return int(m.yarn_original_max_position * m.yarn_factor)
+  return seq_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +294,41 @@ class ImageGeometry:
 
 
 Sources = tuple[tuple[str, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TasksConfig:
+  """The synthetic long-context tasks (README, "Long-context evaluation"): retrieval documents
+  generated from a seed inside the data pipeline when data.sources names them (`mqar:0.5,
+  default:0.5`), and by evaluation (train.eval_tasks, `python -m deepseek41.eval`). Every task
+  encodes its text with the run's tokenizer and supervises only its answers (unless
+  `supervise='all'`); a document is one whole piece of the packed stream."""
+  # Tokens per training document (its positions: inputs and targets); 0 = data.seq_len, one
+  # document per row. Shorter documents pack several to a row.
+  length: int = key(0)
+  # Training loss on the answer tokens only, or on every token of the document.
+  supervise: str = key('answers', choices=('answers', 'all'))
+  # mqar, multi-query associative recall: `mqar_pairs` "key:value" pairs, then random filler
+  # tokens with `mqar_queries` of the keys asked again ("key:" -> value) at random places.
+  mqar_pairs: int = key(8)
+  mqar_queries: int = key(4)            # distinct keys asked; at most mqar_pairs
+  mqar_key_letters: int = key(3)        # lowercase letters per key
+  mqar_value_digits: int = key(3)       # digits per value
+  # passkey: a number of passkey_digits digits hidden in repeated filler sentences at a depth,
+  # asked for at the end.
+  passkey_digits: int = key(5)
+  # needle: needle_count sentences "the code for <word> is <number>" hidden in real text (the
+  # first text source of data.sources, else the default corpus; or needle_filler, a prepared
+  # dataset directory or `default`); needle_queries of them are asked for at the end, the
+  # others are distractors. Depth places the first asked needle; the others lie anywhere.
+  needle_count: int = key(1)
+  needle_queries: int = key(1)
+  needle_value_digits: int = key(7)
+  needle_filler: str = key('')
+  # Evaluation: documents per task, length and depth; depths (0 = at the start of the filler,
+  # 1 = right before the question) of the tasks that have one (passkey, needle).
+  eval_examples: int = key(16)
+  eval_depths: tuple[float, ...] = key((0.0, 0.25, 0.5, 0.75, 1.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +360,13 @@ class DataConfig:
   # first start: a resumed run keeps its checkpoint's count (README, "Several GPUs and hosts").
   streams: int = key(0)
   images: ImageGeometry | None           # derived from the model; None when model.vision is off
+  # Derived: the tasks section, for the task sources of data.sources (None: its defaults).
+  tasks: TasksConfig | None = None
+
+  def task_params(self) -> TasksConfig:
+    """The tasks section's values (set by resolve; a DataConfig built by hand gets defaults)."""
+    return self.tasks or TasksConfig(**{f.name: f.metadata['default']
+                                        for f in keys_of(TasksConfig)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,6 +440,10 @@ class TrainConfig:
   remat_layers: int = key(0)
   eval_every_steps: int = key(50)       # 0 disables evaluation
   eval_batches: int = key(4)
+  # Long-context tasks evaluated with the held-out loss: "task@length,..." (e.g.
+  # 'passkey@256,mqar@4k'; the tasks section says how many documents, at which depths), logged
+  # as eval_acc/<task>@<length>; '' = none.
+  eval_tasks: str = key('')
   peak_tflops: float = key(0.0)         # per-device peak for MFU; 0 = look up by device kind
   # JAX's persistent compilation cache: compiled programs are written here and loaded by any
   # later run of the same program (a restart, a rerun); '' = off. Under the user's cache dir, not
@@ -361,8 +454,8 @@ class TrainConfig:
 
 
 # logical axis -> mesh axis or axes ('' = replicated); see sharding.py. Activations are split
-# over `batch` and, with context parallelism, over `context` along the sequence (ops/per_device.py:
-# the mesh axis names there are these rules' defaults).
+# over `batch` and, with context parallelism, over `context` along the sequence
+# (ops/parallel/per_device.py: the mesh axis names there are these rules' defaults).
 DEFAULT_RULES = (
     ('batch', 'data,fsdp,expert'),
     ('length', 'context'),
@@ -402,7 +495,7 @@ class MeshConfig:
   tensor: int = key(1)
   context: int = key(1)                 # sequence shards (context parallelism)
   # Sequence parallelism: with tensor > 1, the residual between layers (what block remat keeps)
-  # is split along the sequence over `tensor` too, not replicated (ops/per_device.py).
+  # is split along the sequence over `tensor` too, not replicated (ops/parallel/per_device.py).
   sequence_parallel: bool = key(True)
   # Resolved to ((logical_axis, (mesh_axis, ...)), ...).
   rules: tuple[tuple[str, tuple[str, ...]], ...] = key(DEFAULT_RULES)
@@ -420,6 +513,10 @@ class CheckpointConfig:
   max_to_keep: int = key(3)             # keep the newest N ...
   keep_period: int = key(0)             # ... plus every K-th step (0: none)
   async_save: bool = key(True)
+  # The longest the trainer waits for one save to finish (its background writes, the commit and
+  # the checksums): Orbax's own default bound. Past it the save is taken to be stuck (a hung
+  # file system) and the run stops with exit 74, the complete checkpoints kept.
+  save_timeout_s: float = key(1200.0)
   # A checkpoint step directory (WORKDIR/checkpoints/<step>, e.g. written by
   # `deepseek41.tools.convert import`): a run with no checkpoint of its own starts from its
   # parameters and router biases, with a fresh optimizer and step 0 (train/warm_start.py).
@@ -480,6 +577,7 @@ class RunConfig:
   checkpoint: CheckpointConfig
   log: LogConfig
   dspark: DSparkConfig
+  tasks: TasksConfig
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -489,7 +587,8 @@ class RunConfig:
 
 
 SECTIONS = {'model': ModelConfig, 'data': DataConfig, 'train': TrainConfig, 'mesh': MeshConfig,
-            'checkpoint': CheckpointConfig, 'log': LogConfig, 'dspark': DSparkConfig}
+            'checkpoint': CheckpointConfig, 'log': LogConfig, 'dspark': DSparkConfig,
+            'tasks': TasksConfig}
 
 
 def base_config() -> ml_collections.ConfigDict:

@@ -34,6 +34,13 @@ Pieces, not documents, are shuffled: a long file's hundreds of pieces would othe
 consecutive batches, and a model trained on such a stream fits one file at a time (seen on the
 default corpus: held-out loss rose for the first 40 steps while the training loss fell).
 
+Task sources (data.sources names `mqar`, `passkey` or `needle`, data/tasks/) generate their
+documents from a seed per index, each one whole piece of tasks.length (default seq_len)
+positions whose loss mask covers only its answers (tasks.supervise); they encode their text with
+the first text source's tokenizer (the default corpus's when data.sources names tasks only)
+and keep a held-out split of their own (another seed; the needle task's filler text from the
+held-out split of its corpus).
+
 Mixture weights count pieces (so roughly tokens) of text sources and samples (usually one
 piece each) of image sources. The iterator's `get_state()` / `set_state()` resume with identical
 batches as long as the config, batch size, process layout and `num_workers` are unchanged
@@ -51,10 +58,12 @@ import numpy as np
 from absl import flags
 
 from deepseek41.batch import IMAGE, ROLE_PATCH, TEXT, batch_keys
-from deepseek41.config import DataConfig, ImageGeometry
+from deepseek41.config import TASK_NAMES, DataConfig, ImageGeometry
 from deepseek41.data import multimodal
 from deepseek41.data.default_corpus import default_corpus_dir
 from deepseek41.data.shards import META_FILE, DataError, TokenShardSource, read_meta
+from deepseek41.data.tasks import Task, TaskDocument, build_task
+from deepseek41.data.tokenizer import Tokenizer, load_tokenizer
 
 SPLITS = ('train', 'heldout')
 KINDS = ('text', 'image')
@@ -68,20 +77,23 @@ _SYNTHETIC_EVAL_DOCS = 4096
 # Sources.
 
 
+def _default_dir(cfg: DataConfig) -> str:
+  return default_corpus_dir(cfg.cache_dir, cfg.default_corpus_vocab_size,
+                            cfg.default_corpus_max_files)
+
+
 def resolve_sources(cfg: DataConfig) -> list[tuple[str, float]]:
   """Prepared dataset directories with their mixture weights; checks they can be mixed.
 
   No data.sources means the embedded default corpus; the name `default` in data.sources
-  ("default:0.3,/data/mine:0.7") means it too.
+  ("default:0.3,/data/mine:0.7") means it too. Task names (config.TASK_NAMES) are not
+  directories: they are left out ([] when data.sources names tasks only).
   """
-  def default():
-    return default_corpus_dir(cfg.cache_dir, cfg.default_corpus_vocab_size,
-                              cfg.default_corpus_max_files)
   if cfg.sources:
-    sources = [(default() if path == DEFAULT_SOURCE else path, float(w))
-               for path, w in cfg.sources]
+    sources = [(_default_dir(cfg) if path == DEFAULT_SOURCE else path, float(w))
+               for path, w in cfg.sources if path not in TASK_NAMES]
   else:
-    sources = [(default(), 1.0)]
+    sources = [(_default_dir(cfg), 1.0)]
   seen = {}
   for path, _ in sources:
     if not os.path.isdir(path):
@@ -110,27 +122,55 @@ def resolve_sources(cfg: DataConfig) -> list[tuple[str, float]]:
   return sources
 
 
+def _tokenizer_dataset(cfg: DataConfig) -> str:
+  """The dataset whose tokenizer every source shares: the first text source, or the default
+  corpus when data.sources names tasks only (the tasks encode their text through it)."""
+  sources = resolve_sources(cfg)
+  return sources[0][0] if sources else _default_dir(cfg)
+
+
 def vocab_size_of(cfg: DataConfig, synthetic_vocab_size: int = 512) -> int:
   """Vocabulary size of the data's tokenizer: model.vocab_size must be at least this."""
   if cfg.synthetic:
     return synthetic_vocab_size
-  path, _ = resolve_sources(cfg)[0]
-  return TokenShardSource(os.path.join(path, 'train')).vocab_size
+  return TokenShardSource(os.path.join(_tokenizer_dataset(cfg), 'train')).vocab_size
 
 
 def tokenizer_path_of(cfg: DataConfig) -> str:
   """tokenizer.json of the text sources (the default corpus without data.sources): image
-  sources tokenize their text with it, so text and captions share one vocabulary."""
+  sources and tasks encode their text with it, so all share one vocabulary."""
   if cfg.synthetic:
-    raise DataError('data.synthetic has no tokenizer; image sources need data.sources (or the '
-                    'default corpus) for theirs')
-  path, _ = resolve_sources(cfg)[0]
-  split_dir = os.path.join(path, 'train')
+    raise DataError('data.synthetic has no tokenizer; image sources and tasks need data.sources '
+                    '(or the default corpus) for theirs')
+  split_dir = os.path.join(_tokenizer_dataset(cfg), 'train')
   tokenizer = os.path.normpath(os.path.join(split_dir, read_meta(split_dir)['tokenizer']))
   if not os.path.isfile(tokenizer):
     raise DataError(f'{split_dir}/{META_FILE} names the tokenizer {tokenizer}, which does not '
                     'exist; re-run prepare')
   return tokenizer
+
+
+def open_task(cfg: DataConfig, name: str, split: str, tokenizer: Tokenizer | None = None) -> Task:
+  """The task `name` (config.TASK_NAMES) with the tasks section's parameters, encoding through
+  `tokenizer` (default: the sources' own, tokenizer_path_of); the needle task hides its needles
+  in `split` of tasks.needle_filler (default: the first text source, else the default corpus).
+  """
+  if tokenizer is None:
+    tokenizer = load_tokenizer(tokenizer_path_of(cfg))
+  filler = None
+  if name == 'needle':
+    chosen = cfg.task_params().needle_filler
+    if chosen == DEFAULT_SOURCE:
+      root = _default_dir(cfg)
+    elif chosen:
+      root = chosen
+      if not os.path.isfile(os.path.join(root, split, META_FILE)):
+        raise DataError(f'tasks.needle_filler: {root} is not a dataset prepared by '
+                        f'deepseek41.data.prepare (no {split}/{META_FILE})')
+    else:
+      root = _tokenizer_dataset(cfg)
+    filler = os.path.join(root, split)
+  return build_task(name, cfg.task_params(), tokenizer, filler)
 
 
 class SyntheticSource:
@@ -161,8 +201,10 @@ class SyntheticSource:
     return f'SyntheticSource(num_docs={self._num_docs}, vocab_size={self.vocab_size})'
 
 
-def aligned_piece(piece_t: np.ndarray, align: int) -> dict[str, np.ndarray]:
-  """(inputs, targets, mask) of a piece, padded at its end to a multiple of `align` positions.
+def aligned_piece(piece_t: np.ndarray, align: int,
+                  mask_t: np.ndarray | None = None) -> dict[str, np.ndarray]:
+  """(inputs, targets, mask) of a piece, padded at its end to a multiple of `align` positions;
+  `mask_t` [len - 1] marks the supervised targets (default: all).
 
   With every piece a multiple of `align` long, first-fit packing starts every document at a
   multiple of `align` within its row, so ratio-2 compressed groups never straddle two documents
@@ -172,12 +214,35 @@ def aligned_piece(piece_t: np.ndarray, align: int) -> dict[str, np.ndarray]:
   tokens_t, targets_t = piece_t[:-1], piece_t[1:]
   n = len(tokens_t)
   extra = (-n) % align
-  mask_t = np.ones(n + extra, np.int32)
+  mask_t = np.ones(n, np.int32) if mask_t is None else np.asarray(mask_t, np.int32)
   if extra:
     tokens_t = np.concatenate([tokens_t, np.zeros(extra, tokens_t.dtype)])
     targets_t = np.concatenate([targets_t, np.zeros(extra, targets_t.dtype)])
-    mask_t[n:] = 0
+    mask_t = np.concatenate([mask_t, np.zeros(extra, np.int32)])
   return {'tokens': tokens_t, 'targets': targets_t, 'mask': mask_t}
+
+
+class TaskSource:
+  """Documents of a long-context task (data/tasks/), one per index, deterministic in (seed,
+  index): each is one whole piece of `length` positions, supervised on its answers only unless
+  `supervise_all`. Depths are drawn uniformly."""
+
+  def __init__(self, task: Task, num_docs: int, length: int, seed: int, align: int = 1,
+               supervise_all: bool = False):
+    self.task, self._num_docs, self.length = task, num_docs, length
+    self._seed, self.align, self.supervise_all = seed, align, supervise_all
+    task.document(np.random.default_rng(seed), length)  # a length too short fails here, now
+
+  def __len__(self) -> int:
+    return self._num_docs
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    doc = self.task.document(np.random.default_rng([self._seed, int(index)]), self.length)
+    return aligned_piece(doc.tokens, self.align, None if self.supervise_all else
+                         doc.answer_mask())
+
+  def __repr__(self) -> str:
+    return f'TaskSource({self.task.name}, length={self.length}, docs={self._num_docs})'
 
 
 class PieceSource:
@@ -298,6 +363,37 @@ class MultimodalCollate:
     }
 
 
+def document_batch(docs: Sequence[TaskDocument], batch_size: int, length: int,
+                   geometry: ImageGeometry | None = None) -> dict[str, np.ndarray]:
+  """The batch (batch.py's contract) of one whole document per row, each of at most length + 1
+  tokens, the loss mask on its answers; rows past len(docs) are empty (segment 0). With the
+  vision model's `geometry`, the image keys of rows without images."""
+  if len(docs) > batch_size:
+    raise ValueError(f'{len(docs)} documents for {batch_size} rows')
+  rows = []
+  for doc in docs:
+    piece = aligned_piece(doc.tokens, 1, doc.answer_mask())
+    n = len(piece['tokens'])
+    if n > length:
+      raise DataError(f'a document of {n} positions does not fit rows of {length}')
+    pad = length - n
+    row = {k: np.concatenate([v, np.zeros(pad, np.int32)]) for k, v in piece.items()}
+    row['tokens_segment_ids'] = np.concatenate([np.ones(n, np.int32), np.zeros(pad, np.int32)])
+    row['tokens_positions'] = np.concatenate([np.arange(n, dtype=np.int32),
+                                              np.zeros(pad, np.int32)])
+    rows.append(row)
+  batch = Collate(batch_size, length)(rows)
+  if geometry is not None:
+    p = geometry.patch_size
+    zeros_bt = np.zeros((batch_size, length), np.int32)
+    n = geometry.max_images_per_row
+    batch.update({'image_role': zeros_bt, 'image_index': zeros_bt, 'image_span': zeros_bt,
+                  'image_patches': np.zeros((batch_size, n, geometry.max_patches, p * p * 3),
+                                            np.uint8),
+                  'image_grid': np.zeros((batch_size, n, 2), np.int32)})
+  return batch
+
+
 # ---------------------------------------------------------------------------------------------
 # The pipeline.
 
@@ -309,13 +405,25 @@ def _derived_seed(*parts: int) -> int:
 
 def _open_sources(cfg: DataConfig, split: str, repeat: bool, seed: int,
                   synthetic_vocab_size: int) -> list[tuple[object, float]]:
+  num_docs = _SYNTHETIC_TRAIN_DOCS if repeat else _SYNTHETIC_EVAL_DOCS
   if cfg.synthetic:
-    num_docs = _SYNTHETIC_TRAIN_DOCS if repeat else _SYNTHETIC_EVAL_DOCS
     split_seed = _derived_seed(seed, cfg.shuffle_seed, SPLITS.index(split), 7)
     return [(SyntheticSource(num_docs, synthetic_vocab_size, cfg.seq_len, split_seed,
                              align=cfg.document_align), 1.0)]
+  text = iter(resolve_sources(cfg))
+  tokenizer = None
   out = []
-  for path, weight in resolve_sources(cfg):
+  for name, weight in cfg.sources or ((DEFAULT_SOURCE, 1.0),):
+    if name in TASK_NAMES:
+      tk = cfg.task_params()
+      tokenizer = tokenizer or load_tokenizer(tokenizer_path_of(cfg))
+      task_seed = _derived_seed(seed, cfg.shuffle_seed, SPLITS.index(split), 11,
+                                TASK_NAMES.index(name))
+      out.append((TaskSource(open_task(cfg, name, split, tokenizer), num_docs,
+                             tk.length or cfg.seq_len, task_seed, cfg.document_align,
+                             supervise_all=tk.supervise == 'all'), float(weight)))
+      continue
+    path, weight = next(text)
     src = TokenShardSource(os.path.join(path, split))
     if len(src) == 0:
       raise DataError(f'{os.path.join(path, split)} has no documents; re-run prepare with a '
@@ -344,7 +452,7 @@ def _open_image_sources(cfg: DataConfig, split: str, seed: int) -> list[tuple[ob
 
 def _is_random(src) -> bool:
   """Sources whose items are random draws already: shuffling them only costs time."""
-  return isinstance(src, SyntheticSource) or (
+  return isinstance(src, (SyntheticSource, TaskSource)) or (
       isinstance(src, multimodal.MultimodalSource) and
       isinstance(src.samples, multimodal.ShapesSamples))
 

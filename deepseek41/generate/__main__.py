@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
+from deepseek41.generate.generator import GenerateError, Generator
 from deepseek41.generate.prompts import IMAGE_MARKER, read_prompts, with_images
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Work directory of a training run.')
@@ -38,9 +39,7 @@ _IMAGES = flags.DEFINE_list('images', [], 'Images of --prompt, in the order of i
                             'markers (without markers: before the text). Needs model.vision.')
 def main(argv):
   del argv
-  from absl import logging
   logging.set_verbosity(logging.WARNING)  # the checkpoint library's per-read lines
-  from deepseek41.generate.generator import GenerateError, Generator
   try:
     if not _WORKDIR.value:
       raise GenerateError('--workdir is required')

@@ -26,24 +26,22 @@ import numpy as np
 from flax import nnx
 
 from deepseek41.batch import ROLE_PATCH
-from deepseek41.config import (RunConfig, base_config, config_from_saved, execution_only_keys,
-                               resolve)
+from deepseek41.config import RunConfig, resolve
+from deepseek41.config import max_positions as config_max_positions
 from deepseek41.data.engram_vocab import compression_map
+from deepseek41.data.multimodal import build_document
+from deepseek41.data.shards import DataError
 from deepseek41.generate import sampling
-from deepseek41.generate.cache import CacheSpec, empty_cache, scatter_rows
-from deepseek41.generate.decode import ced_prefill, forward_chunk, ring_slots
+from deepseek41.generate.cache import empty_cache
+from deepseek41.generate.decode import ced_prefill, forward_chunk
 from deepseek41.model.ced import tail_reach
+from deepseek41.model.layer_cache import CacheSpec, ring_slots, scatter_rows
 from deepseek41.sharding import make_mesh
 from deepseek41.train import state as state_lib
-from deepseek41.train.checkpoint import Checkpointer
-from deepseek41.train.objectives import objective_for
+from deepseek41.train.checkpoint import CheckpointError
 from deepseek41.train.optimizer import make_optimizer
-
-# Execution choices re-resolved for the devices that generate (the checkpoint's were resolved
-# for the ones that trained): the execution-only keys that have an `auto` rule.
-_EXECUTION_KEYS = tuple(sorted(k for k in execution_only_keys('model')
-                               if base_config().model[k] == 'auto'))
-
+from deepseek41.train.reading import checkpoint_step, portable_config, run_tokenizer
+from deepseek41.train.warm_start import restore_weights
 
 class GenerateError(ValueError):
   """Bad input to generation; the message names the culprit (workdir, step, prompt, flag)."""
@@ -66,12 +64,8 @@ class Result:
 
 
 def max_positions(cfg: RunConfig) -> int:
-  """The longest sequence the model is configured for: YaRN's extended range, or the trained
-  sequence length without YaRN."""
-  m = cfg.model
-  if m.yarn_factor > 1.0:
-    return int(m.yarn_original_max_position * m.yarn_factor)
-  return cfg.data.seq_len
+  """The longest sequence the model is configured for (config.max_positions)."""
+  return config_max_positions(cfg.model, cfg.data.seq_len)
 
 
 def exact_n_win(cfg: RunConfig) -> int:
@@ -83,7 +77,7 @@ def exact_n_win(cfg: RunConfig) -> int:
 def generation_config(saved: dict, backend: str | None = None) -> RunConfig:
   """The checkpoint's config with its execution choices resolved for this backend and the
   decode-friendly XLA paths (one query row at a time tiles no kernel)."""
-  c = _portable(saved)
+  c = portable_config(saved)
   c.model.attention_impl = 'chunked'
   c.model.index_impl = 'reference'
   c.model.sparse_impl = 'gathered'
@@ -94,36 +88,9 @@ def generation_config(saved: dict, backend: str | None = None) -> RunConfig:
       cfg.model, moe_backend=cfg.model.eval_moe_backend))
 
 
-def _portable(saved: dict):
-  """The saved config with its execution choices back to `auto` and a mesh of every device
-  over data: resolvable wherever generation runs."""
-  c = config_from_saved(saved)
-  for key in _EXECUTION_KEYS:
-    if key in c.model:
-      c.model[key] = 'auto'
-  c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor, c.mesh.context = -1, 1, 1, 1, 1
-  return c
-
-
 def saved_data_config(saved: dict):
   """The run's own data section (its sources and cache)."""
-  return resolve(_portable(saved)).data
-
-
-def find_tokenizer(workdir: str, data_cfg):
-  """The run's tokenizer: WORKDIR/tokenizer.json (the trainer copies it there), else the one its
-  data section names."""
-  from deepseek41.data.tokenizer import load_tokenizer
-  path = os.path.join(workdir, 'tokenizer.json')
-  if os.path.isfile(path):
-    return load_tokenizer(path)
-  try:
-    from deepseek41.data.pipeline import tokenizer_path_of
-    return load_tokenizer(tokenizer_path_of(data_cfg))
-  except Exception as e:  # synthetic data, a moved cache, an unprepared corpus
-    raise GenerateError(
-        f'{workdir} has no tokenizer.json, and its data config gives none ({e}); copy the '
-        'tokenizer the run trained with to ' + path) from None
+  return resolve(portable_config(saved)).data
 
 
 class Generator:
@@ -131,43 +98,25 @@ class Generator:
 
   def __init__(self, workdir: str, step: int | None = None):
     workdir = os.path.abspath(workdir)
-    if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
-      raise GenerateError(f'--workdir={workdir} has no checkpoints/ directory: give the work '
-                          'directory of a training run')
-    # A reader: it never saves, so it never deletes (max_to_keep None keeps everything).
-    reader = dataclasses.replace(resolve(base_config(), backend='cpu').checkpoint,
-                                 max_to_keep=None, async_save=False)
-    ckpt = Checkpointer(workdir, reader, primary=False)
     try:
-      steps = sorted(ckpt.manager.all_steps())
-      if not steps:
-        raise GenerateError(f'{workdir}/checkpoints holds no complete checkpoint')
-      if step is None:
-        step = steps[-1]
-      elif step not in steps:
-        raise GenerateError(f'--step={step}: no checkpoint of that step in {workdir}/checkpoints '
-                            f'(there are: {", ".join(map(str, steps))})')
-      saved = ckpt.read_json_item(step, 'config')
+      step, step_dir, saved = checkpoint_step(workdir, step)
       self.cfg = cfg = generation_config(saved)
       self.data_cfg = saved_data_config(saved)
-      self.tokenizer = find_tokenizer(workdir, self.data_cfg)
-      if self.tokenizer.vocab_size > cfg.model.vocab_size:
-        raise GenerateError(f'{workdir}: the tokenizer has {self.tokenizer.vocab_size} ids, the '
-                            f'model {cfg.model.vocab_size}')
-      engram_map = compression_map(cfg.model, self.tokenizer.hf,
-                                   f'the tokenizer {self.tokenizer.source}')
-      self.engram_map = None if engram_map is None else jnp.asarray(engram_map)
-      self.mesh = make_mesh(cfg.mesh)
-      objective = objective_for(cfg)
-      tx = make_optimizer(cfg.train)
-      abstract = state_lib.abstract_state(cfg, tx)
-      shardings = state_lib.state_shardings(abstract, self.mesh, cfg.mesh.rules)
-      target = state_lib.with_shardings(abstract, shardings)
-      # The model's weights only: no optimizer state, step or rng.
-      restored = ckpt.restore_parts(step, {k: target[k] for k in objective.model_entries})
-    finally:
-      ckpt.close()
-    graphdef = state_lib.model_def(cfg, tx).graphdef
+      self.tokenizer, _ = run_tokenizer(workdir, self.data_cfg)
+    except (CheckpointError, DataError) as e:
+      raise GenerateError(str(e)) from None
+    if self.tokenizer.vocab_size > cfg.model.vocab_size:
+      raise GenerateError(f'{workdir}: the tokenizer has {self.tokenizer.vocab_size} ids, the '
+                          f'model {cfg.model.vocab_size}')
+    engram_map = compression_map(cfg.model, self.tokenizer.hf,
+                                 f'the tokenizer {self.tokenizer.source}')
+    self.engram_map = None if engram_map is None else jnp.asarray(engram_map)
+    self.mesh = make_mesh(cfg.mesh)
+    try:
+      objective, restored, _ = restore_weights('--step', step_dir, cfg, self.mesh)
+    except CheckpointError as e:
+      raise GenerateError(str(e)) from None
+    graphdef = state_lib.model_def(cfg, make_optimizer(cfg.train)).graphdef
     self.model, self.dspark = objective.reader_models(graphdef, restored)
     self.step = step
     self.workdir = workdir
@@ -177,7 +126,6 @@ class Generator:
     """(token ids per prompt, its image document or None per prompt). A prompt is a string or
     a list of parts {'text': str} / {'image': path or uint8 [H, W, 3]}, laid out as training
     lays out images (data/multimodal.py: the span, its alignment pad)."""
-    from deepseek41.data.multimodal import build_document
     tokens, docs = [], []
     for i, prompt in enumerate(prompts):
       parts = [{'text': prompt}] if isinstance(prompt, str) else list(prompt)
@@ -283,7 +231,7 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
       jax.tree.map(jnp.asarray, image_fields(cfg, image_docs, t))
   key = jax.random.key(seed)
   feature_dim = cfg.model.d_model if speculative else 0
-  cache = empty_cache(cfg.model, spec, feature_dim)
+  cache = empty_cache(progs.model, spec, feature_dim)
   t0 = time.perf_counter()
   if prefill == 'ced':
     win = min(n_win or exact_n_win(cfg), t)
@@ -355,20 +303,20 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
 def _write_features(dspark, cache, captured, valid_bq, start_b):
   """DSpark's context m_t of the chunk's rows into the cache's feature ring."""
   m_bqd = dspark.context(captured)
-  b, tq = valid_bq.shape
+  tq = valid_bq.shape[1]
   pos_bq = start_b[:, None] + jnp.arange(tq, dtype=jnp.int32)[None, :]
   end_b = start_b + jnp.sum(valid_bq, axis=1, dtype=jnp.int32)
   cap = cache['feat_pos'].shape[1]
   slots = ring_slots(pos_bq, valid_bq, end_b, cap)
-  b_idx = jnp.arange(b)[:, None]
-  return {**cache, 'feat': scatter_rows(cache['feat'], b_idx, slots, m_bqd),
-          'feat_pos': scatter_rows(cache['feat_pos'], b_idx, slots, pos_bq)}
+  return {**cache, 'feat': scatter_rows(cache['feat'], slots, m_bqd),
+          'feat_pos': scatter_rows(cache['feat_pos'], slots, pos_bq)}
 
 
 class Programs:
   """The jitted pieces of generation over the split model state (merged inside each program)."""
 
   def __init__(self, model, dspark, engram_map):
+    self.model = model  # its layers build the caches (`empty_cache`)
     self.graph, self.state = nnx.split((model, dspark))
     self.engram_map = engram_map
     self._jit = {}

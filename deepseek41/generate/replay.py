@@ -22,8 +22,11 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from deepseek41.generate.cache import CacheSpec, empty_cache
+from deepseek41.data.pipeline import make_dataset
+from deepseek41.generate.cache import empty_cache
 from deepseek41.generate.decode import forward_chunk, replay_windows
+from deepseek41.generate.generator import GenerateError, Generator
+from deepseek41.model.layer_cache import CacheSpec
 
 
 def exact_replay_window(m) -> int:
@@ -42,7 +45,7 @@ def next_token_kl(model, cfg, tokens_nl: np.ndarray, n_wins, *, batch: int = 8,
   @jax.jit
   def exact_fn(state, tokens):
     mdl = nnx.merge(graph, state)
-    logits, _, cache = forward_chunk(mdl, empty_cache(cfg.model, spec), tokens,
+    logits, _, cache = forward_chunk(mdl, empty_cache(mdl, spec), tokens,
                                      jnp.ones(tokens.shape, bool), engram_map=engram_map)
     return jax.nn.log_softmax(logits[:, -1]), cache
 
@@ -69,8 +72,6 @@ def next_token_kl(model, cfg, tokens_nl: np.ndarray, n_wins, *, batch: int = 8,
 
 def held_out_sequences(data_cfg, tokenizer, context: int, count: int) -> np.ndarray:
   """[count, context] token ids from the run's held-out split, each inside one document."""
-  from deepseek41.data.pipeline import make_dataset
-  from deepseek41.generate.generator import GenerateError
   del tokenizer  # the split is already tokenized with it
   data = dataclasses.replace(data_cfg, num_workers=0, seq_len=context)
   ds = make_dataset(data, split='heldout', batch_size=8, seed=0, process_index=0,
@@ -99,7 +100,6 @@ def _define_flags():  # only when run as a program: importers keep their own fla
 
 
 def main(f):
-  from deepseek41.generate.generator import GenerateError, Generator
   try:
     gen = Generator(f['workdir'].value, f['step'].value)
     tokens = held_out_sequences(gen.data_cfg, gen.tokenizer, f['context'].value,

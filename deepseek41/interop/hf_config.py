@@ -71,7 +71,7 @@ EQUIVALENCE = {
     'q_head_norm': (False, 'the HF implementation has no per-head query re-normalisation '
                            '(docs/architecture.md 3.3, section 8 item 1)'),
     'residual': ('mhc_single_pass', 'single-pass mHC is the HF order'),
-    'csa2': (True, 'every ratio > 0 layer runs the compressed sparse branch'),
+    'attention_variant': ('csa2', 'every ratio > 0 layer runs the compressed sparse branch'),
     'kv_quant': ('fp4_e4m3_16', 'HF fake-quantizes the compressed KV (FP4, e4m3 scale per 16)'),
     'index_quant': ('fp4_ue8m0_32', 'HF fake-quantizes indexer q and k (FP4, ue8m0 per 32)'),
     'swa_quant': ('fp8_ue8m0_32', 'HF fake-quantizes the window KV (FP8, ue8m0 per 32)'),
@@ -240,7 +240,8 @@ def hf_from_model(m: ModelConfig, quantization: dict | None = None) -> dict:
   format cannot hold raises; `numeric_differences` lists what HF would compute differently."""
   if m.residual != 'mhc_single_pass' or not m.csa2:
     raise HFConfigError('the HF format holds single-pass mHC models with CSA2; this model has '
-                        f'model.residual={m.residual!r}, model.csa2={m.csa2}')
+                        f'model.residual={m.residual!r}, '
+                        f'model.attention_variant={m.attention_variant!r}')
   inverse = {ours: hf for hf, ours in DIRECT.items()}
   text = {hf: getattr(m, ours) for ours, hf in inverse.items()}
   text.update({k: v for k, v in FIXED.items() if k != 'tie_word_embeddings'})

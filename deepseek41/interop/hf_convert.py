@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from tqdm import tqdm
 
 from deepseek41 import config as config_lib
 from deepseek41.interop import hf_config, hf_layout, storage
@@ -57,7 +58,6 @@ def _replace_leaves(tree, values: dict[str, Any]):
 
 
 def _progress(total: int, desc: str, enabled: bool):
-  from tqdm import tqdm
   return tqdm(total=total, desc=desc, unit='tensor', disable=not enabled, leave=False)
 
 

@@ -45,8 +45,9 @@ def _one(ours, hf, kind, storage, **kw):
 def entries(m: ModelConfig) -> list[Entry]:
   """Every parameter and router bias of the text backbone, in state order."""
   if m.residual != 'mhc_single_pass' or not m.csa2:
-    raise HFConfigError(f'model.residual={m.residual!r}, model.csa2={m.csa2}: the HF format '
-                        'holds single-pass mHC and CSA2 models only')
+    raise HFConfigError(f'model.residual={m.residual!r}, model.attention_variant='
+                        f'{m.attention_variant!r}: the HF format holds single-pass mHC and CSA2 '
+                        'models only')
   if m.vision:
     raise HFConfigError('model.vision: the HF deepseek_v41 format defines no vision tower '
                         'tensors yet; export the text model (model.vision=False)')

@@ -8,29 +8,64 @@
     y   = concat_g(o_g W_oa[g]) W_ob        grouped low-rank output, G groups of H/G heads
 
 Image-span positions also see their whole span (ops/span_attention.py, one more partial).
-With `model.csa2` on, layers of ratio > 0 add the compressed sparse branch (`csa2.CSA2`: their
-KV source's entries selected by their index source) as a second softmax partial, merged with the
-window by log-sum-exp; off, every layer attends only over its sliding window.
+What a layer of ratio > 0 adds is `model.attention_variant` (docs/architecture.md 3.8.1):
+- csa2: the compressed sparse branch (`csa2.CSA2`: its KV source's entries selected by its index
+  source) as a second softmax partial, merged with the window by log-sum-exp;
+- dense: no window: every earlier key of the document (ops/dense_attention.py), exactly;
+- window: nothing; the layer attends over its sliding window only.
+Ratio-0 layers attend over their window in every variant.
+
+Generation: each layer owns its cache (`init_cache`, `decode`): the ring of its newest latents
+(a window's, or at a dense layer every position's), and at a KV source its compressed entries
+(csa2.py `EntryCache`). A chunk of new tokens attends to its own keys and to the ring's in one
+softmax, then is written into the ring.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from deepseek41.config import SWA, LayerRole, ModelConfig
-from deepseek41.model.csa2 import CSA2, DECODE, merged_backward
+from deepseek41.model.csa2 import CSA2, EntryCache, merged_backward
+from deepseek41.model.layer_cache import CacheSpec, ring_slots, scatter_rows
 from deepseek41.model.norms import RMSNorm, rms_normalize
-from deepseek41.model.params import const_param, normal_param
+from deepseek41.model.params import const_param, dtype_of, normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
+from deepseek41.model.shared import Shared
+from deepseek41.ops.dense_attention import dense_branch, dense_partial
 from deepseek41.ops.fp8_matmul import batched_fp8_matmul, dense
 from deepseek41.ops.span_attention import span_partial
 from deepseek41.ops.softmax_merge import merge
-from deepseek41.ops.swa_attention import swa_partial, window_branch
+from deepseek41.ops.swa_attention import keyset_partial, swa_partial, window_branch
+from deepseek41.packing import empty_stored, load, store
 from deepseek41.quant import get_fake_quant
+
+
+@struct.dataclass
+class AttentionCache:
+  """One layer's generation cache (C = `CacheSpec.ring` slots, slot pos % C)."""
+  ring: Any                  # the latents of the newest C positions (a dense layer: all), in
+                             # model.swa_quant
+  ring_pos: jax.Array        # int32 [B, C]: the position in each slot, -1 = empty
+  entries: EntryCache | None = None  # a KV source's compressed entries (csa2.py)
+
+  def without_window(self) -> AttentionCache:
+    """The cache with an empty ring (bounded replay rebuilds it)."""
+    return self.replace(ring_pos=jnp.full_like(self.ring_pos, -1))
+
+
+def ring_partial(q_bthd, ring_kv_bcd, ring_pos_bc, pos_bt, valid_bt, start_b, window: int):
+  """The window keys cached before the chunk as one more partial: slot u is seen by query t iff
+  it holds a position before the chunk's start within t's window."""
+  kpos = ring_pos_bc[:, None, :]
+  sees_btc = (kpos >= 0) & (kpos < start_b[:, None, None]) & (pos_bt[:, :, None] - kpos < window) \
+      & valid_bt[:, :, None]
+  return keyset_partial(q_bthd, ring_kv_bcd, sees_btc)
 
 
 class Attention(nnx.Module):
@@ -51,14 +86,72 @@ class Attention(nnx.Module):
                              ('o_groups', 'head_dim', 'o_lora'), std, stack_axes=(0,))
     self.wo_b = normal_param(rngs, (g * cfg.o_lora_rank, d_model), ('o_lora', 'embed'), std)
     self.csa2 = CSA2(cfg, role, rngs) if cfg.csa2 and role.mode != SWA else None
+    # Dense: the same parameters as a window-only layer; its keys are every earlier latent.
+    self.dense = cfg.dense and role.mode != SWA
 
-  def __call__(self, x_btd, batch, shared: dict):
+  def __call__(self, x_btd, batch, shared: Shared):
     """Returns (output [B,T,D], shared): `shared` carries compressed KV and selections onward."""
-    if DECODE in shared:  # generation: the keys before this chunk come from the caches
-      return shared[DECODE].attention(self, x_btd, batch, shared)
+    if shared.decode is not None:  # generation: the keys before this chunk come from the cache
+      layer = self.role.layer
+      y_btd, cache, shared = self.decode(x_btd, batch, shared.decode.caches[layer], shared)
+      return y_btd, shared.with_cache(layer, cache)
     q_r_btr, q_bthd, kv_btd = self.project(x_btd, batch['positions'])
     o_bthd, shared = self.attend(x_btd, q_r_btr, q_bthd, kv_btd, batch, shared)
     return self.output(o_bthd), shared
+
+  @property
+  def owns_kv(self) -> bool:
+    """Whether this is a KV source (it compresses its input for the layers it serves)."""
+    return self.csa2 is not None and self.csa2.owns_kv
+
+  def publish_kv(self, x_btd, batch, shared: Shared) -> Shared:
+    """Only this KV source's entries and index keys, published (CED prefill): compressed from
+    the rows in training, appended to the layer's cache in generation."""
+    if shared.decode is None:
+      return self.csa2.publish_kv(x_btd, batch, shared)
+    layer = self.role.layer
+    cache, shared = self._append_entries(x_btd, batch, shared.decode.caches[layer], shared)
+    return shared.with_cache(layer, cache)
+
+  def _append_entries(self, x_btd, batch, cache: AttentionCache, shared: Shared):
+    """Generation at a KV source: (the cache with the chunk's groups in its entries, shared
+    with every entry published)."""
+    entries, published = self.csa2.decode_kv(x_btd, batch, cache.entries, shared.decode)
+    return cache.replace(entries=entries), shared.with_kv(self.role.layer, published)
+
+  def init_cache(self, spec: CacheSpec) -> AttentionCache:
+    """This layer's empty generation cache."""
+    cfg = self.cfg
+    b, c = spec.batch, spec.max_len if self.dense else spec.ring(cfg)
+    return AttentionCache(
+        ring=empty_stored(cfg.swa_quant, (b, c), cfg.head_dim, dtype_of(cfg.compute_dtype)),
+        ring_pos=jnp.full((b, c), -1, jnp.int32),
+        entries=self.csa2.init_cache(spec) if self.owns_kv else None)
+
+  def decode(self, x_btd, batch, cache: AttentionCache, shared: Shared):
+    """Generation over a chunk (shared.decode): (output [B,T,D], the updated cache, shared).
+
+    The chunk's own keys form the window (or dense) partial as in training; the ring's keys
+    before the chunk one more partial of the same softmax (a dense layer's ring holds every
+    position, so it sees them all). A KV source appends the groups the chunk
+    completes to its entries and publishes all of them (unless CED prefill already has).
+    """
+    cfg, decoding = self.cfg, shared.decode
+    pos_bt, valid_bt = batch['positions'], batch['segment_ids'] > 0
+    q_r_btr, q_bthd, raw_btd = self.project(x_btd, pos_bt, quantize_latent=False)
+    new_ring = store(cfg.swa_quant, raw_btd)
+    kv_btd = load(cfg.swa_quant, new_ring, x_btd.dtype)  # = the fake quantization, bit for bit
+    reach = cache.ring_pos.shape[1] if self.dense else cfg.sliding_window
+    cached = ring_partial(q_bthd, load(cfg.swa_quant, cache.ring, x_btd.dtype), cache.ring_pos,
+                          pos_bt, valid_bt, decoding.start_b, reach)
+    if self.owns_kv and self.role.layer not in shared.kv:
+      cache, shared = self._append_entries(x_btd, batch, cache, shared)
+    o_bthd, shared = self.attend(x_btd, q_r_btr, q_bthd, kv_btd, batch, shared,
+                                 extra_partials=(cached,))
+    slots = ring_slots(pos_bt, valid_bt, decoding.end_b, cache.ring_pos.shape[1])
+    cache = cache.replace(ring=scatter_rows(cache.ring, slots, new_ring),
+                          ring_pos=scatter_rows(cache.ring_pos, slots, pos_bt))
+    return self.output(o_bthd), cache, shared
 
   def project(self, x_btd, positions_bt, quantize_latent: bool = True):
     """(q_r_btr, q_bthd, kv_btd): the low-rank query and the RoPE'd query heads and latent
@@ -89,22 +182,31 @@ class Attention(nnx.Module):
     kv_btd = self.kv_norm(dense(x_btd, self.wkv[...], cfg.fp8))
     return apply_rope(kv_btd, positions_bt, rope_for_role(cfg, self.role.rope))
 
-  def attend(self, x_btd, q_r_btr, q_bthd, kv_btd, batch, shared: dict, extra_partials=()):
-    """The attention core: window (+ compressed) partials, sink, inverse RoPE -> (o_bthd, shared).
+  def attend(self, x_btd, q_r_btr, q_bthd, kv_btd, batch, shared: Shared, extra_partials=()):
+    """The attention core: window or dense (+ compressed) partials, sink, inverse RoPE ->
+    (o_bthd, shared).
 
-    Split out so the benchmarks time exactly what dense attention replaces. `extra_partials`:
-    more key sets in the same softmax (generation's cached window before the chunk).
+    Split out so the benchmarks time exactly what the variants change. `extra_partials`: more
+    key sets in the same softmax (generation's cached keys before the chunk, `decode`).
     """
     cfg = self.cfg
     span_ids_bt = batch.get('image_span')  # image spans: bidirectional inside, causal outside
-    with jax.named_scope('swa'):  # scopes name the GPU trace's kernels (trace_summary.py)
-      if merged_backward(cfg, shared) and cfg.attention_impl == 'fused':
-        window = window_branch(q_bthd, kv_btd, batch['segment_ids'], window=cfg.sliding_window,
-                               span_ids_bt=span_ids_bt)
+    seg_bt = batch['segment_ids']
+    branch = merged_backward(cfg, shared) and cfg.attention_impl == 'fused'
+    # scopes name the GPU trace's kernels (trace_summary.py)
+    with jax.named_scope('dense' if self.dense else 'swa'):
+      if self.dense and branch:
+        own = dense_branch(q_bthd, kv_btd, seg_bt, span_ids_bt=span_ids_bt)
+      elif self.dense:
+        own = dense_partial(q_bthd, kv_btd, seg_bt, impl=cfg.attention_impl,
+                            chunk=cfg.sparse_chunk, span_ids_bt=span_ids_bt)
+      elif branch:
+        own = window_branch(q_bthd, kv_btd, seg_bt, window=cfg.sliding_window,
+                            span_ids_bt=span_ids_bt)
       else:
-        window = swa_partial(q_bthd, kv_btd, batch['segment_ids'], window=cfg.sliding_window,
-                             impl=cfg.attention_impl, span_ids_bt=span_ids_bt)
-      partials = [window, *extra_partials]
+        own = swa_partial(q_bthd, kv_btd, seg_bt, window=cfg.sliding_window,
+                          impl=cfg.attention_impl, span_ids_bt=span_ids_bt)
+      partials = [own, *extra_partials]
     if span_ids_bt is not None:
       with jax.named_scope('span'):
         partials.append(span_partial(
@@ -119,8 +221,8 @@ class Attention(nnx.Module):
     rope = functools.partial(apply_rope, inv_freq=rope_for_role(cfg, self.role.rope))
     o_bthd, handoffs = merge(partials, self.sink[...], dtype=x_btd.dtype, rope=rope,
                              positions_bt=batch['positions'])
-    for published in handoffs:
-      shared = {**shared, **published}
+    for sinks in handoffs:  # the sparse branch's {index source: sinks} (csa2.py)
+      shared = shared.with_sinks(sinks)
     return o_bthd, shared
 
   def output(self, o_bthd):

@@ -10,10 +10,15 @@ Step 3's sparse attention over the global KV is exact. Only windows, and an imag
 straddles the tail start, are truncated: a tail row t matches the full forward once
 t - tail_start >= decoder_layers * (max(sliding_window, longest span) - 1), the reach back from t
 of the stacked windows and spans (a span passes a difference on to its last position in one layer).
+A decoder with dense layers (model.attention_variant='dense') reaches back to the document start:
+its tail is exact only when it is the whole prompt (`tail_reach` is then `UNBOUNDED`).
 """
 
 from __future__ import annotations
 
+import sys
+
+from deepseek41.model.shared import Shared
 from deepseek41.model.transformer import Transformer
 
 
@@ -42,9 +47,9 @@ def ced_prefill_logits(model: Transformer, batch, n_win: int):
     raise ValueError(f'n_win must be in [1, {t}], got {n_win}')
   x, pre = model.residual_input(batch)
   batch = model.with_engram_rows(batch)
-  x, pre, _, _, shared = model.run_blocks(x, pre, batch, {}, blocks=model.blocks[:encoder])
+  x, pre, _, _, shared = model.run_blocks(x, pre, batch, Shared(), blocks=model.blocks[:encoder])
   first_decoder = model.blocks[encoder]
-  if first_decoder.attn.csa2 is not None and first_decoder.attn.csa2.owns_kv:
+  if first_decoder.attn.owns_kv:
     shared = first_decoder.publish_global_kv(x, pre, batch, shared)
   start = t - n_win
   tail = _tail(batch, start)
@@ -54,8 +59,14 @@ def ced_prefill_logits(model: Transformer, batch, n_win: int):
   return model.logits(x, pre)
 
 
+UNBOUNDED = sys.maxsize  # the reach of a dense decoder layer: the whole document
+
+
 def tail_reach(cfg) -> int:
-  """How far back from a decoder row the stacked windows and image spans reach."""
+  """How far back from a decoder row the stacked windows and image spans reach (`UNBOUNDED`
+  where a decoder layer attends densely)."""
+  if cfg.dense and any(cfg.compress_ratios[cfg.num_encoder_layers:]):
+    return UNBOUNDED
   per_layer = max(cfg.sliding_window, cfg.image_span_max_len) - 1
   return (cfg.num_layers - cfg.num_encoder_layers) * per_layer
 

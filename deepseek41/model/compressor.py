@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from deepseek41.config import ModelConfig
+from deepseek41.model.layer_cache import CacheSpec, ring_slots, scatter_rows
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
@@ -72,6 +73,15 @@ class CompressedKV:
   @property
   def num_entries(self) -> int:
     return self.seg_bn.shape[-1]
+
+
+@struct.dataclass
+class RowRing:
+  """Generation, ratio r > 1: the projected rows of each row's newest R positions (slot
+  pos % R, R = `CacheSpec.raw`), from which a chunk pools the groups it completes."""
+  kv_brd: jax.Array     # fp32
+  gate_brd: jax.Array   # fp32
+  pos_br: jax.Array     # int32 position in each slot, -1 = empty
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,3 +217,51 @@ class Compressor(nnx.Module):
     kv_bnd = quantize(apply_rope(latent_bnd, pos_bn, rope_for_role(self.cfg, 'compress')))
     return CompressedKV(latent_bnd=latent_bnd, kv_bnd=kv_bnd, pos_bn=pos_bn, seg_bn=seg_bn,
                         last_bn=last_bn, ratio=r)
+
+  # -------------------------------------------------------------------------------------------
+  # Generation: a chunk of new tokens per row, each row's chunk at positions [start_b, end_b)
+
+  def init_cache(self, spec: CacheSpec) -> RowRing | None:
+    """The empty row ring of ratio > 1 (ratio 1 pools nothing across chunks: None)."""
+    if self.ratio == 1:
+      return None
+    b, r, d = spec.batch, spec.raw(self.ratio), self.cfg.head_dim
+    return RowRing(kv_brd=jnp.zeros((b, r, d), jnp.float32),
+                   gate_brd=jnp.zeros((b, r, d), jnp.float32),
+                   pos_br=jnp.full((b, r), -1, jnp.int32))
+
+  def decode(self, x_btd, pos_bq, valid_bq, start_b, end_b, rows: RowRing | None):
+    """The groups the chunk touches: (normed pre-RoPE latent [B, G, d], first position
+    [B, G], complete [B, G], the row ring with the chunk's rows in it). A group is complete
+    when the chunk holds its last token; its earlier tokens come from the ring."""
+    kv_rows, gate_rows = self.project(x_btd)
+    if self.ratio == 1:
+      return self.pool(kv_rows, None, x_btd.dtype), pos_bq, valid_bq, rows
+    r, tq = self.ratio, kv_rows.shape[1]
+    cap = rows.pos_br.shape[1]
+    before = start_b[:, None] - (r - 1) + jnp.arange(r - 1, dtype=jnp.int32)[None, :]
+    slot = jnp.clip(before % cap, 0, cap - 1)
+    have = (before >= 0) & (jnp.take_along_axis(rows.pos_br, slot, 1) == before)
+    prev_kv = jnp.where(have[..., None], jnp.take_along_axis(rows.kv_brd, slot[..., None], 1), 0.)
+    prev_gate = jnp.where(have[..., None], jnp.take_along_axis(rows.gate_brd, slot[..., None], 1),
+                          0.)
+    groups = -(-(tq + r - 1) // r)
+    pad = groups * r + (r - 1) - (tq + r - 1)
+    rows_kv = jnp.concatenate([prev_kv, kv_rows, jnp.zeros_like(kv_rows[:, :1].repeat(pad, 1))], 1)
+    rows_gate = jnp.concatenate([prev_gate, gate_rows,
+                                 jnp.zeros_like(gate_rows[:, :1].repeat(pad, 1))], 1)
+    shift_b = (r - 1) - start_b % r  # where the first group touching the chunk begins
+
+    def take(rows, s):
+      return jax.lax.dynamic_slice_in_dim(rows, s, groups * r, axis=0)
+    g_kv = jax.vmap(take)(rows_kv, shift_b)
+    g_gate = jax.vmap(take)(rows_gate, shift_b)
+    latent_bgd = self.pool(g_kv, g_gate, x_btd.dtype)
+    g0_b = start_b - start_b % r
+    first_bg = g0_b[:, None] + r * jnp.arange(groups, dtype=jnp.int32)[None, :]
+    complete_bg = (first_bg + r - 1 < end_b[:, None]) & (first_bg + r - 1 >= start_b[:, None])
+    slots = ring_slots(pos_bq, valid_bq, end_b, cap)
+    rows = RowRing(kv_brd=scatter_rows(rows.kv_brd, slots, kv_rows),
+                   gate_brd=scatter_rows(rows.gate_brd, slots, gate_rows),
+                   pos_br=scatter_rows(rows.pos_br, slots, pos_bq))
+    return latent_bgd, first_bg, complete_bg, rows

@@ -7,7 +7,9 @@
       Reindex:           score only inside the candidate source's pool
     Reuse:             take the latest index source's selection; compute nothing
 
-Everything a later layer needs travels in `shared`, a dict of arrays threaded through the layers.
+Everything a later layer needs travels in `shared` (model/shared.py `Shared`), threaded through
+the layers. In generation a KV source keeps its entries in its own cache (`EntryCache`): a chunk
+appends the groups it completes, and every entry is published.
 Selection is query-chunked (`sparse_chunk` queries at a time): the [Tq, N] score slab of one chunk
 exists, never [T, N] for the whole sequence.
 
@@ -24,53 +26,45 @@ teacher's top quarter of the selection that the student also ranks in its top qu
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 
 from deepseek41.config import SWA, LayerRole, ModelConfig, layer_roles
+from deepseek41.model import diagnostics
 from deepseek41.model import indexer as idx_lib
-from deepseek41.model.compressor import Compressor, document_first_entry_bt, visible_btn
+from deepseek41.model.compressor import (CompressedKV, Compressor, RowRing,
+                                         document_first_entry_bt, visible_btn)
 from deepseek41.model.indexer import IndexKeys, IndexQuery
+from deepseek41.model.layer_cache import CacheSpec, scatter_rows
+from deepseek41.model.params import dtype_of
+from deepseek41.model.rope import apply_rope, rope_for_role
+from deepseek41.model.shared import Decoding, Selection, Shared, SourceEntries
 from deepseek41.ops.chunking import map_query_chunks
 from deepseek41.ops.index_scores import SCORERS, index_scores_reference
 from deepseek41.ops.selected_scores import selected_scores
 from deepseek41.ops.sparse_attention import compressed_branch, compressed_partial
+from deepseek41.packing import empty_stored, load, store
 from deepseek41.quant import get_fake_quant
 
 
-INDEXER_TOTALS = 'indexer'  # shared[...]: [sum of per-query KL, queries counted, sum of recall]
 # The checkpoint name of an index source's selection (and published candidate blocks): block
 # remat saves them (model/transformer.py), so the backward does not rescore and reselect.
 SELECTION = 'csa2_selection'
-# shared[DECODE]: generation's cache keeper (generate/decode.py); its `attention` and `publish`
-# replace the in-sequence versions for a chunk of new tokens.
-DECODE = 'decode'
 
 
-def _kv_key(layer):
-  return f'kv{layer}'
-
-
-def _sel_key(layer):
-  return f'sel{layer}'
-
-
-def _pool_key(layer):
-  return f'pool{layer}'
-
-
-# shared[SINKS + str(layer)]: an index source's zero-valued sinks, one per later reader of its
-# selection, through which their backward hands it the key/value-gradient coefficients
-# (model.sparse_group_dkv). Nothing stores them in the forward (tools/plan.py counts none).
-SINKS = 'sinks'
-
-
-def _sinks_key(layer):
-  return f'{SINKS}{layer}'
+@struct.dataclass
+class EntryCache:
+  """Generation: a KV source's entries of the whole sequence, entry j = tokens j*r .. j*r + r-1
+  (N = `CacheSpec.entries(r)`), in their stored formats (packing.py)."""
+  kv_bnd: Any          # compressed K=V in model.kv_quant
+  keys_bnc: Any        # indexer keys in model.index_quant
+  written_bn: jax.Array  # bool: the entry's group is complete
+  rows: RowRing | None   # ratio > 1: the compressor's newest projected rows
 
 
 def causal_groups(t: int, chunk: int, groups: int, row_offset, ratio: int, n: int,
@@ -173,38 +167,77 @@ class CSA2(nnx.Module):
       self.index_query = IndexQuery(cfg, cfg.index_n_heads, cfg.index_head_dim, rngs)
     # The later layers reading this layer's selection (hence its KV source's entries): with the
     # fused kernel they hand their key/value gradient's coefficients to this layer's backward,
-    # which adds it once for all (cfg.sparse_group_dkv; ops/sparse_kernel.py).
+    # which adds it once for all (cfg.sparse_group_dkv; ops/gpu/sparse_kernel.py).
     self.selection_readers = tuple(r.layer for r in layer_roles(cfg)
                                    if r.index_source == role.index_source and r.mode != SWA
                                    and r.layer != role.index_source)
 
-  def publish_kv(self, x_btd, batch, shared: dict) -> dict:
+  def publish_kv(self, x_btd, batch, shared: Shared) -> Shared:
     """Compress this KV-source layer's attention input and publish entries and index keys."""
-    if DECODE in shared:  # generation: append to the layer's cache, publish all of it
-      return shared[DECODE].publish(self, x_btd, batch, shared)
     cfg = self.cfg
     comp = self.compressor(x_btd, batch['segment_ids'], batch['positions'],
                            quantize=get_fake_quant(cfg.kv_quant))
     k_bnc = self.index_keys(jax.lax.stop_gradient(comp.latent_bnd), comp.pos_bn,
                             quantize=get_fake_quant(cfg.index_quant))
-    return {**shared, _kv_key(self.role.layer): (comp, k_bnc)}
+    return shared.with_kv(self.role.layer, SourceEntries(comp, k_bnc))
 
-  def __call__(self, x_btd, q_r_btr, q_bthd, batch, shared: dict):
+  def init_cache(self, spec: CacheSpec) -> EntryCache:
+    """A KV source's empty entries."""
+    cfg = self.cfg
+    b, n, dt = spec.batch, spec.entries(self.role.ratio), dtype_of(cfg.compute_dtype)
+    return EntryCache(kv_bnd=empty_stored(cfg.kv_quant, (b, n), cfg.head_dim, dt),
+                      keys_bnc=empty_stored(cfg.index_quant, (b, n), cfg.index_head_dim, dt),
+                      written_bn=jnp.zeros((b, n), bool),
+                      rows=self.compressor.init_cache(spec))
+
+  def decode_kv(self, x_btd, batch, cache: EntryCache,
+                decoding: Decoding) -> tuple[EntryCache, SourceEntries]:
+    """Generation: the chunk's completed groups appended to this KV source's entries; returns
+    (the cache, every entry as published). The entries stay packed: attention gathers its
+    selected rows and unpacks only those (`CompressedKV.load_rows`); the indexer scores every
+    key, so the keys are unpacked whole."""
+    cfg, comp = self.cfg, self.compressor
+    r = comp.ratio
+    if decoding.write_entries:
+      pos_bq, valid_bq = batch['positions'], batch['segment_ids'] > 0
+      latent_bgd, first_bg, complete_bg, rows = comp.decode(
+          x_btd, pos_bq, valid_bq, decoding.start_b, decoding.end_b, cache.rows)
+      entry_raw = apply_rope(latent_bgd, first_bg, rope_for_role(cfg, 'compress'))
+      keys_raw = self.index_keys(latent_bgd, first_bg)
+      n = cache.written_bn.shape[1]
+      slot_bg = jnp.where(complete_bg, first_bg // r, n)
+      cache = EntryCache(
+          kv_bnd=scatter_rows(cache.kv_bnd, slot_bg, store(cfg.kv_quant, entry_raw)),
+          keys_bnc=scatter_rows(cache.keys_bnc, slot_bg, store(cfg.index_quant, keys_raw)),
+          written_bn=scatter_rows(cache.written_bn, slot_bg, complete_bg), rows=rows)
+    b, n = cache.written_bn.shape
+    j_n = jnp.arange(n, dtype=jnp.int32)
+    dt = x_btd.dtype
+    view = CompressedKV(latent_bnd=None, kv_bnd=cache.kv_bnd,
+                        pos_bn=jnp.broadcast_to(j_n * r, (b, n)),
+                        seg_bn=cache.written_bn.astype(jnp.int32),
+                        last_bn=jnp.broadcast_to(j_n * r + r - 1, (b, n)), ratio=r,
+                        load_rows=functools.partial(load, cfg.kv_quant, dtype=dt))
+    return cache, SourceEntries(view, load(cfg.index_quant, cache.keys_bnc, dt))
+
+  def __call__(self, x_btd, q_r_btr, q_bthd, batch, shared: Shared):
     """Returns (the compressed branch's partial (o, lse) or `softmax_merge.Branch`, the updated
-    `shared`); a Branch's handoffs (the deferred key/value gradient's sinks) are published by
-    the layer after the merge."""
+    `shared`); a Branch's handoffs (the deferred key/value gradient's sinks, {index source:
+    sinks}) are published by the layer after the merge."""
     cfg, role = self.cfg, self.role
     seg, pos = batch['segment_ids'], batch['positions']
     row_offset = batch.get('row_offset', 0)  # CED prefill: the query rows are a tail
-    shared = dict(shared)
-    if self.owns_kv and _kv_key(role.layer) not in shared:  # (else published by `publish_kv`)
+    decoding = shared.decode is not None
+    # (CED prefill publishes beforehand, `Block.publish_global_kv`; generation always does,
+    # `Attention.decode`)
+    if self.owns_kv and role.layer not in shared.kv:
       shared = self.publish_kv(x_btd, batch, shared)
-    comp, k_bnc = shared[_kv_key(role.kv_source)]
+    comp, k_bnc = shared.kv[role.kv_source]
     if self.owns_index:
       q_idx, w_bth = self.index_query(jax.lax.stop_gradient(q_r_btr),
                                       jax.lax.stop_gradient(x_btd), pos,
                                       quantize=get_fake_quant(cfg.index_quant))
-      pool = shared.get(_pool_key(cfg.candidate_source_layer_id)) if role.uses_candidates else None
+      pool = shared.pools.get(cfg.candidate_source_layer_id) if role.uses_candidates else None
       sel_idx, sel_valid, blocks = select_chunked(
           jax.lax.stop_gradient(q_idx), jax.lax.stop_gradient(w_bth),
           jax.lax.stop_gradient(k_bnc), seg, comp, topk=cfg.index_topk,
@@ -213,48 +246,49 @@ class CSA2(nnx.Module):
           topk_block=cfg.index_topk_block, scores_fn=SCORERS[cfg.index_impl],
           row_offset=row_offset, select_impl=cfg.select_impl, groups=cfg.index_causal_groups)
       sel_idx, sel_valid, blocks = checkpoint_name((sel_idx, sel_valid, blocks), SELECTION)
-      shared[_sel_key(role.layer)] = (sel_idx, sel_valid)
+      shared = shared.with_selection(role.layer, Selection(sel_idx, sel_valid))
       if blocks is not None:
-        shared[_pool_key(role.layer)] = blocks
-    sel_idx, sel_valid = shared[_sel_key(role.index_source)]
+        shared = shared.with_pool(role.layer, blocks)
+    sel_idx, sel_valid = shared.selections[role.index_source]
+    if shared.probe is not None:  # diagnostics: the selection against dense attention
+      shared = shared.with_probe_stats(role.layer, diagnostics.selection_stats(
+          q_bthd, comp, sel_idx, sel_valid, seg, shared.probe.answer_rows_bt,
+          topk=cfg.index_topk, window=cfg.sliding_window, chunk=shared.probe.chunk))
     # Only an index source in training needs the per-slot mass (its indexer's distillation
     # target); generation computes no indexer loss.
-    distill = self.owns_index and DECODE not in shared
+    distill = self.owns_index and not decoding
     kv = comp.kv_bnd if comp.load_rows else comp.kv_bnd.astype(q_bthd.dtype)
-    group = (cfg.sparse_group_dkv and cfg.sparse_impl == 'fused' and DECODE not in shared and
+    group = (cfg.sparse_group_dkv and cfg.sparse_impl == 'fused' and not decoding and
              bool(self.selection_readers))
     later, sink = 0, None
     if group and self.owns_index:
       later = len(self.selection_readers)
     elif group:  # take this layer's sink; the last reader drops the entry
-      sinks = shared[_sinks_key(role.index_source)]
-      sink = sinks[self.selection_readers.index(role.layer)]
+      sink = shared.sinks[role.index_source][self.selection_readers.index(role.layer)]
       if role.layer == self.selection_readers[-1]:
-        del shared[_sinks_key(role.index_source)]
+        shared = shared.without_sinks(role.index_source)
     if merged_backward(cfg, shared) and cfg.sparse_impl == 'fused':
       partial, mass_btk = compressed_branch(q_bthd, kv, sel_idx, sel_valid, with_mass=distill,
-                                            later=later, sink=sink,
-                                            sinks_key=_sinks_key(role.layer))
+                                            later=later, sink=sink, sinks_key=role.layer)
     else:
       o_bthd, lse_bth, *mass = compressed_partial(
           q_bthd, kv, sel_idx, sel_valid, impl=cfg.sparse_impl, chunk=cfg.sparse_chunk,
           with_mass=distill, load_rows=comp.load_rows, later=later, sink=sink)
       if later:
-        *mass, shared[_sinks_key(role.layer)] = mass
+        *mass, sinks = mass
+        shared = shared.with_sinks({role.layer: sinks})
       partial, mass_btk = (o_bthd, lse_bth), (mass[0] if distill else None)
     if distill:
       student_btk = selected_scores(q_idx, w_bth, k_bnc, sel_idx, sel_valid,
                                     impl=cfg.selected_scores_impl,
                                     chunk=cfg.sparse_chunk)
-      kl_sum, counted, recall_sum = idx_lib.indexer_distillation(student_btk, mass_btk, sel_valid,
-                                                                 select_impl=cfg.select_impl)
-      totals = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))
-      shared[INDEXER_TOTALS] = totals + jnp.stack([kl_sum, counted, recall_sum])
+      shared = shared.add_indexer_totals(*idx_lib.indexer_distillation(
+          student_btk, mass_btk, sel_valid, select_impl=cfg.select_impl))
     return partial, shared
 
 
-def merged_backward(cfg: ModelConfig, shared: dict) -> bool:
+def merged_backward(cfg: ModelConfig, shared: Shared) -> bool:
   """Whether the attention kernels' partials join the layer's softmax as `softmax_merge.Branch`es
   (model.merged_backward; training and evaluation, not generation's cached attention)."""
-  return cfg.merged_backward and DECODE not in shared
+  return cfg.merged_backward and shared.decode is None
 

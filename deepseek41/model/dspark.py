@@ -38,6 +38,8 @@ from deepseek41.model.mhc import collapse
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import TokenTable, dtype_of, normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
+from deepseek41.model.shared import Shared
+from deepseek41.model.transformer import Block
 from deepseek41.ops.fp8_matmul import dense
 from deepseek41.ops.swa_attention import combine_with_sink, keyset_partial
 
@@ -46,7 +48,7 @@ def draft_model_config(cfg: ModelConfig, ds: DSparkConfig) -> ModelConfig:
   """The backbone's block shapes with the draft MoE's expert count and top-k (section 3.14)."""
   return dataclasses.replace(cfg, n_routed_experts=ds.n_routed_experts,
                              num_experts_per_tok=ds.num_experts_per_tok, mhc_impl='reference',
-                             engram_layer_ids=(), csa2=False)
+                             engram_layer_ids=(), attention_variant='window')
 
 
 def draft_role(layer: int) -> LayerRole:
@@ -64,7 +66,7 @@ class DraftAttention(Attention):
   document: not). Each block turns m into its own keys with its own W_kv and kv_norm.
   """
 
-  def __call__(self, x_nrd, batch, shared: dict):
+  def __call__(self, x_nrd, batch, shared: Shared):
     ctx = batch['dspark_context']
     positions_nr = batch['positions']
     _, q_nrhd, kv_nrd = self.project(x_nrd, positions_nr)
@@ -114,7 +116,6 @@ class DSpark(nnx.Module):
   LM head of its own: it reads the backbone's)."""
 
   def __init__(self, cfg: ModelConfig, ds: DSparkConfig, rngs: nnx.Rngs):
-    from deepseek41.model.transformer import Block  # transformer imports nothing from here
     d, std = cfg.d_model, cfg.init_std
     self.cfg, self.ds = cfg, ds
     self.targets = ds.targets(cfg.num_layers)
@@ -195,7 +196,7 @@ class DSpark(nnx.Module):
     auxes = []
     for block in self.blocks:
       with jax.named_scope(f'dspark{block.layer}'):
-        x, pre, aux, _ = block(x, pre, rows_batch, {})
+        x, pre, aux, _ = block(x, pre, rows_batch, Shared())
       auxes.append(aux)
 
     if cfg.residual == 'mhc_single_pass':

@@ -9,8 +9,8 @@
 The row ids depend only on token ids: `row_ids` computes them once per batch for every Engram
 layer (`Transformer.with_engram_rows` calls it; engram_hash.py holds the hashing), never inside a
 layer. Tables are rows x head_dim `EngramTable` parameters (their own learning rate) with the
-logical axis `engram_rows`, so the mesh rules shard their rows; ops/engram_lookup.py fetches
-each device's rows from their owners.
+logical axis `engram_rows`, so the mesh rules shard their rows; ops/parallel/engram_lookup.py
+fetches each device's rows from their owners.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from deepseek41.config import ModelConfig
 from deepseek41.model import engram_hash
 from deepseek41.model.norms import rms_normalize
 from deepseek41.model.params import EngramTable, const_param, normal_param
-from deepseek41.ops.engram_lookup import lookup_rows
+from deepseek41.ops.parallel.engram_lookup import lookup_rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@
     query (index sources):  q_t,h = quantize(RoPE_c((q_r,t W_qb^I)_h, positions_t))  [T, H_I, d_I]
                             w_t,h = x_t W_w                                            [T, H_I]
     score:                  I[t,j] = sum_h w[t,h] H_I^-1/2 relu(q[t,h] . k[j]) d_I^-1/2  (fp32;
-                            ops/index_scores.py, reference and fused kernel)
+                            ops/index_scores.py: the reference and the kernels)
     selection:              the best min(k, #eligible) eligible entries, eligible = visible
                             (and inside the candidate pool for Reindex layers)
     candidate pool:         block b of a query's document = its compressed entries
@@ -27,9 +27,9 @@ entry), and -0.0 is rewritten as +0.0 first, because top_k orders floats totally
 and relu makes exact zeros (of either sign, depending on w) common.
 
 select_impl (model.select_impl): 'top_k' runs `jax.lax.top_k` (it sorts whole rows on the GPU);
-'threshold' runs the exact threshold-select kernel (ops/topk_select.py; in the Pallas interpreter
-on the CPU), which picks the same SET, ties included, but fills the slots in ascending entry
-index order instead of descending score. Nothing downstream reads the slot order as a ranking:
+'threshold' runs the exact threshold-select kernel (ops/gpu/topk_select.py; in the Pallas
+interpreter on the CPU), which picks the same SET, ties included, but fills the slots in
+ascending entry index order instead of descending score. Nothing downstream reads the slot order as a ranking:
 attention, the pool mask and the KL are sums over slots (their float summation order changes,
 so results agree to rounding, not bit for bit). Only `recall_per_query` (a logged diagnostic)
 breaks ties by lowest slot: student scores tied as the selection keys were sit in ascending
@@ -39,7 +39,6 @@ resolve differently.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax
@@ -50,9 +49,9 @@ from deepseek41.config import ModelConfig
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
-from deepseek41.ops.per_device import batch_local
+from deepseek41.ops.parallel.per_device import batch_local
 from deepseek41.ops.sparse_attention import selection_mask
-from deepseek41.ops.topk_select import MAX_L, topk_threshold_reference, topk_threshold
+from deepseek41.ops.topk_select import threshold_select
 
 SELECT_IMPLS = ('top_k', 'threshold')
 
@@ -90,11 +89,8 @@ def block_max(key_bcb):
 def _top_slots(key_btn, k: int, select_impl: str):
   """(idx_btk int32, valid_btk bool): the k best keys > -inf per row (ties: lowest index), k slots
   (also when N < k), invalid slots idx 0. top_k: descending key; threshold: ascending index."""
-  if select_impl == 'threshold' and key_btn.shape[-1] > MAX_L:  # too long to hold on chip
-    return topk_threshold_reference(key_btn, k)
-  if select_impl == 'threshold':  # on the CPU the kernel runs in the Pallas interpreter (tests)
-    return batch_local(functools.partial(topk_threshold, k=k,
-                                         interpret=jax.default_backend() == 'cpu'), key_btn)
+  if select_impl == 'threshold':  # the kernel, or its reference for rows too long for it
+    return threshold_select(key_btn, k)
   if select_impl != 'top_k':
     raise ValueError(f'select_impl must be one of {SELECT_IMPLS}, got {select_impl!r}')
   # Per device: GSPMD cannot split top_k's custom call (it would gather the whole batch).
@@ -126,7 +122,7 @@ def select_topk_blocked(scores_btn, visible_btn, k: int, block: int, allowed_btn
   included: an entry outside the k best blocks (ordered by max, then lowest block) is beaten by
   each of those blocks' first maximum, so it cannot be among the k best entries. The kept blocks
   are put back in ascending order, so ties among entries still resolve by lowest index.
-  select_impl 'threshold' runs both stages with the threshold kernel (ops/topk_select.py), whose
+  select_impl 'threshold' runs both stages with the threshold kernel (ops/gpu/topk_select.py), whose
   slots come out ascending already (so no sort; the entries' slots end up in ascending order).
   """
   eligible_btn = visible_btn if allowed_btn is None else visible_btn & allowed_btn

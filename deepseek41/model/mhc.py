@@ -23,6 +23,7 @@ from flax import nnx
 from deepseek41.config import ModelConfig
 from deepseek41.model.norms import rms_normalize
 from deepseek41.model.params import const_param, normal_param
+from deepseek41.ops.gpu.mhc_kernel import expand_site_collapse, site_collapse
 
 
 def sinkhorn(logits_bjk, iters: int, eps: float):
@@ -101,7 +102,7 @@ class MHCHead(nnx.Module):
 def site_coefficients(x_btnd, fn, base, scale, iters: int, eps: float, norm_eps: float):
   """`MHCSite.__call__` as a function of its parameters: (pre_btn, post_btn, comb_btjk), fp32.
 
-  The jnp reference the fused kernels (deepseek41/ops/mhc_kernel.py) are held equal to.
+  The jnp reference the fused kernels (deepseek41/ops/gpu/mhc_kernel.py) are held equal to.
   """
   n = x_btnd.shape[2]
   m = jnp.einsum('btf,cf->btc', _flat_rms(x_btnd, norm_eps), fn.astype(jnp.float32))
@@ -119,7 +120,6 @@ def _site_args(site: MHCSite):
 
 def fused_site_collapse(site: MHCSite, x_btnd, pre_btn=None, **knobs):
   """(u_btd, pre, post, comb) = (collapse(X, pre_btn or the site's pre), *site(X)), fused."""
-  from deepseek41.ops.mhc_kernel import site_collapse
   params, kw = _site_args(site)
   return site_collapse(x_btnd, *params, pre_btn, **kw, **knobs)
 
@@ -128,7 +128,6 @@ def fused_expand_site_collapse(site: MHCSite, x_btnd, f_btd, post_btn, comb_btjk
                                **knobs):
   """(x', u, pre, post, comb): x' = expand(X, F, post, comb), then `fused_site_collapse(site, x',
   pre_btn)`, in one pass (X' written once, never read back)."""
-  from deepseek41.ops.mhc_kernel import expand_site_collapse
   params, kw = _site_args(site)
   return expand_site_collapse(x_btnd, f_btd, post_btn, comb_btjk, *params, pre_btn, **kw,
                               **knobs)

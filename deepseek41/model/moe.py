@@ -18,10 +18,10 @@ from flax import nnx
 from deepseek41.config import ModelConfig
 from deepseek41.model.params import RouterBias, normal_param
 from deepseek41.ops.expert_gemm import clipped_swiglu
-from deepseek41.ops.expert_parallel import routed_experts
 from deepseek41.ops.fp8_matmul import dense
-from deepseek41.ops.grouped_gemm import default_tiles
-from deepseek41.ops.per_device import batch_local
+from deepseek41.ops.gpu.grouped_gemm import default_tiles
+from deepseek41.ops.parallel.expert_parallel import routed_experts
+from deepseek41.ops.parallel.per_device import batch_local
 
 NUM_MODALITIES = 2  # 0 = text, 1 = image (batch field `modality`)
 

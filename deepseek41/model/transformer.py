@@ -19,18 +19,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from deepseek41.config import LayerRole, ModelConfig, layer_roles, remats_layer
-from deepseek41.model.attention import Attention
-from deepseek41.model.csa2 import INDEXER_TOTALS, SELECTION
+from deepseek41.model.attention import Attention, AttentionCache
+from deepseek41.model.csa2 import SELECTION
 from deepseek41.model.engram import Engram, dead_tokens, layer_addresses, row_ids
 from deepseek41.model.mhc import (MHCHead, MHCSite, collapse, expand, fused_expand_site_collapse,
                                   fused_site_collapse)
 from deepseek41.model.moe import MoE
 from deepseek41.model.norms import RMSNorm
+from deepseek41.model.layer_cache import CacheSpec
 from deepseek41.model.params import TokenTable, dtype_of, normal_param
+from deepseek41.model.shared import Shared
 from deepseek41.model.vision import VisionEncoder
-from deepseek41.ops.mhc_kernel import expand_fused
-from deepseek41.ops.per_device import constrain_tokens, gather_tensor_split
-from deepseek41.ops.sparse_kernel import KERNEL_OUTPUTS
+from deepseek41.ops.gpu.mhc_kernel import expand_fused
+from deepseek41.ops.launch import KERNEL_OUTPUTS
+from deepseek41.ops.parallel.per_device import constrain_tokens, gather_tensor_split
 
 
 @jax.custom_vjp
@@ -79,7 +81,7 @@ class Block(nnx.Module):
       self.attn_site = MHCSite(cfg, rngs)
       self.ffn_site = MHCSite(cfg, rngs)
 
-  def __call__(self, x, pre_prev, batch, shared):
+  def __call__(self, x, pre_prev, batch, shared: Shared):
     """(x, pre for the next site (single pass; else None), aux, shared)."""
     valid_bt = batch['segment_ids'] > 0
     engram_dropped = jnp.zeros((), jnp.int32)
@@ -122,7 +124,7 @@ class Block(nnx.Module):
     x = mhc(expand)(x, y_btd, post_f, comb_f)
     return x, (pre_f if self.residual == 'mhc_single_pass' else None), aux, shared
 
-  def publish_global_kv(self, x, pre_prev, batch, shared):
+  def publish_global_kv(self, x, pre_prev, batch, shared: Shared) -> Shared:
     """Only this KV-source layer's compressor and index keys, over every row (CED prefill).
 
     The same attention input as `__call__` builds (Engram, then the mHC read); nothing else of
@@ -134,7 +136,7 @@ class Block(nnx.Module):
       x = collapse(x, pre_prev)
     elif self.residual == 'mhc_multi_pass':
       x = collapse(x, self.attn_site(x)[0])
-    return self.attn.csa2.publish_kv(self.attn_norm(x), batch, shared)
+    return self.attn.publish_kv(self.attn_norm(x), batch, shared)
 
 
 def _rematerialized(block: Block, x, pre_prev, batch, shared, sequence_parallel: bool = False,
@@ -144,7 +146,8 @@ def _rematerialized(block: Block, x, pre_prev, batch, shared, sequence_parallel:
   A pure `jax.checkpoint` over (graph, state): the forward never mutates state, so nothing has
   to flow back out, and NNX's lifted remat (which does propagate state) is not needed. A
   sequence-parallel x is gathered inside, so the input kept for the backward stays split.
-  Saved besides the block's inputs: an index source's selection (`csa2.SELECTION`, int32
+  `shared` (model/shared.py) is a pytree: what earlier layers published goes in, this layer's
+  additions come out. Saved besides the block's inputs: an index source's selection (`csa2.SELECTION`, int32
   [B, T, K] and its mask), whose recomputation would rescore every visible entry (the
   indexer's O(T N) scores) and rerun the top-k, for a few hundred MB at 64K tokens.
   keep_kernel_outputs (`train.remat=block_keep_attention`): also the GPU attention kernels'
@@ -231,10 +234,15 @@ class Transformer(nnx.Module):
     logits_btv, aux, _ = self.forward(batch)
     return logits_btv, aux
 
-  def run_blocks(self, x, pre, batch, shared: dict, capture_layers: tuple[int, ...] = (),
+  def init_cache(self, spec: CacheSpec) -> dict[int, AttentionCache]:
+    """Every layer's empty generation cache, {layer: cache} (the layers' `init_cache`)."""
+    return {block.layer: block.attn.init_cache(spec) for block in self.blocks}
+
+  def run_blocks(self, x, pre, batch, shared: Shared, capture_layers: tuple[int, ...] = (),
                  blocks=None):
     """The layers in order (`blocks`, default all of them): (x, pre, per-layer aux, captured
-    inputs, shared). `batch` already holds the Engram row ids (`with_engram_rows`)."""
+    inputs, shared). `batch` already holds the Engram row ids (`with_engram_rows`). Generation
+    passes `Shared(decode=...)` holding the layers' caches, and takes them back updated."""
     auxes = []
     captured = {}
     for block in self.blocks if blocks is None else blocks:
@@ -262,10 +270,11 @@ class Transformer(nnx.Module):
       x = constrain_tokens(x, self.sequence_parallel)
       batch = self.with_engram_rows(batch)
     # shared: compressed KV and selections published by source layers (CSA2)
-    x, pre, auxes, captured, shared = self.run_blocks(x, pre, batch, {}, capture_layers)
+    x, pre, auxes, captured, shared = self.run_blocks(x, pre, batch, Shared(), capture_layers)
     with jax.named_scope('head'):
       logits_btv = self.logits(x, pre)
-    kl_sum, counted, recall_sum = shared.get(INDEXER_TOTALS, jnp.zeros(3, jnp.float32))
+    totals = shared.indexer_totals
+    kl_sum, counted, recall_sum = jnp.zeros(3, jnp.float32) if totals is None else totals
     aux = {
         'indexer_loss': kl_sum / jnp.maximum(counted, 1.0),
         'indexer_recall': recall_sum / jnp.maximum(counted, 1.0),

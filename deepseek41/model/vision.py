@@ -24,8 +24,8 @@ from deepseek41.batch import NUM_DELIMITERS, ROLE_ALIGN, ROLE_PATCH, ROLE_START
 from deepseek41.config import ModelConfig
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.params import VisionParam, const_param, normal_param
-from deepseek41.ops import stand_in
-from deepseek41.ops.per_device import batch_local
+from deepseek41.ops import launch
+from deepseek41.ops.parallel.per_device import batch_local
 
 IMPLS = ('reference', 'fused')
 
@@ -136,22 +136,22 @@ def vit_attention_fused(q_sphd, k_sphd, v_sphd, lengths_s, implementation='auto'
 
 @jax.custom_vjp
 def _flash_buffers(q_sphd, k_sphd, v_sphd, lengths_s):
-  """vit_attention_fused's buffers as a flash kernel holds them (ops/stand_in.py): the output and
+  """vit_attention_fused's buffers as a flash kernel holds them (ops/launch.py): the output and
   the softmax statistics [S, H, P] forward, dq, dk, dv backward; never the [P, P] scores."""
   return _flash_forward(q_sphd, k_sphd, v_sphd, lengths_s)[0]
 
 
 def _flash_forward(q_sphd, k_sphd, v_sphd, lengths_s):
   s, p, h, _ = q_sphd.shape
-  o_sphd = stand_in.opaque(q_sphd.shape, q_sphd.dtype, q_sphd, k_sphd, v_sphd, lengths_s)
-  stats_shp = stand_in.opaque((s, h, p), jnp.float32, q_sphd, k_sphd, lengths_s)
+  o_sphd = launch.opaque(q_sphd.shape, q_sphd.dtype, q_sphd, k_sphd, v_sphd, lengths_s)
+  stats_shp = launch.opaque((s, h, p), jnp.float32, q_sphd, k_sphd, lengths_s)
   return o_sphd, (q_sphd, k_sphd, v_sphd, lengths_s, o_sphd, stats_shp)
 
 
 def _flash_backward(res, do_sphd):
   q_sphd, k_sphd, v_sphd, lengths_s, o_sphd, stats_shp = res
   ins = (q_sphd, k_sphd, v_sphd, o_sphd, do_sphd, stats_shp, lengths_s)
-  return (*(stand_in.opaque(x.shape, x.dtype, *ins) for x in (q_sphd, k_sphd, v_sphd)), None)
+  return (*(launch.opaque(x.shape, x.dtype, *ins) for x in (q_sphd, k_sphd, v_sphd)), None)
 
 
 _flash_buffers.defvjp(_flash_forward, _flash_backward)
@@ -160,7 +160,7 @@ _flash_buffers.defvjp(_flash_forward, _flash_backward)
 def vit_attention(q_sphd, k_sphd, v_sphd, lengths_s, impl: str):
   if impl == 'reference':
     return vit_attention_reference(q_sphd, k_sphd, v_sphd, lengths_s)
-  if impl == 'fused' and stand_in.active():
+  if impl == 'fused' and launch.active():
     # Per device, as cuDNN's partitioning rule runs it (an opaque call under GSPMD would be
     # given every device's slots).
     return batch_local(lambda *a: (_flash_buffers(*a),), q_sphd, k_sphd, v_sphd, lengths_s,

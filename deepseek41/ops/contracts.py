@@ -7,32 +7,34 @@ validating a config must not start a backend.
 
 from __future__ import annotations
 
+MIN_DOT = 16  # Triton's smallest matrix-product dimension: the GPU kernels pad up to it
+
 
 def _pow2(x: int) -> bool:
   return x > 0 and x & (x - 1) == 0
 
 
 def index_scores_supported(heads: int, dim: int) -> bool:
-  """Shapes the fused GPU indexer kernels take (ops/index_scores.py, ops/selected_scores.py):
-  powers of two, width >= 16."""
-  return _pow2(heads) and _pow2(dim) and dim >= 16
+  """Shapes the fused GPU indexer kernels take (ops/gpu/index_scores.py,
+  ops/gpu/selected_scores.py): powers of two, width >= MIN_DOT."""
+  return _pow2(heads) and _pow2(dim) and dim >= MIN_DOT
 
 
 def attention_kernel_supported(heads: int, dim: int) -> bool:
-  """Shapes the fused window kernel takes (ops/window_kernel.py): heads and head width powers of
-  two, both >= 16."""
-  return index_scores_supported(heads, dim) and heads >= 16
+  """Shapes the fused window kernel takes (ops/gpu/window_kernel.py): heads and head width powers
+  of two, both >= MIN_DOT."""
+  return index_scores_supported(heads, dim) and heads >= MIN_DOT
 
 
 def mosaic_index_supported(dim: int) -> bool:
-  """The TPU indexer kernel (ops/tpu_index_scores.py) takes head widths of whole lanes."""
+  """The TPU indexer kernel (ops/tpu/index_scores.py) takes head widths of whole lanes."""
   return dim % 128 == 0
 
 
 def mhc_kernel_supported(hc_mult: int, d_model: int) -> bool:
-  """Shapes the fused mHC kernels take (ops/mhc_kernel.py): a power-of-two stream count and a
-  width of whole 16-lane tiles."""
-  return _pow2(hc_mult) and d_model % 16 == 0
+  """Shapes the fused mHC kernels take (ops/gpu/mhc_kernel.py): a power-of-two stream count and
+  a width of whole 16-lane tiles."""
+  return _pow2(hc_mult) and d_model % MIN_DOT == 0
 
 
 def default_expert_exchange(backend: str) -> str:

@@ -16,20 +16,20 @@ Backends (docs/performance.md says why there are several):
     group densely on CPU and CUDA (about E times the useful FLOPs); worth it only where a real
     grouped-GEMM kernel exists (TPU).
   * `grouped`: dropless, sorted rows with each expert's group padded to whole row tiles, through
-    the Pallas grouped-GEMM kernels of ops/grouped_gemm.py (Triton lowering; forward and backward
-    are kernels, the useful FLOPs plus < block_m padding rows per expert). On the CPU the kernels
-    run in the Pallas interpreter.
+    the Pallas grouped-GEMM kernels of ops/gpu/grouped_gemm.py (Triton lowering; forward and
+    backward are kernels, the useful FLOPs plus < block_m padding rows per expert). On the CPU
+    the kernels run in the Pallas interpreter.
 
 FP8 (`fp8='rowwise'`, model.fp8; ops/fp8_matmul.py): `reference` and `capacity_einsum` run
 each expert's three GEMMs as row-wise scaled e4m3 GEMMs, forward, dgrad and wgrad (a vmap of
 fp8_matmul over the experts). `grouped` runs the forward and dgrad in e4m3 inside the Pallas
-kernels and keeps the weight gradient in the compute dtype (ops/grouped_gemm.py). `ragged_dot`
-cannot take per-(expert, column) scales, so it reproduces the grouped numerics by quantize-
-dequantize: the same e4m3 values and scales, a compute-dtype ragged_dot.
+kernels and keeps the weight gradient in the compute dtype (ops/gpu/grouped_gemm.py).
+`ragged_dot` cannot take per-(expert, column) scales, so it reproduces the grouped numerics by
+quantize-dequantize: the same e4m3 values and scales, a compute-dtype ragged_dot.
 
 Padding tokens (`valid` false) take no capacity, are never counted as dropped, and output 0.
 `valid` may also be given per assignment ([N, K]): an expert shard computes only the assignments
-to its own experts of tokens gathered from every shard (ops/expert_parallel.py).
+to its own experts of tokens gathered from every shard (ops/parallel/expert_parallel.py).
 All backends are jit-able and differentiable in x, weight_nk and the three expert tensors; all but
 `grouped` are plain jnp and indifferent to how the weights are sharded (`grouped` computes the
 experts of the weight tensor it is given: shard it by expert under shard_map, not by D or F).
@@ -44,9 +44,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from deepseek41.ops import grouped_gemm
+from deepseek41.ops import launch
 from deepseek41.ops.fp8_matmul import batched_fp8_matmul, check_fp8, qdq_rowwise
-from deepseek41.ops.grouped_gemm import per_assignment, sort_by_expert as _sort_by_expert
+from deepseek41.ops.gpu.grouped_gemm import Tiles, default_tiles, projection
+from deepseek41.ops.grouped_gemm import make_layout, per_assignment
+from deepseek41.ops.grouped_gemm import sort_by_expert as _sort_by_expert
 
 BACKENDS = ('reference', 'capacity_einsum', 'ragged_dot', 'grouped')
 
@@ -293,14 +295,14 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_d
              tiles, fp8='off', out_dtype=None, max_valid=None):
   """Dropless: rows sorted by expert, each group padded to whole row tiles, Pallas grouped GEMMs.
 
-  The layout and kernels are ops/grouped_gemm.py. On the CPU the kernels run in the Pallas
-  interpreter (tests) with small tiles.
+  The layout is ops/grouped_gemm.py's, the kernels ops/gpu/grouped_gemm.py's. On the CPU the
+  kernels run in the Pallas interpreter (tests) with small tiles.
   """
   n, k = expert_idx_nk.shape
   n_experts = w_gate_edf.shape[0]
-  interpret = jax.default_backend() == 'cpu'
-  tiles = tiles or grouped_gemm.default_tiles()
-  lay = grouped_gemm.make_layout(expert_idx_nk, valid_nk, n_experts, tiles.block_m, max_valid)
+  interpret = launch.interpreted()
+  tiles = tiles or default_tiles()
+  lay = make_layout(expert_idx_nk, valid_nk, n_experts, tiles.block_m, max_valid)
 
   # Used rows and valid assignments are in bijection, so dispatch and combine are gathers whose
   # transposes are gathers through the other map (no scatter-add in the backward). Group padding
@@ -308,7 +310,7 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_d
   x_md = take_rows(x_nd, lay.assign_m // k, lay.used_m, lay.row_a.reshape(n, k),
                     lay.valid_a.reshape(n, k))
 
-  matmul = grouped_gemm.projection(fp8)
+  matmul = projection(fp8)
 
   def proj(a_md, w_edf):
     return matmul(a_md, w_edf, lay.tile_expert_t, lay.group_tiles_e1, tiles, interpret)
@@ -326,7 +328,7 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_d
 
 def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_down_efd, *,
                swiglu_limit: float | None, backend: str, capacity_factor: float = 1.25,
-               grouped_tiles: grouped_gemm.Tiles | None = None, fp8: str = 'off',
+               grouped_tiles: Tiles | None = None, fp8: str = 'off',
                out_dtype=None, max_valid: int | None = None):
   """Routed experts for one group of N tokens.
 
@@ -344,7 +346,7 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_do
     fp8: 'off' or 'rowwise' (model.fp8): the expert GEMMs in e4m3 (module docstring).
     out_dtype: the dtype of y_nd (None: x's); float32 keeps the combined sum unrounded.
     max_valid: grouped only; a static bound the caller guarantees on the valid assignments
-      (None: N*K), which sizes the expert-sorted layout (ops/expert_parallel.py's bounded
+      (None: N*K), which sizes the expert-sorted layout (ops/parallel/expert_parallel.py's bounded
       allgather exchange).
 
   Returns:
@@ -371,7 +373,7 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_do
 def expert_ffn_batched(x_bnd, expert_idx_bnk, weight_bnk, valid_bn, w_gate_edf, w_up_edf,
                        w_down_efd, *, swiglu_limit: float | None, backend: str,
                        capacity_factor: float = 1.25,
-                       grouped_tiles: grouped_gemm.Tiles | None = None, fp8: str = 'off'):
+                       grouped_tiles: Tiles | None = None, fp8: str = 'off'):
   """expert_ffn over a leading batch of groups; returns (y_bnd, dropped summed over groups).
 
   reference and capacity_einsum run per group under vmap: capacity is per sequence (GShard), so

@@ -1,33 +1,29 @@
-"""Lightning-indexer scores: the jnp reference and one fused GPU kernel (Pallas, Triton backend).
+"""Lightning-indexer scores: the jnp reference and the dispatch to the kernels (model.index_impl).
 
     I[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j]) * (H * C)^-1/2        fp32 [B, T, N]
 
-Both take `limit_bt`, the number of leading entries each query row can see; entries at or past
+All take `limit_bt`, the number of leading entries each query row can see; entries at or past
 it may hold 0 instead of the score (the caller masks everything invisible anyway).
 
 `index_scores_reference` writes the [T, H, N] dot products to memory and reads them back to
 apply relu and the head weights: at 64K tokens and 32 heads that round trip is most of the
-indexer's time. The kernel keeps each [bq, bn] tile's head loop on chip (one [bq, C] x [C, bn]
-matmul per head, relu and the weighted sum in registers) and skips key tiles past the causal
-limit of its query rows (written as 0).
+indexer's time. The kernels keep each tile's head loop on chip: 'fused' the GPU's
+(ops/gpu/index_scores.py), 'mosaic' the TPU's (ops/tpu/index_scores.py), each on its device's
+batch rows (ops/parallel/per_device.py) and in the Pallas interpreter on the CPU
+(ops/launch.py; the tests).
 
-The kernel has no gradient: selection stops gradients, and the indexer's training signal uses
-the scores of the selected entries only (ops/selected_scores.py).
+No gradient: selection stops gradients, and the indexer's training signal uses the scores of
+the selected entries only (ops/selected_scores.py).
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
-from deepseek41.ops import stand_in
-from deepseek41.ops.contracts import index_scores_supported
-from deepseek41.ops.per_device import batch_local
-
-MIN_DOT = 16  # Triton's smallest matmul dimension
+from deepseek41.ops.gpu.index_scores import index_scores_fused
+from deepseek41.ops.parallel.per_device import batch_local
+from deepseek41.ops.tpu.index_scores import index_scores_tpu
 
 
 def index_scores_reference(q_bthc, w_bth, k_bnc, limit_bt=None):
@@ -42,96 +38,14 @@ def index_scores_reference(q_bthc, w_bth, k_bnc, limit_bt=None):
   return jnp.einsum('bthn,bth->btn', jax.nn.relu(dots_bthn), w_bth)
 
 
-def _kernel(lim_ref, q_ref, w_ref, k_ref, o_ref, *, heads, dim, bq, bn, scale):
-  # lim: [bq] entries each query row may see; q: [bq, H*C]; w: [bq, H]; k: [bn, C]; o: [bq, bn]
-  needed = pl.program_id(2) * bn < jnp.max(lim_ref[...])
-
-  @pl.when(needed)
-  def _():
-    k_nc = k_ref[...]
-
-    def head(h, acc_qn):
-      q_qc = q_ref[:, pl.ds(h * dim, dim)]
-      dots_qn = jax.lax.dot_general(q_qc, k_nc, (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-      return acc_qn + jnp.maximum(dots_qn, 0.0) * w_ref[:, pl.ds(h, 1)]
-    acc_qn = jax.lax.fori_loop(0, heads, head, jnp.zeros((bq, bn), jnp.float32))
-    o_ref[...] = acc_qn * scale
-
-  @pl.when(jnp.logical_not(needed))
-  def _():
-    o_ref[...] = jnp.zeros((bq, bn), jnp.float32)
-
-
-def pad_axis(x, axis, multiple):
-  """x zero-padded along `axis` to a multiple of `multiple`."""
-  extra = -x.shape[axis] % multiple
-  if not extra:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, extra)
-  return jnp.pad(x, pad)
-
-
-@functools.partial(jax.jit, static_argnames=('block_q', 'block_n', 'num_warps', 'interpret'))
-def index_scores_fused(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 64, block_n: int = 128,
-                       num_warps: int = 4, interpret: bool = False):
-  """fp32 [B, T, N] indexer scores; entries j >= limit_bt[t] may be 0 instead of the score.
-
-  limit_bt: int32 [B, T], how many leading entries row t can see (causality); tiles wholly past
-  the limit are not computed. `interpret=True` runs the kernel in the Pallas interpreter (CPU).
-  """
-  from jax.experimental.pallas import triton as plt  # GPU-only module; imported lazily
-
-  b, t, h, c = q_bthc.shape
-  n = k_bnc.shape[1]
-  if not index_scores_supported(h, c):
-    raise ValueError(f'index_scores_fused needs power-of-two heads and head width >= {MIN_DOT}; '
-                     f'got {h} heads x {c}')
-  bq = min(block_q, max(MIN_DOT, pl.next_power_of_2(t)))
-  bn = min(block_n, max(MIN_DOT, pl.next_power_of_2(n)))
-  dt = q_bthc.dtype
-  q_btf = pad_axis(q_bthc.reshape(b, t, h * c), 1, bq)
-  w_bth = pad_axis(w_bth.astype(jnp.float32), 1, bq)
-  lim_bt = pad_axis(limit_bt.astype(jnp.int32), 1, bq)
-  k_bnc = pad_axis(k_bnc.astype(dt), 1, bn)
-  tp, np_ = q_btf.shape[1], k_bnc.shape[1]
-  kernel = functools.partial(_kernel, heads=h, dim=c, bq=bq, bn=bn, scale=(h * c) ** -0.5)
-  out = stand_in.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((b, tp, np_), jnp.float32),
-      grid=(b, tp // bq, np_ // bn),
-      in_specs=[pl.BlockSpec((None, bq), lambda i, j, k: (i, j)),
-                pl.BlockSpec((None, bq, h * c), lambda i, j, k: (i, j, 0)),
-                pl.BlockSpec((None, bq, h), lambda i, j, k: (i, j, 0)),
-                pl.BlockSpec((None, bn, c), lambda i, j, k: (i, k, 0))],
-      out_specs=pl.BlockSpec((None, bq, bn), lambda i, j, k: (i, j, k)),
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
-      interpret=interpret,
-      name='csa2_index_scores',
-  )(lim_bt, q_btf, w_bth, k_bnc)
-  return out[:, :t, :n]
-
-
 def index_scores_per_device(q_bthc, w_bth, k_bnc, limit_bt):
-  """index_scores_fused on each device's batch rows (ops/per_device.py)."""
-  kernel = functools.partial(index_scores_fused, interpret=jax.default_backend() == 'cpu')
-  return batch_local(kernel, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
-
-
-def _interpret() -> bool:
-  """Interpret a Pallas kernel only where nothing compiles it: the platform of the mesh in
-  context (a deviceless TPU compile's mesh is the TPU's), else the default backend's."""
-  device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
-  platform = getattr(device, 'platform', None) or jax.default_backend()
-  return platform == 'cpu'
+  """The GPU kernel (ops/gpu/index_scores.py) on each device's batch rows."""
+  return batch_local(index_scores_fused, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
 
 
 def index_scores_mosaic_per_device(q_bthc, w_bth, k_bnc, limit_bt):
-  """The TPU (Mosaic) kernel of ops/tpu_index_scores.py on each device's batch rows."""
-  from deepseek41.ops.tpu_index_scores import index_scores_tpu  # it imports this module
-  kernel = functools.partial(index_scores_tpu, interpret=_interpret())
-  return batch_local(kernel, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
+  """The TPU (Mosaic) kernel (ops/tpu/index_scores.py) on each device's batch rows."""
+  return batch_local(index_scores_tpu, q_bthc, w_bth, k_bnc, limit_bt, whole_seq=(2,))
 
 
 SCORERS = {'reference': index_scores_reference, 'fused': index_scores_per_device,

@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from deepseek41.ops.sparse_kernel import name_outputs
+from deepseek41.ops.launch import name_outputs
 
 
 class Merged(NamedTuple):
@@ -54,7 +54,7 @@ class Branch(NamedTuple):
   non-differentiable ones.
   handoffs: {name: pytree of arrays} that `merge` returns as zeros of the same shapes, for the
   layer to publish; their cotangents reach `backward` as d_handoffs (a dict like it). They carry
-  the sparse kernels' deferred key/value gradient from later layers (ops/sparse_kernel.py).
+  the sparse kernels' deferred key/value gradient from later layers (ops/gpu/sparse_kernel.py).
   """
   o_bthd: jax.Array
   lse_bth: jax.Array

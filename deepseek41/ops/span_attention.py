@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from deepseek41.ops.chunking import map_query_chunks
-from deepseek41.ops.per_device import batch_local
+from deepseek41.ops.parallel.per_device import batch_local
 from deepseek41.ops.swa_attention import _masked_softmax_partial, same_span_mask_btu
 
 IMPLS = ('reference', 'gathered')

@@ -10,7 +10,7 @@ with the window partial and the sink through `swa_attention.combine_with_sink`.
 - `gathered`: per query chunk, gather the k selected latents ([B, C, K, d]) and attend over them
   only; memory is linear in T and no [T, N] array exists. The H heads of a query share each
   gathered latent in one [H, d] x [d, K] matmul.
-- `fused`: the GPU kernel (ops/sparse_kernel.py): the gather happens on chip, nothing of size
+- `fused`: the GPU kernel (ops/gpu/sparse_kernel.py): the gather happens on chip, nothing of size
   [T, K, d] or [T, H, K] reaches HBM, forward and backward.
 """
 
@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from deepseek41.ops.chunking import map_query_chunks
-from deepseek41.ops.per_device import batch_local
+from deepseek41.ops.gpu.sparse_kernel import sparse_backward_fused, sparse_partial_fused
+from deepseek41.ops.parallel.per_device import batch_local
 from deepseek41.ops.softmax_merge import Branch
-from deepseek41.ops.sparse_kernel import sparse_backward_fused, sparse_partial_fused
 from deepseek41.ops.swa_attention import _masked_softmax_partial
 
 IMPLS = ('reference', 'gathered', 'fused')
@@ -125,7 +125,7 @@ def _sparse_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *sink, with_mass, tensor_a
   return out + tuple(a for s in (sinks[0] if sinks else ()) for a in s)
 
 
-# Head dimension of a deferred call's sink arrays (sparse_kernel.sink_shapes).
+# Head dimension of a deferred call's sink arrays (ops/gpu/sparse_kernel.py `sink_shapes`).
 _SINK_HEADS = (3, 3, 2, 2)
 
 
@@ -144,7 +144,7 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
   load_rows: kv_bnd is stored rows (a pytree of [B, N, ...] arrays, e.g. packed codes and
   scales) and load_rows turns gathered ones into [..., d] values; `gathered` only, no gradient.
   later / sink (`fused` only): calls over the same kv and selection that defer their key/value
-  gradient to the first (ops/sparse_kernel.py): `later` > 0 makes this the first and appends
+  gradient to the first (ops/gpu/sparse_kernel.py): `later` > 0 makes this the first and appends
   its sinks (one per later call) to the outputs; `sink`, one of them, makes this a later call.
   """
   if (later or sink is not None) and impl != 'fused':
@@ -164,8 +164,7 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
   elif impl == 'gathered':
     out = _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk)
   elif impl == 'fused':  # on the CPU the kernels run in the Pallas interpreter (tests)
-    kernel = functools.partial(_sparse_fused, scale=scale, with_mass=with_mass, later=later,
-                               interpret=jax.default_backend() == 'cpu')
+    kernel = functools.partial(_sparse_fused, scale=scale, with_mass=with_mass, later=later)
     heads = {0: 2}
     if sink is not None:
       heads.update({4 + i: h for i, h in enumerate(_SINK_HEADS)})
@@ -213,8 +212,7 @@ def _branch_backward(args, merged, d_handoffs, *, scale, later_key):
   q_bthd, kv_bnd, idx_btk, valid_btk, sink = args
   defer = sink is not None
   flat = [a for part in (d_handoffs[later_key] if later_key else ()) for a in part]
-  kernel = functools.partial(_branch_backward_local, scale=scale, defer=defer,
-                             interpret=jax.default_backend() == 'cpu')
+  kernel = functools.partial(_branch_backward_local, scale=scale, defer=defer)
   heads = {0: 2, 4: 2, 5: 2, 6: 2}
   heads.update({7 + i: _SINK_HEADS[i % len(_SINK_HEADS)] for i in range(len(flat))})
   outs = batch_local(kernel, q_bthd, kv_bnd, idx_btk, valid_btk, *merged, *flat,
@@ -229,13 +227,13 @@ def _branch_backward(args, merged, d_handoffs, *, scale, later_key):
 
 
 def _branch_backward_local(q_bthd, kv_bnd, idx_btk, valid_btk, delta_bth, lse_bth, do_bthd,
-                           *flat, scale, defer, interpret, tensor_axis, context_axis):
+                           *flat, scale, defer, tensor_axis, context_axis):
   """`sparse_backward_fused` on this device's queries and heads. Every query may pick any entry,
   so the entries' gradient is summed over the context and tensor shards."""
   n = len(_SINK_HEADS)
   later_parts = [tuple(flat[i:i + n]) for i in range(0, len(flat), n)]
   out = sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, delta_bth, lse_bth, do_bthd,
-                              scale=scale, interpret=interpret, defer=defer,
+                              scale=scale, defer=defer,
                               later_parts=later_parts)
   if defer:
     dq, part = out

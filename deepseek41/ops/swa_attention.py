@@ -15,8 +15,8 @@ Three implementations of the window branch, same signature, same results:
 - `reference`: dense [B, T, H, T] scores, the ground truth for tests and tiny shapes;
 - `chunked`: queries in blocks of `chunk`, each block against its own block and just enough
   previous blocks to cover the window; memory and FLOPs linear in T, no loop over blocks.
-- `fused`: the Pallas (Triton) kernels of `window_kernel.py`, masks computed on chip, with their
-  own backward; run by the Pallas interpreter on the CPU (tests).
+- `fused`: the Pallas (Triton) kernels of ops/gpu/window_kernel.py, masks computed on chip, with
+  their own backward; run by the Pallas interpreter on the CPU (ops/launch.py; the tests).
 
 Image spans: with `span_ids_bt` given, keys in the query's own image span are left out of the
 window; `span_attention.span_partial` supplies all of them (both directions) as another partial.
@@ -31,9 +31,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from deepseek41.ops.per_device import batch_local
+from deepseek41.ops.gpu.window_kernel import window_backward_fused, window_partial_fused
+from deepseek41.ops.parallel.per_device import batch_local
 from deepseek41.ops.softmax_merge import Branch, merge_stats
-from deepseek41.ops.window_kernel import window_backward_fused, window_partial_fused
 
 IMPLS = ('reference', 'chunked', 'fused')
 
@@ -270,8 +270,7 @@ def window_branch(q_bthd, kv_btd, segment_ids_bt, *, window: int, scale: float |
 def _window_backward(args, merged, d_handoffs, *, window, scale):
   del d_handoffs
   q_bthd, kv_btd, segment_ids_bt, span_ids_bt = args
-  kernel = functools.partial(_window_backward_local, window=window, scale=scale,
-                             interpret=jax.default_backend() == 'cpu')
+  kernel = functools.partial(_window_backward_local, window=window, scale=scale)
   dq, dkv = batch_local(kernel, q_bthd, kv_btd, segment_ids_bt, span_ids_bt, *merged,
                         context_kw='context_axis', tensor_kw='tensor_axis',
                         heads={0: 2, 4: 2, 5: 2, 6: 2}, out_heads=(2, None))
@@ -301,8 +300,7 @@ def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chu
     return _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk,
                                 span_ids_bt)
   if impl == 'fused':  # `chunk` is the chunked impl's; the kernel picks its own blocks
-    kernel = functools.partial(_window_fused, window=window, scale=scale,
-                               interpret=jax.default_backend() == 'cpu')
+    kernel = functools.partial(_window_fused, window=window, scale=scale)
     return batch_local(kernel, q_bthd, kv_btd, segment_ids_bt, span_ids_bt,
                        context_kw='context_axis', heads={0: 2}, out_heads=(2, 2))
   raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')

@@ -14,7 +14,12 @@ Active parameters count every weight a token multiplies, with routed experts at 
 size; embedding rows and Engram table rows are lookups and are not counted (nor is the vision
 path, which runs once per image rather than per token); the LM head counts in decode only. CED
 prefill runs the encoder layers on every prompt token plus the first decoder layer's compressor
-and index keys (the decoder's global KV); the decoder runs only on a short tail.
+and index keys (the decoder's global KV); the decoder runs only on a short tail. With dense decoder
+layers (model.attention_variant='dense') that tail is the whole prompt, so CED saves nothing.
+
+The KV bytes follow the variant (docs/architecture.md 3.8.1): CSA2's KV sources keep their
+compressed entries and index keys per token; a dense layer keeps its latent of every token (in
+model.swa_quant) and no window ring; window-only layers keep their ring only.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from ml_collections import config_flags
 
 from deepseek41.config import MeshConfig, format_role_table, layer_roles, resolve
 from deepseek41.model import inventory
+from deepseek41.model.ced import UNBOUNDED, tail_reach
 from deepseek41.model.engram import layer_addresses
 from deepseek41.sharding import fitted_spec
 from deepseek41.train.flops import attention_flops_per_layer, decode_attention_flops
@@ -59,12 +65,18 @@ def parameter_breakdown(leaves: Sequence[inventory.Leaf], biases) -> dict[str, i
   return dict(groups)
 
 
+def ced_saves(m) -> bool:
+  """Whether CED prefill skips decoder work: an encoder/decoder split whose decoder reaches back
+  a bounded distance (no dense decoder layer)."""
+  return 0 < m.num_encoder_layers < m.num_layers and tail_reach(m) != UNBOUNDED
+
+
 def active_parameters(cfg, leaves: Sequence[inventory.Leaf], biases) -> dict[str, float]:
   """Per token: decode (every layer + head) and CED prefill (encoder + the decoder's KV source)."""
   m = cfg.model
   frac = m.num_experts_per_tok / m.n_routed_experts
   roles = layer_roles(m)
-  first_decoder = m.num_encoder_layers if 0 < m.num_encoder_layers < m.num_layers else None
+  first_decoder = m.num_encoder_layers if ced_saves(m) else None
   decode = prefill = 0.0
   for leaf in leaves:
     comp = leaf.component
@@ -106,7 +118,7 @@ def prefill_flops(cfg, active) -> dict[str, float]:
   m = cfg.model
   attn = attention_flops_per_layer(m, cfg.data.seq_len)
   head = m.d_model * m.vocab_size
-  encoder = m.num_encoder_layers if 0 < m.num_encoder_layers < m.num_layers else m.num_layers
+  encoder = m.num_encoder_layers if ced_saves(m) else m.num_layers
   return {'full': 2 * (active['decode'] - head) + sum(attn),
           'ced': 2 * active['prefill'] + sum(attn[:encoder]), 'seq_len': cfg.data.seq_len}
 
@@ -114,13 +126,16 @@ def prefill_flops(cfg, active) -> dict[str, float]:
 def kv_cache_bytes(cfg) -> dict[str, float]:
   m = cfg.model
   global_bytes = 0.0
+  latent = m.head_dim * CACHE_BYTES_PER_VALUE[m.swa_quant]
+  dense_layers = sum(role.mode != 'SWA' for role in layer_roles(m)) if m.dense else 0
   if m.csa2:
     for role in layer_roles(m):
       if role.mode != 'SWA' and role.kv_source == role.layer:
         entry = (m.head_dim * CACHE_BYTES_PER_VALUE[m.kv_quant] +
                  m.index_head_dim * CACHE_BYTES_PER_VALUE[m.index_quant])
         global_bytes += entry / role.ratio
-  swa = m.num_layers * m.sliding_window * m.head_dim * CACHE_BYTES_PER_VALUE[m.swa_quant]
+  global_bytes += dense_layers * latent  # a dense layer keeps every token's latent
+  swa = (m.num_layers - dense_layers) * m.sliding_window * latent
   return {'global_bytes_per_token': global_bytes, 'swa_bytes_per_request': swa}
 
 
@@ -194,6 +209,7 @@ def describe(config, mesh_sizes: dict[str, int] | None = None) -> dict:
                  'by_component': dict(sorted(groups.items())),
                  'dspark': inventory.dspark_parameters(cfg)},  # apart: not in 'total'
       'active_params': active_parameters(cfg, leaves, biases),
+      'attention_variant': cfg.model.attention_variant,
       'kv_cache': kv_cache_bytes(cfg),
       'train_flops_per_token': flops.total,
       'train_flops_per_image': flops.vision_per_image,

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 
 import jax
 from jax.experimental import topologies
 
 from deepseek41.config import MeshConfig, RunConfig, remat_label, remats_layer, resolve
-from deepseek41.tools import plan as cpu_plan
+from deepseek41.tools import memory_plan as cpu_plan
+from deepseek41.tools.memory_plan import over_hbm
 
 GIB = 2**30
 
@@ -81,39 +81,6 @@ def hbm_bytes(device_kind: str) -> float:
     raise ValueError(f'no HBM size known for TPU device kind {device_kind!r} '
                      f'(known: {sorted(HBM_BYTES)}); pass --hbm_gib')
   return HBM_BYTES[device_kind]
-
-
-# The TPU compiler refuses a program that cannot fit the chip, saying by how much: either
-# "... memory required for HLO temporaries (208.68G) exceeds available HBM (95.73G)" or
-# "Used 120.50G of 95.74G hbm" (XLA's sizes: K/M/G/T are powers of 1024).
-_UNITS = {'': 1, 'B': 1, 'K': 2**10, 'M': 2**20, 'G': 2**30, 'T': 2**40}
-_TEMP_OVER = re.compile(r'required for HLO temporaries \(([\d.]+)([KMGT]?)\)')
-_USED_OVER = re.compile(r'Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm')
-
-
-def over_hbm(error: Exception) -> dict | None:
-  """{'temp' or 'used': bytes} from the TPU compiler's out-of-HBM refusal; None for any other
-  error."""
-  text = str(error)
-  if 'RESOURCE_EXHAUSTED' not in text:
-    return None
-  if m := _USED_OVER.search(text):
-    return {'used': float(m.group(1)) * _UNITS[m.group(2)]}
-  if m := _TEMP_OVER.search(text):
-    return {'temp': float(m.group(1)) * _UNITS[m.group(2)]}
-  return None
-
-
-def refused_memory(error: Exception) -> dict:
-  """tools/plan's memory dict for a program the TPU compiler refused as too large for HBM: its
-  temporaries as the refusal gives them (arguments and outputs then unknown, counted 0), or
-  re-raises the error when it is not that refusal."""
-  over = over_hbm(error)
-  if over is None:
-    raise error
-  temp = over.get('temp', over.get('used', 0.0))
-  return {'temp': int(temp), 'argument': 0, 'output': 0, 'alias': 0, 'flops': float('nan'),
-          'over_hbm': True}
 
 
 def tpu_config(config, mesh_sizes: dict[str, int], *, batch: int | None = None,

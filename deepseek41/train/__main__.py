@@ -10,22 +10,36 @@ and the per-device bytes of the state, and exits 0 before compiling anything.
 
 Exit status (sysexits.h values where one fits):
   0   finished (train.steps, or --stop_at_step), with a checkpoint of the last step
-  75  stopped by SIGTERM / SIGINT after saving a checkpoint (EX_TEMPFAIL): start it again to
-      resume; a scheduler can requeue on 75
-  74  a checkpoint save failed (EX_IOERR: full or unwritable disk); complete checkpoints kept
-  2   the run cannot start or go on as given: bad config, data, checkpoint or work directory,
-      the work directory locked by another trainer, or a non-finite loss
+  75  stopped by SIGTERM / SIGINT after saving a checkpoint, or during start-up with nothing to
+      save (EX_TEMPFAIL): start it again to resume; a scheduler can requeue on 75
+  74  writing the work directory failed during the run (EX_IOERR: full or unwritable disk): a
+      checkpoint save failed, or did not finish within checkpoint.save_timeout_s (20 min), or
+      metrics.jsonl stopped accepting lines (then a checkpoint of that step was saved first);
+      complete checkpoints kept
+  2   the run cannot start or go on as given: bad config, data, checkpoint or work directory
+      (metrics.jsonl included), the work directory locked by another trainer, or a non-finite
+      loss
   1   anything else (an unexpected error, with its traceback)
+  130 / 143  a third SIGINT / SIGTERM: exited at once without waiting for a save in progress
+      (128 + the signal's number); complete checkpoints kept
+
+Signals (train/stop.py): the handler is installed before the flags are parsed and the
+libraries imported, and only records the signal. The first stops the run at the next step
+boundary with a checkpoint (before the first step: at once, nothing to save), the second is
+logged, the third exits at once.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from deepseek41.train.stop import STOP
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a get_config() file.',
                                           lock_config=True)
@@ -74,40 +88,44 @@ def main(argv):
       else:
         logging.error('jax.distributed.initialize: %s', e)
       sys.exit(EXIT_BAD_INPUT)
+    STOP.reinstall()  # initialize() gave SIGTERM to its preemption notifier, which only logs it
   from deepseek41.config import ConfigError
   from deepseek41.data.shards import DataError
   from deepseek41.train.checkpoint import CheckpointError, CheckpointSaveError
-  from deepseek41.train.trainer import TrainingDiverged, dry_run, train
+  from deepseek41.train.trainer import MetricsWriteError, TrainingDiverged, dry_run, train
   from deepseek41.train.workdir import WorkdirError
   try:
     if _DRY_RUN.value:
       dry_run(_CONFIG.value)
       return
     result = train(_CONFIG.value, _WORKDIR.value, stop_at_step=_STOP_AT.value)
-  except CheckpointSaveError as e:
+  except (CheckpointSaveError, MetricsWriteError) as e:
     logging.error('%s', e)
-    _exit(EXIT_SAVE_FAILED, distributed)
+    # Without waiting for a failed save's threads: one stuck on the disk would hold the exit.
+    _exit(EXIT_SAVE_FAILED, now=True)
   except (ConfigError, DataError, CheckpointError, WorkdirError, TrainingDiverged,
           FileNotFoundError) as e:
     logging.error('%s', e)
-    _exit(EXIT_BAD_INPUT, distributed)
+    _exit(EXIT_BAD_INPUT, now=distributed)
   except Exception:  # noqa: BLE001
     if not distributed:
       raise  # absl prints the traceback and exits 1
     logging.exception('unexpected error in process %d', jax.process_index())
-    _exit(1, distributed)
+    _exit(1, now=distributed)
   logging.getLogger('deepseek41').info(
-      'finished at step %d (loss %s, eval loss %s)%s', result.step, result.last_loss,
-      result.last_eval_loss, ' after a stop signal' if result.stopped_by_signal else '')
+      '%s at step %d (loss %s, eval loss %s)',
+      'stopped by a signal' if result.stopped_by_signal else 'finished', result.step,
+      result.last_loss, result.last_eval_loss)
   if result.stopped_by_signal:
     sys.exit(EXIT_STOPPED)
 
 
-def _exit(code: int, distributed: bool):
-  """Exit with `code`. A failed process of a multi-process run leaves at once: jax.distributed's
-  exit-time shutdown would wait at a barrier for the others, which wait for it in their next
-  collective, so the launcher would see a timeout instead of this failure."""
-  if not distributed:
+def _exit(code: int, now: bool):
+  """Exit with `code`; `now`: without the interpreter's shutdown. A failed process of a
+  multi-process run leaves at once: jax.distributed's exit-time shutdown would wait at a barrier
+  for the others, which wait for it in their next collective, so the launcher would see a
+  timeout instead of this failure. So does a failed save: the shutdown would join its threads."""
+  if not now:
     sys.exit(code)
   logging.shutdown()
   sys.stdout.flush()
@@ -121,7 +139,6 @@ def _cpu_only(jax) -> bool:
   if platforms:
     return platforms.split(',')[0].strip() == 'cpu'
   try:  # no platform asked for: the CPU unless a CUDA or TPU plugin is installed
-    import importlib.util
     return not any(importlib.util.find_spec(m) for m in ('jax_cuda12_plugin', 'jax_cuda13_plugin',
                                                          'libtpu'))
   except (ImportError, ValueError):
@@ -139,7 +156,7 @@ def check_overrides(argv: list[str]) -> str | None:
   config_file = _config_file(argv)
   if config_file is not None and not os.path.isfile(config_file.split(':', 1)[0]):
     return f'--config file {config_file!r} does not exist'
-  from deepseek41.config import base_config
+  from deepseek41.config import base_config, replaced_key_hint
   schema = base_config()
   for arg in argv[1:]:
     if not arg.startswith('--config.'):
@@ -148,6 +165,8 @@ def check_overrides(argv: list[str]) -> str | None:
     node = schema
     for i, part in enumerate(key.split('.')):
       if not hasattr(node, 'keys') or part not in node:
+        if replaced_key_hint(key):
+          return f'{replaced_key_hint(key)}; in {arg!r}'
         known = ', '.join(sorted(node.keys())) if hasattr(node, 'keys') else ''
         where = '.'.join(key.split('.')[:i]) or 'the config'
         return (f'unknown config key {key!r} in {arg!r}' +
@@ -168,11 +187,12 @@ def _config_file(argv: list[str]) -> str | None:
 
 def run():
   """Console-script entry point (`ds41-train`)."""
-  problem = check_overrides(sys.argv)
-  if problem:
-    print(f'error: {problem}', file=sys.stderr)
-    sys.exit(2)
-  app.run(main)
+  with STOP:  # before the imports and the flag parsing: a stop signal never goes unseen
+    problem = check_overrides(sys.argv)
+    if problem:
+      print(f'error: {problem}', file=sys.stderr)
+      sys.exit(2)
+    app.run(main)
 
 
 if __name__ == '__main__':

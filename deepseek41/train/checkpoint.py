@@ -21,8 +21,13 @@ current model, so a mismatch is reported as a list of differences instead of a s
 inside Orbax.
 Nothing here ever deletes a complete checkpoint except Orbax's own retention policy
 (max_to_keep / keep_period) after a newer save has committed. A failed save raises
-CheckpointSaveError (naming the directory) as soon as it is seen, and removes the partial
-`<step>.orbax-checkpoint-tmp*` directory it left.
+CheckpointSaveError (naming the directory and the complete checkpoints kept) as soon as it is
+seen, and removes the partial `<step>.orbax-checkpoint-tmp*` directory it left (or says that it
+could not: a new start skips it). The step directories are created in the caller's thread, so a
+checkpoints tree that became unwritable fails the save at once; Orbax's background creation
+would leave the writers waiting 300 s for a directory that never comes. A save that has not
+finished checkpoint.save_timeout_s after it began is reported the same way and abandoned
+(its threads are not waited for again; the command line then exits without joining them).
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ import os
 import re
 import shutil
 import threading
+import time
 import uuid
 import zlib
 from typing import Any
 
 import grain
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.futures import future as ocp_future
 
 from deepseek41.config import LAYOUT_VERSION, CheckpointConfig, execution_only_keys
 from deepseek41.train.workdir import WorkdirError
@@ -55,6 +62,12 @@ EXECUTION_ONLY_MODEL_KEYS = execution_only_keys('model')
 
 MANIFEST = 'checksums.json'
 _CHUNK = 1 << 24
+
+_POLL_S = 0.1  # signal handlers run between polls
+_DETAIL_CHARS = 300
+# The thread class of Orbax's background writers (private: nothing public lists them).
+_ORBAX_WRITER = getattr(ocp_future, '_SignalingThread', ())
+_WRITERS_WAIT_S = 10  # then a failed save's directory is left for a new start to skip
 
 
 def _stream_file(stream: int, total: int) -> str:
@@ -122,6 +135,15 @@ def saved_stream_count(data_dir: str) -> int | None:
   return total
 
 
+def complete_steps(directory: str) -> list[int]:
+  """Steps with a committed checkpoint in `directory` (Orbax names a save `<step>` only once it
+  has committed; an unfinished one is `<step>.orbax-checkpoint-tmp*`)."""
+  try:
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+  except OSError:  # not created yet
+    return []
+
+
 class CheckpointError(RuntimeError):
   """A checkpoint cannot be used; the message names the step directory and what is wrong."""
 
@@ -181,7 +203,10 @@ class Checkpointer:
     self.directory = os.path.abspath(os.path.join(workdir, 'checkpoints'))
     self.primary = primary  # writes the checksum manifests and removes failed saves
     self.async_save = cfg.async_save
+    self.save_timeout_s = cfg.save_timeout_s  # the bound on one save (wait)
     self._pending: int | None = None  # an async save not yet seen to commit
+    self._started = 0.0  # time.monotonic() when the pending save began
+    self._abandoned = False  # a save timed out: its threads may never end
     self._manifest: _ManifestWriter | None = None  # checksums of the newest committed save
     try:  # at start-up, not at the first save hours later
       os.makedirs(self.directory, exist_ok=True)
@@ -194,6 +219,9 @@ class Checkpointer:
         max_to_keep=cfg.max_to_keep,
         keep_period=cfg.keep_period or None,
         enable_async_checkpointing=cfg.async_save,
+        # Orbax's bound a little later than ours, so that ours, with its message, ends a wait.
+        async_options=ocp.AsyncOptions(timeout_secs=int(cfg.save_timeout_s) + 60,
+                                       create_directories_asynchronously=False),
         create=True,
     )
     self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -203,6 +231,12 @@ class Checkpointer:
   def unfinished_saves(self) -> list[str]:
     return sorted(n for n in os.listdir(self.directory)
                   if re.match(r'^\d+\..*tmp', n) or n.endswith('.tmp'))
+
+  def complete_steps(self) -> list[int]:
+    return complete_steps(self.directory)
+
+  def describe_kept(self) -> str:
+    return f'complete checkpoints in {self.directory}: {self.complete_steps() or "none"}'
 
   def latest_step(self) -> int | None:
     for name in self.unfinished_saves():
@@ -222,6 +256,7 @@ class Checkpointer:
     if step in self.manager.all_steps():
       return False
     self._check_writable(step)
+    t0 = time.monotonic()
     args = {
         'state': ocp.args.StandardSave(state),
         'config': ocp.args.JsonSave(_normalise(config_dict)),
@@ -235,7 +270,7 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 - any failure of the save is reported the same way
       self._fail(step, e)
     if saved:
-      self._pending = step
+      self._pending, self._started = step, t0
       if not self.async_save:
         self._commit_pending()
     return saved
@@ -248,12 +283,24 @@ class Checkpointer:
       self._finish_manifest()
 
   def wait(self) -> None:
-    """Block until the pending save has committed and its checksums are written."""
+    """Block until the pending save has committed and its checksums are written; raise
+    CheckpointSaveError if it failed or has not finished checkpoint.save_timeout_s after it
+    began."""
     if self._pending is not None:
+      step = self._pending
+      # A poll, not Orbax's join: it is bounded, and the stop signals' handler runs between.
+      while self.manager.is_saving_in_progress():
+        if time.monotonic() - self._started > self.save_timeout_s:
+          self._pending, self._abandoned = None, True
+          # Its threads may still write into the tmp directory: it is left for a new start to skip.
+          self._fail(step, 'it did not finish within checkpoint.save_timeout_s = '
+                     f'{self.save_timeout_s:g} s', remove=False)
+        time.sleep(_POLL_S)
       try:
         self.manager.wait_until_finished()
       except Exception as e:  # noqa: BLE001
-        self._fail(self._pending, e)
+        self._pending = None  # reported once: close() does not report it again
+        self._fail(step, e)
       self._commit_pending()
     self._finish_manifest()
 
@@ -263,6 +310,8 @@ class Checkpointer:
       self.wait()
     except CheckpointSaveError as e:
       log.error('%s', e)
+    if self._abandoned:
+      return  # closing the manager would wait for the stuck save's threads
     try:
       self.manager.close()
     except Exception:  # noqa: BLE001 - a save failure was already reported
@@ -285,13 +334,29 @@ class Checkpointer:
     if self._manifest is None:
       return
     writer, self._manifest = self._manifest, None
-    writer.join()
+    writer.join(timeout=max(self.save_timeout_s - (time.monotonic() - self._started), _POLL_S))
+    if writer.is_alive():
+      self._abandoned = True
+      self._fail(writer.step, 'its checksums were not written within checkpoint.save_timeout_s '
+                 f'= {self.save_timeout_s:g} s', committed=True)
     if writer.error is not None:
       self._fail(writer.step, writer.error, committed=True)
 
+  @staticmethod
+  def _writers_done() -> bool:
+    """Wait (a little) for Orbax's writer threads of a failed save: it reports the first error
+    while the other items' writers go on, and a directory removed under them is made again.
+    False if some are still running."""
+    writers = [t for t in threading.enumerate()
+               if isinstance(t, _ORBAX_WRITER) and t is not threading.current_thread()]
+    deadline = time.monotonic() + _WRITERS_WAIT_S
+    for t in writers:
+      t.join(timeout=max(deadline - time.monotonic(), 0.0))
+    return not any(t.is_alive() for t in writers)
+
   def _check_writable(self, step: int) -> None:
-    """Orbax's background thread waits ~5 minutes on a step directory it failed to create:
-    find an unwritable directory here instead, at once."""
+    """An unwritable checkpoints directory fails here, before the state is copied to the
+    host for a save that could not be written."""
     if not self.primary:
       return
     try:
@@ -305,17 +370,22 @@ class Checkpointer:
       pass
     os.remove(probe)
 
-  def _fail(self, step: int, cause, committed: bool = False):
-    if self.primary and not committed:
-      for path in glob.glob(os.path.join(self.directory, f'{step}.orbax-checkpoint-tmp*')):
+  def _fail(self, step: int, cause, committed: bool = False, remove: bool = True):
+    partial = glob.glob(os.path.join(self.directory, f'{step}.orbax-checkpoint-tmp*'))
+    if self.primary and not committed and remove and partial and self._writers_done():
+      for path in partial:
         shutil.rmtree(path, ignore_errors=True)
+      partial = [p for p in partial if os.path.exists(p)]
     detail = f'{type(cause).__name__}: {cause}' if isinstance(cause, BaseException) else cause
-    kept = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit()) \
-        if os.path.isdir(self.directory) else []
+    detail = ' '.join(str(detail).split())  # one line, whatever the library's message
+    if len(detail) > _DETAIL_CHARS:  # tensorstore appends its whole spec; the log has it all
+      detail = detail[:_DETAIL_CHARS] + ' ...'
+    left = (f' The unfinished save {", ".join(partial)} is left in place; a new start skips it.'
+            if partial and not committed else '')
     raise CheckpointSaveError(
         f'saving checkpoint {step} to {self.directory} failed ({detail}); stopping. Complete '
-        f'checkpoints are kept: {kept or "none"}. Free space or fix the directory\'s '
-        'permissions, then start again to resume.') from (
+        f'checkpoints are kept: {self.complete_steps() or "none"}.{left} Free space or fix the '
+        'directory\'s permissions, then start again to resume.') from (
             cause if isinstance(cause, BaseException) else None)
 
   # -- restore ---------------------------------------------------------------------------------

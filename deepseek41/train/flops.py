@@ -1,7 +1,10 @@
 """Model FLOPs per token and per image, and the device peak, for TFLOP/s and MFU.
 
 Counted, not credited: only matmuls the model actually performs for a token (active experts,
-the attention keys inside the window), times 3 for forward + backward. Embedding lookups,
+the attention keys inside the window), times 3 for forward + backward. The attention keys follow
+`model.attention_variant` (docs/architecture.md 3.8.1): a ratio > 0 layer's window plus its
+selected entries and its indexer's scoring (csa2), every earlier key of the row (dense: a causal
+square, (T + 1) / 2 keys per query on average, one document per row), or its window (window). Embedding lookups,
 norms, softmax and the router's top-k are not counted. The weights come from the model's own
 (abstract) parameters through deepseek41/model/inventory.py, the walk tools.info uses too.
 
@@ -60,12 +63,16 @@ def mean_visible_entries(ratio: int, seq_len: int) -> float:
 
 
 def attention_flops_per_layer(m: ModelConfig, seq_len: int) -> list[float]:
-  """Forward score + value FLOPs per token of each layer: window keys, selected compressed
-  entries, and the indexer's scoring of every visible entry at index sources."""
-  window = 4.0 * m.num_heads * m.head_dim * mean_window_keys(m.sliding_window, seq_len)
+  """Forward score + value FLOPs per token of each layer: window keys (a dense layer: every
+  earlier key), selected compressed entries, and the indexer's scoring of every visible entry
+  at index sources."""
+  per_key = 4.0 * m.num_heads * m.head_dim
+  window = per_key * mean_window_keys(m.sliding_window, seq_len)
   out = []
   for role in layer_roles(m):
     flops = window
+    if m.dense and role.mode != 'SWA':
+      flops = per_key * mean_window_keys(seq_len, seq_len)
     if m.csa2 and role.mode != 'SWA':
       visible = mean_visible_entries(role.ratio, seq_len)
       flops += 4.0 * m.num_heads * m.head_dim * min(m.index_topk, visible)
@@ -77,14 +84,15 @@ def attention_flops_per_layer(m: ModelConfig, seq_len: int) -> list[float]:
 
 def decode_attention_flops(m: ModelConfig, context: int) -> list[float]:
   """Forward score + value FLOPs of one decoded token after `context` tokens, per layer: its
-  window, its selected entries, and the indexer's scoring where the layer owns an index (over
+  window (a dense layer: every earlier key), its selected entries, and the indexer's scoring where the layer owns an index (over
   every visible entry; a candidate user only inside the pool of candidate_topk_blocks x
   candidate_block_size entries). Every layer runs: the encoder's too (CED saves only prefill)."""
   t = context + 1  # the new token sees itself
   pool = m.candidate_topk_blocks * m.candidate_block_size
   out = []
   for role in layer_roles(m):
-    flops = 4.0 * m.num_heads * m.head_dim * min(t, m.sliding_window)
+    keys = t if m.dense and role.mode != 'SWA' else min(t, m.sliding_window)
+    flops = 4.0 * m.num_heads * m.head_dim * keys
     if m.csa2 and role.mode != 'SWA':
       visible = t // role.ratio
       flops += 4.0 * m.num_heads * m.head_dim * min(m.index_topk, visible)
@@ -96,13 +104,19 @@ def decode_attention_flops(m: ModelConfig, context: int) -> list[float]:
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> FlopsPerToken:
-  """Matmul FLOPs per token; with CSA2, the selected keys and the indexer's scoring too."""
+  """Matmul FLOPs per token; with CSA2, the selected keys and the indexer's scoring too; with
+  dense layers, their keys."""
   p = active_matmul_params(m)
   keys = mean_window_keys(m.sliding_window, seq_len)
   attn = sum(attention_flops_per_layer(m, seq_len))
+  dense_layers = sum(r.mode != 'SWA' for r in layer_roles(m)) if m.dense else 0
+  window_layers = m.num_layers - dense_layers
   formula = (f'train FLOPs/token = 3 x (2 x N_active_matmul + 4 x layers x heads x head_dim x '
-             f'mean_keys) = 3 x (2 x {p:,} + 4 x {m.num_layers} x {m.num_heads} x {m.head_dim} x '
-             f'{keys:.1f}')
+             f'mean_keys) = 3 x (2 x {p:,} + 4 x {window_layers} x {m.num_heads} x '
+             f'{m.head_dim} x {keys:.1f}')
+  if dense_layers:
+    formula += (f' + 4 x {dense_layers} dense x {m.num_heads} x {m.head_dim} x '
+                f'{mean_window_keys(seq_len, seq_len):.1f}')
   if m.csa2:
     selected = scored = 0.0
     for role in layer_roles(m):

@@ -95,7 +95,7 @@ class StepLog:
     scalars['dropped_frac'] = float(host['dropped']) / max(
         float(host['routed_tokens']) * m.num_experts_per_tok * m.num_layers, 1.0)
     engram_layers = len(m.engram_layer_ids) if m.engram else 0
-    if engram_layers:  # lookups past the table exchange's chunks (ops/engram_lookup.py)
+    if engram_layers:  # lookups past the table exchange's chunks (ops/parallel/engram_lookup.py)
       scalars['engram_dropped_frac'] = float(host['engram_dropped']) / max(
           float(host['routed_tokens']) * (m.engram_max_ngram - 1) * m.engram_n_heads
           * engram_layers, 1.0)

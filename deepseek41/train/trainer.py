@@ -4,8 +4,13 @@
 The units it uses: `objectives` (what is trained: the model, its steps and FLOPs), `workdir`
 (start-up checks and the lock), `warm_start` (the state at the first step: resumed, or
 initialised and loaded), `step_log` (metrics fetched one step late, checked finite, written),
-`throughput` (timing), `evaluation` (held-out losses), `checkpoint` (verified saves and
-restores).
+`throughput` (timing), `evaluation` (held-out losses, task accuracy), `checkpoint` (verified
+saves and restores), `stop` (SIGTERM / SIGINT).
+
+Faults never lose work: a stop signal saves a checkpoint at the next step boundary and returns
+(stopped_by_signal; before the first step there is nothing to save, and the run returns at once);
+a failed or stuck save raises CheckpointSaveError, a metrics.jsonl that stops accepting lines
+saves a checkpoint and raises MetricsWriteError; every complete checkpoint is kept throughout.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ import logging
 import os
 import shutil
 import signal
-import threading
 import time
 
 import jax
 import numpy as np
+from jax._src import distributed  # the coordination client's barrier (_CompiledTogether)
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from deepseek41.config import RunConfig, format_role_table, resolve
@@ -29,21 +35,23 @@ from deepseek41.data.engram_vocab import model_fits_data
 from deepseek41.data.pipeline import DataStreams, tokenizer_path_of
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.train import state as state_lib
-from deepseek41.train.checkpoint import CheckpointError, Checkpointer, saved_stream_count
-from deepseek41.train.evaluation import Evaluator, eval_config
+from deepseek41.train.checkpoint import (CheckpointError, Checkpointer, complete_steps,
+                                         saved_stream_count)
+from deepseek41.train.evaluation import Evaluator, eval_config, make_task_step
 from deepseek41.train.feed import global_batch
 from deepseek41.train.flops import device_peak_tflops
-from deepseek41.train.metrics import MetricsWriter
+from deepseek41.train.metrics import MetricsWriteError, MetricsWriter, check_writable
 from deepseek41.train.objectives import objective_for
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.step_log import StepLog, TrainingDiverged
+from deepseek41.train.stop import STOP, StopSignals
 from deepseek41.train.throughput import Throughput
 from deepseek41.train.warm_start import initial_state
 from deepseek41.train.workdir import WorkdirLock, prepare_workdir
 
 log = logging.getLogger('deepseek41')
 
-__all__ = ['TrainResult', 'TrainingDiverged', 'dry_run', 'train']
+__all__ = ['MetricsWriteError', 'TrainResult', 'TrainingDiverged', 'dry_run', 'train']
 
 
 @dataclasses.dataclass
@@ -54,40 +62,26 @@ class TrainResult:
   stopped_by_signal: bool
 
 
-class _StopFlag:
-  """SIGTERM / SIGINT request a save-and-exit at the next step boundary.
+class _StoppedBeforeStart(Exception):
+  """A stop signal came before the first step: nothing was trained, so nothing is saved."""
 
-  A second signal is logged and ignored, so the save it may interrupt finishes; a third aborts
-  at once (KeyboardInterrupt), without that save: the way out of a save that does not end.
-  """
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step
 
-  def __init__(self):
-    self.signal: int | None = None
-    self.count = 0
-    self._old = {}
 
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self._old[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    del frame
-    self.count += 1
-    name = signal.Signals(signum).name
-    if self.count == 1:
-      self.signal = signum
-      log.warning('received %s: saving a checkpoint at the next step boundary, then exiting', name)
-    elif self.count == 2:
-      log.warning('received %s again: still saving the checkpoint; a third signal aborts '
-                  'without it', name)
-    else:
-      raise KeyboardInterrupt(f'{name} received three times: aborting without a checkpoint')
-
-  def __exit__(self, *exc):
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
+def _stop_before_start(stop: StopSignals, workdir: str) -> None:
+  """During start-up: end the run here if a stop signal has come."""
+  if stop.signal is None:
+    return
+  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  steps = complete_steps(directory)
+  raise _StoppedBeforeStart(
+      f'stopped by {signal.Signals(stop.signal).name} during start-up, before the first step: '
+      'nothing to save (this run has trained nothing); ' +
+      (f'the next start resumes from checkpoint {steps[-1]} in {directory}' if steps else
+       f'there is no checkpoint yet in {directory}, so the next start begins from step 0'),
+      steps[-1] if steps else 0)
 
 
 def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResult:
@@ -95,17 +89,29 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
 
   `stop_at_step` ends this invocation early (with a checkpoint) at that step, without changing
   the schedule: the run continues from there when started again. Raises WorkdirError if the work
-  directory is unusable or another trainer holds it.
+  directory (or its metrics.jsonl) is unusable or another trainer holds it.
+
+  SIGTERM / SIGINT (from the start, in the main thread): at the next step boundary, save a
+  checkpoint and return with stopped_by_signal; before the first step, return at once, nothing
+  to save. A second signal is logged; a third exits the process at once (stop.py).
   """
-  cfg: RunConfig = resolve(config)
-  engram_map = model_fits_data(cfg.model, cfg.data)  # the tokenizer's checks, before anything runs
-  primary = jax.process_index() == 0
-  workdir = prepare_workdir(workdir)
-  # Every process of a run locks its own file (process 0: .lock), so a second run started on
-  # the directory is refused in each of its processes instead of some of them training on.
-  with WorkdirLock(workdir, jax.process_index()), \
-      CompilationCache(cfg.train.compilation_cache_dir) as compile_cache:
-    return _train(cfg, workdir, stop_at_step, primary, compile_cache, engram_map)
+  with STOP as stop:  # first of all: a stop signal at any moment of start-up counts
+    try:
+      _stop_before_start(stop, workdir)
+      cfg: RunConfig = resolve(config)
+      engram_map = model_fits_data(cfg.model, cfg.data)  # the tokenizer's checks, before anything
+      primary = jax.process_index() == 0
+      workdir = prepare_workdir(workdir)
+      # Every process of a run locks its own file (process 0: .lock), so a second run started on
+      # the directory is refused in each of its processes instead of some of them training on.
+      with WorkdirLock(workdir, jax.process_index()), \
+          CompilationCache(cfg.train.compilation_cache_dir) as compile_cache:
+        if primary:
+          check_writable(workdir)  # metrics.jsonl: now, not after minutes of compilation
+        return _train(cfg, workdir, stop_at_step, primary, compile_cache, engram_map, stop)
+    except _StoppedBeforeStart as e:
+      log.warning('%s', e)
+      return TrainResult(step=e.step, last_loss=None, last_eval_loss=None, stopped_by_signal=True)
 
 
 def dry_run(config) -> dict:
@@ -174,7 +180,6 @@ class CompilationCache:
     self._before = {}
 
   def __enter__(self):
-    from jax.experimental.compilation_cache import compilation_cache
     self._before = {name: getattr(jax.config, name) for name in self._SETTINGS}
     if self.directory:
       try:  # private to the user on creation: JAX runs what it loads from here
@@ -193,7 +198,6 @@ class CompilationCache:
     return self
 
   def __exit__(self, *exc):
-    from jax.experimental.compilation_cache import compilation_cache
     jax.monitoring.unregister_event_listener(self._on_event)
     jax.monitoring.unregister_event_duration_listener(self._on_duration)
     for name, value in self._before.items():
@@ -220,7 +224,8 @@ class CompilationCache:
 
 
 def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool,
-           compile_cache: CompilationCache, engram_map: np.ndarray | None) -> TrainResult:
+           compile_cache: CompilationCache, engram_map: np.ndarray | None,
+           stop: StopSignals) -> TrainResult:
   # ---- mesh --------------------------------------------------------------------------------
   mesh = make_mesh(cfg.mesh)
   rules = cfg.mesh.rules
@@ -228,10 +233,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
            jax.devices()[0].device_kind,
            f'; process {jax.process_index()} of {jax.process_count()} with '
            f'{jax.local_device_count()}' if jax.process_count() > 1 else '')
-  log.info('layer roles (%s):\n%s',
-           'CSA2 on: ratio>0 layers add their selected compressed entries to the window'
-           if cfg.model.csa2 else 'CSA2 off: every layer attends over its sliding window only',
-           format_role_table(cfg.model))
+  log.info('layer roles:\n%s', format_role_table(cfg.model))
 
   # ---- input -------------------------------------------------------------------------------
   n_proc = jax.process_count()
@@ -261,6 +263,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     inputs = cleanup.enter_context(contextlib.ExitStack())  # closed last, after a pending save
     ckpt = Checkpointer(workdir, cfg.checkpoint, primary=primary)
     cleanup.callback(ckpt.close)
+    stop.describe_checkpoints = ckpt.describe_kept  # for a third signal's last line
     # The checkpoint decides how the input is split (its stream count), so the input comes second.
     streams = _stream_count(ckpt, cfg.data.streams, n_proc)
     train_iter = DataStreams(cfg.data, split='train', batch_size=cfg.train.batch_size,
@@ -271,7 +274,9 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     if streams != n_proc:
       log.info('input: %d data streams, %d per process (streams %d-%d here)', streams,
                streams // n_proc, train_iter.first, train_iter.first + streams // n_proc - 1)
+    _stop_before_start(stop, workdir)
     state, start = initial_state(cfg, ckpt, tx, mesh, abstract, shardings, layout, train_iter)
+    _stop_before_start(stop, workdir)  # the initialisation or restore may have taken minutes
     if primary:  # only now: a start rejected by the checkpoint leaves the old config.json
       with open(os.path.join(workdir, 'config.json'), 'w') as f:
         f.write(cfg.to_json())
@@ -289,9 +294,13 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
                  cfg.model.moe_backend, cfg.model.eval_moe_backend)
       eval_step = jax.jit(objective.make_eval_step(eval_md), in_shardings=(shardings, bsharding),
                           out_shardings=replicated)
+      # train.eval_tasks: the backbone's argmax and answer CE on the tasks' documents
+      task_step = jax.jit(make_task_step(objective, eval_md.graphdef),
+                          in_shardings=(shardings, bsharding), out_shardings=replicated)
     if n_proc > 1:
       train_step = _CompiledTogether(train_step, 'train_step')
       eval_step = _CompiledTogether(eval_step, 'eval_step')
+      task_step = _CompiledTogether(task_step, 'task_step')
 
     # ---- metrics, evaluation, checkpoints ----------------------------------------------------
     writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard,
@@ -305,7 +314,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
                             device_count=jax.device_count(), process_count=n_proc,
                             vision=cfg.model.vision)
     step_log = StepLog(cfg, writer, throughput, ckpt.describe_newest)
-    evaluate = Evaluator(cfg, eval_step, mesh, bsharding, engram_map, local_batch)
+    evaluate = Evaluator(cfg, eval_step, mesh, bsharding, engram_map, local_batch, task_step)
 
     save = _Saver(ckpt, step_log, throughput, train_iter, cfg.to_dict(), layout)
 
@@ -317,8 +326,10 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     cleanup.callback(profiler.close)
     step = start
     stopped = False
-    with _StopFlag() as stop:
+    with stop.loop():
       while step < end:
+        if step == start:  # the step-0 evaluation may have taken a while
+          _stop_before_start(stop, workdir)
         profiler.before(step + 1, state)
         t_wait = time.perf_counter()
         local = next(train_iter)
@@ -349,17 +360,23 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
           throughput.start()
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
           save(step, state)
-        if stop.signal is not None:
+        if stop.signal is not None or writer.error is not None:
           save(step, state)  # a no-op if the periodic save above just wrote this step
-          stopped = True
-          log.warning('saved checkpoint %d after %s; exiting', step,
-                      signal.Signals(stop.signal).name)
+          stopped = writer.error is None
+          if stopped:
+            log.warning('saved checkpoint %d after %s; exiting', step,
+                        signal.Signals(stop.signal).name)
           break
       else:
         if step != start:
           save(step, state)
       step_log.drain(keep_last=False)
       ckpt.wait()  # the last save has committed and is verified, or its failure is raised
+      if writer.error is not None:  # this step's checkpoint has committed: stop here
+        raise MetricsWriteError(
+            f'{writer.error}; saved checkpoint {step} ({ckpt.step_dir(step)}) and stopped. Free '
+            'space or fix the file, then start again to resume; the missing step lines are in '
+            'the log')
   return TrainResult(step=step, last_loss=step_log.last_loss,
                      last_eval_loss=step_log.last_eval_loss,
                      stopped_by_signal=stopped)
@@ -388,7 +405,6 @@ class _CompiledTogether:
     key = (treedef, tuple((np.shape(x), getattr(x, 'dtype', type(x))) for x in leaves))
     if key not in self.compiled:
       self.compiled[key] = self.fn.lower(*args).compile()
-      from jax._src import distributed  # the client's barrier: no collective, its own timeout
       _CompiledTogether._count += 1
       t0 = time.perf_counter()
       distributed.global_state.client.wait_at_barrier(

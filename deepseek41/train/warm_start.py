@@ -27,7 +27,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from deepseek41.config import LAYOUT_VERSION, MeshConfig, RunConfig, config_from_saved, resolve
+from deepseek41.config import (LAYOUT_VERSION, MeshConfig, RunConfig, config_from_saved, resolve,
+                               upgrade_saved_model)
 from deepseek41.train import state as state_lib
 from deepseek41.train.checkpoint import EXECUTION_ONLY_MODEL_KEYS, CheckpointError, Checkpointer
 from deepseek41.train.objectives import BACKBONE, MODEL, Objective, WarmStart, objective_for
@@ -36,7 +37,7 @@ from deepseek41.train.optimizer import make_optimizer
 log = logging.getLogger(__name__)
 
 # Sections compared on resume beyond the model: a difference is reported, never refused.
-_RUN_SECTIONS = ('data', 'train', 'mesh', 'checkpoint', 'log', 'dspark')
+_RUN_SECTIONS = ('data', 'train', 'mesh', 'checkpoint', 'log', 'dspark', 'tasks')
 
 
 # ---- the rules ---------------------------------------------------------------------------------
@@ -57,8 +58,10 @@ def model_differences(saved_model: dict, model_now: dict) -> tuple[list[str], li
   """How a checkpoint's saved model section differs from this run's, one 'model.<key>: ...' line
   per key: (the differences that make it another model, those in keys that only choose how the
   model is executed). The latter resolve from 'auto' per backend, so they never block: a GPU
-  checkpoint resumes on the CPU."""
-  lines = _diff(_as_json(saved_model), _as_json(model_now), 'model')
+  checkpoint resumes on the CPU. Replaced keys are compared as their successors
+  (`upgrade_saved_model`: a checkpoint saved with `model.csa2` holds the same model as one
+  with the matching `model.attention_variant`)."""
+  lines = _diff(_as_json(upgrade_saved_model(saved_model)), _as_json(model_now), 'model')
   execution = [d for d in lines if d.split(':')[0].split('.')[-1] in EXECUTION_ONLY_MODEL_KEYS]
   return [d for d in lines if d not in execution], execution
 

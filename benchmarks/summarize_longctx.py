@@ -1,0 +1,58 @@
+"""Side by side: the accuracy of each task at each length (mean over depths) in several reports
+of `python -m deepseek41.eval` (e.g. the three variants of benchmarks/gpu_longctx.sh).
+
+    python3 benchmarks/summarize_longctx.py OUT/longctx_csa2.json OUT/longctx_dense.json ...
+
+Standard library only. One column per report (named by its file), one row per task@length; the
+last rows are the held-out losses per source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _load(path: str) -> tuple[str, dict]:
+  with open(path) as f:
+    return os.path.splitext(os.path.basename(path))[0], json.load(f)
+
+
+def by_label(report: dict, key: str = 'tasks') -> dict[str, float]:
+  """task@length -> accuracy over all its depths."""
+  totals: dict[str, list[int]] = {}
+  for t in report.get(key, []):
+    right, asked = totals.setdefault(t['label'], [0, 0])
+    totals[t['label']] = [right + t['correct'], asked + t['answers']]
+  return {label: right / asked for label, (right, asked) in totals.items() if asked}
+
+
+def main(paths: list[str]) -> int:
+  if not paths:
+    print(__doc__.strip())
+    return 2
+  reports = [_load(p) for p in paths]
+  width = max(12, *(len(name) for name, _ in reports)) + 2
+
+  def table(title: str, rows: list[str], value) -> None:
+    print(f'{title:<16}' + ''.join(f'{name:>{width}}' for name, _ in reports))
+    for row in rows:
+      cells = [value(r, row) for _, r in reports]
+      print(f'{os.path.basename(row):<16}' + ''.join(
+          f'{"-" if c is None else format(c, ".3f"):>{width}}' for c in cells))
+
+  labels = list(dict.fromkeys(label for _, r in reports for label in by_label(r)))
+  table('accuracy', labels, lambda r, label: by_label(r).get(label))
+  if any('generated' in r for _, r in reports):
+    print()
+    table('decoded', labels, lambda r, label: by_label(r, 'generated').get(label))
+  sources = list(dict.fromkeys(s for _, r in reports for s in r.get('heldout_loss', {})))
+  if sources:
+    print()
+    table('held-out loss', sources, lambda r, s: r.get('heldout_loss', {}).get(s))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv[1:]))

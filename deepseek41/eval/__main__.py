@@ -1,0 +1,87 @@
+"""`python -m deepseek41.eval --workdir=RUN [--step=N] --tasks=passkey@4k,mqar@16k
+[--depths=0,0.5,1] [--examples=N] [--batch_size=N] [--heldout_batches=N] [--generate]
+[--out=PREFIX]`
+
+Restores a checkpoint (default: the newest) of a training run, a DSpark stage or an HF import,
+and reports the held-out loss per data source and each task's accuracy per context length and
+depth: teacher-forced through the model's forward (an answer is right when every one of its
+tokens is the argmax), and with --generate also greedily decoded. Prints a table and writes
+PREFIX.json (default WORKDIR/eval/step<N>) and, where matplotlib is installed (the `plot`
+extra), the heat map PREFIX.png (PREFIX_decoded.png for --generate). Exit status 2 on bad
+input, naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags, logging
+
+from deepseek41.config import ConfigError, parse_task_specs
+from deepseek41.data.shards import DataError
+from deepseek41.eval import report as report_lib
+from deepseek41.eval.restore import EvalError, open_checkpoint
+from deepseek41.eval.run import Options, evaluate
+
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Work directory of a run (or an HF import).')
+_STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: the newest).')
+_TASKS = flags.DEFINE_string('tasks', None, 'task@length,... e.g. passkey@4k,mqar@256 (tasks: '
+                             'mqar, passkey, needle; default: the run\'s train.eval_tasks).')
+_DEPTHS = flags.DEFINE_list('depths', None, 'Depths in [0, 1] (default: tasks.eval_depths).')
+_EXAMPLES = flags.DEFINE_integer('examples', None, 'Documents per task, length and depth '
+                                 '(default: tasks.eval_examples).')
+_BATCH = flags.DEFINE_integer('batch_size', 0, 'Rows per batch (0: about the training '
+                              'batch\'s tokens at each length).')
+_HELDOUT = flags.DEFINE_integer('heldout_batches', None, 'Held-out batches per source '
+                                '(default: train.eval_batches; 0: no held-out loss).')
+_GENERATE = flags.DEFINE_bool('generate', False, 'Also decode each answer greedily.')
+_OUT = flags.DEFINE_string('out', None, 'Output path prefix (default: WORKDIR/eval/step<N>).')
+_PLOT = flags.DEFINE_bool('plot', True, 'Write the heat map (needs matplotlib).')
+
+
+def main(argv) -> int:
+  del argv
+  logging.set_verbosity(logging.WARNING)  # the checkpoint library's per-read lines
+  try:
+    if not _WORKDIR.value:
+      raise EvalError('--workdir is required')
+    try:
+      depths = None if _DEPTHS.value is None else tuple(float(d) for d in _DEPTHS.value)
+    except ValueError:
+      raise EvalError(f'--depths: {",".join(_DEPTHS.value)} are not numbers') from None
+    ck = open_checkpoint(_WORKDIR.value, _STEP.value)
+    spec = ck.cfg.train.eval_tasks if _TASKS.value is None else _TASKS.value
+    specs = parse_task_specs(spec, '--tasks')
+    if not specs:
+      raise EvalError('--tasks: give at least one task@length (e.g. passkey@4k); the run has '
+                      'no train.eval_tasks')
+    report = evaluate(ck, Options(specs=specs, examples=_EXAMPLES.value, depths=depths,
+                                  rows=_BATCH.value, heldout_batches=_HELDOUT.value,
+                                  generate=_GENERATE.value))
+  except (EvalError, ConfigError, DataError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  prefix = _OUT.value or os.path.join(ck.workdir, 'eval', f'step{ck.step}')
+  print(report_lib.table(report))
+  report_lib.write_json(report, prefix + '.json')
+  written = [prefix + '.json']
+  if _PLOT.value:
+    try:
+      report_lib.heat_map(report, prefix + '.png')
+      written.append(prefix + '.png')
+      if 'generated' in report:
+        report_lib.heat_map(report, prefix + '_decoded.png', key='generated')
+        written.append(prefix + '_decoded.png')
+    except ImportError:
+      print('no heat map: matplotlib is not installed (pip install -e \'.[plot]\')')
+  print('wrote ' + ', '.join(written))
+  return 0
+
+
+def run():
+  app.run(lambda argv: sys.exit(main(argv)))
+
+
+if __name__ == '__main__':
+  run()

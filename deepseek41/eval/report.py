@@ -1,0 +1,78 @@
+"""The evaluation report as a table, a JSON file and (with the `plot` extra) a heat map of
+accuracy by depth and context length per task, like the needle-in-a-haystack plots."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _cell(x, fmt='.3f') -> str:
+  return '-' if x is None else format(x, fmt)
+
+
+def table(report: dict) -> str:
+  """The report as text: the held-out losses, then one line per task, length and depth."""
+  lines = [f'{report["workdir"]} step {report["step"]} (model positions: '
+           f'{report["max_positions"]}; {report["examples"]} documents per task, length and '
+           'depth)']
+  if report.get('heldout_loss'):
+    lines.append('held-out loss: ' + ', '.join(
+        f'{name} {_cell(v)}' for name, v in report['heldout_loss'].items()) +
+        ' (a task: its answer tokens)')
+  if report.get('heldout_note'):
+    lines.append(f'held-out loss: none ({report["heldout_note"]})')
+  decoded = {(g['label'], g['depth']): g for g in report.get('generated', [])}
+  head = f'{"task":<16} {"depth":>6} {"answers":>8} {"acc":>7} {"token acc":>10} ' \
+         f'{"answer loss":>12}' + (f' {"decoded acc":>12}' if decoded else '')
+  lines += ['', head, '-' * len(head)]
+  for t in report['tasks']:
+    line = (f'{t["label"]:<16} {_cell(t["depth"], "g"):>6} {t["answers"]:>8} '
+            f'{_cell(t["acc"]):>7} {_cell(t["token_acc"]):>10} {_cell(t["answer_loss"]):>12}')
+    if decoded:
+      line += f' {_cell(decoded[(t["label"], t["depth"])]["acc"]):>12}'
+    lines.append(line)
+  return '\n'.join(lines)
+
+
+def write_json(report: dict, path: str) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path + '.tmp', 'w') as f:
+    json.dump(report, f, indent=2, allow_nan=False)
+  os.replace(path + '.tmp', path)
+
+
+def heat_map(report: dict, path: str, key: str = 'tasks') -> None:
+  """One panel per task: accuracy (color and number) by depth (rows; one row for a task without
+  depth) and context length (columns). Needs matplotlib (`pip install -e '.[plot]'`)."""
+  import matplotlib  # optional: the `plot` extra
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  rows = report[key]
+  names = list(dict.fromkeys(t['task'] for t in rows))
+  fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.6), squeeze=False,
+                           layout='constrained')
+  for ax, name in zip(axes[0], names):
+    mine = [t for t in rows if t['task'] == name]
+    lengths = sorted({t['length'] for t in mine})
+    labels = {t['length']: t['label'].split('@')[1] for t in mine}
+    depths = sorted({t['depth'] for t in mine}, key=lambda d: -1 if d is None else d)
+    acc = [[next((t['acc'] for t in mine if t['length'] == n and t['depth'] == d), None)
+            for n in lengths] for d in depths]
+    grid = [[float('nan') if a is None else a for a in row] for row in acc]
+    image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap='RdYlGn', aspect='auto')
+    for i, row in enumerate(acc):
+      for j, a in enumerate(row):
+        if a is not None:
+          ax.text(j, i, f'{a:.2f}', ha='center', va='center', fontsize=8)
+    ax.set_xticks(range(len(lengths)), [labels[n] for n in lengths])
+    ax.set_yticks(range(len(depths)), ['all' if d is None else f'{d:g}' for d in depths])
+    ax.set_xlabel('context length')
+    ax.set_ylabel('depth' if depths != [None] else '')
+    ax.set_title(f'{name} ({"decoded" if key == "generated" else "teacher-forced"})')
+  fig.colorbar(image, ax=axes[0].tolist(), label='accuracy')
+  fig.suptitle(f'{os.path.basename(report["workdir"])} step {report["step"]}', fontsize=10)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

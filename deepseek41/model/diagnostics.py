@@ -1,0 +1,157 @@
+"""Why a long-context retrieval failed: each CSA2 layer's selection against dense attention.
+
+The indexer's logged recall (csa2.py) compares it with the layer's attention over the entries it
+already selected. Here the reference is the DENSE attention over every visible entry: for query
+row t of a CSA2 layer, with its own queries q_t,h and its KV source's entries kv_j,
+
+    p_t(j)   = mean_h softmax over visible j of (q_t,h . kv_j / sqrt(d))   the dense mass
+    D_t      = the min(index_topk, #visible) entries of largest p_t (ties: the lower index)
+    S_t      = the selection the layer attends to (its index source's)
+    recall_t = |S_t n D_t| / |D_t|          mass_t = sum over j in S_t of p_t(j)
+
+and, given the row each query should retrieve (`answer_rows_bt`, e.g. where a passkey or an
+MQAR value sits), whether that row's entry (row // ratio) is visible yet, selected, among D_t,
+and whether the sliding window reads the row anyway. A failure then reads as: not visible (the
+group is incomplete), not in D_t (dense attention itself does not look there), in D_t but not
+selected (the indexer missed it), or selected (the miss is elsewhere).
+
+Plain jnp, `chunk` queries at a time: one chunk's [B, chunk, H, N] scores exist, never [T, N].
+The API (the eval command and the trainer's evaluation call these):
+
+    stats = selection_diagnostics(model, batch, answer_rows_bt=None, chunk=256)
+        {layer: SelectionStats} for every CSA2 layer (empty for the dense and window variants);
+        jit it like a forward (nnx.jit), batch as the model takes it (tokens, segment_ids,
+        positions, ...; no targets needed).
+    summarize(stats, query_mask_bt=None) -> {'dense_recall/L3': ..., 'dense_recall': ..., ...}
+        host floats: per layer and averaged over layers, over the rows of the mask.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepseek41.model.compressor import CompressedKV, query_rows, visible_btn
+from deepseek41.model.shared import Probe, Shared
+from deepseek41.ops.chunking import map_query_chunks
+
+
+class SelectionStats(NamedTuple):
+  """One CSA2 layer's per-query diagnostics, each [B, T]."""
+  counted: jax.Array             # bool: the query sees at least one entry
+  recall: jax.Array              # fp32 |S n D| / |D| (0 where not counted)
+  mass: jax.Array                # fp32 dense mass on the selection
+  answered: jax.Array            # bool: the query has an answer row (answer_rows_bt >= 0)
+  answer_visible: jax.Array      # bool: the answer's entry is complete and in the document
+  answer_selected: jax.Array     # bool: ... and selected
+  answer_in_dense_topk: jax.Array  # bool: ... and among the dense top-k
+  answer_in_window: jax.Array    # bool: the sliding window reads the answer row
+  answer_mass: jax.Array         # fp32 dense mass on the answer's entry
+
+
+def selection_stats(q_bthd, comp: CompressedKV, sel_idx_btk, sel_valid_btk, segment_ids_bt,
+                    answer_rows_bt=None, *, topk: int, window: int,
+                    chunk: int = 256) -> SelectionStats:
+  """The module docstring's quantities for one layer.
+
+  q_bthd [B, T, H, d]: the layer's RoPE'd queries; comp: its KV source's entries (row layout,
+  entry j = rows j*r .. j*r + r - 1); sel_*: the selection it attends to; answer_rows_bt int
+  [B, T] (row index, -1 = none; None: no answers). The queries are the whole rows (the
+  training layout, not CED's tail).
+  """
+  b, t = q_bthd.shape[:2]
+  n = comp.num_entries
+  k = min(topk, n)
+  kv_bnd = comp.kv_bnd.astype(jnp.float32)
+  scale = 1.0 / math.sqrt(q_bthd.shape[-1])
+  answers = jnp.full((b, t), -1, jnp.int32) if answer_rows_bt is None else \
+      jnp.asarray(answer_rows_bt, jnp.int32)
+  seg_full_bt = jnp.asarray(segment_ids_bt, jnp.int32)
+  b_idx = jnp.arange(b)[:, None, None]
+
+  def per_chunk(c, offset):
+    rows_bc = query_rows(offset, c['seg'].shape[1])
+    vis_bcn = visible_btn(c['seg'], comp, offset)
+    s_bchn = jnp.einsum('bchd,bnd->bchn', c['q'].astype(jnp.float32), kv_bnd) * scale
+    s_bchn = jnp.where(vis_bcn[:, :, None, :], s_bchn, -jnp.inf)
+    shift = jnp.max(s_bchn, axis=-1, keepdims=True)
+    e_bchn = jnp.exp(s_bchn - jnp.where(jnp.isfinite(shift), shift, 0.0))
+    p_bcn = jnp.mean(e_bchn / jnp.maximum(jnp.sum(e_bchn, -1, keepdims=True), 1e-30), axis=2)
+    vals_bck, dense_bck = jax.lax.top_k(jnp.where(vis_bcn, p_bcn, -jnp.inf), k)
+    dense_valid_bck = vals_bck > -jnp.inf
+    c_idx = jnp.arange(p_bcn.shape[1])[None, :, None]
+    in_dense_bcn = jnp.zeros(p_bcn.shape, bool).at[b_idx, c_idx, dense_bck].max(dense_valid_bck)
+    sel_in_dense = jnp.take_along_axis(in_dense_bcn, c['sel'], -1) & c['sel_valid']
+    n_dense = jnp.sum(dense_valid_bck, -1)
+    counted = n_dense > 0
+    mass = jnp.sum(jnp.where(c['sel_valid'], jnp.take_along_axis(p_bcn, c['sel'], -1), 0.0), -1)
+    a_bc = c['answer']
+    has = a_bc >= 0
+    a_entry = jnp.clip(a_bc // comp.ratio, 0, n - 1)[..., None]
+    visible = has & jnp.take_along_axis(vis_bcn, a_entry, -1)[..., 0]
+    a_seg = jnp.take_along_axis(seg_full_bt, jnp.clip(a_bc, 0, seg_full_bt.shape[1] - 1), -1)
+    in_window = has & (a_bc <= rows_bc) & (rows_bc - a_bc < window) & (a_seg == c['seg']) & \
+        (c['seg'] != 0)
+    return SelectionStats(
+        counted=counted,
+        recall=jnp.where(counted, jnp.sum(sel_in_dense, -1) / jnp.maximum(n_dense, 1), 0.0),
+        mass=mass,
+        answered=has,
+        answer_visible=visible,
+        answer_selected=visible & jnp.any((c['sel'] == a_entry) & c['sel_valid'], -1),
+        answer_in_dense_topk=visible & jnp.take_along_axis(in_dense_bcn, a_entry, -1)[..., 0],
+        answer_in_window=in_window,
+        answer_mass=jnp.where(visible, jnp.take_along_axis(p_bcn, a_entry, -1)[..., 0], 0.0))
+
+  xs = {'q': q_bthd, 'seg': seg_full_bt, 'sel': sel_idx_btk, 'sel_valid': sel_valid_btk,
+        'answer': answers}
+  return map_query_chunks(per_chunk, xs, chunk)
+
+
+def selection_diagnostics(model, batch, answer_rows_bt=None, chunk: int = 256
+                          ) -> dict[int, SelectionStats]:
+  """{layer: SelectionStats} of every CSA2 layer over one forward of `batch` (the model's
+  training-layout forward; the logits are not computed). answer_rows_bt: int [B, T], for each
+  query row the row it should retrieve, -1 elsewhere. Teacher-forced, row t predicts token
+  t + 1: the row before an answer's i-th token gets the row of the hidden item's i-th token
+  (the passkey's digit, the MQAR value) in the context."""
+  if not model.cfg.csa2:
+    return {}
+  batch = model.with_engram_rows(batch)
+  x, pre = model.residual_input(batch)
+  answers = None if answer_rows_bt is None else jnp.asarray(answer_rows_bt, jnp.int32)
+  shared = Shared(probe=Probe(answer_rows_bt=answers, chunk=chunk))
+  shared = model.run_blocks(x, pre, batch, shared)[-1]
+  return dict(sorted(shared.probe.stats.items()))
+
+
+FIELDS = {'dense_recall': 'recall', 'dense_mass': 'mass', 'answer_visible': 'answer_visible',
+          'answer_selected': 'answer_selected', 'answer_in_dense_topk': 'answer_in_dense_topk',
+          'answer_in_window': 'answer_in_window', 'answer_dense_mass': 'answer_mass'}
+
+
+def summarize(stats: dict[int, SelectionStats], query_mask_bt=None) -> dict[str, float]:
+  """Means over the query rows in `query_mask_bt` (default: all): 'dense_recall/L<layer>' and
+  'dense_mass/L<layer>' over the rows that see an entry, the 'answer_*/L<layer>' rates over
+  the rows that have an answer; each also averaged over the layers without the suffix. NaN
+  where no row counts."""
+  out: dict[str, float] = {}
+  per_name: dict[str, list[float]] = {name: [] for name in FIELDS}
+  for layer, st in stats.items():
+    mask = np.ones(np.shape(st.counted), bool) if query_mask_bt is None else \
+        np.asarray(query_mask_bt, bool)
+    seen = mask & np.asarray(st.counted)
+    answered = mask & np.asarray(st.answered)
+    for name, field in FIELDS.items():
+      rows = seen if name in ('dense_recall', 'dense_mass') else answered
+      value = np.asarray(getattr(st, field), np.float64)
+      out[f'{name}/L{layer}'] = float(value[rows].mean()) if rows.any() else math.nan
+      per_name[name].append(out[f'{name}/L{layer}'])
+  for name, values in per_name.items():
+    if values:
+      out[name] = float(np.nanmean(values)) if not np.all(np.isnan(values)) else math.nan
+  return out

@@ -1,0 +1,136 @@
+"""Every parallel axis on 8 fake CPU devices against 1 device, context parallelism above all.
+
+(data x fsdp x expert is tests/test_sharding.py's mesh; expert parallelism's exchanges per backend
+are tests/test_expert_parallel.py.) The tiny model with CSA2 (compressed entries, indexer, top-k, sparse and window branches),
+Engram and single-pass mHC, packed documents and padding: loss and every gradient. Once on the
+jnp paths (GSPMD partitions them) and once with every Pallas kernel (interpreted; each runs on
+its own stretch of queries, the window kernel with its halo from the previous shard). f32; the
+tolerance covers sums reordered across devices and kernel tiles. `model.fp8` stays off: its
+rowwise scales follow each device's tokens (docs/performance.md section 10.4).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.extend
+import numpy as np
+import pytest
+
+from tests.helpers import (EVERY_KERNEL, GROUPED, MESH_KERNEL_SHAPES, kernels_outside_shard_map,
+                           model_loss_fn, packed_batch, resolved)
+
+from deepseek41.sharding import batch_sharding, make_mesh
+from deepseek41.train import state as state_lib
+from deepseek41.train.optimizer import make_optimizer
+
+MESHES = {'context8': {'mesh.data': 1, 'mesh.context': 8},
+          'data2_expert2_context2': {'mesh.data': 2, 'mesh.expert': 2, 'mesh.context': 2},
+          'fsdp8': {'mesh.data': 1, 'mesh.fsdp': 8},
+          'data4_tensor2': {'mesh.data': 4, 'mesh.tensor': 2},
+          'fsdp2_tensor2_context2': {'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.tensor': 2,
+                                     'mesh.context': 2}}
+
+
+@functools.lru_cache(maxsize=None)  # the 1-device runs serve every mesh
+def _one_device(kernels):
+  return _grads(1, {'mesh.data': 1}, kernels)
+
+
+def _grads(n, sizes, kernels):
+  # 64 tokens: 8 per shard at context=8, one window (8) per shard.
+  cfg = resolved(num_devices=n, **{**MESH_KERNEL_SHAPES, 'data.seq_len': 64, **sizes})
+  if kernels:
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **EVERY_KERNEL))
+  tx = make_optimizer(cfg.train)
+  mesh = make_mesh(cfg.mesh, jax.devices()[:n])
+  state, _ = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
+  batch = {k: jax.device_put(v, batch_sharding(mesh, cfg.mesh.rules))
+           for k, v in packed_batch(seed=6, docs_per_row=3, pad=5, t=64).items()}
+  fn = jax.jit(jax.value_and_grad(model_loss_fn(cfg, tx)))
+  with jax.set_mesh(mesh):
+    traced = fn.trace(state['params'], state['router_bias'], batch)  # traced once, for both
+    if kernels and n > 1:
+      assert not kernels_outside_shard_map(traced.jaxpr.jaxpr)
+    return traced.lower().compile()(state['params'], state['router_bias'], batch)
+
+
+# The kernels run per device on every mesh (tests/test_per_device.py); here at context=8, the
+# split that needs the window halo, and with the attention kernels' heads split over tensor.
+CASES = [(m, False) for m in MESHES] + [('context8', True), ('fsdp2_tensor2_context2', True)]
+
+
+@pytest.mark.parametrize('mesh,kernels', CASES)
+def test_parallel_axes_match_one_device(mesh, kernels):
+  l1, g1 = _one_device(kernels)
+  l8, g8 = _grads(8, MESHES[mesh], kernels)
+  np.testing.assert_allclose(l8, l1, rtol=1e-6)
+  # Measured: the Engram tables' gradients move by up to 1.1e-6 absolute on values of ~3e-4 when
+  # the sums are split across devices; every other gradient agrees to ~6e-7, except the token
+  # embedding's (values up to 3.2e-2): 2.5e-6 on one element with the kernels at context=8.
+  # Engram's gate sigmoid(sign(s) sqrt(|s|)) amplifies the reordered fp32 sums where s is near 0
+  # (slope 1 / (2 sqrt(|s|)); with a smooth gate in its place these agree to ~1e-10). The
+  # embedding's error scales with its larger values, hence its second absolute term.
+  for (path, b), a in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g8)):
+    a, b = np.asarray(a), np.asarray(b)
+    table = jax.tree_util.keystr(path).startswith("['embed']")
+    atol = 2e-6 + (1e-4 * float(np.abs(b).max()) if table else 0.0)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+def test_deeper_wiring_matches_one_device():
+  """Six layers whose Reuse layers read their index sources' selections (GROUPED of
+  tests/test_sparse_kernel.py), every kernel, on the context and tensor split: the same loss and
+  gradients as one device, with the layers of a selection adding their key/value gradient once
+  (`model.sparse_group_dkv`, the default). Each layer adding its own is the path of a layer that
+  shares its selection with none, which the meshes of `test_parallel_axes_match_one_device` run;
+  tests/test_sparse_kernel.py holds the two equal on one device.
+
+  Engram is off here. Its gate, sigmoid(sign(s) sqrt(|s|)), has slope 1 / (2 sqrt(|s|)) (up to
+  500 at its 1e-6 floor), so in this deeper model the fp32 sums reordered across devices move
+  its table's, its q/k weights' and the embedding's gradients by ~1e-3 of their largest
+  values, on a batch split as much as on a context split. With a smooth gate in its place they
+  agree to ~1e-10. Measured without Engram: at most 3.5e-8 apart.
+  """
+  mesh = MESHES['fsdp2_tensor2_context2']
+  deep = {**GROUPED, 'model.engram': False}
+  l1, g1 = _grads(1, {'mesh.data': 1, **deep}, True)
+  l8, g8 = _grads(8, {**mesh, **deep}, True)
+  np.testing.assert_allclose(l8, l1, rtol=1e-6)
+  for (path, b), a in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g8)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-7,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def _sequence_splits(jaxpr) -> int:
+  """sharding_constraint eqns (any depth) that split dim 1 over context and tensor together."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'sharding_constraint':
+      spec = tuple(eqn.params['sharding'].spec)
+      count += len(spec) > 1 and spec[1] == ('context', 'tensor')
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      count += _sequence_splits(sub)
+  return count
+
+
+@pytest.mark.parametrize('sequence_parallel', [True, False])
+def test_sequence_parallel_splits_the_kept_residual(sequence_parallel):
+  """mesh.sequence_parallel: every layer's output (what block remat keeps) is split along the
+  sequence over context x tensor; off, over context only. Numerics: the test above (its tensor
+  meshes run with it on)."""
+  cfg = resolved(num_devices=8, **MESHES['fsdp2_tensor2_context2'], **MESH_KERNEL_SHAPES,
+                 **{'data.seq_len': 64, 'train.remat': 'block',
+                    'mesh.sequence_parallel': sequence_parallel})
+  tx = make_optimizer(cfg.train)
+  mesh = make_mesh(cfg.mesh, jax.devices()[:8])
+  state, _ = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
+  batch = packed_batch(seed=6, docs_per_row=3, pad=5, t=64)
+  with jax.set_mesh(mesh):
+    jaxpr = jax.make_jaxpr(jax.grad(model_loss_fn(cfg, tx)))(
+        state['params'], state['router_bias'], batch).jaxpr
+  splits = _sequence_splits(jaxpr)
+  if sequence_parallel:
+    assert splits >= cfg.model.num_layers + 1  # the embedding's output and every layer's
+  else:
+    assert splits == 0

@@ -1,0 +1,60 @@
+"""train.compilation_cache_dir: a second run loads the programs the first one compiled."""
+
+import json
+import logging
+import os
+import re
+
+import jax
+
+from deepseek41.train.trainer import CompilationCache, train
+from tests.helpers import small_config
+
+# One window-attention layer: the test is about the cache, and every layer is compile time.
+ONE_LAYER = {'model.num_layers': 1, 'model.num_encoder_layers': 0, 'model.compress_ratios': (0,),
+             'model.kv_source_layer_ids': (), 'model.index_source_layer_ids': (),
+             'model.candidate_source_layer_id': -1, 'model.engram_layer_ids': ()}
+
+
+def _run(workdir, cache_dir, caplog):
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger='deepseek41'):
+    train(small_config(**ONE_LAYER, **{'train.steps': 2,
+                                       'train.compilation_cache_dir': str(cache_dir)}),
+          str(workdir))
+  first_step = [r.getMessage() for r in caplog.records if 'first step' in r.getMessage()]
+  losses = [json.loads(line)['loss'] for line in open(workdir / 'metrics.jsonl')]
+  return first_step, losses
+
+
+def _entries(cache_dir):
+  return {f for f in os.listdir(cache_dir) if f.endswith('-cache')}
+
+
+def test_second_run_loads_what_the_first_compiled(tmp_path, caplog, monkeypatch):
+  # Whatever this machine's compile speed (the steps take seconds here, tens on the GPU).
+  monkeypatch.setattr(CompilationCache, 'MIN_COMPILE_SECS', 0.0)
+  before = jax.config.jax_compilation_cache_dir
+  cache = tmp_path / 'cache'
+  log1, losses1 = _run(tmp_path / 'a', cache, caplog)
+  written = _entries(cache)
+  assert written, 'the first run wrote nothing to the cache'
+  # By its first step the first run compiled the initialisation and the update step (and,
+  # with no floor on compile time, the eager ops before them) and wrote them all.
+  n_first = int(re.search(r'(\d+) compiled and written', log1[0]).group(1))
+  assert n_first >= 2 and '0 program(s) loaded' in log1[0]
+
+  log2, losses2 = _run(tmp_path / 'b', cache, caplog)
+  assert _entries(cache) == written  # the second run compiled nothing new
+  assert f'{n_first} program(s) loaded' in log2[0] and '0 compiled and written' in log2[0]
+  assert losses2 == losses1  # the same training
+  assert jax.config.jax_compilation_cache_dir == before  # the process's own settings are back
+
+
+def test_empty_dir_turns_the_cache_off():
+  before = jax.config.jax_compilation_cache_dir
+  with CompilationCache('') as cache:
+    assert jax.config.jax_compilation_cache_dir is None
+    jax.jit(lambda x: x + 1)(1)
+  assert cache.describe() == 'persistent compilation cache off'
+  assert jax.config.jax_compilation_cache_dir == before

@@ -1,0 +1,316 @@
+"""Generation: caches and decoding equal the full forward; CED prefill; speculative decoding."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from deepseek41.config import load_config_file, resolve
+from deepseek41.generate import sampling
+from deepseek41.generate.cache import empty_cache, global_bytes_per_token
+from deepseek41.generate.decode import ced_prefill, forward_chunk, replay_windows
+from deepseek41.generate.generator import Programs, decode_loop, exact_n_win
+from deepseek41.model.ced import exact_tail_rows
+from deepseek41.model.dspark import DSpark
+from deepseek41.model.layer_cache import CacheSpec
+from deepseek41.model.shared import Shared
+from deepseek41.model.transformer import Transformer
+from deepseek41.packing import load, store
+from deepseek41.quant import get_fake_quant
+from deepseek41.tools.info import kv_cache_bytes
+from tests.helpers import REPO_ROOT, resolved
+
+ROOT = REPO_ROOT
+
+# Every mechanism a cache must carry: CSA2 (ratio 2 and 1 sources, Reuse, Reindex with the
+# candidate pool) with the released FP4/FP8 formats, Engram, single-pass mHC, a CED split.
+FULL = {'model.init_std': 0.1, 'model.attention_variant': 'csa2', 'model.head_dim': 32,
+        'model.rope_head_dim': 8,
+        'model.index_n_heads': 2, 'model.index_head_dim': 32, 'model.index_topk': 4,
+        'model.candidate_topk_blocks': 2, 'model.candidate_block_size': 2,
+        'model.kv_quant': 'fp4_e4m3_16', 'model.index_quant': 'fp4_ue8m0_32',
+        'model.swa_quant': 'fp8_ue8m0_32', 'model.engram': True, 'model.engram_layer_ids': (1, 3),
+        'model.residual': 'mhc_single_pass'}
+SPEC = CacheSpec(batch=2, max_len=40, max_chunk=3)
+
+
+def _model(vocab=96, **extra):
+  cfg = resolved(**{**FULL, 'model.vocab_size': vocab, **extra})
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+      cfg.model, moe_backend=cfg.model.eval_moe_backend))  # dropless, as generation runs it
+  return cfg, Transformer(cfg.model, nnx.Rngs(params=0))
+
+
+@pytest.fixture(scope='module')
+def full_model():
+  return _model()
+
+
+def _full_logits(model, tokens_bt):
+  b, t = tokens_bt.shape
+  batch = {'tokens': tokens_bt, 'segment_ids': np.ones((b, t), np.int32),
+           'positions': np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+           'modality': np.zeros((b, t), np.int32)}
+  return np.asarray(nnx.jit(lambda m, x: m(x)[0])(model, batch))
+
+
+@nnx.jit
+def _chunk(model, cache, tokens, valid):
+  logits, _, cache = forward_chunk(model, cache, tokens, valid)
+  return logits, cache
+
+
+def test_decoding_with_caches_equals_the_full_forward(full_model):
+  """Two rows of different prompt lengths in one padded prefill; a 3-token chunk of wrong
+  tokens written and rolled back (a rejected verification); then one token at a time. Every
+  logit row equals the full forward's over the final sequence, so greedy decoding agrees."""
+  cfg, model = full_model
+  rng = np.random.default_rng(0)
+  seq = rng.integers(3, 96, (2, 30)).astype(np.int32)
+  full = _full_logits(model, seq)
+  lengths = np.array([9, 14], np.int32)
+  prompt = np.where(np.arange(16)[None] < lengths[:, None], seq[:, :16], 0)
+  cache = empty_cache(model, SPEC)
+  logits, cache = _chunk(model, cache, jnp.asarray(prompt), jnp.asarray(prompt > -1) &
+                         (np.arange(16)[None] < lengths[:, None]))
+  for b in range(2):
+    np.testing.assert_allclose(np.asarray(logits)[b, :lengths[b]], full[b, :lengths[b]],
+                               rtol=2e-4, atol=2e-4)
+  wrong = (seq[:, 16:19] + 1) % 96
+  _, rejected = _chunk(model, cache, jnp.asarray(wrong), jnp.ones((2, 3), bool))
+  cache = {**rejected, 'length': cache['length']}  # the rollback: nothing of it is kept
+  got = {0: [], 1: []}
+  for _ in range(12):
+    length = np.asarray(cache['length'])
+    tok = seq[np.arange(2), length][:, None]
+    logits, cache = _chunk(model, cache, jnp.asarray(tok), jnp.ones((2, 1), bool))
+    for b in range(2):
+      got[b].append((length[b], np.asarray(logits)[b, 0]))
+  for b in range(2):
+    for pos, row in got[b]:
+      np.testing.assert_allclose(row, full[b, pos], rtol=2e-4, atol=2e-4)
+      assert row.argmax() == full[b, pos].argmax()
+
+
+def test_packed_cache_holds_the_fake_quantized_values(full_model):
+  """The stored bytes unpack to exactly the training path's fake quantization, and the cached
+  entries of a prefill are the full forward's compressed KV."""
+  x = jax.random.normal(jax.random.key(1), (3, 5, 64)) * 3
+  for fmt in ('fp4_e4m3_16', 'fp4_ue8m0_32', 'fp8_ue8m0_32'):
+    np.testing.assert_array_equal(np.asarray(load(fmt, store(fmt, x), jnp.float32)),
+                                  np.asarray(get_fake_quant(fmt)(x)))
+  cfg, model = full_model
+  tokens = np.random.default_rng(2).integers(3, 96, (2, 16)).astype(np.int32)
+  batch = {'tokens': tokens, 'segment_ids': np.ones((2, 16), np.int32),
+           'positions': np.tile(np.arange(16, dtype=np.int32), (2, 1)),
+           'modality': np.zeros((2, 16), np.int32)}
+
+  @nnx.jit
+  def published(m, batch):
+    batch = m.with_engram_rows(batch)
+    x, pre = m.residual_input(batch)
+    return m.run_blocks(x, pre, batch, Shared())[-1]
+  shared = published(model, batch)
+  _, cache = _chunk(model, empty_cache(model, SPEC), jnp.asarray(tokens),
+                    jnp.ones((2, 16), bool))
+  for layer, ratio in ((1, 2), (2, 1)):
+    comp, keys = shared.kv[layer]
+    entries = cache['layers'][layer].entries
+    n = 16 // ratio
+    written = np.asarray(entries.written_bn)
+    assert written[:, :n].all() and not written[:, n:].any()
+    np.testing.assert_allclose(
+        np.asarray(load(cfg.model.kv_quant, entries.kv_bnd, jnp.float32))[:, :n],
+        np.asarray(comp.kv_bnd), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(load(cfg.model.index_quant, entries.keys_bnc, jnp.float32))[:, :n],
+        np.asarray(keys), atol=1e-5)
+  assert cache['layers'][3].entries is None  # a Reindex layer holds nothing of its own
+
+
+def test_ced_prefill_then_decoding_is_exact(full_model):
+  """CED prefill over the smallest exact tail: its last rows and every decoded token after it
+  equal the full forward (the decoder's windows hold exactly the full path's keys)."""
+  cfg, model = full_model
+  rng = np.random.default_rng(3)
+  seq = rng.integers(3, 96, (2, 36)).astype(np.int32)
+  full = _full_logits(model, seq)
+  lengths = np.array([26, 30], np.int32)
+  n_win = exact_n_win(cfg)
+  assert n_win < 26
+  prompt = np.where(np.arange(32)[None] < lengths[:, None], seq[:, :32], 0)
+  logits, _, cache = nnx.jit(lambda m, c, t, l: ced_prefill(m, c, t, l, n_win))(
+      model, empty_cache(model, SPEC), jnp.asarray(prompt), jnp.asarray(lengths))
+  exact = exact_tail_rows(cfg.model, n_win)
+  assert exact >= cfg.model.sliding_window
+  for b in range(2):  # tail row i is position lengths - n_win + i
+    np.testing.assert_allclose(np.asarray(logits)[b, n_win - exact:],
+                               full[b, lengths[b] - exact:lengths[b]], rtol=2e-4, atol=2e-4)
+  for _ in range(4):
+    length = np.asarray(cache['length'])
+    tok = seq[np.arange(2), length][:, None]
+    logits, cache = _chunk(model, cache, jnp.asarray(tok), jnp.ones((2, 1), bool))
+    for b in range(2):
+      np.testing.assert_allclose(np.asarray(logits)[b, 0], full[b, length[b]], rtol=2e-4,
+                                 atol=2e-4)
+
+
+def test_bounded_replay_rebuilds_the_windows(full_model):
+  """Dropping the windows and replaying the last n_win tokens: with n_win covering every
+  window's reach the next-token logits are the exact ones; a short replay moves them."""
+  cfg, model = full_model
+  tokens = np.random.default_rng(4).integers(3, 96, (2, 36)).astype(np.int32)
+  _, cache = _chunk(model, empty_cache(model, SPEC), jnp.asarray(tokens),
+                    jnp.ones((2, 36), bool))
+  full = _full_logits(model, tokens)[:, -1]
+  replay = nnx.jit(lambda m, c, n: replay_windows(m, c, n)[0][:, -1], static_argnums=2)
+  long_ = np.asarray(replay(model, cache, cfg.model.num_layers * 7 + 1))
+  np.testing.assert_allclose(long_, full, rtol=2e-4, atol=2e-4)
+  short = np.asarray(replay(model, cache, 4))
+  assert np.abs(short - full).max() > 1e-3
+
+
+def test_released_cache_is_890_bytes_per_token():
+  cfg = resolve(load_config_file(os.path.join(ROOT, 'configs', 'v41_flash.py')),
+                num_devices=8, backend='cpu')
+  spec = CacheSpec(batch=1, max_len=64, max_chunk=1)
+  model = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(params=0)))
+  cache = jax.eval_shape(lambda: empty_cache(model, spec))
+  assert global_bytes_per_token(cache, spec) == \
+      kv_cache_bytes(cfg)['global_bytes_per_token'] == 890
+
+
+# ---- speculative decoding ------------------------------------------------------------------
+
+
+def _drafting(vocab=96):
+  cfg, model = _model(vocab, **{'dspark.num_blocks': 1, 'dspark.block_size': 3,
+                                'dspark.target_layer_ids': (2, 3), 'dspark.markov_rank': 8,
+                                'dspark.n_routed_experts': 4, 'dspark.num_experts_per_tok': 2})
+  return cfg, Programs(model, DSpark(cfg.model, cfg.dspark, nnx.Rngs(params=1)), None)
+
+
+@pytest.fixture(scope='module')
+def drafting():
+  return _drafting()
+
+
+def test_greedy_speculative_decoding_returns_plain_greedy_tokens(drafting, monkeypatch):
+  cfg, progs = drafting
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(3, 96, n).astype(np.int32) for n in (7, 12)]
+  kw = dict(eos_id=None, max_new_tokens=14, prefill='full')
+  plain = [r.tokens for r in decode_loop(progs, cfg, prompts, **kw)]
+  spec = decode_loop(progs, cfg, prompts, speculative=True, verify_cost=0.0, **kw)
+  assert [r.tokens for r in spec] == plain
+  # An oracle drafter (right but for slot 2) makes verifications accept and reject mid-block.
+  real_draft = Programs.draft
+
+  def oracle(self, cache, anchor_b, key, temperature, top_p, k):
+    drafts, q, conf = real_draft(self, cache, anchor_b, key, temperature, top_p, k)
+    length = np.asarray(cache['length'])
+    truth = np.stack([[(prompts[b].tolist() + plain[b] + [0] * 8)[length[b] + 1 + i]
+                       for i in range(k)] for b in range(2)]).astype(np.int32)
+    truth[:, 1] = (truth[:, 1] + 1) % 96
+    return jnp.asarray(truth), jax.nn.one_hot(truth, 96), jnp.ones_like(conf)
+  monkeypatch.setattr(Programs, 'draft', oracle)
+  spec = decode_loop(progs, cfg, prompts, speculative=True, verify_cost=0.0, **kw)
+  assert [r.tokens for r in spec] == plain
+  assert all(r.accepted_drafts > 0 for r in spec) and spec[0].forwards < 14
+
+
+def test_rejection_sampling_returns_the_target_distribution():
+  """Monte-Carlo over 200K rows: the first token out of a verification is distributed as p_0,
+  and the second, given the first draft was accepted, as p_1."""
+  v, n = 6, 200_000
+  rng = np.random.default_rng(6)
+  p = jnp.asarray(rng.dirichlet(np.ones(v), 3), jnp.float32)  # p_0, p_1, p_2
+  q = jnp.asarray(rng.dirichlet(np.ones(v), 2), jnp.float32)  # the drafts' q_1, q_2
+  kd, kv = jax.random.split(jax.random.key(0))
+  drafts = jax.random.categorical(kd, jnp.log(q)[None].repeat(n, 0))
+  acc, nxt = jax.jit(sampling.verify, static_argnums=5)(
+      kv, jnp.broadcast_to(p, (n, 3, v)), jnp.broadcast_to(q, (n, 2, v)), drafts,
+      jnp.full((n,), 2), False)
+  acc, nxt, drafts = np.asarray(acc), np.asarray(nxt), np.asarray(drafts)
+  first = np.where(acc >= 1, drafts[:, 0], nxt)
+  freq = np.bincount(first, minlength=v) / n
+  assert np.abs(freq - np.asarray(p[0])).sum() < 0.01
+  ok = acc >= 1
+  second = np.where(acc[ok] >= 2, drafts[ok, 1], nxt[ok])
+  freq = np.bincount(second, minlength=v) / ok.sum()
+  assert np.abs(freq - np.asarray(p[1])).sum() < 0.02
+  assert 0.2 < ok.mean() < 0.9  # both branches exercised
+
+
+def test_sampled_speculative_decoding_matches_the_model():
+  """A toy model over 8 tokens: the second generated token's frequency over 3,000 sampled
+  speculative runs matches its exact marginal sum_t1 p(t1) p(t2 | t1) from full forwards."""
+  cfg, progs = _drafting(vocab=8)
+  prompt = np.array([3, 5, 1, 6, 2], np.int32)
+  n = 3000
+  out = decode_loop(progs, cfg, [prompt] * n, eos_id=None, max_new_tokens=2, temperature=1.0,
+                    speculative=True, verify_cost=0.0, prefill='full', seed=1)
+  assert sum(r.accepted_drafts for r in out) > 100  # drafts were accepted, not only resampled
+  model = nnx.merge(progs.graph, progs.state)[0]
+  p1 = jax.nn.softmax(_full_logits(model, prompt[None])[0, -1])
+  nexts = np.concatenate([np.tile(prompt, (8, 1)), np.arange(8, dtype=np.int32)[:, None]], 1)
+  p2 = jax.nn.softmax(_full_logits(model, nexts)[:, -1], axis=-1)
+  exact = np.asarray(p1 @ p2)
+  freq = np.bincount([r.tokens[1] for r in out], minlength=8) / n
+  assert np.abs(freq - exact).sum() < 0.06
+
+
+def test_verify_length_admits_while_the_rate_rises():
+  conf = jnp.array([[0.9, 0.9, 0.1], [0.1, 0.9, 0.9], [0.99, 0.99, 0.99]])
+  assert np.asarray(sampling.verify_length(conf, 0.2)).tolist() == [2, 0, 3]
+  assert np.asarray(sampling.verify_length(conf, 0.0)).tolist() == [3, 3, 3]
+
+
+def test_image_prompts_decode_like_the_full_forward():
+  """A prompt with an image span (laid out as training lays it out): prefill, full or CED, and
+  decoding after it equal the full forward over the same sequence."""
+  from deepseek41.data.multimodal import build_document
+  from deepseek41.generate.generator import image_fields
+  vision = {'model.vision': True, 'model.vision_layers': 1, 'model.vision_dim': 16,
+            'model.vision_heads': 2, 'model.vision_mlp': 16, 'model.vision_patch': 2,
+            'model.vision_max_image_tokens': 4, 'model.image_token_id': 5,
+            'data.max_images_per_row': 2}
+  cfg, model = _model(**vision)
+  rng = np.random.default_rng(8)
+  image = rng.integers(0, 256, (12, 10, 3)).astype(np.uint8)
+  encode = lambda text: [6 + ord(c) % 80 for c in text]  # noqa: E731
+  doc = build_document([{'text': 'a prompt'}, {'image': image}, {'text': 'and more'}], encode, 1,
+                       cfg.data.images, 'test')
+  prompt = doc.tokens[:-1]
+  n = len(prompt)
+  seq = np.concatenate([prompt, rng.integers(6, 96, 4).astype(np.int32)])[None]
+  fields = image_fields(cfg, [doc], len(seq[0]))
+  batch = {'tokens': seq, 'segment_ids': np.ones_like(seq), 'modality':
+           (fields['image_role'] != 0).astype(np.int32),
+           'positions': np.arange(seq.shape[1], dtype=np.int32)[None], **fields}
+  full = np.asarray(nnx.jit(lambda m, b: m(b)[0])(model, batch))[0]
+  spec = CacheSpec(batch=1, max_len=48, max_chunk=1)
+  images = jax.tree.map(jnp.asarray, image_fields(cfg, [doc], n))
+  lengths = jnp.asarray([n], jnp.int32)
+
+  @nnx.jit
+  def prefill_full(m, tokens):
+    logits, _, cache = forward_chunk(m, empty_cache(m, spec), tokens,
+                                     jnp.ones(tokens.shape, bool), images=images)
+    return logits[:, -1], cache
+
+  @nnx.jit
+  def prefill_ced(m, tokens):
+    logits, _, cache = ced_prefill(m, empty_cache(m, spec), tokens, lengths, n,
+                                   images=images)
+    return logits[:, -1], cache
+  for prefill in (prefill_full, prefill_ced):
+    last, cache = prefill(model, jnp.asarray(prompt[None]))
+    np.testing.assert_allclose(np.asarray(last)[0], full[n - 1], rtol=2e-4, atol=2e-4)
+    for pos in range(n, n + 3):
+      logits, cache = _chunk(model, cache, jnp.asarray(seq[:, pos:pos + 1]), jnp.ones((1, 1), bool))
+      np.testing.assert_allclose(np.asarray(logits)[0, 0], full[pos], rtol=2e-4, atol=2e-4)

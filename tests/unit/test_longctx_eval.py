@@ -1,0 +1,218 @@
+"""Long-context evaluation: task accuracy is 1 for a model told the answers and chance for a
+constant one; the trainer logs train.eval_tasks; `python -m deepseek41.eval` reports any
+checkpoint and names bad input."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deepseek41.config import TaskSpec, resolve
+from deepseek41.data.prepare import prepare_dataset
+from deepseek41.data.tokenizer import load_tokenizer
+from deepseek41.eval import report as report_lib
+from deepseek41.eval.restore import EvalError, open_checkpoint
+from deepseek41.train.reading import run_tokenizer
+from deepseek41.eval.run import Options, evaluate
+from deepseek41.sharding import batch_sharding, make_mesh
+from deepseek41.train.evaluation import (TaskEvaluator, make_task_step, model_predictor,
+                                         task_metrics, task_rows)
+from deepseek41.train.trainer import train
+from tests.helpers import small_config
+
+VOCAB = 416
+WORDS = ('river stone market lantern harbor meadow copper window garden silver orchard '
+         'valley thunder pepper candle').split()
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  """Plain sentences, and English like the tasks' own, so the small BPE encodes them briefly."""
+  root = tmp_path_factory.mktemp('corpus')
+  rng = np.random.default_rng(0)
+  lines = [' '.join(rng.choice(WORDS, 12)) + '.' for _ in range(60)]
+  lines += ['What is the secret number? Remember it: the secret number is 12. Keep the secret '
+            'number in mind. Note that the code for it is 3. The code for it is 4.'] * 20
+  (root / 'docs.jsonl').write_text('\n'.join(json.dumps({'text': t}) for t in lines) + '\n')
+  return prepare_dataset([str(root / 'docs.jsonl')], str(root / 'data'), vocab_size=400,
+                         heldout_fraction=0.3, progress=False)
+
+
+def _config(corpus, **overrides):
+  return small_config(**{'data.synthetic': False, 'data.sources': f'mqar:0.5,{corpus}:0.5',
+                         'data.seq_len': 64, 'model.vocab_size': VOCAB, 'mesh.data': -1,
+                         'tasks.mqar_pairs': 4, 'tasks.mqar_queries': 2,
+                         'tasks.mqar_value_digits': 1, **overrides})
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring: a model told the answer, a constant model.
+
+
+class _Stub:
+  """An objective whose backbone returns fixed logits: the targets' one-hot (told the answer)
+  or one token everywhere (constant)."""
+
+  def __init__(self, constant=None):
+    self.constant = constant
+
+  def reader_models(self, graphdef, weights):
+    del graphdef, weights
+
+    def backbone(batch):
+      ids = batch['targets'] if self.constant is None else jnp.full_like(batch['targets'],
+                                                                          self.constant)
+      return 30.0 * jax.nn.one_hot(ids, VOCAB), {}
+    return backbone, None
+
+
+def _stub_accuracy(cfg, tok, stub, specs):
+  mesh = make_mesh(cfg.mesh)
+  predict = model_predictor(jax.jit(make_task_step(stub, None)), mesh,
+                            batch_sharding(mesh, cfg.mesh.rules), None, False)
+  evaluator = TaskEvaluator(cfg, specs, predict, lambda n: task_rows(cfg, n), tokenizer=tok)
+  return evaluator, evaluator(None)
+
+
+def test_a_model_told_the_answer_scores_one_and_a_constant_one_chance(corpus):
+  cfg = resolve(_config(corpus, **{'tasks.eval_examples': 40, 'tasks.eval_depths': (0.0, 1.0)}))
+  tok = load_tokenizer(f'{corpus}/tokenizer.json')
+  specs = (TaskSpec('mqar', 64), TaskSpec('passkey', 128))
+  evaluator, told = _stub_accuracy(cfg, tok, _Stub(), specs)
+  assert [(s.spec.label, s.depth) for s in told] == [('mqar@64', None), ('passkey@128', 0.0),
+                                                     ('passkey@128', 1.0)]
+  assert all(s.answers == 80 and s.acc == 1.0 and s.token_acc == 1.0 for s in told[:1])
+  assert all(s.answers == 40 and s.acc == 1.0 and s.answer_loss < 1e-3 for s in told[1:])
+  # mqar values are one digit, each one token: a model that always says '7' is right exactly
+  # where the value is 7, about one time in ten; never on a 5-digit passkey.
+  seven = int(tok.hf.encode('7', add_special_tokens=False).ids[0])
+  _, constant = _stub_accuracy(cfg, tok, _Stub(seven), specs)
+  values = [tok.decode(a) for d in evaluator.documents(specs[0], None)
+            for a in d.answer_tokens()]
+  assert constant[0].acc == values.count('7') / len(values) and 0 < constant[0].acc < 0.3
+  assert all(s.acc == 0.0 for s in constant[1:])
+  metrics = task_metrics(constant)
+  assert metrics['eval_acc/mqar@64'] == constant[0].acc
+  assert metrics['eval_acc/passkey@128'] == 0.0
+  assert {'eval_acc/passkey@128/depth0', 'eval_acc/passkey@128/depth1',
+          'eval_answer_loss/passkey@128', 'eval_answer_loss/mqar@64'} == set(metrics) - {
+              'eval_acc/mqar@64', 'eval_acc/passkey@128'}
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer and the eval command on one run.
+
+
+@pytest.fixture(scope='module')
+def run(corpus, tmp_path_factory):
+  """Two steps on mqar + text, evaluating mqar@64 and passkey@128 at steps 0 and 2."""
+  workdir = str(tmp_path_factory.mktemp('run') / 'w')
+  train(_config(corpus, **{'train.steps': 2, 'train.eval_every_steps': 2,
+                           'train.eval_batches': 1, 'train.eval_tasks': 'mqar@64,passkey@128',
+                           'tasks.eval_examples': 8, 'tasks.eval_depths': (0.0, 0.5),
+                           'checkpoint.every_steps': 2}), workdir)
+  return workdir
+
+
+def test_the_trainer_logs_the_tasks(run):
+  records = [json.loads(line) for line in open(f'{run}/metrics.jsonl')]
+  evals = [r for r in records if 'eval_loss' in r]
+  assert [r['step'] for r in evals] == [0, 2]
+  for r in evals:
+    for key in ('eval_acc/mqar@64', 'eval_acc/passkey@128', 'eval_acc/passkey@128/depth0.5',
+                'eval_answer_loss/mqar@64'):
+      assert 0.0 <= r[key] <= (1.0 if 'acc' in key else 50.0), key
+
+
+def test_eval_reports_a_checkpoint(run, tmp_path):
+  ck = open_checkpoint(run)
+  assert ck.step == 2
+  report = evaluate(ck, Options(specs=(TaskSpec('mqar', 64), TaskSpec('passkey', 128)),
+                                examples=8, depths=(0.0, 0.5), heldout_batches=1,
+                                generate=True))
+  assert set(report['heldout_loss']) == {'mqar', ck.cfg.data.sources[1][0]}
+  assert all(np.isfinite(v) and v > 0 for v in report['heldout_loss'].values())
+  # the same documents and numbers as the trainer's evaluation of this checkpoint
+  logged = [json.loads(line) for line in open(f'{run}/metrics.jsonl')][-1]
+  by_label = {}
+  for t in report['tasks']:
+    by_label.setdefault(t['label'], []).append(t)
+  for label, rows in by_label.items():
+    acc = sum(t['correct'] for t in rows) / sum(t['answers'] for t in rows)
+    assert acc == pytest.approx(logged[f'eval_acc/{label}'], abs=1e-6)
+  assert [(g['label'], g['depth']) for g in report['generated']] == [
+      (t['label'], t['depth']) for t in report['tasks']]
+  assert all(0 <= g['acc'] <= 1 and g['answer_loss'] is None for g in report['generated'])
+  text = report_lib.table(report)
+  assert 'passkey@128' in text and 'decoded acc' in text
+  report_lib.write_json(report, str(tmp_path / 'r.json'))
+  assert json.load(open(tmp_path / 'r.json'))['step'] == 2
+  pytest.importorskip('matplotlib')
+  report_lib.heat_map(report, str(tmp_path / 'r.png'))
+  assert os.path.getsize(tmp_path / 'r.png') > 1000
+
+
+def test_a_dspark_stage_is_scored_by_its_backbone(corpus, run, tmp_path):
+  """A frozen DSpark stage on the run's checkpoint scores exactly as that checkpoint does."""
+  stage = str(tmp_path / 'stage')
+  train(_config(corpus, **{'train.steps': 1, 'dspark.stage': 'frozen',
+                           'dspark.backbone_checkpoint': f'{run}/checkpoints/2',
+                           'dspark.num_blocks': 1, 'dspark.block_size': 3,
+                           'dspark.n_routed_experts': 4, 'dspark.num_experts_per_tok': 2,
+                           'dspark.markov_rank': 8}), stage)
+  options = Options(specs=(TaskSpec('mqar', 64),), examples=4, heldout_batches=0)
+  drafting, plain = (evaluate(open_checkpoint(w), options)['tasks'] for w in (stage, run))
+  assert drafting == plain
+
+
+def test_an_imports_tokenizer_is_found(run, tmp_path):
+  """`tools.convert import` keeps the tokenizer in OUT/tokenizer/: the tasks encode with it."""
+  (tmp_path / 'tokenizer').mkdir()
+  shutil.copy(f'{run}/tokenizer.json', tmp_path / 'tokenizer' / 'tokenizer.json')
+  tok, path = run_tokenizer(str(tmp_path), None)
+  assert path == str(tmp_path / 'tokenizer' / 'tokenizer.json') and tok.vocab_size > 256
+
+
+def test_bad_input_is_named(run, tmp_path):
+  ck = open_checkpoint(run)
+  with pytest.raises(EvalError, match=r'--tasks: passkey@1k: 1024 tokens exceed the model.s '
+                                      r'512 positions'):
+    evaluate(ck, Options(specs=(TaskSpec('passkey', 1024),)))
+  with pytest.raises(EvalError, match=r'--generate: passkey@512 .* needs 513 positions'):
+    evaluate(ck, Options(specs=(TaskSpec('passkey', 512),), generate=True))
+  with pytest.raises(EvalError, match=r'--batch_size=3: must be a multiple of the 8 devices'):
+    evaluate(ck, Options(specs=(TaskSpec('mqar', 64),), rows=3))
+  with pytest.raises(EvalError, match=r'--step=7: no checkpoint .*\(there are: 2\)'):
+    open_checkpoint(run, step=7)
+  with pytest.raises(EvalError, match='has no checkpoints/ directory'):
+    open_checkpoint(str(tmp_path))
+  empty = tmp_path / 'empty'
+  (empty / 'checkpoints').mkdir(parents=True)
+  with pytest.raises(EvalError, match='holds no complete checkpoint'):
+    open_checkpoint(str(empty))
+
+
+def test_cli(run, tmp_path):
+  out = str(tmp_path / 'report')
+  cmd = [sys.executable, '-m', 'deepseek41.eval', f'--workdir={run}', '--tasks=mqar@64',
+         '--examples=8', '--heldout_batches=0', f'--out={out}']
+  done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert 'mqar@64' in done.stdout
+  report = json.load(open(out + '.json'))
+  assert [t['label'] for t in report['tasks']] == ['mqar@64'] and 'heldout_loss' not in report
+  bad = subprocess.run(cmd[:-1] + ['--tasks=mqar@64,keys@2k'], capture_output=True, text=True,
+                       timeout=600)
+  assert bad.returncode == 2 and "--tasks: unknown task 'keys'" in bad.stderr
+  bare = str(tmp_path / 'bare')
+  shutil.copytree(run, bare)
+  shutil.rmtree(os.path.join(bare, 'checkpoints', '2'))
+  bad = subprocess.run(cmd[:1] + ['-m', 'deepseek41.eval', f'--workdir={bare}',
+                                  '--tasks=mqar@64'], capture_output=True, text=True, timeout=600)
+  assert bad.returncode == 2 and 'holds no complete checkpoint' in bad.stderr, bad.stderr
