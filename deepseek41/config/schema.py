@@ -414,7 +414,7 @@ class TrainConfig:
   muon_rms_match: float = key(0.18)
   # [I] The Newton-Schulz iterations' dtype; the momentum, the Frobenius scaling and the result
   # stay fp32. auto = bfloat16 on the GPU and TPU (the matmuls at bf16 rate; the stable phase
-  # leaves singular values within ~1e-2 of 1: tests/test_optimizer.py), float32 on the CPU
+  # leaves singular values within ~1e-2 of 1: tests/unit/test_optimizer.py), float32 on the CPU
   # (where bf16 matmuls are slower than fp32 ones).
   muon_ns_dtype: str = key('auto', choices=('float32', 'bfloat16'), auto=auto.muon_ns_dtype)
   # [I] The Muon and Sinkhorn groups learn at these multiples of the schedule's rate (1: the RMS

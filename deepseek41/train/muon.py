@@ -8,12 +8,12 @@ scale, so the momentum's normalisation (a sum, or an EMA's (1 - beta) times it) 
 What is optax's and what is ours: the momentum, the weight decay, the learning rate and the
 split into groups are optax's (`optax.trace`, `add_decayed_weights`, `scale_by_learning_rate`,
 `optax.partition`; train/optimizer.py). The orthogonalisation is ours, on optax.contrib.muon's
-conventions (Frobenius pre-scaling, the Gram matrix of the shorter side, batch axes vmapped as in
-`MuonDimensionNumbers`; tests/test_optimizer.py holds it equal to optax.contrib's in fp32),
-because `optax.contrib.scale_by_muon` iterates in its momentum's dtype (we iterate in bf16 on an
-fp32 momentum, `train.muon_ns_dtype`) and keeps its coefficients in the optimizer state (a
-resumed run would keep the checkpoint's whatever the config says). The Sinkhorn update is ours:
-optax has none.
+conventions (Frobenius pre-scaling, the Gram matrix of the shorter side, batch axes vmapped as
+in `MuonDimensionNumbers`; tests/unit/test_optimizer.py holds it equal to optax.contrib's in
+fp32), because `optax.contrib.scale_by_muon` iterates in its momentum's dtype (we iterate in
+bf16 on an fp32 momentum, `train.muon_ns_dtype`) and keeps its coefficients in the optimizer
+state (a resumed run would keep the checkpoint's whatever the config says). The Sinkhorn update
+is ours: optax has none.
 
 Layouts come from the parameters' metadata, set where each is created (model/params.py): the
 `stack_axes` of a stack of matrices (experts, Q heads, output groups) and a token table's

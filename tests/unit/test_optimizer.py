@@ -1,11 +1,11 @@
 """train.optimizer=muon_hybrid (train/optimizer.py, train/muon.py): each parameter group gets the
-update it should, Newton-Schulz against the SVD's polar factor, the Sinkhorn balance, sharded
-updates equal to one device's, checkpoints, the bytes tools.info counts, the config checks."""
+update it should, Newton-Schulz against the SVD's polar factor, the Sinkhorn balance, the DSpark
+stage's step, the bytes tools.info counts, the config checks. (On 8 devices and through the
+trainer: tests/system/test_muon_hybrid.py.)"""
 
 import dataclasses
 import functools
 import math
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -15,19 +15,15 @@ import pytest
 from flax import nnx
 from optax.contrib import _muon as optax_muon
 
-from deepseek41.config import ConfigError
+from deepseek41.config import ConfigError, resolve
 from deepseek41.model.params import EngramTable, TokenTable
-from deepseek41.sharding import make_mesh
 from deepseek41.tools.info import bytes_per_device
 from deepseek41.train import state as state_lib
-from deepseek41.train.checkpoint import CheckpointError
 from deepseek41.train.muon import newton_schulz, ns_coefficients, sinkhorn_balance
 from deepseek41.train.objectives import objective_for
 from deepseek41.train.optimizer import (ADAMW, MUON, SINKHORN, hybrid_labels,
                                         learning_rate_schedule, make_optimizer)
-from deepseek41.train.trainer import train
-from tests.test_multimodal_model import VISION
-from tests.util import packed_batch, resolved, small_config
+from tests.helpers import VISION, packed_batch, resolved, small_config
 
 COEFFS = ns_coefficients(((3.4445, -4.775, 2.0315), (2.0, -1.5, 0.5)), (8, 2))
 # The whole structure: Engram tables, mHC's static parameters, experts, head-wise Q.
@@ -35,7 +31,11 @@ HYBRID = {'train.optimizer': 'muon_hybrid', 'model.engram': True,
           'model.residual': 'mhc_single_pass'}
 # + CSA2 (the indexer's head-wise Q) and the ViT (its fused q/k/v), for the updates alone (no
 # forward pass to compile)
-EVERY_GROUP = {**HYBRID, **VISION, 'model.csa2': True}
+EVERY_GROUP = {**HYBRID, **VISION, 'model.attention_variant': 'csa2'}
+# The DSpark stage trained beside its backbone (no backbone checkpoint needed)
+DRAFTER = {'dspark.stage': 'post_training', 'dspark.num_blocks': 1, 'dspark.block_size': 3,
+           'dspark.n_routed_experts': 4, 'dspark.num_experts_per_tok': 2,
+           'dspark.markov_rank': 8, 'dspark.anchors_per_sequence': 4}
 
 
 def _polar(x):
@@ -258,64 +258,7 @@ def test_weight_decay_reaches_only_the_matrices():
     np.testing.assert_array_equal(_leaf(updates, *path), 0.0)
 
 
-# ---- sharded equals one device -------------------------------------------------------------------
-
-MESHES = {'fsdp8': {'mesh.data': 1, 'mesh.fsdp': 8},
-          'expert8': {'mesh.data': 1, 'mesh.expert': 8},
-          'data4_tensor2': {'mesh.data': 4, 'mesh.tensor': 2},
-          'fsdp2_expert2_tensor2': {'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.expert': 2,
-                                    'mesh.tensor': 2}}
-
-
-def _sharded_update(n, sizes):
-  """Two updates (the second with momentum) on an n-device mesh, the state sharded as the
-  trainer shards it; returns the second update and the program's optimized HLO."""
-  cfg = resolved(num_devices=n, **EVERY_GROUP, **sizes)
-  tx = make_optimizer(cfg.train)
-  mesh = make_mesh(cfg.mesh, jax.devices()[:n])
-  state, shardings = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
-  params, opt = state['params'], state['opt']
-  grads = [jax.device_put(_random_like(jax.device_get(params), seed), shardings['params'])
-           for seed in (1, 2)]
-  step = jax.jit(tx.update, out_shardings=(shardings['params'], shardings['opt']))
-  with jax.set_mesh(mesh):
-    compiled = step.lower(grads[0], opt, params).compile()
-    _, opt = compiled(grads[0], opt, params)
-    updates, _ = compiled(grads[1], opt, params)
-  return jax.device_get(updates), compiled.as_text()
-
-
-@functools.lru_cache(maxsize=None)
-def _one_device_update():
-  return _sharded_update(1, {'mesh.data': 1})[0]
-
-
-@pytest.mark.parametrize('mesh', list(MESHES))
-def test_sharded_update_matches_one_device(mesh):
-  expected = _one_device_update()
-  got, hlo = _sharded_update(8, MESHES[mesh])
-  # fp32 Newton-Schulz on sums split (or tiled) differently: measured, every leaf within 2e-6
-  # of its largest entry, but one. The exception is a square 32 x 32 matrix (block 0's wo_b)
-  # whose random gradient's smallest singular value has not converged after 10 iterations
-  # (0.988): that direction still moves, and it amplifies rounding, to 6e-5 (fsdp8) and 1.2e-4
-  # (expert8) of the largest entry. A wrong split (a stack orthogonalised whole, a device's
-  # slice alone) would be off by O(1).
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(got)):
-    a, b = np.asarray(a), np.asarray(b)
-    np.testing.assert_allclose(b, a, rtol=0, atol=3e-4 * float(np.abs(a).max()),
-                               err_msg=jax.tree_util.keystr(path))
-  if mesh == 'expert8':
-    # each device orthogonalises its own expert: no collective gathers an expert stack
-    e, d, f = _leaf(expected, 'blocks', 0, 'moe', 'w_up').shape
-    stacks = (f'[{e},{d},{f}]', f'[{e},{f},{d}]')
-    for op in ('all-gather', 'all-to-all', 'collective-permute'):
-      for line in hlo.splitlines():
-        if f' {op}(' in line or f' {op}-start(' in line:
-          result = line.split('=', 1)[1].split(op)[0]
-          assert not any(s in result for s in stacks), line
-
-
-# ---- checkpoints, bytes, config ------------------------------------------------------------------
+# ---- bytes, config, the DSpark stage -------------------------------------------------------------
 
 
 def test_tools_info_counts_one_moment_for_matrices_and_tables():
@@ -352,54 +295,16 @@ def test_bad_keys_are_named(override, culprit):
 
 
 def test_muon_ns_dtype_auto_follows_the_backend():
-  from deepseek41.config import resolve
   c = small_config()
   assert resolve(c, num_devices=1, backend='cpu').train.muon_ns_dtype == 'float32'
   assert resolve(c, num_devices=1, backend='gpu').train.muon_ns_dtype == 'bfloat16'
 
 
-STEPS = 6
-
-
-@pytest.fixture(scope='module')
-def straight(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp('muon_straight'))
-  assert train(_config(), workdir).step == STEPS
-  return workdir
-
-
-def _config(**overrides):
-  return small_config(**{**HYBRID, 'train.steps': STEPS, **overrides})
-
-
-def test_resume_is_bit_exact(straight, tmp_path):
-  from tests.test_train import _assert_states_equal, _final_state, _losses
-  workdir = str(tmp_path)
-  assert train(_config(), workdir, stop_at_step=STEPS // 2).step == STEPS // 2
-  assert train(_config(), workdir).step == STEPS
-  step_a, state_a = _final_state(straight, _config())
-  step_b, state_b = _final_state(workdir, _config())
-  assert step_a == step_b == STEPS
-  _assert_states_equal(state_a, state_b)   # params, Muon/Sinkhorn momenta, AdamW moments, ...
-  assert _losses(straight) == _losses(workdir)
-
-
-def test_resuming_with_another_optimizer_is_refused(straight, tmp_path):
-  workdir = tmp_path / 'w'
-  shutil.copytree(straight, workdir)
-  with pytest.raises(CheckpointError) as err:
-    train(_config(**{'train.optimizer': 'adamw', 'train.steps': STEPS + 2}), str(workdir))
-  msg = str(err.value)
-  assert msg.startswith('train.optimizer:') and "'muon_hybrid'" in msg and "'adamw'" in msg
-  assert 'shape/dtype' not in msg and 'absent' not in msg   # the cause, not the layout
-
 
 def test_the_dspark_stage_trains_with_muon_hybrid():
   """The DSpark stage's step (its own, objectives/dspark.py) with the hybrid: the drafter's
   Markov tables get the Sinkhorn update, its routed experts Muon's, each expert on its own."""
-  from tests.test_dspark import DRAFTER
-  cfg = resolved(**{**DRAFTER, 'dspark.stage': 'post_training', 'train.optimizer': 'muon_hybrid',
-                    'train.weight_decay': 0.0})
+  cfg = resolved(**{**DRAFTER, 'train.optimizer': 'muon_hybrid', 'train.weight_decay': 0.0})
   tx = make_optimizer(cfg.train)
   md = state_lib.model_def(cfg, tx)
   state = jax.jit(state_lib._init_fn(cfg, tx))()
