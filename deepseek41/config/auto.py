@@ -80,3 +80,9 @@ def compute_dtype(m: Values, backend: str) -> str:
 
 def vision_attention_impl(m: Values, backend: str) -> str:
   return 'reference' if backend == 'cpu' else 'fused'
+
+
+def muon_ns_dtype(t: Values, backend: str) -> str:
+  # bf16 matmuls run at full tensor-core rate on the GPU and TPU; XLA's CPU runs them slower
+  # than fp32 ones.
+  return 'float32' if backend == 'cpu' else 'bfloat16'

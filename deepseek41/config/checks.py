@@ -272,6 +272,33 @@ def check_train(t: TrainConfig):
   require(t.engram_table_lr_multiplier > 0, 'train.engram_table_lr_multiplier', 'must be > 0')
   require(t.vision_lr_multiplier > 0, 'train.vision_lr_multiplier', 'must be > 0')
   require(t.remat_layers >= 0, 'train.remat_layers', f'must be >= 0, got {t.remat_layers}')
+  check_muon_hybrid(t)
+
+
+def check_muon_hybrid(t: TrainConfig):
+  """The muon_hybrid keys (checked whatever train.optimizer is: a config switched to it later
+  must not fail then)."""
+  require(0 <= t.muon_momentum < 1, 'train.muon_momentum',
+          f'must be in [0, 1), got {t.muon_momentum}')
+  require(len(t.muon_ns_coeffs) >= 1 and all(len(abc) == 3 for abc in t.muon_ns_coeffs),
+          'train.muon_ns_coeffs', f'must be one or more (a, b, c) triples, got {t.muon_ns_coeffs}')
+  require(len(t.muon_ns_steps) == len(t.muon_ns_coeffs), 'train.muon_ns_steps',
+          f'needs one iteration count per train.muon_ns_coeffs triple ({len(t.muon_ns_coeffs)}), '
+          f'got {t.muon_ns_steps}')
+  require(all(n >= 0 for n in t.muon_ns_steps) and sum(t.muon_ns_steps) >= 1,
+          'train.muon_ns_steps', f'must be >= 0 each and >= 1 in all, got {t.muon_ns_steps}')
+  require(t.muon_rms_match > 0, 'train.muon_rms_match', f'must be > 0, got {t.muon_rms_match}')
+  require(0 <= t.sinkhorn_momentum < 1, 'train.sinkhorn_momentum',
+          f'must be in [0, 1), got {t.sinkhorn_momentum}')
+  require(t.sinkhorn_gamma > 0, 'train.sinkhorn_gamma', f'must be > 0, got {t.sinkhorn_gamma}')
+  require(t.sinkhorn_normalizations >= 1 and t.sinkhorn_normalizations % 2 == 1,
+          'train.sinkhorn_normalizations', 'must be odd (rows first and last, so every row of '
+          f'the update has RMS 1), got {t.sinkhorn_normalizations}')
+  require(0 <= t.sinkhorn_tau < 1, 'train.sinkhorn_tau', f'must be in [0, 1), got {t.sinkhorn_tau}')
+  require(t.sinkhorn_eps > 0, 'train.sinkhorn_eps', f'must be > 0, got {t.sinkhorn_eps}')
+  for name in ('muon_lr_multiplier', 'sinkhorn_lr_multiplier'):
+    require(getattr(t, name) > 0, f'train.{name}', f'must be > 0, got {getattr(t, name)}')
+  require(t.sinkhorn_weight_decay >= 0, 'train.sinkhorn_weight_decay', 'must be >= 0')
 
 
 def check_batch_split(t: TrainConfig, mesh: MeshConfig):

@@ -62,7 +62,9 @@ def _tuple(v) -> tuple:
 
 _CONVERT = {int: int, float: float, bool: bool, str: str,
             tuple[int, ...]: lambda v: tuple(int(x) for x in _tuple(v)),
-            tuple[float, ...]: lambda v: tuple(float(x) for x in _tuple(v))}
+            tuple[float, ...]: lambda v: tuple(float(x) for x in _tuple(v)),
+            tuple[tuple[float, ...], ...]: lambda v: tuple(tuple(float(x) for x in _tuple(row))
+                                                           for row in _tuple(v))}
 
 
 def read_section(cls, section: ml_collections.ConfigDict, name: str,
@@ -223,7 +225,7 @@ def resolve(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None,
   mesh = _resolve_mesh(cfg.mesh, num_devices)
   tasks = TasksConfig(**read_section(TasksConfig, cfg.tasks, 'tasks'))
   data = _resolve_data(cfg.data, model, tasks)
-  train = TrainConfig(**read_section(TrainConfig, cfg.train, 'train'))
+  train = TrainConfig(**read_section(TrainConfig, cfg.train, 'train', backend))
   checks.check_train(train)
   checks.check_tasks(tasks, data, train, model, mesh)
   checks.check_remat_layers(train, model)

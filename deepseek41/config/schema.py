@@ -383,7 +383,9 @@ class TrainConfig:
   b1: float = key(0.9)
   b2: float = key(0.95)
   eps: float = key(1e-8)
-  weight_decay: float = key(0.1)        # never on norms, biases, sinks or scales (1-D params)
+  # Decoupled (x lr), never on norms, biases, sinks or scales (1-D params); under muon_hybrid on
+  # the Muon matrices only (the token tables: sinkhorn_weight_decay).
+  weight_decay: float = key(0.1)
   grad_clip_norm: float = key(1.0)      # global-norm clipping; 0 disables
   engram_table_lr_multiplier: float = key(5.0)  # Engram tables learn at this multiple of lr
   # [I] The ViT and its aligner learn at this multiple of lr. Adam moves every aligner weight by
@@ -391,6 +393,46 @@ class TrainConfig:
   # while a table embedding row barely moves; at a text-tuned lr the spans become large,
   # near-constant vectors the LM cannot read (docs/performance.md section 7.2).
   vision_lr_multiplier: float = key(1.0)
+  # The optimizer (docs/architecture.md section 4.2): `adamw` for every parameter, or
+  # `muon_hybrid`, the V4 report's [S]: Muon for the matrices (each routed expert, each head of
+  # a Q projection, each output group on its own), a Sinkhorn-balanced Nesterov update for the
+  # token tables (embedding, LM head, Engram and DSpark Markov tables), AdamW (b1, b2, eps) for
+  # the rest (norms, biases, sinks, scales, mHC's static parameters), one schedule for all
+  # (train/optimizer.py). A checkpoint resumes only under the optimizer that wrote it.
+  optimizer: str = key('adamw', choices=('adamw', 'muon_hybrid'))
+  # Muon: heavy-ball momentum with the Nesterov look-ahead [S: 0.95, NANO], then Newton-Schulz.
+  muon_momentum: float = key(0.95)
+  # The Newton-Schulz phases [S: NANO]: (a, b, c) of X -> aX + b(XX^T)X + c(XX^T)^2 X and how many
+  # iterations of each: 8 fast ones (Keller Jordan's coefficients, singular values pushed into
+  # ~[0.7, 1.2]), then 2 that settle them at 1.
+  muon_ns_coeffs: tuple[tuple[float, ...], ...] = key(
+      ((3.4445, -4.775, 2.0315), (2.0, -1.5, 0.5)))
+  muon_ns_steps: tuple[int, ...] = key((8, 2))
+  # Each matrix's update scaled to this RMS x the rate (x sqrt(max(fan_in, fan_out)), the
+  # orthogonal factor's RMS being 1/sqrt of it): AdamW's update RMS, so train.lr serves both
+  # (Moonlight's match; [S: 0.18, NANO; optax suggests 0.2]).
+  muon_rms_match: float = key(0.18)
+  # [I] The Newton-Schulz iterations' dtype; the momentum, the Frobenius scaling and the result
+  # stay fp32. auto = bfloat16 on the GPU and TPU (the matmuls at bf16 rate; the stable phase
+  # leaves singular values within ~1e-2 of 1: tests/unit/test_optimizer.py), float32 on the CPU
+  # (where bf16 matmuls are slower than fp32 ones).
+  muon_ns_dtype: str = key('auto', choices=('float32', 'bfloat16'), auto=auto.muon_ns_dtype)
+  # [I] The Muon and Sinkhorn groups learn at these multiples of the schedule's rate (1: the RMS
+  # matches make train.lr right for all groups).
+  muon_lr_multiplier: float = key(1.0)
+  sinkhorn_lr_multiplier: float = key(1.0)
+  # The token tables' update [S: NANO's reading of the report; TileKernels' Engram kernels]:
+  # Nesterov momentum (as an EMA or a sum: the same direction) [I: 0.95, NANO and TileKernels'
+  # tests], rows and columns normalised in turn `sinkhorn_normalizations` times (odd: rows first
+  # and last), scaled to RMS 1 per row, times sinkhorn_gamma. Rows whose momentum norm is at most
+  # sinkhorn_tau x the mean row norm (tokens not seen for a while) get no update [S value; I
+  # meaning, NANO's]; sinkhorn_eps is added to every norm.
+  sinkhorn_momentum: float = key(0.95)
+  sinkhorn_gamma: float = key(0.18)
+  sinkhorn_normalizations: int = key(11)
+  sinkhorn_tau: float = key(1e-3)
+  sinkhorn_eps: float = key(1e-20)
+  sinkhorn_weight_decay: float = key(0.0)  # [I: NANO's] decoupled decay of the token tables
   # block_keep_attention: block remat that also keeps the GPU attention kernels' outputs
   remat: str = key('none', choices=('none', 'block', 'block_keep_attention'))
   # With remat (ignored under 'none'): how many layers, from the first, are rematerialized

@@ -77,12 +77,13 @@ class Attention(nnx.Module):
     self.role = role
     self.wq_a = normal_param(rngs, (d_model, cfg.q_lora_rank), ('embed', 'q_lora'), std)
     self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-    self.wq_b = normal_param(rngs, (cfg.q_lora_rank, h, d), ('q_lora', 'heads', 'head_dim'), std)
+    self.wq_b = normal_param(rngs, (cfg.q_lora_rank, h, d), ('q_lora', 'heads', 'head_dim'), std,
+                             stack_axes=(1,))  # Muon orthogonalises each head's slice
     self.wkv = normal_param(rngs, (d_model, d), ('embed', 'kv_latent'), std)
     self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
     self.sink = const_param(0.0, (h,), ('heads',))
     self.wo_a = normal_param(rngs, (g, (h // g) * d, cfg.o_lora_rank),
-                             ('o_groups', 'head_dim', 'o_lora'), std)
+                             ('o_groups', 'head_dim', 'o_lora'), std, stack_axes=(0,))
     self.wo_b = normal_param(rngs, (g * cfg.o_lora_rank, d_model), ('o_lora', 'embed'), std)
     self.csa2 = CSA2(cfg, role, rngs) if cfg.csa2 and role.mode != SWA else None
     # Dense: the same parameters as a window-only layer; its keys are every earlier latent.

@@ -36,7 +36,7 @@ from deepseek41.config import SWA, DSparkConfig, LayerRole, ModelConfig
 from deepseek41.model.attention import Attention
 from deepseek41.model.mhc import collapse
 from deepseek41.model.norms import RMSNorm
-from deepseek41.model.params import dtype_of, normal_param
+from deepseek41.model.params import TokenTable, dtype_of, normal_param
 from deepseek41.model.rope import apply_rope, rope_for_role
 from deepseek41.model.shared import Shared
 from deepseek41.model.transformer import Block
@@ -125,9 +125,10 @@ class DSpark(nnx.Module):
     self.blocks = nnx.List([Block(draft_cfg, draft_role(cfg.num_layers + i), rngs,
                                   attention=DraftAttention) for i in range(ds.num_blocks)])
     self.final_norm = RMSNorm(d, cfg.rms_norm_eps)
-    self.markov_in = normal_param(rngs, (cfg.vocab_size, ds.markov_rank), ('vocab', 'markov'), std)
+    self.markov_in = normal_param(rngs, (cfg.vocab_size, ds.markov_rank), ('vocab', 'markov'), std,
+                                  TokenTable)
     self.markov_out = normal_param(rngs, (cfg.vocab_size, ds.markov_rank), ('vocab', 'markov'),
-                                   std)
+                                   std, TokenTable)
     self.confidence = normal_param(rngs, (d + ds.markov_rank,), ('dspark_conf',), std)
 
   def context(self, captured: dict) -> jax.Array:

@@ -318,7 +318,8 @@ class IndexQuery(nnx.Module):
                        f'(rope_head_dim={cfg.rope_head_dim})')
     self.cfg = cfg
     self.wq_b = normal_param(rngs, (cfg.q_lora_rank, index_heads, index_head_dim),
-                             ('q_lora', 'index_heads', 'index_dim'), cfg.init_std)
+                             ('q_lora', 'index_heads', 'index_dim'), cfg.init_std,
+                             stack_axes=(1,))  # Muon orthogonalises each head's slice
     self.weights_proj = normal_param(rngs, (cfg.d_model, index_heads), ('embed', 'index_heads'),
                                      cfg.init_std)
 

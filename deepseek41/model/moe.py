@@ -79,9 +79,12 @@ class MoE(nnx.Module):
     self.w_router = normal_param(rngs, (d, e), ('embed', None), std)
     self.router_bias = RouterBias(jnp.zeros((NUM_MODALITIES, e), jnp.float32),
                                   logical_axes=(None, None))
-    self.w_gate = normal_param(rngs, (e, d, f), ('experts', 'embed', 'expert_mlp'), std)
-    self.w_up = normal_param(rngs, (e, d, f), ('experts', 'embed', 'expert_mlp'), std)
-    self.w_down = normal_param(rngs, (e, f, d), ('experts', 'expert_mlp', 'embed'), std)
+    self.w_gate = normal_param(rngs, (e, d, f), ('experts', 'embed', 'expert_mlp'), std,
+                               stack_axes=(0,))
+    self.w_up = normal_param(rngs, (e, d, f), ('experts', 'embed', 'expert_mlp'), std,
+                             stack_axes=(0,))
+    self.w_down = normal_param(rngs, (e, f, d), ('experts', 'expert_mlp', 'embed'), std,
+                               stack_axes=(0,))  # one matrix per expert, for Muon
     fs = f * cfg.n_shared_experts
     if fs:
       self.shared_gate = normal_param(rngs, (d, fs), ('embed', 'mlp'), std)

@@ -27,7 +27,7 @@ from deepseek41.model.mhc import (MHCHead, MHCSite, collapse, expand, fused_expa
 from deepseek41.model.moe import MoE
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.layer_cache import CacheSpec
-from deepseek41.model.params import dtype_of, normal_param
+from deepseek41.model.params import TokenTable, dtype_of, normal_param
 from deepseek41.model.shared import Shared
 from deepseek41.model.vision import VisionEncoder
 from deepseek41.ops.gpu.mhc_kernel import expand_fused
@@ -174,7 +174,8 @@ class Transformer(nnx.Module):
     self.remat = remat
     self.remat_layers = remat_layers  # train.remat_layers: the first n layers (0: all)
     self.sequence_parallel = sequence_parallel  # mesh.sequence_parallel
-    self.embed = normal_param(rngs, (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'), cfg.init_std)
+    self.embed = normal_param(rngs, (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'), cfg.init_std,
+                              TokenTable)
     self.vision = VisionEncoder(cfg, rngs, remat) if cfg.vision else None
     rows = {l: a.rows for l, a in self._engram_addresses().items()}
     self.blocks = nnx.List([Block(cfg, role, rngs, rows.get(role.layer, 0))
@@ -182,7 +183,8 @@ class Transformer(nnx.Module):
     self.final_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
     if cfg.residual == 'mhc_multi_pass':
       self.hc_head = MHCHead(cfg, rngs)
-    self.head = normal_param(rngs, (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'), cfg.init_std)
+    self.head = normal_param(rngs, (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'), cfg.init_std,
+                             TokenTable, token_axis=1)
 
   def _engram_addresses(self):
     return layer_addresses(self.cfg) if self.cfg.engram else {}

@@ -234,7 +234,8 @@ class VisionAttention(nnx.Module):
     # Fused qkv laid out [D, 3, H, hd]: flattening the output gives (q|k|v)-major, head, channel,
     # the order of a Linear(D -> 3D) [I], while heads stay an axis that shards.
     self.w_qkv = normal_param(rngs, (d, 3, h, hd), ('vision_embed', None, 'vision_heads',
-                                                    'head_dim'), std, VisionParam)
+                                                    'head_dim'), std, VisionParam,
+                              stack_axes=(1, 2))  # Muon: one matrix per q/k/v head
     self.b_qkv = const_param(0.0, (3, h, hd), (None, 'vision_heads', 'head_dim'), VisionParam)
     self.w_o = normal_param(rngs, (h, hd, d), ('vision_heads', 'head_dim', 'vision_embed'), std,
                             VisionParam)

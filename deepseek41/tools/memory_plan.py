@@ -24,7 +24,7 @@ publishes) stay live from its forward to its backward, so
                    embedding) + that stage: a layer's fwd+bwd temp (its recompute and
                    backward) plus the cotangents it takes and makes, or the head + loss, or the
                    embedding
-  optimizer phase = params + optimizer + gradients + the AdamW update's compiled temp
+  optimizer phase = params + optimizer + gradients + the optimizer update's compiled temp
   total = the larger of the two
 
 train.remat = 'block_keep_attention': as 'block', plus the GPU attention kernels' outputs each
@@ -480,7 +480,8 @@ def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
 
 
 def _compile_optimizer(cfg, mesh, params) -> dict:
-  """AdamW (train/optimizer.py) on the sharded parameters, state donated as the trainer does."""
+  """The optimizer (train/optimizer.py: AdamW or muon_hybrid) on the sharded parameters, state
+  donated as the trainer does."""
   tx = make_optimizer(cfg.train)
   opt = jax.eval_shape(tx.init, params)
   rules = cfg.mesh.rules
@@ -590,7 +591,7 @@ def assemble(state: dict[str, float], programs: dict) -> dict:
   bytes are live; at layer l's backward, those of layers 0..l (the layers above have freed
   theirs), plus that stage's transient: one program's temp plus the cotangents it takes and
   makes (its parameter gradients are in `gradients` already); at the embedding, none. The
-  largest of these plus the batch are the activations. Optimizer phase: AdamW's temp (the
+  largest of these plus the batch are the activations. Optimizer phase: the update's temp (the
   activations are gone by then). Both phases hold params + optimizer + gradients.
   """
   roles = programs['roles']
@@ -658,7 +659,7 @@ def report(p: dict) -> str:
       f"{p['batch']} x {p['seq_len']} tokens ({p['per_device_batch']} sequence(s) per device); "
       f"remat {p['remat']}; compute {p['compute_dtype']}, params {p['param_dtype']}",
       f"  parameters   {g(d['params'])}   exact (abstract state, fitted specs)",
-      f"  optimizer    {g(d['optimizer'])}   exact (AdamW moments + counts)",
+      f"  optimizer    {g(d['optimizer'])}   exact (the optimizer's moments + counts)",
       f"  gradients    {g(d['gradients'])}   exact (param-shaped, param dtype)",
       f"  router bias  {g(d.get('router_bias', 0))}",
       f"  activations  {g(d['activations'])}   compiled: {len(roles)} role program(s) for "

@@ -211,7 +211,7 @@ def report(p: dict) -> str:
       f"({p['per_chip_batch']:g} sequence(s) per chip); remat {p['remat']}; compute "
       f"{p['compute_dtype']}, params {p['param_dtype']}",
       f"  parameters   {g(s['params'])}   exact (abstract state, fitted specs)",
-      f"  optimizer    {g(s['optimizer'])}   exact (AdamW moments + counts)",
+      f"  optimizer    {g(s['optimizer'])}   exact (the optimizer's moments + counts)",
       f"  gradients    {g(s['gradients'])}   exact (param-shaped; inside the compiled temp)",
   ]
   if 'temp' in c:

@@ -1,4 +1,17 @@
-"""AdamW with warm-up then cosine / WSD / constant, global-norm clipping, selective weight decay."""
+"""The optimizer: `train.optimizer` = `adamw` (every parameter) or `muon_hybrid`
+(docs/architecture.md section 4.2), with warm-up then cosine / WSD / constant,
+global-norm clipping, selective weight decay and per-group learning-rate multiples.
+
+muon_hybrid trains each parameter by its group, read from its variable type and metadata where it
+was created (model/params.py), never from its path (`hybrid_group`):
+
+    TokenTable (embedding, LM head, Engram and Markov tables)  Sinkhorn-balanced Nesterov update
+    elementwise or 1-D (norms, biases, sinks, scales, mHC's
+      static base and scale)                                    AdamW, no weight decay
+    every other weight (a matrix, or a stack of matrices)       Muon
+
+The router's correction biases are not parameters: the sign rule moves them (train/step.py).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +21,10 @@ import optax
 from flax import nnx
 
 from deepseek41.config import TrainConfig
-from deepseek41.model.params import EngramTable, VisionParam, is_elementwise
+from deepseek41.model.params import EngramTable, TokenTable, VisionParam, dtype_of, is_elementwise
+from deepseek41.train.muon import ns_coefficients, scale_by_orthogonalization, scale_by_sinkhorn
+
+MUON, SINKHORN, ADAMW = 'muon', 'sinkhorn', 'adamw'
 
 
 def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
@@ -59,11 +75,15 @@ def decay_mask(params):
   return _mask(params, decays)
 
 
-def group_mask(params, kind: type[nnx.Variable]):
-  """tree of bools shaped like params: True on the variables of type `kind` (an nnx filter)."""
+def _require_variables(params) -> None:
   if not any(_is_variable(x) for x in jax.tree.leaves(params, is_leaf=_is_variable)):
     raise ValueError('parameter groups are variable types: pass the nnx.State of the model\'s '
                      'parameters, not bare arrays')
+
+
+def group_mask(params, kind: type[nnx.Variable]):
+  """tree of bools shaped like params: True on the variables of type `kind` (an nnx filter)."""
+  _require_variables(params)
   return _mask(params, lambda v: isinstance(v, kind))
 
 
@@ -78,12 +98,63 @@ def vision_mask(params):
   return group_mask(params, VisionParam)
 
 
+def hybrid_group(var: nnx.Variable) -> str:
+  """The muon_hybrid update that trains `var` (the module docstring's table)."""
+  if isinstance(var, TokenTable):
+    return SINKHORN
+  if is_elementwise(var) or var.get_value().ndim < 2:
+    return ADAMW
+  return MUON
+
+
+def hybrid_labels(params):
+  """The group of each variable (`hybrid_group`): a prefix of the params tree, so the groups'
+  optimizer states hold whole variables (with their sharding metadata) or nothing."""
+  _require_variables(params)
+  return jax.tree.map(hybrid_group, params, is_leaf=_is_variable)
+
+
+def _scaled(schedule: optax.Schedule, multiplier: float) -> optax.Schedule:
+  return schedule if multiplier == 1.0 else (lambda count: multiplier * schedule(count))
+
+
+def muon_hybrid(t: TrainConfig) -> optax.GradientTransformation:
+  """Muon for matrices, the Sinkhorn-balanced update for token tables, AdamW for the rest; one
+  schedule (train.lr) for all, the matrix groups' updates scaled to AdamW's RMS (train/muon.py)."""
+  schedule = learning_rate_schedule(t)
+
+  def momentum_group(momentum, direction, weight_decay, multiplier):
+    parts = [optax.trace(decay=momentum, nesterov=True), direction]
+    if weight_decay > 0:
+      parts.append(optax.add_decayed_weights(weight_decay))
+    parts.append(optax.scale_by_learning_rate(_scaled(schedule, multiplier)))
+    return optax.chain(*parts)
+
+  coeffs = ns_coefficients(t.muon_ns_coeffs, t.muon_ns_steps)
+  return optax.partition({
+      MUON: momentum_group(
+          t.muon_momentum,
+          scale_by_orthogonalization(coeffs, dtype_of(t.muon_ns_dtype), t.muon_rms_match),
+          t.weight_decay, t.muon_lr_multiplier),
+      SINKHORN: momentum_group(
+          t.sinkhorn_momentum,
+          scale_by_sinkhorn(t.sinkhorn_normalizations, t.sinkhorn_tau, t.sinkhorn_eps,
+                            t.sinkhorn_gamma),
+          t.sinkhorn_weight_decay, t.sinkhorn_lr_multiplier),
+      ADAMW: optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
+                         mask=decay_mask),
+  }, hybrid_labels)
+
+
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
   parts = []
   if t.grad_clip_norm > 0:
     parts.append(optax.clip_by_global_norm(t.grad_clip_norm))
-  parts.append(optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
-                           weight_decay=t.weight_decay, mask=decay_mask))
+  if t.optimizer == 'muon_hybrid':
+    parts.append(muon_hybrid(t))
+  else:
+    parts.append(optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
+                             weight_decay=t.weight_decay, mask=decay_mask))
   if t.engram_table_lr_multiplier != 1.0:
     parts.append(optax.masked(optax.scale(t.engram_table_lr_multiplier), engram_table_mask))
   if t.vision_lr_multiplier != 1.0:

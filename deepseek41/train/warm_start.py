@@ -10,7 +10,9 @@
 
 One check reads a step directory a config key names (`step_directory`); one rule says whether a
 checkpoint holds this run's model (`model_differences`: only the keys that choose how the model
-is executed may differ); one path restores another checkpoint's weights (`restore_weights`).
+is executed may differ); a resume continues the optimizer that wrote the checkpoint
+(`check_same_optimizer`: `train.optimizer` may not change); one path restores another checkpoint's
+weights (`restore_weights`).
 """
 
 from __future__ import annotations
@@ -86,6 +88,20 @@ def layout_problems(meta: dict, layout: dict, entries: tuple[str, ...] | None = 
   return problems
 
 
+def check_same_optimizer(step_dir: str, saved_cfg: dict, now_cfg: dict) -> None:
+  """Raise CheckpointError naming `train.optimizer` if the checkpoint's optimizer state was
+  written by another optimizer than this run's (checked before the layout, which differs too:
+  the key is the cause). Checkpoints from before the key existed were AdamW's."""
+  then = saved_cfg.get('train', {}).get('optimizer', 'adamw')
+  now = now_cfg['train']['optimizer']
+  if then != now:
+    raise CheckpointError(
+        f'train.optimizer: checkpoint {step_dir} holds the state of {then!r}, this run trains with '
+        f'{now!r}; an optimizer state continues only under the optimizer that wrote it. Resume '
+        f'with train.optimizer={then!r}, or start a fresh --workdir from its weights '
+        f'(checkpoint.init_from={step_dir}: the new optimizer starts fresh).')
+
+
 def check_fits(ckpt: Checkpointer, step: int, layout: dict, config_dict: dict) -> list[str]:
   """Raise CheckpointError if checkpoint `step` does not fit the configured model (its layout,
   its model keys); return the differences that do not matter (other run settings, execution
@@ -93,6 +109,7 @@ def check_fits(ckpt: Checkpointer, step: int, layout: dict, config_dict: dict) -
   meta = ckpt.read_json_item(step, 'meta')
   saved_cfg = ckpt.read_json_item(step, 'config')
   now_cfg = _as_json(config_dict)
+  check_same_optimizer(ckpt.step_dir(step), saved_cfg, now_cfg)
   another_model, execution = model_differences(saved_cfg.get('model', {}), now_cfg['model'])
   problems = layout_problems(meta, layout) + another_model
   if problems:

@@ -131,13 +131,15 @@ def make_train_step(cfg: RunConfig, graphdef, tx, frozen: bool):
     loss_fn = lambda p: stage_loss(cfg, graphdef, p, fixed, biases, batch, key)
     (_, (ce_sum, n, aux, drafts, targets_nkv, d_loss, terms)), grads = jax.value_and_grad(
         loss_fn, has_aux=True)(params)
-    updates, opt = tx.update(grads, state['opt'], params)
-    rate = m.router_bias_rate
-    new_biases = replace_under(biases, DRAFTER, _bias_rule(_draft_loads(drafts), rate))
-    if not frozen:
-      new_biases = replace_under(new_biases, BACKBONE, _bias_rule(aux['load_lme'], rate))
-    new_state = {**state, 'params': optax.apply_updates(params, updates), 'opt': opt,
-                 'router_bias': new_biases, 'step': state['step'] + 1}
+    with jax.named_scope('optimizer'):
+      updates, opt = tx.update(grads, state['opt'], params)
+      new_params = optax.apply_updates(params, updates)
+      rate = m.router_bias_rate
+      new_biases = replace_under(biases, DRAFTER, _bias_rule(_draft_loads(drafts), rate))
+      if not frozen:
+        new_biases = replace_under(new_biases, BACKBONE, _bias_rule(aux['load_lme'], rate))
+    new_state = {**state, 'params': new_params, 'opt': opt, 'router_bias': new_biases,
+                 'step': state['step'] + 1}
     backbone_loss = ce_sum / jnp.maximum(n, 1.0)
     accept = dspark_objective.acceptance_metrics(drafts.logits_nkv, targets_nkv, drafts.valid_nk)
     metrics = {

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The hybrid Muon optimizer against AdamW on one H200 (issue 45): configs/ablation_1b.py at
+# 8 x 4,096 tokens a step (CSA2 and everything else on, no remat), the default corpus (16K BPE),
+# the same data order and tokens for both optimizers; held-out loss every EVAL steps. Writes logs
+# and metrics to $OUT. Each mode fits one device call (10 minutes):
+#   bash benchmarks/gpu_optimizer.sh sweep                   # muon_hybrid at each of LRS
+#                                                            # (6e-4 1.2e-3 2.4e-3) for
+#                                                            # SWEEP_STEPS (150) steps
+#   LR=1.2e-3 bash benchmarks/gpu_optimizer.sh run muon_hybrid   # STEPS (600) steps at LR
+#   bash benchmarks/gpu_optimizer.sh run adamw               # the same at the config's 6e-4
+#   bash benchmarks/gpu_optimizer.sh profile                 # steps 18-20 of each optimizer
+#       profiled: the `optimizer` scope's share of the step (trace_summary.py)
+# The sweep keeps the schedule of a 600-step run (its lr at step 150 as the full run's) by
+# stopping at SWEEP_STEPS (--stop_at_step), so its held-out loss ranks the rates the run uses.
+set -uo pipefail
+mode=${1:-sweep}
+source benchmarks/device_env.sh
+python3 -c "from deepseek41.data.default_corpus import default_corpus_dir as d; \
+print(d('/tmp/ds41-cache', 16384, progress=False))" > "$OUT/corpus.txt" 2>&1
+STEPS=${STEPS:-600}
+[ "$mode" = sweep ] && EVAL=${EVAL:-50}  # held-out loss at 50, 100, 150
+COMMON="--config=configs/ablation_1b.py --config.log.progress_bar=False \
+  --config.data.cache_dir=/tmp/ds41-cache --config.data.seq_len=4096 \
+  --config.train.batch_size=8 --config.train.remat=none --config.train.steps=$STEPS \
+  --config.train.warmup_steps=50 --config.train.eval_every_steps=${EVAL:-100} \
+  --config.train.eval_batches=8 --config.log.every_steps=10 --config.checkpoint.every_steps=0"
+run() {  # name, extra flags...
+  local name=$1; shift
+  python3 -m deepseek41.train $COMMON --workdir=/tmp/opt_$name "$@" > "$OUT/$name.log" 2>&1
+  echo "$name exit $?" | tee -a "$OUT/summary.txt"
+  cp /tmp/opt_$name/metrics.jsonl "$OUT/$name.jsonl" 2>/dev/null
+  grep -E "took|eval_loss|step ($STEPS|150):|rror" "$OUT/$name.log" | tail -6 | cut -c1-250
+  rm -rf /tmp/opt_$name/checkpoints  # 13 GB each: the machine's disk holds few
+}
+case "$mode" in
+  sweep)
+    for lr in ${LRS:-6e-4 1.2e-3 2.4e-3}; do
+      run sweep_muon_$lr --config.train.optimizer=muon_hybrid --config.train.lr=$lr \
+        --stop_at_step=${SWEEP_STEPS:-150}
+    done ;;
+  run)
+    opt=${2:?run needs an optimizer: adamw or muon_hybrid}
+    lr_flag=""; [ -n "${LR:-}" ] && lr_flag="--config.train.lr=$LR"
+    run ${opt}_${LR:-default} --config.train.optimizer=$opt $lr_flag ;;
+  profile)  # with the step's HLO the glue fusions land in their scopes (trace_summary.py --hlo)
+    for opt in adamw muon_hybrid; do
+      wd=/tmp/opt_prof_$opt
+      XLA_FLAGS="--xla_dump_to=$wd/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*" \
+        python3 -m deepseek41.train $COMMON --workdir=$wd --config.train.optimizer=$opt \
+        --config.data.synthetic=True --config.train.eval_every_steps=0 \
+        --config.log.profile_start_step=18 --config.log.profile_steps=3 \
+        --stop_at_step=22 > "$OUT/prof_$opt.log" 2>&1
+      echo "prof_$opt exit $?" | tee -a "$OUT/summary.txt"
+      hlo=$(ls $wd/hlo/module_*jit_train_step*after_optimizations.txt 2>/dev/null | head -1)
+      python3 benchmarks/trace_summary.py $wd/profile --merge-layers --depth 1 \
+        ${hlo:+--hlo $hlo} > "$OUT/prof_${opt}_trace.txt" 2>&1
+      grep -E "optimizer|busy|step" "$OUT/prof_${opt}_trace.txt" | head -12
+      rm -rf $wd
+    done ;;
+  *) echo "unknown mode $mode (sweep | run OPTIMIZER | profile)" >&2; exit 2 ;;
+esac

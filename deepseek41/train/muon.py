@@ -1,0 +1,147 @@
+"""The matrix updates of `train.optimizer=muon_hybrid` (docs/architecture.md section 4.2): Muon's
+Newton-Schulz orthogonalisation, and the Sinkhorn-balanced update of the token tables.
+
+Both are stateless optax transforms that follow `optax.trace` (heavy-ball momentum with the
+Nesterov look-ahead, the momentum of both updates): each output is independent of its input's
+scale, so the momentum's normalisation (a sum, or an EMA's (1 - beta) times it) cannot matter.
+
+What is optax's and what is ours: the momentum, the weight decay, the learning rate and the
+split into groups are optax's (`optax.trace`, `add_decayed_weights`, `scale_by_learning_rate`,
+`optax.partition`; train/optimizer.py). The orthogonalisation is ours, on optax.contrib.muon's
+conventions (Frobenius pre-scaling, the Gram matrix of the shorter side, batch axes vmapped as
+in `MuonDimensionNumbers`; tests/unit/test_optimizer.py holds it equal to optax.contrib's in
+fp32), because `optax.contrib.scale_by_muon` iterates in its momentum's dtype (we iterate in
+bf16 on an fp32 momentum, `train.muon_ns_dtype`) and keeps its coefficients in the optimizer
+state (a resumed run would keep the checkpoint's whatever the config says). The Sinkhorn update
+is ours: optax has none.
+
+Layouts come from the parameters' metadata, set where each is created (model/params.py): the
+`stack_axes` of a stack of matrices (experts, Q heads, output groups) and a token table's
+`token_axis`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from deepseek41.model.params import stack_axes_of, token_axis_of
+
+# Added to the Frobenius norm before the first iteration: a zero momentum (a weight no loss
+# reached) stays zero.
+NS_EPS = 1e-7
+
+
+def ns_coefficients(coeffs: tuple[tuple[float, ...], ...], steps: tuple[int, ...]) -> np.ndarray:
+  """[k, 3]: the (a, b, c) of each of the k iterations, phase by phase (`train.muon_ns_coeffs`
+  repeated `train.muon_ns_steps` times)."""
+  return np.asarray([abc for abc, n in zip(coeffs, steps) for _ in range(n)], np.float32)
+
+
+def newton_schulz(x_mn: jax.Array, coeffs_k3: np.ndarray, dtype=jnp.float32) -> jax.Array:
+  """~U V^T of x = U S V^T (its polar factor), fp32.
+
+  x is scaled to unit Frobenius norm (every singular value in [0, 1]), then each iteration maps
+  X -> a X + (b A + c A^2) X with A = X X^T, i.e. every singular value s -> a s + b s^3 + c s^5:
+  fast coefficients push small ones up, stable ones (2, -1.5, 0.5) settle them at 1. Iterates in
+  `dtype` on the Gram matrix of the shorter side.
+  """
+  wide = x_mn.shape[0] <= x_mn.shape[1]
+  x = x_mn.astype(jnp.float32) if wide else x_mn.astype(jnp.float32).T
+  x = (x / (jnp.linalg.norm(x) + NS_EPS)).astype(dtype)
+
+  def iteration(x, abc):
+    a, b, c = abc[0].astype(dtype), abc[1].astype(dtype), abc[2].astype(dtype)
+    gram = x @ x.T
+    return a * x + (b * gram + c * (gram @ gram)) @ x, None
+
+  x, _ = jax.lax.scan(iteration, x, jnp.asarray(coeffs_k3))
+  x = x.astype(jnp.float32)
+  return x if wide else x.T
+
+
+def matrix_fans(shape: tuple[int, ...], stack: tuple[int, ...]) -> tuple[int, int]:
+  """(fan_in, fan_out) of each matrix of a stack: its last axis is the output side, the other
+  axes that are not `stack` the input side (w_o [heads, head_dim, d]: heads x head_dim in)."""
+  inputs = [n for a, n in enumerate(shape[:-1]) if a not in stack]
+  return math.prod(inputs), shape[-1]
+
+
+def orthogonalize(u: jax.Array, stack: tuple[int, ...], coeffs_k3: np.ndarray,
+                  dtype=jnp.float32) -> jax.Array:
+  """Each matrix of the stack `u` (stack axes `stack`) replaced by its Newton-Schulz polar
+  factor. The stack axes are vmapped, never merged or moved, so a sharded one (the experts over
+  `expert`, the heads over `tensor`) stays split: each device orthogonalises its own matrices."""
+  def one(m):  # one matrix of the stack, its input axes flattened
+    return newton_schulz(m.reshape(-1, m.shape[-1]), coeffs_k3, dtype).reshape(m.shape)
+  fn = one
+  for axis in sorted(stack):  # the outermost vmap takes the highest axis: the others keep theirs
+    fn = jax.vmap(fn, in_axes=axis, out_axes=axis)
+  return fn(u)
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _per_variable(updates, fn):
+  """`updates` with each variable's value replaced by fn(value, variable): the metadata (layout)
+  is the parameter's, since gradients of an nnx.State keep it."""
+  leaves = jax.tree.leaves(updates, is_leaf=_is_variable)
+  if leaves and not any(_is_variable(x) for x in leaves):
+    raise ValueError('the muon_hybrid updates read each parameter\'s layout from its variable: '
+                     'pass the nnx.State of the model\'s parameters, not bare arrays')
+  return jax.tree.map(lambda v: v.replace(fn(v.get_value(), v)) if _is_variable(v) else v,
+                      updates, is_leaf=_is_variable)
+
+
+def scale_by_orthogonalization(coeffs_k3: np.ndarray, dtype, rms: float
+                               ) -> optax.GradientTransformation:
+  """Muon's direction: each matrix's polar factor, scaled to RMS `rms` (its entries' RMS is
+  1 / sqrt(max(fan_in, fan_out)) before: Moonlight's match to AdamW's update RMS, so one learning
+  rate serves both groups)."""
+  def update_fn(updates, state, params=None):
+    del params
+
+    def direction(u, var):
+      stack = stack_axes_of(var)
+      scale = rms * math.sqrt(max(matrix_fans(u.shape, stack)))
+      return (scale * orthogonalize(u, stack, coeffs_k3, dtype)).astype(u.dtype)
+    return _per_variable(updates, direction), state
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def sinkhorn_balance(u_tc: jax.Array, normalizations: int, tau: float, eps: float) -> jax.Array:
+  """A [tokens, columns] momentum balanced: rows and columns rescaled to unit L2 norm in turn,
+  rows first and last (`normalizations` of them, odd), then times sqrt(columns), so every live row
+  has RMS 1. Rows whose norm is at most tau x the mean row norm (tokens the recent batches did
+  not contain: their momentum has decayed) are dead: they stay zero rather than being blown up
+  to a full row's step."""
+  x = u_tc.astype(jnp.float32)
+  row_norm = jnp.linalg.norm(x, axis=1, keepdims=True)
+  x = jnp.where(row_norm > tau * jnp.mean(row_norm), x, 0.0)
+  for k in range(normalizations):
+    x = x / (jnp.linalg.norm(x, axis=1 if k % 2 == 0 else 0, keepdims=True) + eps)
+  return math.sqrt(u_tc.shape[1]) * x
+
+
+def scale_by_sinkhorn(normalizations: int, tau: float, eps: float, gamma: float
+                      ) -> optax.GradientTransformation:
+  """The token tables' direction: gamma x the Sinkhorn-balanced momentum of each [rows, columns]
+  table (its rows along the table's `token_axis`)."""
+  def update_fn(updates, state, params=None):
+    del params
+
+    def direction(u, var):
+      if u.ndim != 2:
+        raise ValueError(f'a TokenTable is a [rows, columns] matrix; got shape {u.shape}')
+      rows_first = jnp.moveaxis(u, token_axis_of(var), 0)
+      balanced = sinkhorn_balance(rows_first, normalizations, tau, eps)
+      return (gamma * jnp.moveaxis(balanced, 0, token_axis_of(var))).astype(u.dtype)
+    return _per_variable(updates, direction), state
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)

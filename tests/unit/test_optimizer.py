@@ -1,0 +1,326 @@
+"""train.optimizer=muon_hybrid (train/optimizer.py, train/muon.py): each parameter group gets the
+update it should, Newton-Schulz against the SVD's polar factor, the Sinkhorn balance, the DSpark
+stage's step, the bytes tools.info counts, the config checks. (On 8 devices and through the
+trainer: tests/system/test_muon_hybrid.py.)"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from optax.contrib import _muon as optax_muon
+
+from deepseek41.config import ConfigError, resolve
+from deepseek41.model.params import EngramTable, TokenTable
+from deepseek41.tools.info import bytes_per_device
+from deepseek41.train import state as state_lib
+from deepseek41.train.muon import newton_schulz, ns_coefficients, sinkhorn_balance
+from deepseek41.train.objectives import objective_for
+from deepseek41.train.optimizer import (ADAMW, MUON, SINKHORN, hybrid_labels,
+                                        learning_rate_schedule, make_optimizer)
+from tests.helpers import VISION, packed_batch, resolved, small_config
+
+COEFFS = ns_coefficients(((3.4445, -4.775, 2.0315), (2.0, -1.5, 0.5)), (8, 2))
+# The whole structure: Engram tables, mHC's static parameters, experts, head-wise Q.
+HYBRID = {'train.optimizer': 'muon_hybrid', 'model.engram': True,
+          'model.residual': 'mhc_single_pass'}
+# + CSA2 (the indexer's head-wise Q) and the ViT (its fused q/k/v), for the updates alone (no
+# forward pass to compile)
+EVERY_GROUP = {**HYBRID, **VISION, 'model.attention_variant': 'csa2'}
+# The DSpark stage trained beside its backbone (no backbone checkpoint needed)
+DRAFTER = {'dspark.stage': 'post_training', 'dspark.num_blocks': 1, 'dspark.block_size': 3,
+           'dspark.n_routed_experts': 4, 'dspark.num_experts_per_tok': 2,
+           'dspark.markov_rank': 8, 'dspark.anchors_per_sequence': 4}
+
+
+def _polar(x):
+  u, _, vt = np.linalg.svd(np.asarray(x, np.float64), full_matrices=False)
+  return u @ vt
+
+
+def _singular_values(x):
+  return np.linalg.svd(np.asarray(x, np.float64), compute_uv=False)
+
+
+# ---- Newton-Schulz and the Sinkhorn balance ------------------------------------------------------
+
+
+@pytest.mark.parametrize('shape', [(48, 24), (24, 48), (32, 32)])
+def test_newton_schulz_is_the_polar_factor(shape):
+  x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+  out = np.asarray(newton_schulz(jnp.asarray(x), COEFFS))
+  # fp32, 8 fast + 2 stable iterations: measured max |error| 1e-4 (2e-4 square), singular values
+  # in [1.0000, 1.0005].
+  np.testing.assert_allclose(out, _polar(x), atol=5e-4)
+  assert np.all(np.abs(_singular_values(out) - 1) < 1e-3)
+  # bf16 iterations: singular values within 0.7% of 1 (measured 0.993-1.007), the factor itself
+  # within 1.6e-2 of the SVD's (entries ~0.15): what train.muon_ns_dtype=bfloat16 trades.
+  out16 = np.asarray(newton_schulz(jnp.asarray(x), COEFFS, jnp.bfloat16))
+  assert out16.dtype == np.float32
+  assert np.all(np.abs(_singular_values(out16) - 1) < 1.5e-2)
+  np.testing.assert_allclose(out16, _polar(x), atol=3e-2)
+
+
+def test_newton_schulz_matches_optax_contrib():
+  """Same iteration as optax.contrib.muon's (fp32; its eps is 1e-8, ours 1e-7)."""
+  x = np.random.default_rng(1).normal(size=(40, 24)).astype(np.float32)
+  theirs = optax_muon.orthogonalize_via_newton_schulz(jnp.asarray(x), jnp.asarray(COEFFS),
+                                                      ns_steps=len(COEFFS))
+  np.testing.assert_allclose(np.asarray(newton_schulz(jnp.asarray(x), COEFFS)),
+                             np.asarray(theirs), atol=1e-6)
+
+
+def test_newton_schulz_keeps_zero():
+  np.testing.assert_array_equal(np.asarray(newton_schulz(jnp.zeros((8, 4)), COEFFS)), 0.0)
+
+
+def test_sinkhorn_balance_rows_and_columns():
+  rng = np.random.default_rng(2)
+  # rows and columns at very different scales, and rows of tokens absent from recent batches
+  x = rng.normal(size=(64, 16)) * rng.uniform(0.1, 10, (64, 1)) * rng.uniform(0.1, 10, (1, 16))
+  x[:8] *= 1e-5   # decayed momentum: below tau x the mean row norm
+  x[8:12] = 0.0   # never seen
+  out = np.asarray(sinkhorn_balance(jnp.asarray(x, jnp.float32), 11, 1e-3, 1e-20))
+  np.testing.assert_array_equal(out[:12], 0.0)
+  live = out[12:]
+  # the last of the 11 normalisations is the rows': every live row has RMS 1 exactly
+  np.testing.assert_allclose(np.sqrt(np.mean(live ** 2, axis=1)), 1.0, rtol=1e-5)
+  # the columns, balanced within 1%: the input's spread over columns was up to 100x
+  col = np.linalg.norm(live, axis=0)
+  assert col.max() / col.min() < 1.01, col
+  assert np.all(np.sign(live) == np.sign(x[12:]))  # a positive rescaling of each entry
+
+
+# ---- each group gets its update ------------------------------------------------------------------
+
+
+def _params(cfg):
+  model = state_lib.build_model(cfg)
+  return objective_for(cfg).split(model).params
+
+
+def _random_like(params, seed):
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, x.dtype)
+                                      for k, x in zip(keys, leaves)])
+
+
+def _leaf(tree, *path):
+  node = tree
+  for p in path:
+    node = node[p]
+  return np.asarray(node.get_value() if isinstance(node, nnx.Variable) else node)
+
+
+@functools.lru_cache(maxsize=None)
+def _first_update():
+  """One muon_hybrid update of the small model from random gradients (no weight decay, so the
+  directions are bare); half the vocabulary absent from the batch."""
+  cfg = resolved(**EVERY_GROUP, **{'train.weight_decay': 0.0})
+  params = _params(cfg)
+  grads = _random_like(params, 0)
+  absent = np.arange(cfg.model.vocab_size) % 2 == 1
+  grads['embed'].set_value(jnp.where(absent[:, None], 0.0, grads['embed'].get_value()))
+  tx = make_optimizer(cfg.train)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  return cfg, params, grads, updates, _lr(cfg), absent
+
+
+def _lr(cfg):
+  return float(learning_rate_schedule(cfg.train)(0))
+
+
+def _assert_orthogonal(direction_mn, grad_mn, rms):
+  """direction = rms x sqrt(max(m, n)) x polar(grad): its singular values near equal (a square
+  random matrix's smallest ones converge last: measured 0.988 for one of 32)."""
+  m, n = direction_mn.shape
+  unit = direction_mn / (rms * math.sqrt(max(m, n)))
+  np.testing.assert_allclose(_singular_values(unit), 1.0, atol=2e-2)
+  np.testing.assert_allclose(unit, _polar(grad_mn), atol=5e-3)
+
+
+def test_groups_are_chosen_by_type_and_metadata():
+  cfg, params, *_ = _first_update()
+  labels = hybrid_labels(params)
+  assert labels['embed'] == labels['head'] == SINKHORN
+  assert labels['blocks'][1]['engram']['table'] == SINKHORN
+  for matrix in ('wq_a', 'wq_b', 'wkv', 'wo_a', 'wo_b'):
+    assert labels['blocks'][0]['attn'][matrix] == MUON
+  for w in ('w_gate', 'w_up', 'w_down', 'w_router', 'shared_up'):
+    assert labels['blocks'][0]['moe'][w] == MUON
+  assert labels['blocks'][0]['attn_site']['fn'] == MUON
+  # vectors and elementwise weights, the [n, d] Engram norm weights included
+  for path in (('blocks', 0, 'attn', 'sink'), ('blocks', 0, 'attn_norm', 'scale'),
+               ('blocks', 0, 'attn_site', 'base'), ('blocks', 0, 'attn_site', 'scale'),
+               ('blocks', 1, 'engram', 'q_weight'), ('final_norm', 'scale')):
+    node = labels
+    for p in path:
+      node = node[p]
+    assert node == ADAMW, path
+  assert isinstance(params['head'], TokenTable) and isinstance(
+      params['blocks'][1]['engram']['table'], EngramTable)
+
+
+def test_a_matrix_moves_by_its_polar_factor():
+  cfg, _, grads, updates, lr, _ = _first_update()
+  rms = cfg.train.muon_rms_match
+  for name in ('wkv', 'wq_a', 'wo_b'):
+    _assert_orthogonal(-_leaf(updates, 'blocks', 0, 'attn', name) / lr,
+                       _leaf(grads, 'blocks', 0, 'attn', name), rms)
+  fn = -_leaf(updates, 'blocks', 2, 'ffn_site', 'fn') / lr
+  _assert_orthogonal(fn, _leaf(grads, 'blocks', 2, 'ffn_site', 'fn'), rms)
+  # the RMS matched to AdamW's: rms x lr
+  assert np.sqrt(np.mean(fn ** 2)) == pytest.approx(rms, rel=1e-3)
+
+
+def test_each_expert_and_each_q_head_is_orthogonalised_on_its_own():
+  cfg, _, grads, updates, lr, _ = _first_update()
+  rms = cfg.train.muon_rms_match
+  up_edf = -_leaf(updates, 'blocks', 0, 'moe', 'w_up') / lr
+  g_edf = _leaf(grads, 'blocks', 0, 'moe', 'w_up')
+  for e in range(up_edf.shape[0]):
+    _assert_orthogonal(up_edf[e], g_edf[e], rms)
+  # (the stack orthogonalised as one [E x d, f] matrix would leave each slice's singular
+  # values near 1/sqrt(E), not 1)
+  whole = _polar(g_edf.reshape(-1, g_edf.shape[-1])).reshape(g_edf.shape)
+  assert _singular_values(whole[0]).max() < 0.7
+  q_rhd = -_leaf(updates, 'blocks', 1, 'attn', 'wq_b') / lr
+  g_rhd = _leaf(grads, 'blocks', 1, 'attn', 'wq_b')
+  for h in range(q_rhd.shape[1]):
+    _assert_orthogonal(q_rhd[:, h], g_rhd[:, h], rms)
+  # the indexer's head-concatenated Q and the grouped output projection, likewise
+  iq = -_leaf(updates, 'blocks', 1, 'attn', 'csa2', 'index_query', 'wq_b') / lr
+  giq = _leaf(grads, 'blocks', 1, 'attn', 'csa2', 'index_query', 'wq_b')
+  for h in range(iq.shape[1]):
+    _assert_orthogonal(iq[:, h], giq[:, h], rms)
+  wo = -_leaf(updates, 'blocks', 0, 'attn', 'wo_a') / lr
+  gwo = _leaf(grads, 'blocks', 0, 'attn', 'wo_a')
+  for g in range(wo.shape[0]):
+    _assert_orthogonal(wo[g], gwo[g], rms)
+  # the ViT's fused [d, 3, heads, head_dim]: each of q, k, v of each head
+  qkv = -_leaf(updates, 'vision', 'blocks', 0, 'attn', 'w_qkv') / lr
+  gqkv = _leaf(grads, 'vision', 'blocks', 0, 'attn', 'w_qkv')
+  for j in range(3):
+    for h in range(qkv.shape[2]):
+      _assert_orthogonal(qkv[:, j, h], gqkv[:, j, h], rms)
+
+
+def test_a_norm_weight_moves_like_adamw():
+  cfg, params, grads, updates, lr, _ = _first_update()
+  t = cfg.train
+  adamw = optax.adamw(lr, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=0.0)
+  clip = min(1.0, t.grad_clip_norm / float(optax.tree.norm(grads)))  # before every group
+  for path in (('blocks', 0, 'attn_norm', 'scale'), ('blocks', 0, 'attn', 'sink'),
+               ('blocks', 0, 'ffn_site', 'base'), ('blocks', 1, 'engram', 'k_weight')):
+    g, p = clip * jnp.asarray(_leaf(grads, *path)), jnp.asarray(_leaf(params, *path))
+    expected, _ = adamw.update(g, adamw.init(p), p)
+    np.testing.assert_allclose(_leaf(updates, *path), np.asarray(expected), rtol=1e-4,
+                               err_msg=str(path))
+
+
+def test_token_tables_get_the_sinkhorn_update():
+  cfg, _, grads, updates, lr, absent = _first_update()
+  t = cfg.train
+  step = t.sinkhorn_gamma * lr
+  embed = -_leaf(updates, 'embed') / step
+  np.testing.assert_array_equal(embed[absent], 0.0)   # tokens not in the batch: no update
+  np.testing.assert_allclose(np.sqrt(np.mean(embed[~absent] ** 2, axis=1)), 1.0, rtol=1e-4)
+  np.testing.assert_allclose(
+      embed[~absent], np.asarray(sinkhorn_balance(jnp.asarray(_leaf(grads, 'embed')[~absent]),
+                                                  t.sinkhorn_normalizations, t.sinkhorn_tau,
+                                                  t.sinkhorn_eps)), rtol=1e-4, atol=1e-6)
+  # the head's rows are its columns ([d_model, vocab]): one RMS-1 column per token
+  head = -_leaf(updates, 'head') / step
+  np.testing.assert_allclose(np.sqrt(np.mean(head ** 2, axis=0)), 1.0, rtol=1e-4)
+  # Engram tables: the same update at engram_table_lr_multiplier x the rate
+  table = -_leaf(updates, 'blocks', 1, 'engram', 'table') / (step * t.engram_table_lr_multiplier)
+  live = np.abs(_leaf(grads, 'blocks', 1, 'engram', 'table')).sum(axis=1) > 0
+  np.testing.assert_allclose(np.sqrt(np.mean(table[live] ** 2, axis=1)), 1.0, rtol=1e-4)
+
+
+def test_weight_decay_reaches_only_the_matrices():
+  cfg = resolved(**HYBRID)  # train.weight_decay 0.1 on the Muon matrices
+  params = _params(cfg)
+  tx = make_optimizer(cfg.train)
+  zero = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = jax.jit(tx.update)(zero, tx.init(params), params)
+  lr = _lr(cfg)
+  w = _leaf(params, 'blocks', 0, 'moe', 'w_down')
+  np.testing.assert_allclose(_leaf(updates, 'blocks', 0, 'moe', 'w_down'),
+                             -lr * cfg.train.weight_decay * w, rtol=1e-5)
+  for path in (('embed',), ('head',), ('final_norm', 'scale'), ('blocks', 0, 'attn', 'sink')):
+    np.testing.assert_array_equal(_leaf(updates, *path), 0.0)
+
+
+# ---- bytes, config, the DSpark stage -------------------------------------------------------------
+
+
+def test_tools_info_counts_one_moment_for_matrices_and_tables():
+  cfg = resolved(**HYBRID, num_devices=4, **{'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.tensor': 2})
+  abstract = state_lib.abstract_state(cfg, make_optimizer(cfg.train))
+  sizes = {'fsdp': 2, 'tensor': 2}
+  labels = jax.tree.leaves(hybrid_labels(abstract['params']))
+  per_param = [bytes_per_device({'params': {'x': v}, 'opt': {}, 'router_bias': {}},
+                                cfg.mesh.rules, sizes)['params']
+               for v in jax.tree.leaves(abstract['params'],
+                                        is_leaf=lambda x: isinstance(x, nnx.Variable))]
+  moments = {MUON: 1, SINKHORN: 1, ADAMW: 2}
+  expected = sum(moments[g] * b for g, b in zip(labels, per_param))
+  got = bytes_per_device(abstract, cfg.mesh.rules, sizes)['optimizer']
+  assert 0 <= got - expected <= 64   # beyond the moments: a few int32 step counts
+  adamw = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer='adamw'))
+  adamw_bytes = bytes_per_device(state_lib.abstract_state(adamw, make_optimizer(adamw.train)),
+                                 cfg.mesh.rules, sizes)['optimizer']
+  assert got < 0.6 * adamw_bytes
+
+
+@pytest.mark.parametrize('override,culprit', [
+    ({'train.optimizer': 'lion'}, 'train.optimizer'),
+    ({'train.sinkhorn_normalizations': 10}, 'train.sinkhorn_normalizations'),
+    ({'train.muon_ns_steps': (8,)}, 'train.muon_ns_steps'),
+    ({'train.muon_ns_coeffs': ((3.4, -4.7),), 'train.muon_ns_steps': (5,)},
+     'train.muon_ns_coeffs'),
+    ({'train.muon_momentum': 1.0}, 'train.muon_momentum'),
+    ({'train.sinkhorn_tau': -1.0}, 'train.sinkhorn_tau'),
+    ({'train.muon_ns_dtype': 'float16'}, 'train.muon_ns_dtype')])
+def test_bad_keys_are_named(override, culprit):
+  with pytest.raises(ConfigError, match=culprit):
+    resolved(**override)
+
+
+def test_muon_ns_dtype_auto_follows_the_backend():
+  c = small_config()
+  assert resolve(c, num_devices=1, backend='cpu').train.muon_ns_dtype == 'float32'
+  assert resolve(c, num_devices=1, backend='gpu').train.muon_ns_dtype == 'bfloat16'
+
+
+
+def test_the_dspark_stage_trains_with_muon_hybrid():
+  """The DSpark stage's step (its own, objectives/dspark.py) with the hybrid: the drafter's
+  Markov tables get the Sinkhorn update, its routed experts Muon's, each expert on its own."""
+  cfg = resolved(**{**DRAFTER, 'train.optimizer': 'muon_hybrid', 'train.weight_decay': 0.0})
+  tx = make_optimizer(cfg.train)
+  md = state_lib.model_def(cfg, tx)
+  state = jax.jit(state_lib._init_fn(cfg, tx))()
+  batch = {k: jnp.asarray(v) for k, v in packed_batch(seed=1).items()}
+  new, metrics = jax.jit(objective_for(cfg).make_train_step(md))(state, batch)
+  assert np.isfinite(float(metrics['loss'])) and np.isfinite(float(metrics['extra']['dspark_loss']))
+  lr, t = _lr(cfg), cfg.train
+  moved = lambda *path: (_leaf(new['params'], *path) - _leaf(state['params'], *path))
+  markov = -moved('dspark', 'markov_in') / (t.sinkhorn_gamma * lr)
+  live = np.abs(markov).sum(axis=1) > 0
+  assert 0 < live.sum() < len(live)   # the tokens the drafts read, only
+  np.testing.assert_allclose(np.sqrt(np.mean(markov[live] ** 2, axis=1)), 1.0, rtol=1e-4)
+  experts = -moved('dspark', 'blocks', 0, 'moe', 'w_up') / lr
+  for e in range(experts.shape[0]):
+    unit = experts[e] / (t.muon_rms_match * math.sqrt(max(experts.shape[1:])))
+    # an expert's gradient has at most the rank of the tokens it served: the polar factor keeps
+    # its null directions at ~0, and every other singular value at 1
+    sv = _singular_values(unit)
+    assert np.all((np.abs(sv - 1) < 2e-2) | (sv < 5e-2)) and np.sum(np.abs(sv - 1) < 2e-2) >= 1, sv
