@@ -11,7 +11,8 @@ import pytest
 
 from deepseek41.batch import batch_keys
 from deepseek41.config import ConfigError, ImageGeometry, load_config_file, resolve
-from deepseek41.data.pipeline import TaskSource, document_batch, make_dataset, open_task
+from deepseek41.data.pipeline import (TaskSource, document_answer_rows, document_batch,
+                                      make_dataset, open_task)
 from deepseek41.data.prepare import prepare_dataset
 from deepseek41.data.shards import DataError
 from deepseek41.data.tasks import held_out_documents
@@ -230,6 +231,12 @@ def test_eval_batches_hold_one_document_per_row(corpus):
   for r, doc in enumerate(docs):
     np.testing.assert_array_equal(batch['tokens'][r], doc.tokens[:-1])
     np.testing.assert_array_equal(batch['loss_mask'][r], doc.answer_mask())
+  # beside it, each answer's query row points at the row whose input is the token it predicts
+  rows_bt = document_answer_rows(docs, 4, 160)
+  r, q = np.nonzero(rows_bt >= 0)
+  np.testing.assert_array_equal(batch['loss_mask'] == 1, rows_bt >= 0)
+  np.testing.assert_array_equal(batch['tokens'][r, rows_bt[r, q]], batch['targets'][r, q])
+  assert (rows_bt[3] == -1).all() and len(q) == sum(e - s for d in docs for s, e in d.answers)
 
 
 def test_every_config_takes_the_tasks():
