@@ -178,11 +178,16 @@ def test_the_forward_with_a_probe_measures_the_same_and_totals_add_up_over_batch
                                                                               answers)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(plain), atol=1e-5)
   alone = nnx.jit(lambda m, b, a: selection_diagnostics(m, b, a))(model, batch, answers)
-  assert sorted(aux['selection']) == sorted(alone) == [1, 2, 3]
+  # block remat (the evaluation model of a run that trains with it) passes the probe through
+  rematerialized = Transformer(model.cfg, nnx.Rngs(params=0), remat='block')  # same weights
+  _, remat = nnx.jit(lambda m, b, a: m(b, probe=Probe(answer_rows_bt=a)))(rematerialized, batch,
+                                                                          answers)
+  assert sorted(aux['selection']) == sorted(alone) == sorted(remat['selection']) == [1, 2, 3]
   for layer, st in alone.items():
     for name, want in st._asdict().items():
-      np.testing.assert_allclose(np.asarray(getattr(aux['selection'][layer], name)),
-                                 np.asarray(want), atol=1e-6, err_msg=f'{name} L{layer}')
+      for got in (aux, remat):
+        np.testing.assert_allclose(np.asarray(getattr(got['selection'][layer], name)),
+                                   np.asarray(want), atol=1e-6, err_msg=f'{name} L{layer}')
   first = np.arange(48)[None] < 31
   halves = [jax.device_get(selection_totals(alone, m)) for m in (first, ~first)]
   summed = summarize_totals({layer: halves[0][layer] + halves[1][layer] for layer in alone})
