@@ -3,8 +3,10 @@ of `python -m deepseek41.eval` (e.g. the three variants of benchmarks/gpu_longct
 
     python3 benchmarks/summarize_longctx.py OUT/longctx_csa2.json OUT/longctx_dense.json ...
 
-Standard library only. One column per report (named by its file), one row per task@length; the
-last rows are the held-out losses per source.
+Standard library only. One column per report (named by its file), one row per task@length; then,
+for the reports of CSA2 models, the selection at the answers (model/diagnostics.py: the share
+of answers whose entry the layers select, and the indexer's recall of the dense top-k; a
+report without selection shows '-'); the last rows are the held-out losses per source.
 """
 
 from __future__ import annotations
@@ -28,6 +30,18 @@ def by_label(report: dict, key: str = 'tasks') -> dict[str, float]:
   return {label: right / asked for label, (right, asked) in totals.items() if asked}
 
 
+def selection_by_label(report: dict, measure: str) -> dict[str, float]:
+  """task@length -> the selection's `measure` (mean over layers) over all its depths, each depth
+  weighted by its answers."""
+  totals: dict[str, list[float]] = {}
+  for t in report.get('tasks', []):
+    value = t.get('selection', {}).get(measure)
+    if value is not None:
+      total, asked = totals.setdefault(t['label'], [0.0, 0])
+      totals[t['label']] = [total + value * t['answers'], asked + t['answers']]
+  return {label: total / asked for label, (total, asked) in totals.items() if asked}
+
+
 def main(paths: list[str]) -> int:
   if not paths:
     print(__doc__.strip())
@@ -47,6 +61,11 @@ def main(paths: list[str]) -> int:
   if any('generated' in r for _, r in reports):
     print()
     table('decoded', labels, lambda r, label: by_label(r, 'generated').get(label))
+  if any('selection' in t for _, r in reports for t in r.get('tasks', [])):
+    for measure, title in (('answer_selected', 'answer selected'),
+                           ('dense_recall', 'dense recall')):
+      print()
+      table(title, labels, lambda r, label, m=measure: selection_by_label(r, m).get(label))
   sources = list(dict.fromkeys(s for _, r in reports for s in r.get('heldout_loss', {})))
   if sources:
     print()

@@ -394,6 +394,18 @@ def document_batch(docs: Sequence[TaskDocument], batch_size: int, length: int,
   return batch
 
 
+def document_answer_rows(docs: Sequence[TaskDocument], batch_size: int,
+                         length: int) -> np.ndarray:
+  """int32 [batch_size, length] beside `document_batch(docs, batch_size, length)`: for each
+  query row before an answer token the row holding its hidden item's token
+  (TaskDocument.answer_rows), -1 elsewhere (model/diagnostics.py's answer_rows_bt)."""
+  rows_bt = np.full((batch_size, length), -1, np.int32)
+  for r, doc in enumerate(docs):
+    rows_t = doc.answer_rows()
+    rows_bt[r, :len(rows_t)] = rows_t
+  return rows_bt
+
+
 # ---------------------------------------------------------------------------------------------
 # The pipeline.
 

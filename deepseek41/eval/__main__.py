@@ -1,14 +1,17 @@
 """`python -m deepseek41.eval --workdir=RUN [--step=N] --tasks=passkey@4k,mqar@16k
 [--depths=0,0.5,1] [--examples=N] [--batch_size=N] [--heldout_batches=N] [--generate]
-[--out=PREFIX]`
+[--noselection] [--out=PREFIX]`
 
 Restores a checkpoint (default: the newest) of a training run, a DSpark stage or an HF import,
 and reports the held-out loss per data source and each task's accuracy per context length and
 depth: teacher-forced through the model's forward (an answer is right when every one of its
-tokens is the argmax), and with --generate also greedily decoded. Prints a table and writes
-PREFIX.json (default WORKDIR/eval/step<N>) and, where matplotlib is installed (the `plot`
-extra), the heat map PREFIX.png (PREFIX_decoded.png for --generate). Exit status 2 on bad
-input, naming it.
+tokens is the argmax), and with --generate also greedily decoded. For a CSA2 model the same
+forward measures each CSA2 layer's selection against dense attention at the rows that predict
+an answer (the indexer's recall of the dense top-k, whether the answer's entry is visible,
+among the dense top-k, selected, in the sliding window; --noselection skips it). Prints the
+tables and writes PREFIX.json (default WORKDIR/eval/step<N>; the selection per layer too) and,
+where matplotlib is installed (the `plot` extra), the heat map PREFIX.png (PREFIX_decoded.png
+for --generate). Exit status 2 on bad input, naming it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ _BATCH = flags.DEFINE_integer('batch_size', 0, 'Rows per batch (0: about the tra
 _HELDOUT = flags.DEFINE_integer('heldout_batches', None, 'Held-out batches per source '
                                 '(default: train.eval_batches; 0: no held-out loss).')
 _GENERATE = flags.DEFINE_bool('generate', False, 'Also decode each answer greedily.')
+_SELECTION = flags.DEFINE_bool('selection', True, 'CSA2 models: also measure each CSA2 layer\'s '
+                               'selection against dense attention at the answers (the dense '
+                               'and window variants select nothing).')
 _OUT = flags.DEFINE_string('out', None, 'Output path prefix (default: WORKDIR/eval/step<N>).')
 _PLOT = flags.DEFINE_bool('plot', True, 'Write the heat map (needs matplotlib).')
 
@@ -58,7 +64,7 @@ def main(argv) -> int:
                       'no train.eval_tasks')
     report = evaluate(ck, Options(specs=specs, examples=_EXAMPLES.value, depths=depths,
                                   rows=_BATCH.value, heldout_batches=_HELDOUT.value,
-                                  generate=_GENERATE.value))
+                                  generate=_GENERATE.value, selection=_SELECTION.value))
   except (EvalError, ConfigError, DataError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

@@ -11,8 +11,16 @@ def _cell(x, fmt='.3f') -> str:
   return '-' if x is None else format(x, fmt)
 
 
+# The selection's columns (model/diagnostics.py): the JSON also holds the dense mass on the
+# selection and on the answer's entry, and every measure per CSA2 layer.
+SELECTION_COLUMNS = (('dense_recall', 'dense recall'), ('answer_visible', 'visible'),
+                     ('answer_in_dense_topk', 'in dense top-k'), ('answer_selected', 'selected'),
+                     ('answer_in_window', 'in window'))
+
+
 def table(report: dict) -> str:
-  """The report as text: the held-out losses, then one line per task, length and depth."""
+  """The report as text: the held-out losses, then one line per task, length and depth; then
+  the selection's measures per task, length and depth (or why there are none)."""
   lines = [f'{report["workdir"]} step {report["step"]} (model positions: '
            f'{report["max_positions"]}; {report["examples"]} documents per task, length and '
            'depth)']
@@ -32,6 +40,18 @@ def table(report: dict) -> str:
     if decoded:
       line += f' {_cell(decoded[(t["label"], t["depth"])]["acc"]):>12}'
     lines.append(line)
+  if report.get('selection_note'):
+    lines += ['', f'selection: none ({report["selection_note"]})']
+  elif any('selection' in t for t in report['tasks']):
+    lines += ['', 'selection of the CSA2 layers at the rows that predict an answer token (mean '
+              'over the layers; per layer in the JSON):']
+    head = f'{"task":<16} {"depth":>6} ' + ' '.join(f'{title:>{max(len(title), 7)}}'
+                                                     for _, title in SELECTION_COLUMNS)
+    lines += [head, '-' * len(head)]
+    for t in report['tasks']:
+      sel = t.get('selection', {})
+      lines.append(f'{t["label"]:<16} {_cell(t["depth"], "g"):>6} ' + ' '.join(
+          f'{_cell(sel.get(name)):>{max(len(title), 7)}}' for name, title in SELECTION_COLUMNS))
   return '\n'.join(lines)
 
 

@@ -1,6 +1,7 @@
 """Evaluate a restored checkpoint: held-out loss per source, and the long-context tasks' accuracy
 per task, length and depth, teacher-forced through the model's forward (and, as an option,
-greedily decoded through generation)."""
+greedily decoded through generation); for a CSA2 model also each CSA2 layer's selection against
+dense attention at the answers (model/diagnostics.py), from the same forward."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from deepseek41.eval.restore import Checkpoint, EvalError
 from deepseek41.generate.generator import GenerateError, Generator
 from deepseek41.sharding import batch_sharding
 from deepseek41.train.evaluation import (Evaluator, TaskEvaluator, TaskScore, batch_shards,
-                                         make_task_step, model_predictor, task_rows)
+                                         make_task_step, model_predictor, selection_note,
+                                         task_rows)
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.step import ModelDef
 
@@ -32,6 +34,7 @@ class Options:
   rows: int = 0                           # rows per batch; 0: about the training batch's tokens
   heldout_batches: int | None = None      # per source; None: train.eval_batches; 0: none
   generate: bool = False                  # also greedy decoding of each answer
+  selection: bool = True                  # the selection against dense attention (CSA2 only)
 
 
 def check_options(ck: Checkpoint, opts: Options) -> None:
@@ -62,7 +65,9 @@ def check_options(ck: Checkpoint, opts: Options) -> None:
 
 def evaluate(ck: Checkpoint, opts: Options) -> dict:
   """The report: held-out loss per source, each task's scores (teacher-forced, and decoded with
-  --generate), the checkpoint and its config."""
+  --generate; with the selection measured, each teacher-forced row's 'selection': the
+  measures averaged over the CSA2 layers and per layer, 'layers'), the checkpoint and its
+  config; 'selection_note' says why there is no selection."""
   check_options(ck, opts)
   cfg = ck.cfg
   sharding = batch_sharding(ck.mesh, cfg.mesh.rules)
@@ -71,10 +76,13 @@ def evaluate(ck: Checkpoint, opts: Options) -> dict:
   predict = model_predictor(task_step, ck.mesh, sharding, ck.engram_map, cfg.model.vision)
   rows = (lambda length: opts.rows) if opts.rows else (lambda length: task_rows(cfg, length))
   tasks = TaskEvaluator(cfg, opts.specs, predict, rows, tokenizer=ck.tokenizer,
-                        examples=opts.examples, depths=opts.depths)
+                        examples=opts.examples, depths=opts.depths, selection=opts.selection)
   report = {'workdir': ck.workdir, 'step': ck.step,
             'max_positions': max_positions(cfg.model, cfg.data.seq_len),
             'examples': tasks.examples, 'depths': list(tasks.depths)}
+  note = selection_note(cfg) or (None if opts.selection else 'not measured (--noselection)')
+  if note:
+    report['selection_note'] = note
   report.update(held_out(ck, opts, tasks, predict, rows))
   report['tasks'] = [s.to_dict() for s in tasks(ck.weights)]
   if opts.generate:

@@ -24,6 +24,13 @@ The API (the eval command and the trainer's evaluation call these):
         positions, ...; no targets needed).
     summarize(stats, query_mask_bt=None) -> {'dense_recall/L3': ..., 'dense_recall': ..., ...}
         host floats: per layer and averaged over layers, over the rows of the mask.
+    selection_totals(stats, query_mask_bt=None) -> {layer: [len(FIELDS), 2]} (sums and rows,
+        on the device, adding up over batches) and summarize_totals(totals): the same means
+        over many batches (the task evaluation's, train/evaluation.py).
+
+The model's forward measures the same along the way when given a Probe (`Transformer.forward(
+batch, probe=Probe(answer_rows_bt))`: the stats in aux['selection']), so the task evaluation
+gets its logits and the diagnostics from one forward.
 """
 
 from __future__ import annotations
@@ -134,24 +141,40 @@ FIELDS = {'dense_recall': 'recall', 'dense_mass': 'mass', 'answer_visible': 'ans
           'answer_in_window': 'answer_in_window', 'answer_dense_mass': 'answer_mass'}
 
 
+def selection_totals(stats: dict[int, SelectionStats], query_mask_bt=None
+                     ) -> dict[int, jax.Array]:
+  """{layer: fp32 [len(FIELDS), 2]}: per FIELDS entry (in order) its sum over the rows of
+  `query_mask_bt` (default: all) that count and how many rows count: the dense_* fields over
+  the rows that see an entry, the answer_* ones over the rows that have an answer. Jittable; the
+  totals of several batches add up."""
+  out = {}
+  for layer, st in stats.items():
+    mask = jnp.ones(st.counted.shape, bool) if query_mask_bt is None else \
+        jnp.asarray(query_mask_bt, bool)
+    seen, answered = mask & st.counted, mask & st.answered
+    rows = [seen if name.startswith('dense_') else answered for name in FIELDS]
+    out[layer] = jnp.stack([jnp.stack([jnp.sum(jnp.where(r, getattr(st, f), 0).astype(
+        jnp.float32)), jnp.sum(r, dtype=jnp.float32)]) for r, f in zip(rows, FIELDS.values())])
+  return out
+
+
+def summarize_totals(totals: dict[int, np.ndarray]) -> dict[str, float]:
+  """Host floats of `selection_totals` (summed over batches): '<name>/L<layer>' the mean over
+  its counted rows, NaN where none counts; '<name>' the mean of the layers' (NaN where every
+  layer's is)."""
+  out: dict[str, float] = {}
+  for layer, t in sorted(totals.items()):
+    for (name, _), (total, rows) in zip(FIELDS.items(), np.asarray(t, np.float64)):
+      out[f'{name}/L{layer}'] = total / rows if rows else math.nan
+  for name in FIELDS if totals else ():
+    values = [out[f'{name}/L{layer}'] for layer in totals]
+    out[name] = math.nan if np.all(np.isnan(values)) else float(np.nanmean(values))
+  return out
+
+
 def summarize(stats: dict[int, SelectionStats], query_mask_bt=None) -> dict[str, float]:
   """Means over the query rows in `query_mask_bt` (default: all): 'dense_recall/L<layer>' and
   'dense_mass/L<layer>' over the rows that see an entry, the 'answer_*/L<layer>' rates over
   the rows that have an answer; each also averaged over the layers without the suffix. NaN
   where no row counts."""
-  out: dict[str, float] = {}
-  per_name: dict[str, list[float]] = {name: [] for name in FIELDS}
-  for layer, st in stats.items():
-    mask = np.ones(np.shape(st.counted), bool) if query_mask_bt is None else \
-        np.asarray(query_mask_bt, bool)
-    seen = mask & np.asarray(st.counted)
-    answered = mask & np.asarray(st.answered)
-    for name, field in FIELDS.items():
-      rows = seen if name in ('dense_recall', 'dense_mass') else answered
-      value = np.asarray(getattr(st, field), np.float64)
-      out[f'{name}/L{layer}'] = float(value[rows].mean()) if rows.any() else math.nan
-      per_name[name].append(out[f'{name}/L{layer}'])
-  for name, values in per_name.items():
-    if values:
-      out[name] = float(np.nanmean(values)) if not np.all(np.isnan(values)) else math.nan
-  return out
+  return summarize_totals(jax.device_get(selection_totals(stats, query_mask_bt)))

@@ -28,7 +28,7 @@ from deepseek41.model.moe import MoE
 from deepseek41.model.norms import RMSNorm
 from deepseek41.model.layer_cache import CacheSpec
 from deepseek41.model.params import TokenTable, dtype_of, normal_param
-from deepseek41.model.shared import Shared
+from deepseek41.model.shared import Probe, Shared
 from deepseek41.model.vision import VisionEncoder
 from deepseek41.ops.gpu.mhc_kernel import expand_fused
 from deepseek41.ops.launch import KERNEL_OUTPUTS
@@ -230,8 +230,8 @@ class Transformer(nnx.Module):
       pre = jnp.broadcast_to(jax.nn.one_hot(0, cfg.hc_mult, dtype=jnp.float32), (b, t, cfg.hc_mult))
     return x, pre
 
-  def __call__(self, batch):
-    logits_btv, aux, _ = self.forward(batch)
+  def __call__(self, batch, probe: Probe | None = None):
+    logits_btv, aux, _ = self.forward(batch, probe=probe)
     return logits_btv, aux
 
   def init_cache(self, spec: CacheSpec) -> dict[int, AttentionCache]:
@@ -261,16 +261,19 @@ class Transformer(nnx.Module):
       auxes.append(aux)
     return x, pre, auxes, captured, shared
 
-  def forward(self, batch, capture_layers: tuple[int, ...] = ()):
+  def forward(self, batch, capture_layers: tuple[int, ...] = (), probe: Probe | None = None):
     """(logits [B,T,V] fp32, aux, captured): captured[l] is the residual entering layer l, the
-    mean over the mHC streams ([B, T, D]; DSpark's context features)."""
+    mean over the mHC streams ([B, T, D]; DSpark's context features). With a `probe`, each CSA2
+    layer's selection against dense attention is measured too: aux['selection'] =
+    {layer: diagnostics.SelectionStats} (model/diagnostics.py)."""
     with jax.named_scope('embed'):  # top-level scopes too, so no kernel of the step is unnamed
       x, pre = self.residual_input(batch)
       # context (and sequence) parallelism: each shard holds its stretch of tokens
       x = constrain_tokens(x, self.sequence_parallel)
       batch = self.with_engram_rows(batch)
     # shared: compressed KV and selections published by source layers (CSA2)
-    x, pre, auxes, captured, shared = self.run_blocks(x, pre, batch, Shared(), capture_layers)
+    x, pre, auxes, captured, shared = self.run_blocks(x, pre, batch, Shared(probe=probe),
+                                                      capture_layers)
     with jax.named_scope('head'):
       logits_btv = self.logits(x, pre)
     totals = shared.indexer_totals
@@ -283,4 +286,6 @@ class Transformer(nnx.Module):
         'dropped': sum(a['dropped'] for a in auxes),
         'engram_dropped': sum(a['engram_dropped'] for a in auxes),
     }
+    if probe is not None:
+      aux['selection'] = dict(sorted(shared.probe.stats.items()))
     return logits_btv, aux, captured

@@ -7,10 +7,13 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from deepseek41.model.compressor import CompressedKV
-from deepseek41.model.diagnostics import selection_diagnostics, selection_stats, summarize
+from deepseek41.model.diagnostics import (selection_diagnostics, selection_stats,
+                                          selection_totals, summarize, summarize_totals)
+from deepseek41.model.shared import Probe
 from deepseek41.model.transformer import Transformer
 from tests.helpers import packed_layout, resolved
 
@@ -162,3 +165,33 @@ def test_no_stats_for_the_dense_and_window_variants():
   for variant in ('dense', 'window'):
     model = _model(**{'model.attention_variant': variant})
     assert selection_diagnostics(model, _batch()) == {}
+
+
+def test_the_forward_with_a_probe_measures_the_same_and_totals_add_up_over_batches():
+  """One forward gives the logits (unchanged) and the stats (those of selection_diagnostics);
+  totals summed over two halves of the rows read as the summary over all of them."""
+  model = _model(**{'model.index_topk': 2})
+  batch = _batch()
+  answers = np.where(np.arange(48) >= 30, 33, 5)[None].astype(np.int32)
+  plain, _ = nnx.jit(lambda m, b: m(b))(model, batch)
+  logits, aux = nnx.jit(lambda m, b, a: m(b, probe=Probe(answer_rows_bt=a)))(model, batch,
+                                                                              answers)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(plain), atol=1e-5)
+  alone = nnx.jit(lambda m, b, a: selection_diagnostics(m, b, a))(model, batch, answers)
+  # block remat (the evaluation model of a run that trains with it) passes the probe through
+  rematerialized = Transformer(model.cfg, nnx.Rngs(params=0), remat='block')  # same weights
+  _, remat = nnx.jit(lambda m, b, a: m(b, probe=Probe(answer_rows_bt=a)))(rematerialized, batch,
+                                                                          answers)
+  assert sorted(aux['selection']) == sorted(alone) == sorted(remat['selection']) == [1, 2, 3]
+  for layer, st in alone.items():
+    for name, want in st._asdict().items():
+      for got in (aux, remat):
+        np.testing.assert_allclose(np.asarray(getattr(got['selection'][layer], name)),
+                                   np.asarray(want), atol=1e-6, err_msg=f'{name} L{layer}')
+  first = np.arange(48)[None] < 31
+  halves = [jax.device_get(selection_totals(alone, m)) for m in (first, ~first)]
+  summed = summarize_totals({layer: halves[0][layer] + halves[1][layer] for layer in alone})
+  whole = summarize(alone)
+  assert set(summed) == set(whole) and 'answer_selected/L3' in whole
+  for key, value in whole.items():
+    assert summed[key] == pytest.approx(value, abs=1e-6, nan_ok=True), key

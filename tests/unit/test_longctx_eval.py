@@ -1,6 +1,8 @@
 """Long-context evaluation: task accuracy is 1 for a model told the answers and chance for a
 constant one; the trainer logs train.eval_tasks; `python -m deepseek41.eval` reports any
-checkpoint and names bad input."""
+checkpoint and names bad input; a CSA2 model's selection against dense attention at the
+answers is measured by both (the answers' sources visible, the window's reach exact), a window
+model says it has none."""
 
 import json
 import os
@@ -11,16 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepseek41.config import TaskSpec, resolve
+from deepseek41.config import TaskSpec, layer_roles, resolve
 from deepseek41.data.prepare import prepare_dataset
 from deepseek41.data.tokenizer import load_tokenizer
 from deepseek41.eval import report as report_lib
 from deepseek41.eval.restore import EvalError, open_checkpoint
 from deepseek41.train.reading import run_tokenizer
 from deepseek41.eval.run import Options, evaluate
+from deepseek41.model.diagnostics import FIELDS
 from deepseek41.sharding import batch_sharding, make_mesh
-from deepseek41.train.evaluation import (TaskEvaluator, make_task_step, model_predictor,
-                                         task_metrics, task_rows)
+from deepseek41.train.evaluation import (SELECTION_MEASURES, TaskEvaluator, make_task_step,
+                                         model_predictor, task_metrics, task_rows)
 from deepseek41.train.trainer import train
 from tests.helpers import small_config
 
@@ -126,6 +129,7 @@ def test_the_trainer_logs_the_tasks(run):
     for key in ('eval_acc/mqar@64', 'eval_acc/passkey@128', 'eval_acc/passkey@128/depth0.5',
                 'eval_answer_loss/mqar@64'):
       assert 0.0 <= r[key] <= (1.0 if 'acc' in key else 50.0), key
+    assert not [k for k in r if k.startswith('eval_sel/')]  # a window model selects nothing
 
 
 def test_eval_reports_a_checkpoint(run, tmp_path):
@@ -135,6 +139,8 @@ def test_eval_reports_a_checkpoint(run, tmp_path):
                                 examples=8, depths=(0.0, 0.5), heldout_batches=1,
                                 generate=True))
   assert set(report['heldout_loss']) == {'mqar', ck.cfg.data.sources[1][0]}
+  assert not [t for t in report['tasks'] if 'selection' in t]
+  assert "model.attention_variant='window': no layer selects entries" in report['selection_note']
   assert all(np.isfinite(v) and v > 0 for v in report['heldout_loss'].values())
   # the same documents and numbers as the trainer's evaluation of this checkpoint
   logged = [json.loads(line) for line in open(f'{run}/metrics.jsonl')][-1]
@@ -149,6 +155,7 @@ def test_eval_reports_a_checkpoint(run, tmp_path):
   assert all(0 <= g['acc'] <= 1 and g['answer_loss'] is None for g in report['generated'])
   text = report_lib.table(report)
   assert 'passkey@128' in text and 'decoded acc' in text
+  assert 'selection: none (model.attention_variant=' in text
   report_lib.write_json(report, str(tmp_path / 'r.json'))
   assert json.load(open(tmp_path / 'r.json'))['step'] == 2
   pytest.importorskip('matplotlib')
@@ -194,3 +201,85 @@ def test_bad_input_is_named(run, tmp_path):
   (empty / 'checkpoints').mkdir(parents=True)
   with pytest.raises(EvalError, match='holds no complete checkpoint'):
     open_checkpoint(str(empty))
+
+
+# ---------------------------------------------------------------------------------------------
+# A CSA2 model: the selection against dense attention at the answers.
+
+# (a window of 16 reaches some mqar values from their query, none of the passkeys)
+CSA2 = {'model.attention_variant': 'csa2', 'model.candidate_source_layer_id': -1,
+        'model.index_n_heads': 2, 'model.index_head_dim': 8, 'model.sliding_window': 16}
+SPECS = (TaskSpec('mqar', 64), TaskSpec('passkey', 128))
+
+
+@pytest.fixture(scope='module')
+def csa2_run(corpus, tmp_path_factory):
+  """The run fixture's training and evaluation with a CSA2 model."""
+  workdir = str(tmp_path_factory.mktemp('csa2') / 'w')
+  train(_config(corpus, **CSA2, **{'train.steps': 2, 'train.eval_every_steps': 2,
+                                   'train.eval_batches': 1,
+                                   'train.eval_tasks': 'mqar@64,passkey@128',
+                                   'tasks.eval_examples': 8, 'tasks.eval_depths': (0.0, 0.5),
+                                   'checkpoint.every_steps': 2}), workdir)
+  return workdir
+
+
+def _expected(cfg, docs):
+  """From the documents alone: per CSA2 layer, the share of the answers' query rows whose
+  source's entry is complete (visible), and the share whose source the window reads."""
+  rows = [(q, int(doc.answer_rows()[q])) for doc in docs
+          for q in np.flatnonzero(doc.answer_rows() >= 0)]
+  ratios = {r.layer: cfg.model.compress_ratios[r.kv_source] for r in layer_roles(cfg.model)
+            if r.ratio}
+  visible = {f'L{layer}': np.mean([a // k * k + k - 1 <= q for q, a in rows])
+             for layer, k in ratios.items()}
+  in_window = np.mean([0 <= q - a < cfg.model.sliding_window for q, a in rows])
+  return visible, in_window
+
+
+def test_the_trainer_logs_the_selection(csa2_run):
+  evals = [r for r in map(json.loads, open(f'{csa2_run}/metrics.jsonl')) if 'eval_loss' in r]
+  assert [r['step'] for r in evals] == [0, 2]
+  for r in evals:
+    for name in SELECTION_MEASURES:
+      for label in ('mqar@64', 'passkey@128', 'passkey@128/depth0', 'passkey@128/depth0.5'):
+        assert 0.0 <= r[f'eval_sel/{name}/{label}'] <= 1.0, (name, label)
+    # every answer's hidden item lies in complete entries before its question
+    assert r['eval_sel/answer_visible/passkey@128'] == r['eval_sel/answer_visible/mqar@64'] == 1
+
+
+def test_eval_reports_the_selection_per_task_depth_and_layer(csa2_run, tmp_path):
+  ck = open_checkpoint(csa2_run)
+  report = evaluate(ck, Options(specs=SPECS, examples=8, depths=(0.0, 0.5), heldout_batches=0))
+  assert 'selection_note' not in report
+  tasks = TaskEvaluator(ck.cfg, SPECS, None, None, tokenizer=ck.tokenizer, examples=8,
+                        depths=(0.0, 0.5))
+  logged = [json.loads(line) for line in open(f'{csa2_run}/metrics.jsonl')][-1]
+  for t in report['tasks']:
+    sel = t['selection']
+    assert set(sel) == set(FIELDS) | {'layers'} and set(sel['layers']) == {'L1', 'L2', 'L3'}
+    visible, in_window = _expected(ck.cfg, tasks.documents(TaskSpec(t['task'], t['length']),
+                                                           t['depth']))
+    for layer, values in sel['layers'].items():
+      assert all(0.0 <= v <= 1.0 for v in values.values()), values
+      assert values['answer_visible'] == pytest.approx(visible[layer])
+      assert values['answer_in_window'] == pytest.approx(in_window)
+      assert values['answer_selected'] <= values['answer_visible']
+      assert values['answer_in_dense_topk'] <= values['answer_visible']
+    assert sel['answer_visible'] == 1.0  # what is hidden is inside the visible entries
+    assert (in_window > 0) == (t['task'] == 'mqar')
+    key = t['label'] + ('' if t['depth'] is None else f'/depth{t["depth"]:g}')
+    for name in SELECTION_MEASURES:
+      assert sel[name] == pytest.approx(np.mean([v[name] for v in sel['layers'].values()]))
+      # the trainer's numbers for this checkpoint
+      assert sel[name] == pytest.approx(logged[f'eval_sel/{name}/{key}'], abs=1e-6)
+  text = report_lib.table(report)
+  assert 'dense recall' in text and 'in dense top-k' in text and 'selection: none' not in text
+  report_lib.write_json(report, str(tmp_path / 'r.json'))
+  again = json.load(open(tmp_path / 'r.json'))
+  assert again['tasks'][0]['selection']['layers']['L1'] == report['tasks'][0]['selection'][
+      'layers']['L1']
+  off = evaluate(ck, Options(specs=SPECS[:1], examples=2, heldout_batches=0, selection=False))
+  assert 'selection' not in off['tasks'][0]
+  assert off['selection_note'] == 'not measured (--noselection)'
+  assert 'selection: none (not measured (--noselection))' in report_lib.table(off)

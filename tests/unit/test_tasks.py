@@ -11,7 +11,8 @@ import pytest
 
 from deepseek41.batch import batch_keys
 from deepseek41.config import ConfigError, ImageGeometry, load_config_file, resolve
-from deepseek41.data.pipeline import TaskSource, document_batch, make_dataset, open_task
+from deepseek41.data.pipeline import (TaskSource, document_answer_rows, document_batch,
+                                      make_dataset, open_task)
 from deepseek41.data.prepare import prepare_dataset
 from deepseek41.data.shards import DataError
 from deepseek41.data.tasks import held_out_documents
@@ -96,6 +97,38 @@ def test_documents_are_deterministic_and_their_answers_right(corpus, name):
   there = pickle.loads(pickle.dumps(source))
   for i in (0, 7):
     assert all((source[i][k] == there[i][k]).all() for k in source[i])
+
+
+@pytest.mark.parametrize('name', ['mqar', 'passkey', 'needle'])
+def test_each_answer_records_where_its_item_is_hidden(corpus, name):
+  """The sources, read back from the text: the pair's value (the key's first mention), the
+  passkey, the asked needle's number; each holds its answer's ids, before the answer. The
+  answer rows point the query before each answer token at the same token in the source."""
+  cfg = _cfg(corpus, 'default', **{'tasks.mqar_pairs': 5, 'tasks.mqar_queries': 2,
+                                   'tasks.needle_count': 3, 'tasks.needle_queries': 2,
+                                   'tasks.needle_filler': corpus})
+  tok = _tokenizer(corpus)
+  task = open_task(cfg.data, name, 'heldout', tok)
+  for depth in (0.0, 0.5, 1.0):
+    for doc in held_out_documents(task, 400, depth, 3):
+      assert len(doc.sources) == len(doc.answers) == (1 if name == 'passkey' else 2)
+      for (start, end), (s, e) in zip(doc.answers, doc.sources):
+        assert e - s == end - start and e <= start
+        np.testing.assert_array_equal(doc.tokens[s:e], doc.tokens[start:end])
+        asked, hidden = _text_before(tok, doc, start), _text_before(tok, doc, s)
+        if name == 'mqar':
+          key = re.search(r' ([a-z]+):$', asked).group(1)
+          assert hidden.endswith(f' {key}:') and f' {key}:' not in hidden[:-len(key) - 2]
+        elif name == 'passkey':
+          assert hidden.endswith('Remember it: the secret number is')
+        else:
+          word = re.search(r'What is the code for (\w+)\? The code for \1 is$', asked).group(1)
+          assert hidden.endswith(f'Note that the code for {word} is')
+      rows_t = doc.answer_rows()
+      np.testing.assert_array_equal(rows_t >= 0, doc.answer_mask().astype(bool))
+      at = np.flatnonzero(rows_t >= 0)
+      np.testing.assert_array_equal(doc.tokens[rows_t[at]], doc.tokens[at + 1])
+      assert (rows_t[at] < at).all()
 
 
 @pytest.mark.parametrize('name', ['passkey', 'needle'])
@@ -198,6 +231,12 @@ def test_eval_batches_hold_one_document_per_row(corpus):
   for r, doc in enumerate(docs):
     np.testing.assert_array_equal(batch['tokens'][r], doc.tokens[:-1])
     np.testing.assert_array_equal(batch['loss_mask'][r], doc.answer_mask())
+  # beside it, each answer's query row points at the row whose input is the token it predicts
+  rows_bt = document_answer_rows(docs, 4, 160)
+  r, q = np.nonzero(rows_bt >= 0)
+  np.testing.assert_array_equal(batch['loss_mask'] == 1, rows_bt >= 0)
+  np.testing.assert_array_equal(batch['tokens'][r, rows_bt[r, q]], batch['targets'][r, q])
+  assert (rows_bt[3] == -1).all() and len(q) == sum(e - s for d in docs for s, e in d.answers)
 
 
 def test_every_config_takes_the_tasks():

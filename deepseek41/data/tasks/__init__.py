@@ -16,13 +16,14 @@ import numpy as np
 from deepseek41.config import TASK_NAMES, TasksConfig
 from deepseek41.data.shards import DataError
 from deepseek41.data.tasks.retrieval import Mqar, Needle, Passkey
-from deepseek41.data.tasks.text import CorpusFiller, TaskDocument, TaskText, assemble
+from deepseek41.data.tasks.text import (Answer, CorpusFiller, Hidden, TaskDocument, TaskText,
+                                        assemble)
 from deepseek41.data.tokenizer import Tokenizer
 
 Task = Mqar | Passkey | Needle
 
-__all__ = ['CorpusFiller', 'Mqar', 'Needle', 'Passkey', 'Task', 'TaskDocument', 'TaskText',
-           'assemble', 'build_task', 'held_out_documents']
+__all__ = ['Answer', 'CorpusFiller', 'Hidden', 'Mqar', 'Needle', 'Passkey', 'Task', 'TaskDocument',
+           'TaskText', 'assemble', 'build_task', 'held_out_documents']
 
 
 def build_task(name: str, tk: TasksConfig, tokenizer: Tokenizer,

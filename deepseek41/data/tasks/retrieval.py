@@ -12,7 +12,9 @@ deterministic in `rng`; `depth` in [0, 1] places what is hidden (None: drawn at 
              haystack, with distractors and several queries as in RULER, Hsieh et al. 2024),
              some of them asked for at the end
 
-Brackets mark the answers: the only supervised tokens unless tasks.supervise = 'all'.
+Brackets mark the answers: the only supervised tokens unless tasks.supervise = 'all'. Each
+document also records where each answer's item is hidden (the value of the pair, the passkey,
+the needle's number: `TaskDocument.sources`), the row a retrieval should read.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from __future__ import annotations
 import numpy as np
 
 from deepseek41.data.shards import DataError
-from deepseek41.data.tasks.text import (CorpusFiller, SentenceFiller, TaskDocument, TaskText,
-                                        assemble, random_letters, random_number, random_words)
+from deepseek41.data.tasks.text import (Answer, CorpusFiller, Hidden, SentenceFiller,
+                                        TaskDocument, TaskText, assemble, random_letters,
+                                        random_number, random_words)
 
 # Our own filler: plain sentences with no number in them.
 PASSKEY_FILLER = (
@@ -39,13 +42,14 @@ def _too_short(task: str, length: int, fixed: int, keys: str) -> DataError:
                    f'pairs, needles or questions; use a longer context or fewer ({keys})')
 
 
-def _insert(filler_t: np.ndarray, cuts: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
-  """The filler with each (offset, ids) inserted at its offset (offsets into the filler)."""
+def _insert(filler_t: np.ndarray, cuts: list[tuple[int, list[tuple]]]) -> list[tuple]:
+  """The filler's parts with each (offset, parts) inserted at its offset (offsets into the
+  filler; at one offset in the order given)."""
   out, at = [], 0
-  for offset, ids in sorted(cuts, key=lambda c: c[0]):
-    out += [filler_t[at:offset], ids]
+  for offset, parts in sorted(cuts, key=lambda c: c[0]):
+    out += [(filler_t[at:offset], None), *parts]
     at = offset
-  return out + [filler_t[at:]]
+  return out + [(filler_t[at:], None)]
 
 
 class Mqar:
@@ -66,7 +70,8 @@ class Mqar:
     key_ids = [t.encode_fresh(' ' + k) for k in keys]
     value_ids = [t.encode_fresh(v) for v in values]
     colon = t.ids(':')
-    pairs = [(ids, False) for k, v in zip(key_ids, value_ids) for ids in (k, colon, v)]
+    pairs = [part for i, (k, v) in enumerate(zip(key_ids, value_ids))
+             for part in ((k, None), (colon, None), (v, Hidden(i)))]
     asked = rng.permutation(self.pairs)[:self.queries]
     fixed = sum(len(ids) for ids, _ in pairs) + sum(
         len(key_ids[q]) + len(colon) + len(value_ids[q]) for q in asked)
@@ -77,10 +82,10 @@ class Mqar:
     at = np.sort(rng.integers(0, noise + 1, len(asked)))
     parts, prev = list(pairs), 0
     for offset, q in zip(at, asked):
-      parts += [(noise_t[prev:offset], False), (key_ids[q], False), (colon, False),
-                (value_ids[q], True)]
+      parts += [(noise_t[prev:offset], None), (key_ids[q], None), (colon, None),
+                (value_ids[q], Answer(int(q)))]
       prev = offset
-    parts.append((noise_t[prev:], False))
+    parts.append((noise_t[prev:], None))
     return assemble(parts, t.eos_id)
 
 
@@ -99,15 +104,15 @@ class Passkey:
                depth: float | None = None) -> TaskDocument:
     depth = float(rng.uniform()) if depth is None else depth
     key_t = self.text.encode_fresh(' ' + random_number(rng, self.digits))
-    needle_t = np.concatenate([self.before, key_t, self.after])
-    fixed = len(needle_t) + len(self.question) + len(key_t)
+    needle = [(self.before, None), (key_t, Hidden(0)), (self.after, None)]
+    fixed = sum(len(ids) for ids, _ in needle) + len(self.question) + len(key_t)
     n = length - fixed
     if n < 0:
       raise _too_short('passkey', length, fixed, 'tasks.passkey_digits')
     filler_t, bounds = self.filler.take(n, rng)
     at = int(bounds[np.argmin(np.abs(bounds - depth * n))])  # the nearest sentence boundary
-    parts = [(ids, False) for ids in _insert(filler_t, [(at, needle_t)])]
-    parts += [(self.question, False), (key_t, True)]
+    parts = _insert(filler_t, [(at, needle)])
+    parts += [(self.question, None), (key_t, Answer(0))]
     return assemble(parts, self.text.eos_id, depth)
 
 
@@ -127,8 +132,9 @@ class Needle:
     words = random_words(rng, self.count)
     values = [t.encode_fresh(' ' + random_number(rng, self.value_digits)) for _ in words]
     period = t.ids('.')
-    needles = [np.concatenate([t.ids(' Note that the code for'), t.encode_fresh(' ' + w),
-                               t.ids(' is'), v, period]) for w, v in zip(words, values)]
+    needles = [[(np.concatenate([t.ids(' Note that the code for'), t.encode_fresh(' ' + w),
+                                 t.ids(' is')]), None), (v, Hidden(i)), (period, None)]
+               for i, (w, v) in enumerate(zip(words, values))]
     # Needle 0 is asked for, at `depth`; the others are asked too (needle_queries) or only
     # distract, anywhere.
     asked = [0] + list(1 + rng.permutation(self.count - 1)[:self.queries - 1])
@@ -136,7 +142,8 @@ class Needle:
     questions = [np.concatenate([t.ids(' What is the code for'), t.encode_fresh(' ' + words[i]),
                                  t.ids('? The code for'), t.encode_fresh(' ' + words[i]),
                                  t.ids(' is')]) for i in order]
-    fixed = sum(map(len, needles)) + sum(map(len, questions)) + sum(
+    fixed = sum(len(ids) for parts in needles for ids, _ in parts) + sum(
+        map(len, questions)) + sum(
         len(values[i]) for i in order) + len(period) * (len(order) - 1)
     n = length - fixed
     if n < 0:
@@ -145,9 +152,9 @@ class Needle:
     filler_t = self.filler.take(n, rng)
     cuts = [(int(round(depth * n)), needles[0])]
     cuts += [(int(rng.integers(0, n + 1)), ids) for ids in needles[1:]]
-    parts = [(ids, False) for ids in _insert(filler_t, cuts)]
+    parts = _insert(filler_t, cuts)
     for k, i in enumerate(order):
       if k:
-        parts.append((period, False))
-      parts += [(questions[k], False), (values[i], True)]
+        parts.append((period, None))
+      parts += [(questions[k], None), (values[i], Answer(i))]
     return assemble(parts, t.eos_id, depth)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,10 +21,13 @@ from deepseek41.data.tokenizer import Tokenizer, load_tokenizer
 
 @dataclasses.dataclass(frozen=True)
 class TaskDocument:
-  """One task document: its tokens (end-of-document last) and where its answers are."""
+  """One task document: its tokens (end-of-document last), where its answers are and where each
+  answer's item is hidden in the context."""
   tokens: np.ndarray                      # int32 [n]
   answers: tuple[tuple[int, int], ...]    # [start, end) of each answer in `tokens`
   depth: float | None = None              # where the asked item is hidden; None: no depth
+  # [start, end) of the hidden item each answer retrieves (the same ids), in answers' order
+  sources: tuple[tuple[int, int], ...] = ()
 
   def answer_mask(self) -> np.ndarray:
     """int32 [n - 1] over the targets (tokens[1:]): 1 where the target is an answer token."""
@@ -32,20 +36,51 @@ class TaskDocument:
       mask_t[start - 1:end - 1] = 1
     return mask_t
 
+  def answer_rows(self) -> np.ndarray:
+    """int32 [n - 1] over the query rows (row t reads tokens[t] and predicts tokens[t + 1]): the
+    row before an answer's i-th token holds the row of its hidden item's i-th token, the row a
+    retrieval should read; -1 elsewhere (model/diagnostics.py's answer_rows_bt)."""
+    rows_t = np.full(len(self.tokens) - 1, -1, np.int32)
+    for (start, end), (source, _) in zip(self.answers, self.sources):
+      rows_t[start - 1:end - 1] = np.arange(source, source + end - start)
+    return rows_t
+
   def answer_tokens(self) -> list[np.ndarray]:
     return [self.tokens[s:e] for s, e in self.answers]
 
 
-def assemble(parts: Sequence[tuple[np.ndarray, bool]], eos_id: int,
+class Hidden(NamedTuple):
+  """A document part that is an item hidden in the context: `item` names it."""
+  item: int
+
+
+class Answer(NamedTuple):
+  """A document part that is an answer (supervised): the hidden `item` it retrieves."""
+  item: int
+
+
+def assemble(parts: Sequence[tuple[np.ndarray, Hidden | Answer | None]], eos_id: int,
              depth: float | None = None) -> TaskDocument:
-  """The document of `parts` (ids, is_answer) in order, then end-of-document."""
-  answers, offset = [], 0
-  for ids, is_answer in parts:
-    if is_answer:
-      answers.append((offset, offset + len(ids)))
+  """The document of `parts` (ids, role) in order, then end-of-document. Every Answer names one
+  Hidden part of the same ids: its source."""
+  spans: dict[type, list[tuple[int, int, int]]] = {Hidden: [], Answer: []}
+  offset = 0
+  for ids, role in parts:
+    if role is not None:
+      spans[type(role)].append((role.item, offset, offset + len(ids)))
     offset += len(ids)
   tokens = np.concatenate([ids for ids, _ in parts] + [np.asarray([eos_id], np.int32)])
-  return TaskDocument(tokens.astype(np.int32), tuple(answers), depth)
+  tokens = tokens.astype(np.int32)
+  hidden = {item: (start, end) for item, start, end in spans[Hidden]}
+  if len(hidden) != len(spans[Hidden]):
+    raise ValueError('two hidden parts name one item')
+  sources = []
+  for item, start, end in spans[Answer]:
+    source = hidden.get(item)
+    if source is None or not np.array_equal(tokens[slice(*source)], tokens[start:end]):
+      raise ValueError(f'answer at {start} has no hidden part of its ids (item {item})')
+    sources.append(source)
+  return TaskDocument(tokens, tuple((s, e) for _, s, e in spans[Answer]), depth, tuple(sources))
 
 
 class TaskText:
