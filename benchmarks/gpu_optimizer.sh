@@ -9,7 +9,8 @@
 #   LR=1.2e-3 bash benchmarks/gpu_optimizer.sh run muon_hybrid   # STEPS (600) steps at LR
 #   bash benchmarks/gpu_optimizer.sh run adamw               # the same at the config's 6e-4
 #   bash benchmarks/gpu_optimizer.sh profile                 # steps 18-20 of each optimizer
-#       profiled: the `optimizer` scope's share of the step (trace_summary.py)
+#       profiled: the `optimizer` scope's share of the step (trace_summary.py); `run` traces
+#       steps PROFILE..+2 (21-23) of its own run too
 # The sweep keeps the schedule of a 600-step run (its lr at step 150 as the full run's) by
 # stopping at SWEEP_STEPS (--stop_at_step), so its held-out loss ranks the rates the run uses.
 set -uo pipefail
@@ -26,11 +27,19 @@ COMMON="--config=configs/ablation_1b.py --config.log.progress_bar=False \
   --config.train.eval_batches=8 --config.log.every_steps=10 --config.checkpoint.every_steps=0"
 run() {  # name, extra flags...
   local name=$1; shift
-  python3 -m deepseek41.train $COMMON --workdir=/tmp/opt_$name "$@" > "$OUT/$name.log" 2>&1
+  # SIGTERM at BUDGET_S (a device call ends at 600 s): the run saves, stops (75) and its
+  # metrics still come back; a later call resumes it from the checkpoint (RESUME=1 keeps it).
+  timeout --signal=TERM ${BUDGET_S:-540} python3 -m deepseek41.train $COMMON \
+    --workdir=/tmp/opt_$name "$@" > "$OUT/$name.log" 2>&1
   echo "$name exit $?" | tee -a "$OUT/summary.txt"
   cp /tmp/opt_$name/metrics.jsonl "$OUT/$name.jsonl" 2>/dev/null
   grep -E "took|eval_loss|step ($STEPS|150):|rror" "$OUT/$name.log" | tail -6 | cut -c1-250
-  rm -rf /tmp/opt_$name/checkpoints  # 13 GB each: the machine's disk holds few
+  if [ -d /tmp/opt_$name/profile ]; then  # the `optimizer` scope's share of the traced steps
+    python3 benchmarks/trace_summary.py /tmp/opt_$name/profile --merge-layers --depth 1 \
+      > "$OUT/${name}_trace.txt" 2>&1
+    grep -E "optimizer|busy|step" "$OUT/${name}_trace.txt" | head -12
+  fi
+  [ -n "${RESUME:-}" ] || rm -rf /tmp/opt_$name/checkpoints  # 13 GB each: the disk holds few
 }
 case "$mode" in
   sweep)
@@ -41,7 +50,9 @@ case "$mode" in
   run)
     opt=${2:?run needs an optimizer: adamw or muon_hybrid}
     lr_flag=""; [ -n "${LR:-}" ] && lr_flag="--config.train.lr=$LR"
-    run ${opt}_${LR:-default} --config.train.optimizer=$opt $lr_flag ;;
+    # Steps PROFILE..PROFILE+2 traced: the optimizer's share of the step on the way.
+    run ${opt}_${LR:-default} --config.train.optimizer=$opt $lr_flag \
+      --config.log.profile_start_step=${PROFILE:-21} --config.log.profile_steps=3 ;;
   profile)  # with the step's HLO the glue fusions land in their scopes (trace_summary.py --hlo)
     for opt in adamw muon_hybrid; do
       wd=/tmp/opt_prof_$opt
