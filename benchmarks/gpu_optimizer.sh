@@ -8,6 +8,7 @@
 #                                                            # SWEEP_STEPS (150) steps
 #   LR=1.2e-3 bash benchmarks/gpu_optimizer.sh run muon_hybrid   # STEPS (600) steps at LR
 #   bash benchmarks/gpu_optimizer.sh run adamw               # the same at the config's 6e-4
+#       (flags after the optimizer go to the trainer: --config.train.muon_ns_dtype=float32)
 #   bash benchmarks/gpu_optimizer.sh profile                 # steps 18-20 of each optimizer
 #       profiled: the `optimizer` scope's share of the step (trace_summary.py); `run` traces
 #       steps PROFILE..+2 (21-23) of its own run too
@@ -52,7 +53,7 @@ case "$mode" in
     lr_flag=""; [ -n "${LR:-}" ] && lr_flag="--config.train.lr=$LR"
     # Steps PROFILE..PROFILE+2 traced: the optimizer's share of the step on the way.
     run ${opt}_${LR:-default} --config.train.optimizer=$opt $lr_flag \
-      --config.log.profile_start_step=${PROFILE:-21} --config.log.profile_steps=3 ;;
+      --config.log.profile_start_step=${PROFILE:-21} --config.log.profile_steps=3 "${@:3}" ;;
   profile)  # with the step's HLO the glue fusions land in their scopes (trace_summary.py --hlo)
     for opt in adamw muon_hybrid; do
       wd=/tmp/opt_prof_$opt
