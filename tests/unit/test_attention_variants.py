@@ -27,9 +27,8 @@ from deepseek41.model.shared import Shared
 from deepseek41.model.transformer import Transformer
 from deepseek41.tools.info import kv_cache_bytes
 from deepseek41.train.flops import attention_flops_per_layer, decode_attention_flops
-from deepseek41.train.trainer import train
 from deepseek41.train.warm_start import model_differences
-from tests.helpers import REPO_ROOT, packed_layout, resolved, small_config
+from tests.helpers import REPO_ROOT, packed_layout, resolved
 
 ROOT = REPO_ROOT
 DENSE = {'model.attention_variant': 'dense'}
@@ -223,12 +222,3 @@ def test_a_dense_layer_caches_its_latent_of_every_token():
 # ---- training from the command-line path ---------------------------------------------------
 
 
-@pytest.mark.parametrize('variant', ['csa2', 'dense', 'window'])
-def test_each_variant_trains(variant, tmp_path):
-  """In-process `train()`, as the command line runs it; the dense layers beside mHC and
-  Engram (MoE is in every config)."""
-  everything = {'model.residual': 'mhc_single_pass', 'model.engram': True}
-  config = small_config(**{'model.attention_variant': variant, 'train.steps': 2,
-                           **(everything if variant == 'dense' else {})})
-  result = train(config, str(tmp_path))
-  assert result.step == 2 and np.isfinite(result.last_loss)

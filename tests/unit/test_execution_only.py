@@ -1,9 +1,9 @@
 """Execution-only keys (config/schema.py marks them): a checkpoint resumes across a change of any
-of them, and a change of any other model key is refused naming it."""
+of them, and a change of any other model key is refused naming it (a real resume across them:
+tests/system/test_training_runs.py)."""
 
 import dataclasses
 import json
-import os
 import typing
 
 import jax
@@ -12,7 +12,6 @@ import pytest
 from deepseek41.config import SECTIONS, ModelConfig, execution_only_keys, resolve
 from deepseek41.config.keys import keys_of
 from deepseek41.train.checkpoint import CheckpointError, Checkpointer
-from deepseek41.train.trainer import train
 from deepseek41.train.warm_start import check_fits
 from tests.helpers import small_config
 
@@ -75,28 +74,6 @@ def test_a_resume_that_changes_a_model_key_is_refused_naming_it(saved, name):
   with pytest.raises(CheckpointError, match=rf'does not fit the configured model:\n  '
                                             rf'model\.{name}: checkpoint'):
     check_fits(ck, 1, {}, now)
-
-
-def test_a_run_resumes_with_its_execution_choices_changed(tmp_path):
-  """A real resume: 2 steps, then 2 more with every execution-only key that has another value
-  the CPU runs changed at once (the first start's compiled programs do not serve the second)."""
-  workdir = str(tmp_path / 'run')
-  first = {'model.attention_variant': 'csa2', 'train.steps': 4}
-  assert train(small_config(**first), workdir, stop_at_step=2).step == 2
-  changed = {
-      'model.attention_impl': 'reference', 'model.sparse_impl': 'reference',
-      'model.moe_backend': 'ragged_dot', 'model.sparse_chunk': 16, 'model.span_chunk': 0,
-      'model.index_causal_groups': 1, 'model.index_topk_block': 0, 'model.merged_backward': False,
-      'model.sparse_group_dkv': False, 'model.capacity_factor': 2.0,
-      'model.expert_partials': 'compute', 'model.engram_exchange_capacity': 0.0,
-      'model.expert_buffer_factor': 1.0,
-  }
-  assert {k.split('.')[1] for k in changed} <= set(EXECUTION_ONLY)
-  result = train(small_config(**first, **changed), workdir)
-  assert result.step == 4
-  with open(os.path.join(workdir, 'config.json')) as f:
-    assert json.load(f)['model']['attention_impl'] == 'reference'  # the resumed run's own config
-  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['2', '4']
 
 
 def test_every_section_is_declared_with_the_mark():

@@ -27,7 +27,7 @@ from deepseek41.ops.expert_gemm import expert_ffn
 from deepseek41.ops.fp8_matmul import (dense, fp8_matmul, fp8_matmul_reference,
                                        fp8_matmul_reference_vjp, qdq_rowwise, quantize_rowwise)
 from deepseek41.ops.gpu import grouped_gemm as gg
-from tests.helpers import packed_batch, resolved
+from tests.helpers import resolved
 
 TIGHT = 1e-6
 LOOSE = 0.06  # normwise, against the exact product
@@ -225,35 +225,3 @@ def test_config_refuses_a_bad_fp8_value():
   assert resolved().model.fp8 == 'off'
 
 
-STEPS = 40
-
-
-def loss_curve(fp8):
-  from deepseek41.sharding import make_mesh  # noqa: PLC0415
-  from deepseek41.train import state as state_lib  # noqa: PLC0415
-  from deepseek41.train.optimizer import make_optimizer  # noqa: PLC0415
-  from deepseek41.train.step import make_train_step  # noqa: PLC0415
-  cfg = resolved(**{'model.fp8': fp8, 'train.steps': STEPS, 'train.lr': 3e-3,
-                    'train.warmup_steps': 5})
-  tx = make_optimizer(cfg.train)
-  mesh = make_mesh(cfg.mesh, jax.devices()[:1])
-  state, _ = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
-  step = jax.jit(make_train_step(cfg, state_lib.model_def(cfg, tx)))
-  batches = [packed_batch(seed=s) for s in range(4)]
-  losses = []
-  for i in range(STEPS):
-    state, metrics = step(state, batches[i % len(batches)])
-    losses.append(float(metrics['loss']))
-  return np.array(losses)
-
-
-def test_fp8_training_tracks_full_precision():
-  """40 steps of the test model with model.fp8 = 'rowwise' against 'off' (fp32 compute):
-  every step's loss within 2% of the fp32 run, the last within 1.5% (observed max 0.5%), the loss
-  falls by > 10%, and the runs differ (fp8 is really on)."""
-  ref, fp8 = loss_curve('off'), loss_curve('rowwise')
-  rel = np.abs(fp8 - ref) / ref
-  assert rel.max() <= 0.02, rel
-  assert rel[-1] <= 0.015, rel[-1]
-  assert fp8[-1] < 0.9 * fp8[0]
-  assert rel.max() > 1e-4
