@@ -14,7 +14,7 @@ Rounding is arithmetic on float32 (bit extraction, `round` half-to-even, `where`
 away (`xla_allow_excess_precision`, docs/performance.md's first trap) and the QAT silently trains in
 full precision. Nor is there a division: XLA turns `x / scale` into `x * (1 / scale)`, which puts
 exact ties on the wrong side (see `_round_quotient`). `round_e2m1` / `round_e4m3` and the `qdq_*`
-functions equal ml_dtypes' casts of the float32 quotients bit for bit (tests/test_quant.py);
+functions equal ml_dtypes' casts of the float32 quotients bit for bit (tests/unit/test_quant.py);
 `benchmarks/check_fake_quant.py` checks that on a device against `qdq_reference`, the host-side
 numpy / ml_dtypes ground truth.
 """

@@ -4,6 +4,7 @@ shared test shapes (every tier imports from here; no test file imports another).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import jax
@@ -15,10 +16,13 @@ from flax import nnx
 from deepseek41.batch import (IMAGE, ROLE_END, ROLE_NEWLINE, ROLE_PATCH, ROLE_START, TEXT,
                               span_length)
 from deepseek41.config import base_config, resolve
+from deepseek41.data.prepare import prepare_dataset
 from deepseek41.model.compressor import CompressedKV, group_layout, visible_btn
 from deepseek41.model.indexer import select_topk
 from deepseek41.model.transformer import Transformer
+from deepseek41.sharding import make_mesh
 from deepseek41.train import state as state_lib
+from deepseek41.train.checkpoint import Checkpointer
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.step import forward_loss
 from deepseek41.train.trainer import train
@@ -114,6 +118,57 @@ def pretrained_run(corpus, tmp_path_factory) -> str:
   config = corpus_config(corpus, **{'checkpoint.every_steps': CORPUS_STEPS // 2})
   assert train(config, workdir).step == CORPUS_STEPS
   return workdir
+
+
+WORDS = ('river stone market lantern harbor meadow copper window garden silver orchard '
+         'valley thunder pepper candle').split()
+
+
+def prepare_sentences(root, vocab_size: int, extra_lines: list[str] = ()) -> str:
+  """A prepared dataset (train and held-out splits) of 60 plain sentences of WORDS, plus
+  `extra_lines`, under `root`; its directory, for data.sources."""
+  rng = np.random.default_rng(0)
+  lines = [' '.join(rng.choice(WORDS, 12)) + '.' for _ in range(60)] + list(extra_lines)
+  jsonl = os.path.join(root, 'docs.jsonl')
+  with open(jsonl, 'w') as f:
+    f.write('\n'.join(json.dumps({'text': t}) for t in lines) + '\n')
+  return prepare_dataset([jsonl], os.path.join(root, 'data'), vocab_size=vocab_size,
+                         heldout_fraction=0.3, progress=False)
+
+
+def random_like(params, seed: int):
+  """A tree of standard-normal arrays shaped like `params`."""
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, x.dtype)
+                                      for k, x in zip(keys, leaves)])
+
+
+def leaf_value(tree, *path) -> np.ndarray:
+  """The array at `path` of a state tree (a Variable's value, or the array itself)."""
+  node = tree
+  for p in path:
+    node = node[p]
+  return np.asarray(node.get_value() if isinstance(node, nnx.Variable) else node)
+
+
+def final_state(workdir: str, config) -> tuple[int, dict]:
+  """(step, state) of the newest checkpoint of `workdir`, restored under `config`."""
+  cfg = resolve(config)
+  tx = make_optimizer(cfg.train)
+  abstract = state_lib.abstract_state(cfg, tx)
+  shardings = state_lib.state_shardings(abstract, make_mesh(cfg.mesh), cfg.mesh.rules)
+  ck = Checkpointer(workdir, cfg.checkpoint)
+  step = ck.latest_step()
+  state = ck.restore(step, state_lib.with_shardings(abstract, shardings), None)
+  ck.close()
+  return step, state
+
+
+def logged_losses(workdir: str) -> dict[int, float]:
+  """{step: training loss} of a run's metrics.jsonl."""
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return {d['step']: d['loss'] for d in map(json.loads, f) if 'loss' in d}
 
 
 def resolved(num_devices=1, **overrides):

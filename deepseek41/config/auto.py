@@ -61,28 +61,25 @@ def attention_impl(m: Values, backend: str) -> str:
   return 'fused' if backend == 'gpu' and fused_ok else 'chunked'
 
 
-def sparse_impl(m: Values, backend: str) -> str:
-  return 'fused' if backend == 'gpu' else 'gathered'
-
-
-def select_impl(m: Values, backend: str) -> str:
-  return 'threshold' if backend == 'gpu' else 'top_k'
-
-
 def mhc_impl(m: Values, backend: str) -> str:
   fused_ok = m['residual'] != 'plain' and mhc_kernel_supported(m['hc_mult'], m['d_model'])
   return 'fused' if backend == 'gpu' and fused_ok else 'reference'
 
 
-def compute_dtype(m: Values, backend: str) -> str:
-  return 'float32' if backend == 'cpu' else 'bfloat16'
+def _gpu_else(on_gpu: str, elsewhere: str):
+  """The rule of a choice that depends on the backend alone: one value on the GPU."""
+  return lambda values, backend: on_gpu if backend == 'gpu' else elsewhere
 
 
-def vision_attention_impl(m: Values, backend: str) -> str:
-  return 'reference' if backend == 'cpu' else 'fused'
+def _cpu_else(on_cpu: str, elsewhere: str):
+  """The rule of a choice that depends on the backend alone: one value on the CPU."""
+  return lambda values, backend: on_cpu if backend == 'cpu' else elsewhere
 
 
-def muon_ns_dtype(t: Values, backend: str) -> str:
-  # bf16 matmuls run at full tensor-core rate on the GPU and TPU; XLA's CPU runs them slower
-  # than fp32 ones.
-  return 'float32' if backend == 'cpu' else 'bfloat16'
+sparse_impl = _gpu_else('fused', 'gathered')
+select_impl = _gpu_else('threshold', 'top_k')
+compute_dtype = _cpu_else('float32', 'bfloat16')
+vision_attention_impl = _cpu_else('reference', 'fused')
+# bf16 matmuls run at full tensor-core rate on the GPU and TPU; XLA's CPU runs them slower than
+# fp32 ones.
+muon_ns_dtype = _cpu_else('float32', 'bfloat16')

@@ -5,7 +5,7 @@ tests' platform), compiled on the GPU and the TPU. The platform is the mesh in c
 deviceless TPU compile's mesh is the TPU's), else the default backend's. A kernel's own
 `interpret=` argument (tests, benchmarks) overrides the rule; None defers to it. Every kernel
 of ops/gpu/ and ops/tpu/ launches through `pallas_call` here, which applies the rule, and no
-other module decides interpretation (tests/test_kernel_launch.py holds both).
+other module decides interpretation (tests/kernels/test_kernel_launch.py holds both).
 
 Beside the launch, what jit and remat see of a kernel: `droppable` wraps a forward kernel in a
 jit, `name_outputs` names kernel outputs for `train.remat=block_keep_attention`, and `pad_axis`

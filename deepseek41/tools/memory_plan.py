@@ -37,7 +37,7 @@ in the backward's fusions are not counted), and its stage is its temp less those
 
 The state is donated (as the trainer jits the step) and all gradients are live at once.
 Checked against the compiled whole step (`full_step_memory`, `--check_full_step`;
-tests/test_plan.py): the assembly comes out 7-13% under it (the 4-layer tiny model with block
+tests/system/test_plan.py): the assembly comes out 7-13% under it (the 4-layer tiny model with block
 remat, remat on half its layers and none, and ablation_1b on 8 devices with block remat), about
 one parameter-sized buffer the whole program keeps that no single-layer program shows.
 

@@ -1,7 +1,7 @@
 """Every parallel axis on 8 fake CPU devices against 1 device, context parallelism above all.
 
-(data x fsdp x expert is tests/test_sharding.py's mesh; expert parallelism's exchanges per backend
-are tests/test_expert_parallel.py.) The tiny model with CSA2 (compressed entries, indexer, top-k, sparse and window branches),
+(data x fsdp x expert is tests/system/test_sharding.py's mesh; expert parallelism's exchanges per backend
+are tests/kernels/test_expert_parallel.py.) The tiny model with CSA2 (compressed entries, indexer, top-k, sparse and window branches),
 Engram and single-pass mHC, packed documents and padding: loss and every gradient. Once on the
 jnp paths (GSPMD partitions them) and once with every Pallas kernel (interpreted; each runs on
 its own stretch of queries, the window kernel with its halo from the previous shard). f32; the
@@ -55,7 +55,7 @@ def _grads(n, sizes, kernels):
     return traced.lower().compile()(state['params'], state['router_bias'], batch)
 
 
-# The kernels run per device on every mesh (tests/test_per_device.py); here at context=8, the
+# The kernels run per device on every mesh (tests/kernels/test_per_device.py); here at context=8, the
 # split that needs the window halo, and with the attention kernels' heads split over tensor.
 CASES = [(m, False) for m in MESHES] + [('context8', True), ('fsdp2_tensor2_context2', True)]
 
@@ -80,11 +80,11 @@ def test_parallel_axes_match_one_device(mesh, kernels):
 
 def test_deeper_wiring_matches_one_device():
   """Six layers whose Reuse layers read their index sources' selections (GROUPED of
-  tests/test_sparse_kernel.py), every kernel, on the context and tensor split: the same loss and
+  tests/kernels/test_sparse_kernel.py), every kernel, on the context and tensor split: the same loss and
   gradients as one device, with the layers of a selection adding their key/value gradient once
   (`model.sparse_group_dkv`, the default). Each layer adding its own is the path of a layer that
   shares its selection with none, which the meshes of `test_parallel_axes_match_one_device` run;
-  tests/test_sparse_kernel.py holds the two equal on one device.
+  tests/kernels/test_sparse_kernel.py holds the two equal on one device.
 
   Engram is off here. Its gate, sigmoid(sign(s) sqrt(|s|)), has slope 1 / (2 sqrt(|s|)) (up to
   500 at its 1e-6 floor), so in this deeper model the fp32 sums reordered across devices move

@@ -1,7 +1,7 @@
 """DSpark (model/dspark.py, model/drafting.py, train/objectives/dspark.py): the draft attention pattern, labels and
 validity, the frozen stage end to end (the backbone bit-identical, no optimizer state for it, the
 held-out acceptance logged), post-training's stop-gradient, and a backbone checkpoint that does
-not fit. The loss and acceptance math: tests/test_dspark_objective.py."""
+not fit. The loss and acceptance math: tests/unit/test_dspark_objective.py."""
 
 import json
 import os

@@ -20,7 +20,7 @@ def test_released_numbers():
                   {'fsdp': 64, 'expert': 8})
   assert info['params']['backbone'] == 551_880_835_184
   assert info['params']['engram_tables'] == 196_613_849_600
-  # The vision encoder + aligner: 485,273,600 (tests/test_vision.py has the arithmetic).
+  # The vision encoder + aligner: 485,273,600 (tests/unit/test_vision.py has the arithmetic).
   assert info['params']['vision'] == 485_273_600
   assert info["params"]["total"] == 551_880_835_184 + 196_613_849_600 + 485_273_600
   # Each table's rows rounded up to a multiple of 4096 (engram_table_row_multiple), 256 wide.
@@ -91,7 +91,7 @@ def test_report_prints_dspark_line():
       '(blocks) + main_proj 78,643,200 + Markov 66,191,360' in out.stdout
 
 
-# What tools.info prints for each shipped config (tests/test_flops.py derives tiny's matmul
+# What tools.info prints for each shipped config (tests/unit/test_flops.py derives tiny's matmul
 # weights by hand; the released config's numbers are test_released_numbers').
 EXPECTED = {
     'ablation_1b.py': dict(backbone=1_108_058_696, engram_tables=153_855_616, vision=0,

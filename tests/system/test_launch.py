@@ -12,7 +12,7 @@
 - launch/k8s/jobset.yaml: the manifest's structure; its container command, with the variables
   expanded as Kubernetes would for pods 0 and 1, starts a 2-process run here (--dry_run).
 Not checked here: real srun/sbatch/scontrol, gcloud, a JobSet controller, GPUs or TPUs.
-(2 processes x 2 devices through launch/local.sh --dry_run: tests/test_multiprocess.py.)
+(2 processes x 2 devices through launch/local.sh --dry_run: tests/system/test_multiprocess.py.)
 """
 
 import os

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from deepseek41.config import TaskSpec, layer_roles, resolve
-from deepseek41.data.prepare import prepare_dataset
 from deepseek41.data.tokenizer import load_tokenizer
 from deepseek41.eval import report as report_lib
 from deepseek41.eval.restore import EvalError, open_checkpoint
@@ -25,24 +24,18 @@ from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.train.evaluation import (SELECTION_MEASURES, TaskEvaluator, make_task_step,
                                          model_predictor, task_metrics, task_rows)
 from deepseek41.train.trainer import train
-from tests.helpers import small_config
+from tests.helpers import prepare_sentences, small_config
 
 VOCAB = 416
-WORDS = ('river stone market lantern harbor meadow copper window garden silver orchard '
-         'valley thunder pepper candle').split()
 
 
 @pytest.fixture(scope='module')
 def corpus(tmp_path_factory):
   """Plain sentences, and English like the tasks' own, so the small BPE encodes them briefly."""
-  root = tmp_path_factory.mktemp('corpus')
-  rng = np.random.default_rng(0)
-  lines = [' '.join(rng.choice(WORDS, 12)) + '.' for _ in range(60)]
-  lines += ['What is the secret number? Remember it: the secret number is 12. Keep the secret '
-            'number in mind. Note that the code for it is 3. The code for it is 4.'] * 20
-  (root / 'docs.jsonl').write_text('\n'.join(json.dumps({'text': t}) for t in lines) + '\n')
-  return prepare_dataset([str(root / 'docs.jsonl')], str(root / 'data'), vocab_size=400,
-                         heldout_fraction=0.3, progress=False)
+  return prepare_sentences(
+      str(tmp_path_factory.mktemp('corpus')), 400,
+      ['What is the secret number? Remember it: the secret number is 12. Keep the secret '
+       'number in mind. Note that the code for it is 3. The code for it is 4.'] * 20)
 
 
 def _config(corpus, **overrides):

@@ -3,39 +3,23 @@ one device's, with no expert stack gathered; resume is bit-exact; resuming under
 optimizer is refused, naming train.optimizer."""
 
 import functools
-import json
-import os
 import shutil
 
 import jax
 import numpy as np
 import pytest
 
-from deepseek41.config import resolve
 from deepseek41.sharding import make_mesh
 from deepseek41.train import state as state_lib
-from deepseek41.train.checkpoint import CheckpointError, Checkpointer
+from deepseek41.train.checkpoint import CheckpointError
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.trainer import train
-from tests.helpers import VISION, resolved, small_config
+from tests.helpers import (VISION, final_state, leaf_value, logged_losses, random_like, resolved,
+                           small_config)
 
 HYBRID = {'train.optimizer': 'muon_hybrid', 'model.engram': True,
           'model.residual': 'mhc_single_pass'}
 EVERY_GROUP = {**HYBRID, **VISION, 'model.attention_variant': 'csa2'}
-
-
-def _random_like(params, seed):
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, x.dtype)
-                                      for k, x in zip(keys, leaves)])
-
-
-def _leaf(tree, *path):
-  node = tree
-  for p in path:
-    node = node[p]
-  return np.asarray(node.get_value() if hasattr(node, 'get_value') else node)
 
 
 # ---- sharded equals one device -------------------------------------------------------------------
@@ -55,7 +39,7 @@ def _sharded_update(n, sizes):
   mesh = make_mesh(cfg.mesh, jax.devices()[:n])
   state, shardings = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
   params, opt = state['params'], state['opt']
-  grads = [jax.device_put(_random_like(jax.device_get(params), seed), shardings['params'])
+  grads = [jax.device_put(random_like(jax.device_get(params), seed), shardings['params'])
            for seed in (1, 2)]
   step = jax.jit(tx.update, out_shardings=(shardings['params'], shardings['opt']))
   with jax.set_mesh(mesh):
@@ -86,32 +70,13 @@ def test_sharded_update_matches_one_device(mesh):
                                err_msg=jax.tree_util.keystr(path))
   if mesh == 'expert8':
     # each device orthogonalises its own expert: no collective gathers an expert stack
-    e, d, f = _leaf(expected, 'blocks', 0, 'moe', 'w_up').shape
+    e, d, f = leaf_value(expected, 'blocks', 0, 'moe', 'w_up').shape
     stacks = (f'[{e},{d},{f}]', f'[{e},{f},{d}]')
     for op in ('all-gather', 'all-to-all', 'collective-permute'):
       for line in hlo.splitlines():
         if f' {op}(' in line or f' {op}-start(' in line:
           result = line.split('=', 1)[1].split(op)[0]
           assert not any(s in result for s in stacks), line
-
-
-
-
-def _final_state(workdir, config):
-  cfg = resolve(config)
-  tx = make_optimizer(cfg.train)
-  abstract = state_lib.abstract_state(cfg, tx)
-  shardings = state_lib.state_shardings(abstract, make_mesh(cfg.mesh), cfg.mesh.rules)
-  ck = Checkpointer(workdir, cfg.checkpoint)
-  step = ck.latest_step()
-  state = ck.restore(step, state_lib.with_shardings(abstract, shardings), None)
-  ck.close()
-  return step, state
-
-
-def _losses(workdir):
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    return {d['step']: d['loss'] for d in map(json.loads, f) if 'loss' in d}
 
 
 STEPS = 6
@@ -132,13 +97,13 @@ def test_resume_is_bit_exact(straight, tmp_path):
   workdir = str(tmp_path)
   assert train(_config(), workdir, stop_at_step=STEPS // 2).step == STEPS // 2
   assert train(_config(), workdir).step == STEPS
-  step_a, state_a = _final_state(straight, _config())
-  step_b, state_b = _final_state(workdir, _config())
+  step_a, state_a = final_state(straight, _config())
+  step_b, state_b = final_state(workdir, _config())
   assert step_a == step_b == STEPS
   # params, Muon and Sinkhorn momenta, AdamW moments, step, router biases, rng
   for x, y in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  assert _losses(straight) == _losses(workdir)
+  assert logged_losses(straight) == logged_losses(workdir)
 
 
 def test_resuming_with_another_optimizer_is_refused(straight, tmp_path):

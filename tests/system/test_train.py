@@ -13,40 +13,15 @@ import numpy as np
 import pytest
 
 from deepseek41.config import ConfigError
-from deepseek41.train import state as state_lib
 from deepseek41.train.checkpoint import CheckpointError, Checkpointer
-from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.trainer import TrainingDiverged, train
 from deepseek41.config import resolve
-from deepseek41.sharding import make_mesh
-from tests.helpers import CORPUS_STEPS, REPO_ROOT, corpus_config, small_config
+from tests.helpers import (CORPUS_STEPS, REPO_ROOT, corpus_config, final_state, logged_losses,
+                           small_config)
 
 ROOT = REPO_ROOT
 STEPS = CORPUS_STEPS
 _config = corpus_config
-
-
-def _final_state(workdir, config):
-  cfg = resolve(config)
-  tx = make_optimizer(cfg.train)
-  abstract = state_lib.abstract_state(cfg, tx)
-  mesh = make_mesh(cfg.mesh)
-  shardings = state_lib.state_shardings(abstract, mesh, cfg.mesh.rules)
-  ck = Checkpointer(workdir, cfg.checkpoint)
-  step = ck.latest_step()
-  state = ck.restore(step, state_lib.with_shardings(abstract, shardings), None)
-  ck.close()
-  return step, state
-
-
-def _losses(workdir):
-  out = {}
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    for line in f:
-      d = json.loads(line)
-      if 'loss' in d:
-        out[d['step']] = d['loss']
-  return out
 
 
 def _data_state(workdir, step):
@@ -73,11 +48,11 @@ def test_resume_is_bit_exact(corpus, straight, tmp_path):
   assert os.path.isdir(os.path.join(workdir, 'checkpoints', str(STEPS // 2)))
   second = train(_config(corpus), workdir)
   assert second.step == STEPS
-  step_a, state_a = _final_state(straight, _config(corpus))
-  step_b, state_b = _final_state(workdir, _config(corpus))
+  step_a, state_a = final_state(straight, _config(corpus))
+  step_b, state_b = final_state(workdir, _config(corpus))
   assert step_a == step_b == STEPS
   _assert_states_equal(state_a, state_b)   # params, optimizer, step, router biases, rng
-  assert _losses(straight) == _losses(workdir)  # same data order -> same per-step losses
+  assert logged_losses(straight) == logged_losses(workdir)  # same data order -> same per-step losses
   assert _data_state(straight, STEPS) == _data_state(workdir, STEPS)
 
 
@@ -96,7 +71,7 @@ def test_sigterm_saves_and_resumes_exactly(corpus, tmp_path):
   metrics = workdir / 'metrics.jsonl'
   deadline = time.time() + 240
   while time.time() < deadline and proc.poll() is None:
-    if metrics.exists() and len(_losses(str(workdir))) >= 2:
+    if metrics.exists() and len(logged_losses(str(workdir))) >= 2:
       break
     time.sleep(0.02)
   proc.send_signal(signal.SIGTERM)
@@ -112,8 +87,8 @@ def test_sigterm_saves_and_resumes_exactly(corpus, tmp_path):
   train(small_config(**overrides), str(workdir), stop_at_step=target)
   fresh = str(tmp_path / 'fresh')
   train(small_config(**overrides), fresh, stop_at_step=target)
-  _assert_states_equal(_final_state(str(workdir), small_config(**overrides))[1],
-                       _final_state(fresh, small_config(**overrides))[1])
+  _assert_states_equal(final_state(str(workdir), small_config(**overrides))[1],
+                       final_state(fresh, small_config(**overrides))[1])
 
 
 @pytest.mark.parametrize('residual', ['mhc_single_pass', 'plain'])
@@ -124,7 +99,7 @@ def test_loss_falls(corpus, tmp_path, residual):
                               'model.residual': residual,
                               'model.engram': residual != 'plain'})
   result = train(config, str(tmp_path))
-  losses = _losses(str(tmp_path))
+  losses = logged_losses(str(tmp_path))
   evals = {}
   for line in open(tmp_path / 'metrics.jsonl'):
     d = json.loads(line)
@@ -147,7 +122,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path):
   with pytest.raises(TrainingDiverged, match=r'at step (\d+)') as err:
     train(config, str(tmp_path))
   bad_step = int(err.value.args[0].split('at step ')[1].split(';')[0])
-  step, state = _final_state(str(tmp_path), config)
+  step, state = final_state(str(tmp_path), config)
   assert step < bad_step
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state['params']))
 
@@ -232,7 +207,7 @@ def test_engram_hashes_tokenizer_compressed_ids(corpus, tmp_path):
   result = train(_config(corpus, **engram, **{'model.engram_compressed_vocab_size': count}),
                  str(tmp_path / 'ok'))
   assert result.step == 2
-  assert len(_losses(str(tmp_path / 'ok'))) == 2
+  assert len(logged_losses(str(tmp_path / 'ok'))) == 2
 
 
 def test_multimodal_training_writes_caption_and_image_metrics(corpus, tmp_path):

@@ -23,7 +23,7 @@ from deepseek41.train.muon import newton_schulz, ns_coefficients, sinkhorn_balan
 from deepseek41.train.objectives import objective_for
 from deepseek41.train.optimizer import (ADAMW, MUON, SINKHORN, hybrid_labels,
                                         learning_rate_schedule, make_optimizer)
-from tests.helpers import VISION, packed_batch, resolved, small_config
+from tests.helpers import VISION, leaf_value, packed_batch, random_like, resolved, small_config
 
 COEFFS = ns_coefficients(((3.4445, -4.775, 2.0315), (2.0, -1.5, 0.5)), (8, 2))
 # The whole structure: Engram tables, mHC's static parameters, experts, head-wise Q.
@@ -104,27 +104,13 @@ def _params(cfg):
   return objective_for(cfg).split(model).params
 
 
-def _random_like(params, seed):
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, x.dtype)
-                                      for k, x in zip(keys, leaves)])
-
-
-def _leaf(tree, *path):
-  node = tree
-  for p in path:
-    node = node[p]
-  return np.asarray(node.get_value() if isinstance(node, nnx.Variable) else node)
-
-
 @functools.lru_cache(maxsize=None)
 def _first_update():
   """One muon_hybrid update of the small model from random gradients (no weight decay, so the
   directions are bare); half the vocabulary absent from the batch."""
   cfg = resolved(**EVERY_GROUP, **{'train.weight_decay': 0.0})
   params = _params(cfg)
-  grads = _random_like(params, 0)
+  grads = random_like(params, 0)
   absent = np.arange(cfg.model.vocab_size) % 2 == 1
   grads['embed'].set_value(jnp.where(absent[:, None], 0.0, grads['embed'].get_value()))
   tx = make_optimizer(cfg.train)
@@ -171,10 +157,10 @@ def test_a_matrix_moves_by_its_polar_factor():
   cfg, _, grads, updates, lr, _ = _first_update()
   rms = cfg.train.muon_rms_match
   for name in ('wkv', 'wq_a', 'wo_b'):
-    _assert_orthogonal(-_leaf(updates, 'blocks', 0, 'attn', name) / lr,
-                       _leaf(grads, 'blocks', 0, 'attn', name), rms)
-  fn = -_leaf(updates, 'blocks', 2, 'ffn_site', 'fn') / lr
-  _assert_orthogonal(fn, _leaf(grads, 'blocks', 2, 'ffn_site', 'fn'), rms)
+    _assert_orthogonal(-leaf_value(updates, 'blocks', 0, 'attn', name) / lr,
+                       leaf_value(grads, 'blocks', 0, 'attn', name), rms)
+  fn = -leaf_value(updates, 'blocks', 2, 'ffn_site', 'fn') / lr
+  _assert_orthogonal(fn, leaf_value(grads, 'blocks', 2, 'ffn_site', 'fn'), rms)
   # the RMS matched to AdamW's: rms x lr
   assert np.sqrt(np.mean(fn ** 2)) == pytest.approx(rms, rel=1e-3)
 
@@ -182,30 +168,30 @@ def test_a_matrix_moves_by_its_polar_factor():
 def test_each_expert_and_each_q_head_is_orthogonalised_on_its_own():
   cfg, _, grads, updates, lr, _ = _first_update()
   rms = cfg.train.muon_rms_match
-  up_edf = -_leaf(updates, 'blocks', 0, 'moe', 'w_up') / lr
-  g_edf = _leaf(grads, 'blocks', 0, 'moe', 'w_up')
+  up_edf = -leaf_value(updates, 'blocks', 0, 'moe', 'w_up') / lr
+  g_edf = leaf_value(grads, 'blocks', 0, 'moe', 'w_up')
   for e in range(up_edf.shape[0]):
     _assert_orthogonal(up_edf[e], g_edf[e], rms)
   # (the stack orthogonalised as one [E x d, f] matrix would leave each slice's singular
   # values near 1/sqrt(E), not 1)
   whole = _polar(g_edf.reshape(-1, g_edf.shape[-1])).reshape(g_edf.shape)
   assert _singular_values(whole[0]).max() < 0.7
-  q_rhd = -_leaf(updates, 'blocks', 1, 'attn', 'wq_b') / lr
-  g_rhd = _leaf(grads, 'blocks', 1, 'attn', 'wq_b')
+  q_rhd = -leaf_value(updates, 'blocks', 1, 'attn', 'wq_b') / lr
+  g_rhd = leaf_value(grads, 'blocks', 1, 'attn', 'wq_b')
   for h in range(q_rhd.shape[1]):
     _assert_orthogonal(q_rhd[:, h], g_rhd[:, h], rms)
   # the indexer's head-concatenated Q and the grouped output projection, likewise
-  iq = -_leaf(updates, 'blocks', 1, 'attn', 'csa2', 'index_query', 'wq_b') / lr
-  giq = _leaf(grads, 'blocks', 1, 'attn', 'csa2', 'index_query', 'wq_b')
+  iq = -leaf_value(updates, 'blocks', 1, 'attn', 'csa2', 'index_query', 'wq_b') / lr
+  giq = leaf_value(grads, 'blocks', 1, 'attn', 'csa2', 'index_query', 'wq_b')
   for h in range(iq.shape[1]):
     _assert_orthogonal(iq[:, h], giq[:, h], rms)
-  wo = -_leaf(updates, 'blocks', 0, 'attn', 'wo_a') / lr
-  gwo = _leaf(grads, 'blocks', 0, 'attn', 'wo_a')
+  wo = -leaf_value(updates, 'blocks', 0, 'attn', 'wo_a') / lr
+  gwo = leaf_value(grads, 'blocks', 0, 'attn', 'wo_a')
   for g in range(wo.shape[0]):
     _assert_orthogonal(wo[g], gwo[g], rms)
   # the ViT's fused [d, 3, heads, head_dim]: each of q, k, v of each head
-  qkv = -_leaf(updates, 'vision', 'blocks', 0, 'attn', 'w_qkv') / lr
-  gqkv = _leaf(grads, 'vision', 'blocks', 0, 'attn', 'w_qkv')
+  qkv = -leaf_value(updates, 'vision', 'blocks', 0, 'attn', 'w_qkv') / lr
+  gqkv = leaf_value(grads, 'vision', 'blocks', 0, 'attn', 'w_qkv')
   for j in range(3):
     for h in range(qkv.shape[2]):
       _assert_orthogonal(qkv[:, j, h], gqkv[:, j, h], rms)
@@ -218,9 +204,9 @@ def test_a_norm_weight_moves_like_adamw():
   clip = min(1.0, t.grad_clip_norm / float(optax.tree.norm(grads)))  # before every group
   for path in (('blocks', 0, 'attn_norm', 'scale'), ('blocks', 0, 'attn', 'sink'),
                ('blocks', 0, 'ffn_site', 'base'), ('blocks', 1, 'engram', 'k_weight')):
-    g, p = clip * jnp.asarray(_leaf(grads, *path)), jnp.asarray(_leaf(params, *path))
+    g, p = clip * jnp.asarray(leaf_value(grads, *path)), jnp.asarray(leaf_value(params, *path))
     expected, _ = adamw.update(g, adamw.init(p), p)
-    np.testing.assert_allclose(_leaf(updates, *path), np.asarray(expected), rtol=1e-4,
+    np.testing.assert_allclose(leaf_value(updates, *path), np.asarray(expected), rtol=1e-4,
                                err_msg=str(path))
 
 
@@ -228,19 +214,19 @@ def test_token_tables_get_the_sinkhorn_update():
   cfg, _, grads, updates, lr, absent = _first_update()
   t = cfg.train
   step = t.sinkhorn_gamma * lr
-  embed = -_leaf(updates, 'embed') / step
+  embed = -leaf_value(updates, 'embed') / step
   np.testing.assert_array_equal(embed[absent], 0.0)   # tokens not in the batch: no update
   np.testing.assert_allclose(np.sqrt(np.mean(embed[~absent] ** 2, axis=1)), 1.0, rtol=1e-4)
   np.testing.assert_allclose(
-      embed[~absent], np.asarray(sinkhorn_balance(jnp.asarray(_leaf(grads, 'embed')[~absent]),
+      embed[~absent], np.asarray(sinkhorn_balance(jnp.asarray(leaf_value(grads, 'embed')[~absent]),
                                                   t.sinkhorn_normalizations, t.sinkhorn_tau,
                                                   t.sinkhorn_eps)), rtol=1e-4, atol=1e-6)
   # the head's rows are its columns ([d_model, vocab]): one RMS-1 column per token
-  head = -_leaf(updates, 'head') / step
+  head = -leaf_value(updates, 'head') / step
   np.testing.assert_allclose(np.sqrt(np.mean(head ** 2, axis=0)), 1.0, rtol=1e-4)
   # Engram tables: the same update at engram_table_lr_multiplier x the rate
-  table = -_leaf(updates, 'blocks', 1, 'engram', 'table') / (step * t.engram_table_lr_multiplier)
-  live = np.abs(_leaf(grads, 'blocks', 1, 'engram', 'table')).sum(axis=1) > 0
+  table = -leaf_value(updates, 'blocks', 1, 'engram', 'table') / (step * t.engram_table_lr_multiplier)
+  live = np.abs(leaf_value(grads, 'blocks', 1, 'engram', 'table')).sum(axis=1) > 0
   np.testing.assert_allclose(np.sqrt(np.mean(table[live] ** 2, axis=1)), 1.0, rtol=1e-4)
 
 
@@ -251,11 +237,11 @@ def test_weight_decay_reaches_only_the_matrices():
   zero = jax.tree.map(jnp.zeros_like, params)
   updates, _ = jax.jit(tx.update)(zero, tx.init(params), params)
   lr = _lr(cfg)
-  w = _leaf(params, 'blocks', 0, 'moe', 'w_down')
-  np.testing.assert_allclose(_leaf(updates, 'blocks', 0, 'moe', 'w_down'),
+  w = leaf_value(params, 'blocks', 0, 'moe', 'w_down')
+  np.testing.assert_allclose(leaf_value(updates, 'blocks', 0, 'moe', 'w_down'),
                              -lr * cfg.train.weight_decay * w, rtol=1e-5)
   for path in (('embed',), ('head',), ('final_norm', 'scale'), ('blocks', 0, 'attn', 'sink')):
-    np.testing.assert_array_equal(_leaf(updates, *path), 0.0)
+    np.testing.assert_array_equal(leaf_value(updates, *path), 0.0)
 
 
 # ---- bytes, config, the DSpark stage -------------------------------------------------------------
@@ -300,7 +286,6 @@ def test_muon_ns_dtype_auto_follows_the_backend():
   assert resolve(c, num_devices=1, backend='gpu').train.muon_ns_dtype == 'bfloat16'
 
 
-
 def test_the_dspark_stage_trains_with_muon_hybrid():
   """The DSpark stage's step (its own, objectives/dspark.py) with the hybrid: the drafter's
   Markov tables get the Sinkhorn update, its routed experts Muon's, each expert on its own."""
@@ -312,7 +297,7 @@ def test_the_dspark_stage_trains_with_muon_hybrid():
   new, metrics = jax.jit(objective_for(cfg).make_train_step(md))(state, batch)
   assert np.isfinite(float(metrics['loss'])) and np.isfinite(float(metrics['extra']['dspark_loss']))
   lr, t = _lr(cfg), cfg.train
-  moved = lambda *path: (_leaf(new['params'], *path) - _leaf(state['params'], *path))
+  moved = lambda *path: (leaf_value(new['params'], *path) - leaf_value(state['params'], *path))
   markov = -moved('dspark', 'markov_in') / (t.sinkhorn_gamma * lr)
   live = np.abs(markov).sum(axis=1) > 0
   assert 0 < live.sum() < len(live)   # the tokens the drafts read, only

@@ -1,7 +1,6 @@
 """Long-context task sources (data/tasks/): deterministic documents whose answers are right (read
 back from the text), a loss mask on exactly the answers, mixing by weight, a held-out split."""
 
-import json
 import os
 import pickle
 import re
@@ -13,27 +12,16 @@ from deepseek41.batch import batch_keys
 from deepseek41.config import ConfigError, ImageGeometry, load_config_file, resolve
 from deepseek41.data.pipeline import (TaskSource, document_answer_rows, document_batch,
                                       make_dataset, open_task)
-from deepseek41.data.prepare import prepare_dataset
 from deepseek41.data.shards import DataError
 from deepseek41.data.tasks import held_out_documents
 from deepseek41.data.tokenizer import load_tokenizer, train_tokenizer
-from tests.helpers import REPO_ROOT, small_config, take_batches
+from tests.helpers import REPO_ROOT, WORDS, prepare_sentences, small_config, take_batches
 
 SEQ = 96
-WORDS = ('river stone market lantern harbor meadow copper window garden silver orchard '
-         'valley thunder pepper candle').split()
-
-
 @pytest.fixture(scope='module')
 def corpus(tmp_path_factory):
   """A prepared dataset of plain sentences (train and held-out splits)."""
-  root = tmp_path_factory.mktemp('corpus')
-  rng = np.random.default_rng(0)
-  lines = [' '.join(rng.choice(WORDS, 12)) + '.' for _ in range(60)]
-  jsonl = root / 'docs.jsonl'
-  jsonl.write_text('\n'.join(json.dumps({'text': t}) for t in lines) + '\n')
-  return prepare_dataset([str(jsonl)], str(root / 'data'), vocab_size=300,
-                         heldout_fraction=0.3, progress=False)
+  return prepare_sentences(str(tmp_path_factory.mktemp('corpus')), 300)
 
 
 def _cfg(corpus, sources, **overrides):

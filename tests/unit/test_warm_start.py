@@ -1,6 +1,6 @@
 """train/warm_start.py: one step-directory check, one model rule and one restore path for
 `checkpoint.init_from` and the DSpark backbone; resume shares the rule and reads its own
-checkpoint whole. The HF-import case (init_from of an import): tests/test_convert.py."""
+checkpoint whole. The HF-import case (init_from of an import): tests/system/test_convert.py."""
 
 import os
 

@@ -30,7 +30,7 @@ gradient, a [24, n*D] sum over every token, is an XLA matmul over the site's inp
 read of X per site). The backward's W term runs as a matmul in the streams' dtype (bf16 MMA for
 bf16 streams: the rounding of the bf16 dX it feeds).
 
-Held equal to mhc.py on the CPU (tests/test_mhc_kernel.py: the interpreter, and every kernel
+Held equal to mhc.py on the CPU (tests/kernels/test_mhc_kernel.py: the interpreter, and every kernel
 lowered for Triton) and on the H200 (benchmarks/bench_mhc.py --check; docs/performance.md 10.1).
 """
 

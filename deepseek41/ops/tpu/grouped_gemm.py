@@ -10,7 +10,7 @@ transposed weights (dx) and its transposed grouped GEMM (dw, `tgmm`), megablox's
 Rows are padded to whole row tiles (megablox needs M divisible by tm); tm/tk/tn are capped at
 the problem size so small test shapes compile. On the CPU the kernels run in the Pallas
 interpreter (ops/launch.py's rule; `interpret` overrides it), as the tests run them; without a
-TPU the kernel is still compiled for one, deviceless (tests/test_tpu_kernels.py).
+TPU the kernel is still compiled for one, deviceless (tests/kernels/test_tpu_kernels.py).
 """
 
 from __future__ import annotations

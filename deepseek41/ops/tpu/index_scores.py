@@ -12,7 +12,7 @@ does not copy again). The per-tile limits travel as scalar-prefetch operands (SM
 Like the GPU kernel: no gradient (selection stops it; the indexer's loss reads the selected
 entries' scores only), entries at or past limit_bt may hold 0 instead of the score.
 It launches through ops/launch.py: in the Pallas interpreter on the CPU (the tests; `interpret`
-overrides); deviceless it compiles for v5p and v6e (tests/test_tpu_kernels.py).
+overrides); deviceless it compiles for v5p and v6e (tests/kernels/test_tpu_kernels.py).
 """
 
 from __future__ import annotations

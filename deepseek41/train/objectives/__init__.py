@@ -4,7 +4,7 @@
     model = objective.build_model(rngs); graphdef, params, frozen, biases = objective.split(model)
     step_fn = objective.make_train_step(md); eval_fn = objective.make_eval_step(eval_md)
 
-`objective_for` is the one place that reads which stage a config trains (tests/test_objectives.py
+`objective_for` is the one place that reads which stage a config trains (tests/unit/test_objectives.py
 holds every other module to that): adding a stage is one module here and its config section.
 """
 
