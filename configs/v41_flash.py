@@ -3,7 +3,7 @@
     python -m deepseek41.tools.info --config=configs/v41_flash.py [--mesh=fsdp=64,expert=8]
 
 The text backbone as released: 551,880,835,184 parameters plus 196,613,849,600 Engram table
-parameters (tests/test_info.py pins both), single-pass mHC, CSA2 with the released cache
+parameters (tests/system/test_info.py pins both), single-pass mHC, CSA2 with the released cache
 formats, Engram before layers 1 and 14. Training it needs a multi-host slice (fsdp and expert
 sharding below). DeepSeek-ViT + aligner (485,273,600 parameters) is built with the released
 dims; so is the DSpark drafter (14,225,362,530 parameters, trained after pretraining: stage 'off'

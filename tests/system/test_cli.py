@@ -41,19 +41,19 @@ def test_prepare(tmp_path):
 
 def test_eval(pretrained_run, tmp_path):
   report = str(tmp_path / 'report')
-  cmd = ['deepseek41.eval', f'--workdir={pretrained_run}', '--tasks=mqar@64', '--examples=8',
+  cmd = ['deepseek41.eval', f'--workdir={pretrained_run}', '--tasks=mqar@256', '--examples=8',
          '--heldout_batches=0', f'--out={report}']
   done = _run(*cmd)
   assert done.returncode == 0, done.stderr[-2000:]
-  assert 'mqar@64' in done.stdout
+  assert 'mqar@256' in done.stdout
   with open(report + '.json') as f:
     result = json.load(f)
-  assert [t['label'] for t in result['tasks']] == ['mqar@64'] and 'heldout_loss' not in result
-  bad = _run(*cmd[:-1], '--tasks=mqar@64,keys@2k')
+  assert [t['label'] for t in result['tasks']] == ['mqar@256'] and 'heldout_loss' not in result
+  bad = _run(*cmd[:-1], '--tasks=mqar@256,keys@2k')
   assert bad.returncode == 2 and "--tasks: unknown task 'keys'" in bad.stderr
   bare = str(tmp_path / 'bare')
   shutil.copytree(pretrained_run, bare)
   for step in (CORPUS_STEPS // 2, CORPUS_STEPS):
     shutil.rmtree(os.path.join(bare, 'checkpoints', str(step)))
-  bad = _run('deepseek41.eval', f'--workdir={bare}', '--tasks=mqar@64')
+  bad = _run('deepseek41.eval', f'--workdir={bare}', '--tasks=mqar@256')
   assert bad.returncode == 2 and 'holds no complete checkpoint' in bad.stderr, bad.stderr
