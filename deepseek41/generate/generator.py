@@ -6,19 +6,28 @@
 
 The checkpoint's own config builds the model (its execution choices re-resolved for the devices
 at hand, the routed experts dropless as in evaluation); prompts of different lengths share one
-right-padded prefill. Prefill is CED by default where the model has an encoder/decoder split:
+right-padded prefill, padded to a length bucket (`length_bucket`) so that prompts of similar
+lengths reuse the compiled programs. Prefill is CED by default where the model has an encoder/decoder split:
 the decoder runs over the last `n_win` prompt tokens, by default just enough that its windows
 hold exactly what the full forward would (decode after it is exact; decode.py). Speculative
 decoding needs a checkpoint whose objective trained a drafter (a DSpark stage); the objective
 (train/objectives/) says where backbone and drafter lie in the restored weights.
+
+Plain decoding runs `tokens_per_dispatch` steps per dispatch on the device (`Programs.
+decode_steps`: a while loop with the caches, the last token, the key and each row's done flag
+and remaining budget as its carry), one host round trip per dispatch; `tokens_per_dispatch=1`
+is the one-step loop, a dispatch and a round trip per token, against which the device loop is
+tested. Speculative decoding drafts and verifies once per round trip.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import os
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +51,10 @@ from deepseek41.train.checkpoint import CheckpointError
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.reading import checkpoint_step, portable_config, run_tokenizer
 from deepseek41.train.warm_start import restore_weights
+
+TOKENS_PER_DISPATCH = 32  # plain decoding steps per dispatch to the device, by default
+NO_TOKEN = -1  # a decode step's output where its row emitted nothing (finished, or its EOS)
+
 
 class GenerateError(ValueError):
   """Bad input to generation; the message names the culprit (workdir, step, prompt, flag)."""
@@ -148,11 +161,19 @@ class Generator:
   def _encode_text(self, text: str) -> list[int]:
     return self.tokenizer.hf.encode(text, add_special_tokens=False).ids
 
-  def generate(self, prompts: Sequence, **kw) -> list[Result]:
+  def generate(self, prompts: Sequence, *, stream: Callable[[int, str], None] | None = None,
+               **kw) -> list[Result]:
+    """One Result per prompt, with its text. `stream(row, text)` receives each row's text as it
+    is generated (after every dispatch); the pieces of a row add up to its Result's text."""
     tokens, docs = self.encode(prompts)
-    results = self.generate_tokens(tokens, image_docs=docs, **kw)
-    for r in results:
+    text = TextStream(self.tokenizer.decode)
+    on_tokens = None if stream is None else \
+        lambda row, new: stream(row, text.add(row, new))
+    results = self.generate_tokens(tokens, image_docs=docs, stream=on_tokens, **kw)
+    for row, r in enumerate(results):
       r.text = self.tokenizer.decode(r.tokens)
+      if stream is not None:
+        stream(row, text.rest(row, r.text))
     return results
 
   def generate_tokens(self, prompts: Sequence[np.ndarray], *, speculative: bool = False,
@@ -165,6 +186,100 @@ class Generator:
     with jax.set_mesh(self.mesh):
       return decode_loop(self._programs, self.cfg, prompts, eos_id=self.tokenizer.eos_id,
                          speculative=speculative, **kw)
+
+
+class TextStream:
+  """Each row's text as its tokens arrive. `add` returns the text new tokens complete: decoding
+  a longer prefix only appends, but for a character whose bytes are split across tokens, which
+  waits for its last token. `rest` is what the final text adds to what was returned."""
+
+  def __init__(self, decode: Callable[[list[int]], str]):
+    self.decode = decode
+    self.tokens = collections.defaultdict(list)
+    self.sent = collections.defaultdict(str)
+
+  def add(self, row: int, tokens: Sequence[int]) -> str:
+    self.tokens[row].extend(int(x) for x in tokens)
+    text = self.decode(self.tokens[row]).rstrip('\ufffd')  # an incomplete UTF-8 sequence
+    if not text.startswith(self.sent[row]):
+      return ''  # a tokenizer whose decoding revises earlier text: `rest` settles it
+    new, self.sent[row] = text[len(self.sent[row]):], text
+    return new
+
+  def rest(self, row: int, text: str) -> str:
+    sent = self.sent[row]
+    return text[len(sent):] if text.startswith(sent) else '\n' + text
+
+
+def length_bucket(n: int) -> int:
+  """The padded length of n positions: a multiple of 16 up to 128, beyond that of an eighth
+  of the next power of two (at most 8 lengths per doubling, under 25% padding), so that
+  prompts and caches of similar lengths share one compiled program."""
+  step = max(16, (1 << max(n - 1, 1).bit_length()) // 8)
+  return -(-n // step) * step
+
+
+def row_budgets(max_new_tokens: int | Sequence[int], rows: int) -> np.ndarray:
+  """int64 [rows]: each row's max_new_tokens (one int for every row, or one per row)."""
+  if isinstance(max_new_tokens, (int, np.integer)):
+    if max_new_tokens < 1:
+      raise GenerateError(f'--max_new_tokens must be >= 1, got {max_new_tokens}')
+    return np.full(rows, int(max_new_tokens), np.int64)
+  budgets = np.asarray(list(max_new_tokens), np.int64)
+  if budgets.shape != (rows,):
+    raise GenerateError(f'max_new_tokens: {len(budgets)} budgets for {rows} prompts')
+  for i, budget in enumerate(budgets):
+    if budget < 1:
+      raise GenerateError(f'max_new_tokens[{i}] (prompt {i}) must be >= 1, got {budget}')
+  return budgets
+
+
+class Rows:
+  """Each row's generated tokens and whether it has finished: at its end-of-document (eos_id,
+  which is not kept; None: never) or when it holds its budget."""
+
+  def __init__(self, budgets: np.ndarray, eos_id: int | None):
+    self.budgets = budgets
+    self.eos_id = eos_id
+    self.tokens: list[list[int]] = [[] for _ in budgets]
+    self.done = np.zeros(len(budgets), bool)
+    self.new: list[tuple[int, list[int]]] = []  # (row, tokens) added since `publish`
+
+  def add(self, emitted: Sequence[Sequence[int]], finished: np.ndarray | None = None):
+    """Each running row's emitted tokens, cut at its end-of-document or budget; `finished`
+    marks rows whose end-of-document the device loop saw (and did not emit)."""
+    for i, new in enumerate(emitted):
+      if self.done[i]:
+        continue
+      row = self.tokens[i] + [int(x) for x in new]
+      if self.eos_id is not None and self.eos_id in row:
+        row, self.done[i] = row[:row.index(self.eos_id)], True
+      if len(row) >= self.budgets[i]:
+        row, self.done[i] = row[:self.budgets[i]], True
+      if len(row) > len(self.tokens[i]):
+        self.new.append((i, row[len(self.tokens[i]):]))
+      self.tokens[i] = row
+    if finished is not None:
+      self.done |= finished
+
+  def counts(self) -> np.ndarray:
+    return np.asarray([len(t) for t in self.tokens], np.int64)
+
+  def publish(self, stream: Callable[[int, list[int]], None] | None):
+    for row, new in self.new if stream is not None else ():
+      stream(row, new)
+    self.new = []
+
+
+def stop_rows(next_b, done_b, left_b, eos_id):
+  """(emitted_b, done_b, left_b) after a decode step that drew next_b: a running row emits its
+  token unless it is the end-of-document (eos_id; -1: none), and finishes at its end-of-document
+  or when its remaining budget left_b reaches 0. A finished row stays finished."""
+  running_b = ~done_b
+  eos_b = next_b == eos_id
+  emitted_b = running_b & ~eos_b
+  left_b = left_b - emitted_b.astype(left_b.dtype)
+  return emitted_b, done_b | (running_b & eos_b) | (left_b <= 0), left_b
 
 
 def image_fields(cfg: RunConfig, docs: list, t: int) -> dict[str, np.ndarray]:
@@ -193,25 +308,31 @@ def image_fields(cfg: RunConfig, docs: list, t: int) -> dict[str, np.ndarray]:
 
 
 def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray], *,
-                eos_id: int | None, max_new_tokens: int = 64, temperature: float = 0.0,
-                top_p: float = 1.0, seed: int = 0, speculative: bool = False,
-                prefill: str = 'auto', n_win: int = 0, verify_cost: float = 0.05,
-                draft_len: int = 0, image_docs: list | None = None) -> list[Result]:
-  """Prefill the prompts as one right-padded batch, then decode until every row has
-  max_new_tokens or its end-of-document (eos_id; None: never stop early)."""
+                eos_id: int | None, max_new_tokens: int | Sequence[int] = 64,
+                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                speculative: bool = False, prefill: str = 'auto', n_win: int = 0,
+                verify_cost: float = 0.05, draft_len: int = 0, image_docs: list | None = None,
+                tokens_per_dispatch: int = TOKENS_PER_DISPATCH,
+                stream: Callable[[int, list[int]], None] | None = None) -> list[Result]:
+  """Prefill the prompts as one right-padded batch, then decode until every row has its
+  max_new_tokens (one for all rows, or one per row) or its end-of-document (eos_id; None: never
+  stop early). Plain decoding runs up to tokens_per_dispatch steps per dispatch on the device
+  (1: the one-step loop); `stream(row, tokens)` receives each row's new tokens after every
+  dispatch."""
   if not len(prompts):
     raise GenerateError('no prompts given')
-  if max_new_tokens < 1:
-    raise GenerateError(f'--max_new_tokens must be >= 1, got {max_new_tokens}')
+  budgets = row_budgets(max_new_tokens, len(prompts))
+  if tokens_per_dispatch < 1:
+    raise GenerateError(f'--tokens_per_dispatch must be >= 1, got {tokens_per_dispatch}')
   if not 0 < top_p <= 1:
     raise GenerateError(f'--top_p must be in (0, 1], got {top_p}')
   k = cfg.dspark.block_size if speculative else 0
   k = min(k, draft_len) if draft_len else k
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   limit = max_positions(cfg)
-  for i, n in enumerate(lengths):
-    if n + max_new_tokens + k + 1 > limit:
-      raise GenerateError(f'prompt {i}: {n} tokens + --max_new_tokens={max_new_tokens} exceed '
+  for i, (n, budget) in enumerate(zip(lengths, budgets)):
+    if n + budget + k + 1 > limit:
+      raise GenerateError(f'prompt {i}: {n} tokens + --max_new_tokens={budget} exceed '
                           f'the model\'s {limit} positions (model.yarn_original_max_position x '
                           'model.yarn_factor)')
   split = 0 < cfg.model.num_encoder_layers < cfg.model.num_layers
@@ -222,8 +343,9 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
   if prefill == 'ced' and not split:
     raise GenerateError('--prefill=ced needs model.num_encoder_layers between 0 and '
                         'model.num_layers')
-  t = int(-(-lengths.max() // 16) * 16)  # fewer prefill shapes to compile
-  spec = CacheSpec(batch=len(prompts), max_len=t + max_new_tokens + k + 1, max_chunk=k + 1)
+  t = length_bucket(int(lengths.max()))
+  spec = CacheSpec(batch=len(prompts), max_len=length_bucket(t + int(budgets.max()) + k + 1),
+                   max_chunk=k + 1)
   tokens_bt = np.zeros((len(prompts), t), np.int32)
   for i, p in enumerate(prompts):
     tokens_bt[i, :len(p)] = p
@@ -245,31 +367,41 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
   nxt = np.asarray(nxt)
   prefill_s = time.perf_counter() - t0
 
-  out = [[int(nxt[i])] for i in range(len(prompts))]
-  done = np.zeros(len(prompts), bool)
-  eos = eos_id
+  rows = Rows(budgets, eos_id)
+  rows.add([[int(x)] for x in nxt])
+  rows.publish(stream)
+  sampler = dict(temperature=temperature, top_p=top_p)
+  if speculative or tokens_per_dispatch == 1:
+    decode_s, forwards, untimed, accepted = _one_step_loop(
+        progs, cache, rows, nxt, key, stream, speculative=speculative, k=k,
+        verify_cost=verify_cost, **sampler)
+  else:
+    decode_s, forwards, untimed = _device_loop(progs, cache, rows, nxt, key, stream,
+                                               eos_id=eos_id, n=tokens_per_dispatch, **sampler)
+    accepted = np.zeros(len(prompts), np.int64)
+  timed = rows.counts() - untimed
+  return [Result(prompt_tokens=[int(x) for x in p], tokens=rows.tokens[i], text='',
+                 prefill_s=prefill_s, decode_s=decode_s, forwards=forwards,
+                 accepted_drafts=int(accepted[i]), timed_tokens=int(max(0, timed[i])))
+          for i, p in enumerate(prompts)]
 
-  def update_done():
-    for i in range(len(prompts)):
-      if not done[i]:
-        if eos is not None and eos in out[i]:
-          out[i] = out[i][:out[i].index(eos)]
-          done[i] = True
-        elif len(out[i]) >= max_new_tokens:
-          out[i] = out[i][:max_new_tokens]
-          done[i] = True
-  update_done()
-  forwards, accepted = 0, np.zeros(len(prompts), np.int64)
+
+def _one_step_loop(progs: 'Programs', cache, rows: Rows, nxt, key, stream, *, temperature,
+                   top_p, speculative: bool, k: int, verify_cost: float):
+  """One dispatch and host round trip per forward: a plain step, or a draft and its
+  verification. (decode_s, forwards, tokens per row before the timed part, accepted drafts)."""
+  b = len(rows.budgets)
+  forwards, accepted = 0, np.zeros(b, np.int64)
   decode_s, first = 0.0, True
-  untimed = [len(o) for o in out]
-  while not done.all():
+  untimed = rows.counts()
+  while not rows.done.all():
     t1 = time.perf_counter()
     key, sub = jax.random.split(key)
     if speculative:
       key, dkey = jax.random.split(key)
       drafts, q, conf = progs.draft(cache, jnp.asarray(nxt), dkey, temperature, top_p, k)
       admit = np.array(sampling.verify_length(conf, verify_cost))
-      admit[done] = 0
+      admit[rows.done] = 0
       j = int(admit.max())
     else:
       j = 0
@@ -281,23 +413,45 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
       acc, nxt_dev, cache = progs.verify(cache, jnp.asarray(nxt), drafts[:, :j], q[:, :j],
                                          jnp.asarray(admit), sub, temperature, top_p)
       acc, d, nxt_host = np.asarray(acc), np.asarray(drafts), np.asarray(nxt_dev)
-      emitted = [list(d[i, :acc[i]]) + [int(nxt_host[i])] for i in range(len(prompts))]
-      accepted += np.where(done, 0, acc)
+      emitted = [list(d[i, :acc[i]]) + [int(nxt_host[i])] for i in range(b)]
+      accepted += np.where(rows.done, 0, acc)
     nxt = np.asarray(nxt_dev)
     forwards += 1
-    for i in range(len(prompts)):
-      if not done[i]:
-        out[i].extend(int(x) for x in emitted[i])
-    update_done()
+    rows.add(emitted)
     if first:  # the first step compiles: timed from the second on
       first = False
-      untimed = [len(o) for o in out]
+      untimed = rows.counts()
     else:
       decode_s += time.perf_counter() - t1
-  return [Result(prompt_tokens=[int(x) for x in p], tokens=out[i], text='',
-                 prefill_s=prefill_s, decode_s=decode_s, forwards=forwards,
-                 accepted_drafts=int(accepted[i]),
-                 timed_tokens=max(0, len(out[i]) - untimed[i])) for i, p in enumerate(prompts)]
+    rows.publish(stream)
+  return decode_s, forwards, untimed, accepted
+
+
+def _device_loop(progs: 'Programs', cache, rows: Rows, nxt, key, stream, *, eos_id,
+                 temperature, top_p, n: int):
+  """Plain decoding, up to n steps per dispatch (`Programs.decode_steps`); the host sees each
+  dispatch's tokens once. The first dispatch runs one step (it compiles), untimed as the
+  one-step loop's first; the keys split as the one-step loop splits them, step by step.
+  (decode_s, forwards, tokens per row before the timed part)."""
+  carry = {'cache': cache, 'last': jnp.asarray(nxt), 'key': key,
+           'done': jnp.asarray(rows.done),
+           'left': jnp.asarray(rows.budgets - rows.counts(), jnp.int32)}
+  eos = jnp.int32(NO_TOKEN if eos_id is None else eos_id)
+  forwards, decode_s, untimed, steps = 0, 0.0, None, 1
+  while not rows.done.all():
+    t1 = time.perf_counter()
+    out, carry = progs.decode_steps(carry, eos, jnp.int32(steps), temperature, top_p, n)
+    tokens_bn, count_b, done_b, ran = jax.device_get(
+        (out['tokens'], out['count'], carry['done'], out['steps']))
+    forwards += int(ran)
+    rows.add([tokens_bn[i, :count_b[i]] for i in range(len(count_b))], finished=done_b)
+    if untimed is None:
+      untimed = rows.counts()
+    else:
+      decode_s += time.perf_counter() - t1
+    rows.publish(stream)
+    steps = n
+  return decode_s, forwards, rows.counts() if untimed is None else untimed
 
 
 def _write_features(dspark, cache, captured, valid_bq, start_b):
@@ -313,20 +467,26 @@ def _write_features(dspark, cache, captured, valid_bq, start_b):
 
 
 class Programs:
-  """The jitted pieces of generation over the split model state (merged inside each program)."""
+  """The jitted pieces of generation over the split model state (merged inside each program).
+  `traces` counts how often each program was traced: once per shape of its inputs."""
 
   def __init__(self, model, dspark, engram_map):
     self.model = model  # its layers build the caches (`empty_cache`)
     self.graph, self.state = nnx.split((model, dspark))
     self.engram_map = engram_map
+    self.traces = collections.Counter()
     self._jit = {}
 
   def _merged(self, state):
     return nnx.merge(self.graph, state)
 
-  def _compiled(self, name, fn, static):
+  def _compiled(self, name, fn, static, donate=()):
     if name not in self._jit:
-      self._jit[name] = jax.jit(fn, static_argnames=static)
+      @functools.wraps(fn)
+      def traced(*args, **kwargs):
+        self.traces[name] += 1
+        return fn(*args, **kwargs)
+      self._jit[name] = jax.jit(traced, static_argnames=static, donate_argnames=donate)
     return self._jit[name]
 
   def prefill_full(self, cache, tokens_bt, lengths_b, features: bool, images=None):
@@ -372,6 +532,38 @@ class Programs:
       return sampling.draw(key, sampling.probs(logits[:, 0], temperature, top_p)), cache
     return self._compiled('plain', run, ('temperature', 'top_p', 'features'))(
         self.state, cache, tok_b, key, temperature=temperature, top_p=top_p, features=features)
+
+  def decode_steps(self, carry: dict, eos_id, steps, temperature, top_p, n: int):
+    """Up to `steps` (<= n) plain decode steps in one dispatch, ending early once every row is
+    done: each step is `plain`'s (key split, forward, draw) with `stop_rows` after it. `carry`:
+    the cache (donated: updated in place), the last token, the key, each row's done flag and
+    remaining budget. Returns ({'tokens': [B, n] (NO_TOKEN where a row emitted nothing),
+    'count': [B] emitted, 'steps': steps run}, the carry after them)."""
+    def run(state, carry, eos_id, steps, temperature, top_p, n):
+      b = carry['last'].shape[0]
+
+      def step(loop):
+        i, carry, tokens_bn = loop
+        model, _ = self._merged(state)
+        key, sub = jax.random.split(carry['key'])
+        valid = jnp.ones((b, 1), bool)
+        logits, _, cache = forward_chunk(model, carry['cache'], carry['last'][:, None], valid,
+                                         engram_map=self.engram_map)
+        next_b = sampling.draw(sub, sampling.probs(logits[:, 0], temperature, top_p))
+        emitted_b, done_b, left_b = stop_rows(next_b, carry['done'], carry['left'], eos_id)
+        tokens_bn = tokens_bn.at[:, i].set(jnp.where(emitted_b, next_b, NO_TOKEN))
+        return i + 1, {'cache': cache, 'last': next_b, 'key': key, 'done': done_b,
+                       'left': left_b}, tokens_bn
+
+      def running(loop):
+        i, carry, _ = loop
+        return (i < steps) & ~jnp.all(carry['done'])
+      start = (jnp.int32(0), carry, jnp.full((b, n), NO_TOKEN, jnp.int32))
+      ran, after, tokens_bn = jax.lax.while_loop(running, step, start)
+      out = {'tokens': tokens_bn, 'count': carry['left'] - after['left'], 'steps': ran}
+      return out, after
+    return self._compiled('decode_steps', run, ('temperature', 'top_p', 'n'), ('carry',))(
+        self.state, carry, eos_id, steps, temperature=temperature, top_p=top_p, n=n)
 
   def draft(self, cache, anchor_b, key, temperature, top_p, k: int):
     def run(state, cache, anchor_b, key, temperature, top_p, k):
