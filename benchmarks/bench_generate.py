@@ -2,9 +2,11 @@
 
     python benchmarks/bench_generate.py --workdir=/tmp/gen --batch_sizes=1,32 --out=$OUT/gen.json
 
-For each batch size: plain greedy decoding, then speculative (DSpark drafts, greedy
-verification), each run twice with the same shapes and the second one timed (tokens/s after
-compilation, summed over the batch's rows); the share of tokens where the two agree. Then the
+For each batch size: plain greedy decoding at each --tokens_per_dispatch (`b<B>_plain_n<N>`:
+N decode steps per dispatch to the device; 1 is the one-step loop, a host round trip per
+token), then speculative (DSpark drafts, greedy verification), each run twice with the same
+shapes and the second one timed (tokens/s after compilation, summed over the batch's rows); the
+share of tokens where speculative and plain agree, and its speed against each plain. Then the
 global cache's bytes per token, the bounded-replay KL on held-out sequences, and the compiled
 FLOPs of one plain decode step against the context length. Prompts are the first
 --prompt_tokens (+-25%) tokens of the interpreter's standard-library sources, one file per row.
@@ -30,6 +32,8 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'A DSpark-stage (or pretraining)
 _BATCHES = flags.DEFINE_list('batch_sizes', ['1', '32'], 'Batch sizes.')
 _PROMPT = flags.DEFINE_integer('prompt_tokens', 512, 'Mean prompt length.')
 _NEW = flags.DEFINE_integer('new_tokens', 128, 'Tokens generated per row.')
+_PER_DISPATCH = flags.DEFINE_list('tokens_per_dispatch', ['1', '32'],
+                                  'Plain decoding steps per dispatch, one run each.')
 _REPLAY_CONTEXT = flags.DEFINE_integer('replay_context', 2048, 'Held-out sequence length.')
 _REPLAY_WINS = flags.DEFINE_list('replay_n_win', ['128', '512'], 'Replay lengths (+ the exact one).')
 _REPLAY_SEQS = flags.DEFINE_integer('replay_sequences', 32, 'Held-out sequences.')
@@ -82,11 +86,13 @@ def main(argv):
   speculative = gen.dspark is not None
   for b in (int(x) for x in _BATCHES.value):
     prompts = stdlib_prompts(gen.tokenizer, b, _PROMPT.value)
-    for mode in (('plain', 'speculative') if speculative else ('plain',)):
+    plains = [f'plain_n{n}' for n in _PER_DISPATCH.value]
+    for mode in plains + (['speculative'] if speculative else []):
       if not time_left(f'b{b}_{mode}'):
         continue
+      n = int(mode[len('plain_n'):]) if mode.startswith('plain_n') else 1
       kw = dict(eos_id=None, max_new_tokens=_NEW.value, temperature=0.0,
-                speculative=mode == 'speculative', verify_cost=0.0)
+                speculative=mode == 'speculative', verify_cost=0.0, tokens_per_dispatch=n)
       with jax.set_mesh(gen.mesh):
         t1 = time.perf_counter()
         decode_loop(gen._programs, cfg, prompts, **kw)  # compiles
@@ -96,14 +102,19 @@ def main(argv):
       row = {'tokens_per_s': sum(r.timed_tokens for r in runs) / decode_s,
              'decode_s': decode_s, 'forwards': runs[0].forwards,
              'first_run_s': compile_s, 'prefill_s': runs[0].prefill_s,
+             'tokens_per_dispatch': n,
              'tokens': [r.tokens for r in runs]}
       if mode == 'speculative':
         row['accepted_per_verify'] = float(np.mean([r.accepted_drafts for r in runs])) / \
             max(runs[0].forwards, 1)
-        plain = result[f'b{b}_plain']['tokens']
-        same = [sum(x == y for x, y in zip(p, s)) / len(p) for p, s in zip(plain, row['tokens'])]
-        row['greedy_agreement'] = float(np.mean(same))
-        row['speedup'] = row['tokens_per_s'] / result[f'b{b}_plain']['tokens_per_s']
+        timed = [result[f'b{b}_{p}'] for p in plains if f'b{b}_{p}' in result]
+        if timed:  # every plain run returns the same greedy tokens
+          same = [sum(x == y for x, y in zip(p, s)) / len(p)
+                  for p, s in zip(timed[0]['tokens'], row['tokens'])]
+          row['greedy_agreement'] = float(np.mean(same))
+        for plain in timed:
+          row[f'speedup_vs_n{plain["tokens_per_dispatch"]}'] = \
+              row['tokens_per_s'] / plain['tokens_per_s']
       result[f'b{b}_{mode}'] = row
       print(mode, b, {k: v for k, v in row.items() if k != 'tokens'}, flush=True)
       save()

@@ -2,8 +2,9 @@
 # Issue 16's H200 measurement (docs/performance.md section 15), one device call: the 1B backbone
 # and its DSpark drafter trained together from initialization (configs/ablation_1b_dspark.py with
 # dspark.stage=post_training, full structure, 4K x 8) for STEPS (default 150) steps, then
-# benchmarks/bench_generate.py on its checkpoint: plain and speculative greedy decoding at
-# batch 1 and 32, the cache's bytes per token, the bounded-replay KL, decode FLOPs by context.
+# benchmarks/bench_generate.py on its checkpoint: plain greedy decoding at 1 and 32 tokens per
+# dispatch (its --tokens_per_dispatch) and speculative greedy decoding at batch 1 and 32, the
+# cache's bytes per token, the bounded-replay KL, decode FLOPs by context.
 # Everything still going DEADLINE_S (default 570) seconds after the start is skipped or killed.
 # SMOKE=1 runs the same on this CPU with configs/tiny_dspark.py.
 set -uo pipefail

@@ -1,12 +1,17 @@
 """`python -m deepseek41.generate --workdir=DIR [--step=N] --prompt=TEXT | --prompts=FILE.jsonl
 [--images=A.png,...] [--max_new_tokens=N] [--temperature=T] [--top_p=P] [--speculative]
-[--prefill=auto|ced|full]`
+[--prefill=auto|ced|full] [--tokens_per_dispatch=N] [--stream]`
 
 Restores a checkpoint of a training run, tokenizes with the run's tokenizer, generates and
 prints each completion with its tokens/s. --prompts reads one JSON object per line with a
 "prompt" field (and optionally "images", paths relative to the file); all prompts go through as
-one batch (different lengths are fine). Images take the places of the prompt's <image> markers. --json prints
-one JSON object per prompt instead.
+one batch (different lengths are fine). Images take the places of the prompt's <image> markers.
+--json prints one JSON object per prompt instead.
+
+Plain decoding runs --tokens_per_dispatch steps on the device per round trip to the host. With
+one --prompt (or --stream) the text is printed as each dispatch completes it: one prompt's
+output is the same as without streaming; several prompts' pieces come as `[row] "text"` lines
+(with --json, {"row": ..., "text": ...} objects) before the usual output.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import sys
 
 from absl import app, flags, logging
 
-from deepseek41.generate.generator import GenerateError, Generator
+from deepseek41.generate.generator import TOKENS_PER_DISPATCH, GenerateError, Generator
 from deepseek41.generate.prompts import IMAGE_MARKER, read_prompts, with_images
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Work directory of a training run.')
@@ -34,9 +39,42 @@ _PREFILL = flags.DEFINE_enum('prefill', 'auto', ['auto', 'ced', 'full'],
 _N_WIN = flags.DEFINE_integer('n_win', 0, 'CED decoder tail (0: the smallest exact one).')
 _VERIFY_COST = flags.DEFINE_float(
     'verify_cost', 0.05, 'Cost of one more verified position relative to a decode step.')
+_TOKENS_PER_DISPATCH = flags.DEFINE_integer(
+    'tokens_per_dispatch', TOKENS_PER_DISPATCH,
+    'Plain decoding steps per dispatch to the device (1: a host round trip per token).')
+_STREAM = flags.DEFINE_bool('stream', None, 'Print the text as it is generated (default: with '
+                            'one --prompt and without --json).')
 _JSON = flags.DEFINE_bool('json', False, 'One JSON object per prompt.')
 _IMAGES = flags.DEFINE_list('images', [], 'Images of --prompt, in the order of its <image> '
                             'markers (without markers: before the text). Needs model.vision.')
+
+
+def shown_prompt(prompt) -> str:
+  """A prompt as printed: its text, with image parts shown by their markers."""
+  return prompt if isinstance(prompt, str) else \
+      ''.join(p.get('text', IMAGE_MARKER) for p in prompt)
+
+
+def stream_printer(inline: str | None, as_json: bool):
+  """Prints each row's new text: after the prompt `inline` as it comes (one prompt, which is
+  printed with the first piece: an error before it leaves the output empty), or one line per
+  piece."""
+  started = False
+
+  def show(row: int, text: str):
+    nonlocal started
+    if inline is not None:
+      print(('' if started else inline) + text, end='', flush=True)
+      started = True
+    elif not text:
+      return
+    elif as_json:
+      print(json.dumps({'row': row, 'text': text}), flush=True)
+    else:
+      print(f'[{row}] {json.dumps(text, ensure_ascii=False)}', flush=True)
+  return show
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # the checkpoint library's per-read lines
@@ -48,22 +86,27 @@ def main(argv):
     prompts = [with_images(_PROMPT.value, _IMAGES.value, '--prompt')] \
         if _PROMPT.value is not None else read_prompts(_PROMPTS.value)
     gen = Generator(_WORKDIR.value, _STEP.value)
+    shown = [shown_prompt(p) for p in prompts]
+    stream = _STREAM.value if _STREAM.value is not None else \
+        _PROMPT.value is not None and not _JSON.value
+    inline = stream and len(prompts) == 1 and not _JSON.value  # the usual output, piece by piece
     results = gen.generate(prompts, max_new_tokens=_MAX_NEW.value,
                            temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value,
                            speculative=_SPECULATIVE.value, prefill=_PREFILL.value,
-                           n_win=_N_WIN.value, verify_cost=_VERIFY_COST.value)
+                           n_win=_N_WIN.value, verify_cost=_VERIFY_COST.value,
+                           tokens_per_dispatch=_TOKENS_PER_DISPATCH.value,
+                           stream=stream_printer(shown[0] if inline else None, _JSON.value)
+                           if stream else None)
   except GenerateError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  for prompt, r in zip(prompts, results):
-    if not isinstance(prompt, str):  # image parts: shown by their markers
-      prompt = ''.join(p.get('text', IMAGE_MARKER) for p in prompt)
+  for prompt, r in zip(shown, results):
     if _JSON.value:
       print(json.dumps({'prompt': prompt, 'text': r.text, 'tokens': r.tokens,
                         'tokens_per_s': r.tokens_per_s, 'prefill_s': r.prefill_s,
                         'forwards': r.forwards, 'accepted_drafts': r.accepted_drafts}))
     else:
-      print(f'{prompt}{r.text}')
+      print('' if inline else f'{prompt}{r.text}')
       extra = (f', {r.accepted_drafts} drafts accepted in {r.forwards} verifications'
                if _SPECULATIVE.value else '')
       print(f'--- {len(r.tokens)} tokens, {r.tokens_per_s:.1f} tokens/s after compilation '
