@@ -213,8 +213,8 @@ class TextStream:
 
 def length_bucket(n: int) -> int:
   """The padded length of n positions: a multiple of 16 up to 128, beyond that of an eighth
-  of the next power of two (at most 8 lengths per doubling, under 25% padding), so that
-  prompts and caches of similar lengths share one compiled program."""
+  of the next power of two (4 lengths per doubling, under 25% padding), so that prompts and
+  caches of similar lengths share one compiled program."""
   step = max(16, (1 << max(n - 1, 1).bit_length()) // 8)
   return -(-n // step) * step
 

@@ -184,6 +184,89 @@ def test_released_cache_is_890_bytes_per_token():
       kv_cache_bytes(cfg)['global_bytes_per_token'] == 890
 
 
+# ---- the decode loop on the device ---------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def plain_programs(full_model):
+  cfg, model = full_model
+  return cfg, Programs(model, None, None)
+
+
+def _tokens(results):
+  return [r.tokens for r in results]
+
+
+def test_device_loop_equals_the_one_step_loop(plain_programs):
+  """fp32, three prompts of different lengths and budgets: N steps per dispatch (one that
+  divides no row's steps, and all of them in one) return the one-step loop's tokens, greedy
+  and sampled (the keys split step by step as there); an end-of-document stops only the rows
+  that draw it, each at its first."""
+  cfg, progs = plain_programs
+  rng = np.random.default_rng(9)
+  prompts = [rng.integers(3, 96, n).astype(np.int32) for n in (5, 12, 9)]
+  budgets = [10, 7, 12]
+  kw = dict(max_new_tokens=budgets, seed=3)
+  one_step = decode_loop(progs, cfg, prompts, eos_id=None, tokens_per_dispatch=1, **kw)
+  assert [len(t) for t in _tokens(one_step)] == budgets
+  for n in (4, 32):
+    device = decode_loop(progs, cfg, prompts, eos_id=None, tokens_per_dispatch=n, **kw)
+    assert _tokens(device) == _tokens(one_step)
+    assert device[0].forwards == one_step[0].forwards == max(budgets) - 1
+    assert [r.timed_tokens for r in device] == [r.timed_tokens for r in one_step]
+  # The end-of-document: a token row 0 draws at step 3 and not before.
+  eos = next(x for i, x in enumerate(_tokens(one_step)[0]) if i >= 3 and
+             x not in _tokens(one_step)[0][:i])
+  cut = [t[:t.index(eos)] if eos in t else t for t in _tokens(one_step)]
+  assert len(cut[0]) < budgets[0] and any(len(c) == b for c, b in zip(cut, budgets))
+  for n in (1, 4):
+    assert _tokens(decode_loop(progs, cfg, prompts, eos_id=eos, tokens_per_dispatch=n,
+                               **kw)) == cut
+  sampled = dict(temperature=0.8, top_p=0.9, **kw)
+  one_step = decode_loop(progs, cfg, prompts, eos_id=None, tokens_per_dispatch=1, **sampled)
+  device = decode_loop(progs, cfg, prompts, eos_id=None, tokens_per_dispatch=4, **sampled)
+  assert _tokens(device) == _tokens(one_step)
+  assert _tokens(device) != _tokens(decode_loop(progs, cfg, prompts, eos_id=None,
+                                                tokens_per_dispatch=4, **{**sampled, 'seed': 4}))
+
+
+def test_sampled_device_loop_matches_the_model():
+  """A toy model over 8 tokens, 3,000 rows: the third and fourth generated tokens (two steps
+  of one dispatch) are distributed as their exact marginals from full forwards."""
+  cfg, model = _model(vocab=8)
+  prompt = np.array([3, 5, 1, 6, 2], np.int32)
+  n = 3000
+  out = decode_loop(Programs(model, None, None), cfg, [prompt] * n, eos_id=None,
+                    max_new_tokens=4, temperature=1.0, prefill='full', seed=1,
+                    tokens_per_dispatch=8)
+  assert out[0].forwards == 3
+  joint = jax.nn.softmax(_full_logits(model, prompt[None])[0, -1])  # p(t1)
+  for step in range(1, 4):
+    seqs = np.asarray([list(prompt) + list(np.unravel_index(i, (8,) * step))
+                       for i in range(8 ** step)], np.int32)
+    nxt = jax.nn.softmax(_full_logits(model, seqs)[:, -1], axis=-1)  # p(t | all before)
+    joint = (np.asarray(joint).reshape(-1, 1) * np.asarray(nxt)).reshape(-1)
+    if step >= 2:
+      exact = joint.reshape(-1, 8).sum(0)
+      freq = np.bincount([r.tokens[step] for r in out], minlength=8) / n
+      assert np.abs(freq - exact).sum() < 0.06, step
+
+
+def test_prompts_in_one_bucket_share_compiled_programs(plain_programs):
+  """Prompt lengths and budgets that fall in one length bucket trace the prefill and the
+  device loop once; a longer prompt, in the next bucket, traces the prefill again."""
+  cfg, progs = plain_programs
+  rng = np.random.default_rng(10)
+  run = lambda n, new: decode_loop(progs, cfg, [rng.integers(3, 96, n).astype(np.int32)] * 2,
+                                   eos_id=None, max_new_tokens=new, tokens_per_dispatch=4)
+  run(5, 6)
+  traces = dict(progs.traces)
+  run(11, 9)
+  assert progs.traces == traces
+  run(20, 6)
+  assert progs.traces['prefill_ced'] == traces['prefill_ced'] + 1
+
+
 # ---- speculative decoding ------------------------------------------------------------------
 
 

@@ -1,5 +1,6 @@
 """`deepseek41.generate` on a work directory: restore, tokenize, generate; bad input named."""
 
+import collections
 import json
 import os
 import shutil
@@ -27,6 +28,13 @@ def test_generates_from_a_work_directory(workdir):
   assert all(isinstance(r.text, str) for r in out)
   again = gen.generate(['def main'], max_new_tokens=5)  # greedy: the same tokens alone
   assert again[0].tokens == out[0].tokens
+  pieces = collections.defaultdict(list)
+  streamed = gen.generate(['def main', 'import os\nprint('], max_new_tokens=5,
+                          tokens_per_dispatch=2, stream=lambda row, text: pieces[row].append(text))
+  assert [r.tokens for r in streamed] == [r.tokens for r in out]
+  for row, r in enumerate(streamed):
+    assert ''.join(pieces[row]) == r.text
+    assert len(pieces[row]) >= min(len(r.tokens), 4)  # a piece per dispatch: 1 + 1 + 2 + 1
 
 
 def test_bad_input_is_named(workdir, tmp_path):
@@ -61,11 +69,22 @@ def test_cli(workdir, tmp_path):
   prompts = tmp_path / 'p.jsonl'
   prompts.write_text('{"prompt": "def main"}\n{"prompt": "import"}\n')
   run = subprocess.run([sys.executable, '-m', 'deepseek41.generate', f'--workdir={workdir}',
-                        f'--prompts={prompts}', '--max_new_tokens=3', '--json'],
+                        f'--prompts={prompts}', '--max_new_tokens=3', '--json', '--stream'],
                        capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-2000:]
-  rows = [json.loads(l) for l in run.stdout.splitlines() if l.startswith('{')]
+  lines = [json.loads(l) for l in run.stdout.splitlines() if l.startswith('{')]
+  rows = [l for l in lines if 'prompt' in l]
   assert [r['prompt'] for r in rows] == ['def main', 'import'] and all(rows[0]['tokens'])
+  for i, r in enumerate(rows):  # the streamed pieces come first and add up to the text
+    assert ''.join(l['text'] for l in lines if l.get('row') == i) == r['text']
+  assert lines.index(rows[0]) == len(lines) - 2
+  # One --prompt streams by default, and prints what it would print at the end.
+  text = Generator(workdir).generate(['def main'], max_new_tokens=4)[0].text
+  run = subprocess.run([sys.executable, '-m', 'deepseek41.generate', f'--workdir={workdir}',
+                        '--prompt=def main', '--max_new_tokens=4', '--tokens_per_dispatch=2'],
+                       capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert run.stdout.startswith(f'def main{text}\n--- ')
   bad = tmp_path / 'bad.jsonl'
   bad.write_text('{"text": "x"}\n')
   run = subprocess.run([sys.executable, '-m', 'deepseek41.generate', f'--workdir={workdir}',
