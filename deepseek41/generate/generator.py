@@ -7,11 +7,12 @@
 The checkpoint's own config builds the model (its execution choices re-resolved for the devices
 at hand, the routed experts dropless as in evaluation); prompts of different lengths share one
 right-padded prefill, padded to a length bucket (`length_bucket`) so that prompts of similar
-lengths reuse the compiled programs. Prefill is CED by default where the model has an encoder/decoder split:
-the decoder runs over the last `n_win` prompt tokens, by default just enough that its windows
-hold exactly what the full forward would (decode after it is exact; decode.py). Speculative
-decoding needs a checkpoint whose objective trained a drafter (a DSpark stage); the objective
-(train/objectives/) says where backbone and drafter lie in the restored weights.
+lengths reuse the compiled programs. Prefill is CED by default where the model has an
+encoder/decoder split: the decoder runs over the last `n_win` prompt tokens, by default just
+enough that its windows hold exactly what the full forward would (decode after it is exact;
+decode.py). Speculative decoding needs a checkpoint whose objective trained a drafter (a DSpark
+stage); the objective (train/objectives/) says where backbone and drafter lie in the restored
+weights.
 
 Plain decoding runs `tokens_per_dispatch` steps per dispatch on the device (`Programs.
 decode_steps`: a while loop with the caches, the last token, the key and each row's done flag
