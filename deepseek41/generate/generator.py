@@ -179,8 +179,10 @@ class Generator:
 
   def generate_tokens(self, prompts: Sequence[np.ndarray], *, speculative: bool = False,
                       **kw) -> list[Result]:
-    """Generate after each prompt (token ids; `image_docs` from `encode` for image prompts).
-    Returns one Result per prompt, in order."""
+    """Generate after each prompt (token ids; `image_docs` from `encode` for image prompts),
+    with `decode_loop`'s options (max_new_tokens, per prompt or one for all; temperature,
+    top_p, seed; tokens_per_dispatch; stream(row, tokens); ...). Returns one Result per
+    prompt, in order."""
     if speculative and self.dspark is None:
       raise GenerateError(f'--speculative needs a DSpark-stage checkpoint; {self.workdir} holds '
                           'no drafter (a pretraining run: dspark.stage = off)')
