@@ -37,6 +37,10 @@ def main(argv):
   from deepseek41.model.layer_cache import CacheSpec
   from deepseek41.model.transformer import Transformer
   from deepseek41.train.flops import decode_attention_flops
+  from deepseek41.model import csa2
+  # XLA's cost analysis counts a loop's body once: score the stored index keys in one block
+  # (the same FLOPs as generation's blocks; only the memory differs).
+  csa2.STORED_KEYS_BLOCK = 1 << 40
   c = load_config_file(_CONFIG.value)
   c.model.attention_impl, c.model.index_impl, c.model.sparse_impl = 'chunked', 'reference', 'gathered'
   c.model.mhc_impl = 'reference'

@@ -143,6 +143,18 @@ def visible_btn(segment_ids_bt, comp: CompressedKV, row_offset=0):
   return same_doc_btn & complete_btn
 
 
+def visible_entries_btp(segment_ids_bt, comp: CompressedKV, entry_btp, row_offset=0):
+  """bool [B, Tq, P]: `visible_btn` at each query's own entries `entry_btp` (indices into
+  `comp`'s entries) rather than at every entry."""
+  seg_q_bt = jnp.asarray(segment_ids_bt, jnp.int32)
+  t_q = query_rows(row_offset, seg_q_bt.shape[1])
+
+  def at_entries(x_bn):
+    return jax.vmap(lambda x_n, e_tp: x_n[e_tp])(x_bn, entry_btp)
+  same_doc = (at_entries(comp.seg_bn) == seg_q_bt[..., None]) & (seg_q_bt[..., None] != 0)
+  return same_doc & (at_entries(comp.last_bn) <= t_q[..., None])
+
+
 def query_rows(row_offset, tq: int):
   """int32 [1 or B, Tq]: the row index of each query. `row_offset` is one offset for every row
   (training, CED's tail) or one per batch row, [B] or [B, 1] (decoding rows of different

@@ -38,14 +38,16 @@ from deepseek41.config import SWA, LayerRole, ModelConfig, layer_roles
 from deepseek41.model import diagnostics
 from deepseek41.model import indexer as idx_lib
 from deepseek41.model.compressor import (CompressedKV, Compressor, RowRing,
-                                         document_first_entry_bt, visible_btn)
+                                         document_first_entry_bt, visible_btn,
+                                         visible_entries_btp)
 from deepseek41.model.indexer import IndexKeys, IndexQuery
 from deepseek41.model.layer_cache import CacheSpec, scatter_rows
 from deepseek41.model.params import dtype_of
 from deepseek41.model.rope import apply_rope, rope_for_role
 from deepseek41.model.shared import Decoding, Selection, Shared, SourceEntries
 from deepseek41.ops.chunking import map_query_chunks
-from deepseek41.ops.index_scores import SCORERS, index_scores_reference
+from deepseek41.ops.index_scores import (SCORERS, index_scores_gathered, index_scores_reference,
+                                        index_scores_stored)
 from deepseek41.ops.selected_scores import selected_scores
 from deepseek41.ops.sparse_attention import compressed_branch, compressed_partial
 from deepseek41.packing import empty_stored, load, store
@@ -55,6 +57,10 @@ from deepseek41.quant import get_fake_quant
 # The checkpoint name of an index source's selection (and published candidate blocks): block
 # remat saves them (model/transformer.py), so the backward does not rescore and reselect.
 SELECTION = 'csa2_selection'
+
+# Generation scores a KV source's stored index keys this many entries at a time: the history is
+# never dequantized whole (at 1M tokens that copy would be 256 MB a layer at c = 128, bf16).
+STORED_KEYS_BLOCK = 8192
 
 
 @struct.dataclass
@@ -90,10 +96,15 @@ def causal_groups(t: int, chunk: int, groups: int, row_offset, ratio: int, n: in
   return runs
 
 
+def _rows_at(x_bn, entry_btp):
+  """Rows of a [B, N, ...] array (or a pytree of them, stored keys) at [B, T, P] entries."""
+  return jax.tree.map(lambda a: jax.vmap(lambda a_n, e_tp: a_n[e_tp])(a, entry_btp), x_bn)
+
+
 def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chunk: int,
                    block_size: int, pool=None, publish_blocks: int = 0, topk_block: int = 0,
                    scores_fn: Callable = index_scores_reference, row_offset=0,
-                   select_impl: str = 'top_k', groups: int = 1):
+                   select_impl: str = 'top_k', groups: int = 1, load_keys=None):
   """Top-k entries per query, processed `chunk` queries at a time.
 
   topk_block > 1: exact two-stage top-k over blocks of that many entries (`select_topk_blocked`).
@@ -105,7 +116,12 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
 
   pool: (blk_idx_btk, blk_valid_btk) of the candidate source, restricting the choice (Reindex);
   its blocks are numbered within each query's document (indexer.block_scores), whose first
-  entry this layer finds the same way, in the same KV source's entries.
+  entry this layer finds the same way, in the same KV source's entries. Where a chunk's pools
+  hold fewer entries than the row (generation), only the pool's keys are gathered and scored
+  (the formula's cost, train/flops.py); otherwise every entry is scored and masked to the pool.
+  The same selection either way.
+  load_keys: `k_bnc` holds a cache's stored keys (generation) and this unpacks rows of them;
+  the whole row is then scored `STORED_KEYS_BLOCK` entries at a time.
   publish_blocks > 0: also return this layer's best `publish_blocks` candidate blocks.
   Returns (idx_btk, valid_btk, (blk_idx_btk, blk_valid_btk) or None).
   """
@@ -118,15 +134,33 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
   def run(xs_run, first_row, n):
     """The chunks of rows [first_row, ...) over entries [0, n), which hold all they can see."""
     k_run, comp_run = k_bnc, comp
-    if n < k_bnc.shape[1]:  # visibility reads only the entries' segment ids and last rows
-      k_run = k_bnc[:, :n]
+    if n < comp.seg_bn.shape[1]:  # visibility reads only the entries' segment ids and last rows
+      k_run = jax.tree.map(lambda a: a[:, :n], k_bnc)
       comp_run = comp.replace(seg_bn=comp.seg_bn[:, :n], last_bn=comp.last_bn[:, :n])
+
+    def in_pool(c, offset):
+      """A Reindex chunk scoring only its queries' pools (generation)."""
+      entry_bcp, in_pool_bcp = idx_lib.pool_entries(c['pool_idx'], c['pool_valid'], c['first'],
+                                                    block_size, n)
+      keys = _rows_at(k_run, entry_bcp)
+      k_bcpc = keys if load_keys is None else load_keys(keys)
+      scores_bcp = index_scores_gathered(c['q'], c['w'], k_bcpc.astype(c['q'].dtype))
+      eligible = in_pool_bcp & visible_entries_btp(c['seg'], comp_run, entry_bcp, offset)
+      pos_bck, valid_bck = idx_lib.select_topk(scores_bcp, eligible, topk,
+                                               select_impl=select_impl)
+      idx_bck = jnp.take_along_axis(entry_bcp, pos_bck, axis=-1)
+      return {'idx': jnp.where(valid_bck, idx_bck, 0), 'valid': valid_bck}
 
     def per_chunk(c, offset):
       offset = offset + row_offset + first_row
+      if pool is not None and c['q'].shape[1] * c['pool_idx'].shape[-1] * block_size < n:
+        return in_pool(c, offset)
       rows_c = offset + jnp.arange(c['q'].shape[1], dtype=jnp.int32)
       limit_bc = jnp.broadcast_to((rows_c + 1) // comp.ratio, c['seg'].shape)
-      scores_bcn = scores_fn(c['q'], c['w'], k_run, limit_bc)
+      if load_keys is None:
+        scores_bcn = scores_fn(c['q'], c['w'], k_run, limit_bc)
+      else:
+        scores_bcn = index_scores_stored(c['q'], c['w'], k_run, load_keys, STORED_KEYS_BLOCK)
       vis_bcn = visible_btn(c['seg'], comp_run, offset)
       allowed = None
       if pool is not None:
@@ -144,7 +178,8 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
 
     return map_query_chunks(per_chunk, xs_run, chunk)
 
-  runs = causal_groups(q_bthc.shape[1], chunk, groups, row_offset, comp.ratio, k_bnc.shape[1])
+  runs = causal_groups(q_bthc.shape[1], chunk, groups, row_offset, comp.ratio,
+                       comp.seg_bn.shape[1])
   outs = [run({k: v[:, r0:r1] for k, v in xs.items()}, r0, n) for r0, r1, n in runs]
   out = jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=1), *outs) if len(outs) > 1 else outs[0]
   blocks = (out['blk_idx'], out['blk_valid']) if publish_blocks else None
@@ -193,9 +228,10 @@ class CSA2(nnx.Module):
   def decode_kv(self, x_btd, batch, cache: EntryCache,
                 decoding: Decoding) -> tuple[EntryCache, SourceEntries]:
     """Generation: the chunk's completed groups appended to this KV source's entries; returns
-    (the cache, every entry as published). The entries stay packed: attention gathers its
-    selected rows and unpacks only those (`CompressedKV.load_rows`); the indexer scores every
-    key, so the keys are unpacked whole."""
+    (the cache, every entry as published). The entries and index keys stay in their stored
+    formats: attention gathers its selected rows and unpacks only those
+    (`CompressedKV.load_rows`); the indexer unpacks a block of keys at a time, or only its
+    candidate pool's (`select_chunked`)."""
     cfg, comp = self.cfg, self.compressor
     r = comp.ratio
     if decoding.write_entries:
@@ -218,7 +254,7 @@ class CSA2(nnx.Module):
                         seg_bn=cache.written_bn.astype(jnp.int32),
                         last_bn=jnp.broadcast_to(j_n * r + r - 1, (b, n)), ratio=r,
                         load_rows=functools.partial(load, cfg.kv_quant, dtype=dt))
-    return cache, SourceEntries(view, load(cfg.index_quant, cache.keys_bnc, dt))
+    return cache, SourceEntries(view, cache.keys_bnc)
 
   def __call__(self, x_btd, q_r_btr, q_bthd, batch, shared: Shared):
     """Returns (the compressed branch's partial (o, lse) or `softmax_merge.Branch`, the updated
@@ -233,6 +269,9 @@ class CSA2(nnx.Module):
     if self.owns_kv and role.layer not in shared.kv:
       shared = self.publish_kv(x_btd, batch, shared)
     comp, k_bnc = shared.kv[role.kv_source]
+    # Generation publishes the stored keys (`decode_kv`); training, their values.
+    load_keys = None if isinstance(k_bnc, jax.Array) else functools.partial(
+        load, cfg.index_quant, dtype=x_btd.dtype)
     if self.owns_index:
       q_idx, w_bth = self.index_query(jax.lax.stop_gradient(q_r_btr),
                                       jax.lax.stop_gradient(x_btd), pos,
@@ -244,7 +283,8 @@ class CSA2(nnx.Module):
           chunk=cfg.sparse_chunk, block_size=cfg.candidate_block_size, pool=pool,
           publish_blocks=cfg.candidate_topk_blocks if role.publishes_candidates else 0,
           topk_block=cfg.index_topk_block, scores_fn=SCORERS[cfg.index_impl],
-          row_offset=row_offset, select_impl=cfg.select_impl, groups=cfg.index_causal_groups)
+          row_offset=row_offset, select_impl=cfg.select_impl, groups=cfg.index_causal_groups,
+          load_keys=load_keys)
       sel_idx, sel_valid, blocks = checkpoint_name((sel_idx, sel_valid, blocks), SELECTION)
       shared = shared.with_selection(role.layer, Selection(sel_idx, sel_valid))
       if blocks is not None:

@@ -218,6 +218,22 @@ def pool_entry_mask(blk_idx_btk, blk_valid_btk, first_bt, block_size: int, n: in
                    entries(col_btc[..., :-1]))
 
 
+def pool_entries(blk_idx_btk, blk_valid_btk, first_bt, block_size: int, n: int):
+  """(entry_btp int32, in_pool_btp bool), P = k x block_size: the entries of the kept blocks
+  (`pool_entry_mask`'s entries, as a list), in ascending entry order so that ties among them
+  resolve by lowest index as over the whole row. Slots past the row's N or of empty blocks are
+  out of the pool (entry 0)."""
+  big = jnp.iinfo(jnp.int32).max
+  blk_btk = jnp.sort(jnp.where(blk_valid_btk, blk_idx_btk, big), axis=-1)
+  kept_btk = (blk_btk < big) & (first_bt >= 0)[..., None]
+  start_btk = jnp.maximum(first_bt, 0)[..., None] + jnp.where(kept_btk, blk_btk, 0) * block_size
+  entry_btkj = start_btk[..., None] + jnp.arange(block_size, dtype=jnp.int32)
+  in_pool_btkj = kept_btk[..., None] & (entry_btkj < n)
+  shape = blk_idx_btk.shape[:-1] + (blk_idx_btk.shape[-1] * block_size,)
+  return (jnp.where(in_pool_btkj, entry_btkj, 0).reshape(shape).astype(jnp.int32),
+          in_pool_btkj.reshape(shape))
+
+
 # ---------------------------------------------------------------------------------------------
 # Indexer training signal
 

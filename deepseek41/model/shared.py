@@ -28,7 +28,8 @@ from deepseek41.model.compressor import CompressedKV
 
 
 class SourceEntries(NamedTuple):
-  """What a KV source publishes: its entries and their indexer keys [B, N, c]."""
+  """What a KV source publishes: its entries and their indexer keys [B, N, c] (in generation,
+  as its cache stores them: model.index_quant's format)."""
   comp: CompressedKV
   keys_bnc: jax.Array
 

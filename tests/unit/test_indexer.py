@@ -330,6 +330,58 @@ def test_end_to_end_chunked_equals_full():
   assert not (sel & ~np.asarray(vis)).any()
 
 
+@pytest.mark.parametrize('select_impl', ['top_k', 'threshold'])
+def test_generation_scores_only_the_pool_and_stored_keys_blockwise(select_impl, monkeypatch):
+  """A Reindex chunk whose pools hold fewer entries than the row scores only the pool's
+  (gathered) keys: the same selection, slot for slot, as scoring the whole row and masking it;
+  stored keys scored a block at a time select as their unpacked values do."""
+  from deepseek41.model import csa2
+  from deepseek41.packing import load, store
+  rng = np.random.default_rng(11)
+  cfg = model_cfg()
+  seg, pos = packed([[20, 28], [10, 14, 24]])
+  x = rng.standard_normal((B, T, D)).astype(np.float32)
+  q_r = rng.standard_normal((B, T, QL)).astype(np.float32)
+  comp = Compressor(cfg, 1, nnx.Rngs(0))(x, seg, pos)
+  k = IndexKeys(cfg, 32, nnx.Rngs(1))(comp.latent_bnd, comp.pos_bn)
+  q, w = IndexQuery(cfg, HI, 32, nnx.Rngs(2))(q_r, x, pos)
+  kw = dict(topk=4, block_size=4, topk_block=2, select_impl=select_impl)
+  pool = csa2.select_chunked(q, w, k, seg, comp, chunk=16, publish_blocks=3, **kw)[2]
+  n = k.shape[1]                                   # 48 entries; a pool holds 3 x 4 = 12
+  whole = csa2.select_chunked(q, w, k, seg, comp, chunk=16, pool=pool, **kw)   # 16 x 12 >= 48
+  pooled = csa2.select_chunked(q, w, k, seg, comp, chunk=2, pool=pool, **kw)   # 2 x 12 < 48
+  np.testing.assert_array_equal(np.asarray(pooled[1]), np.asarray(whole[1]))
+  np.testing.assert_array_equal(np.asarray(pooled[0]), np.asarray(whole[0]))
+  mask = np.asarray(pool_entry_mask(*pool, document_first_entry_bt(seg, comp), 4, n))
+  assert np.asarray(whole[1]).any() and (mask.sum(-1) < n).all()  # the pool restricts
+
+  stored = store('fp4_ue8m0_32', k)
+  values = load('fp4_ue8m0_32', stored, jnp.float32)
+  unpack = functools.partial(load, 'fp4_ue8m0_32', dtype=jnp.float32)
+  monkeypatch.setattr(csa2, 'STORED_KEYS_BLOCK', 20)  # blocks that do not divide the row
+  for chunk, pool_kw in ((16, {'publish_blocks': 3}), (2, {'pool': pool})):
+    want = csa2.select_chunked(q, w, values, seg, comp, chunk=chunk, **pool_kw, **kw)
+    got = csa2.select_chunked(q, w, stored, seg, comp, chunk=chunk, load_keys=unpack,
+                              **pool_kw, **kw)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_stored_key_scores_equal_the_unpacked_keys():
+  from deepseek41.ops.index_scores import index_scores_stored
+  from deepseek41.packing import load, store
+  rng = np.random.default_rng(12)
+  k = jnp.asarray(rng.standard_normal((B, 37, 32)), jnp.float32)
+  q = jnp.asarray(rng.standard_normal((B, 3, HI, 32)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((B, 3, HI)), jnp.float32)
+  stored = store('fp4_ue8m0_32', k)
+  unpack = functools.partial(load, 'fp4_ue8m0_32', dtype=jnp.float32)
+  want = index_scores(q, w, unpack(stored))
+  for block in (1, 8, 37, 64):
+    np.testing.assert_allclose(index_scores_stored(q, w, stored, unpack, block), want,
+                               rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # Indexer training helpers
 
