@@ -21,7 +21,8 @@ import sys
 
 from absl import app, flags, logging
 
-from deepseek41.generate.generator import TOKENS_PER_DISPATCH, GenerateError, Generator
+from deepseek41.generate.generator import (PREFILL_CHUNK, TOKENS_PER_DISPATCH, GenerateError,
+                                           Generator)
 from deepseek41.generate.prompts import IMAGE_MARKER, read_prompts, with_images
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Work directory of a training run.')
@@ -42,6 +43,10 @@ _VERIFY_COST = flags.DEFINE_float(
 _TOKENS_PER_DISPATCH = flags.DEFINE_integer(
     'tokens_per_dispatch', TOKENS_PER_DISPATCH,
     'Plain decoding steps per dispatch to the device (1: a host round trip per token).')
+_PREFILL_CHUNK = flags.DEFINE_integer(
+    'prefill_chunk', PREFILL_CHUNK, 'Prompt positions per prefill dispatch: longer prompts '
+    'prefill in chunks (memory of one chunk\'s activations); 0: the whole prompt at once. Image '
+    'prompts prefill whole.')
 _STREAM = flags.DEFINE_bool('stream', None, 'Print the text as it is generated (default: with '
                             'one --prompt and without --json).')
 _JSON = flags.DEFINE_bool('json', False, 'One JSON object per prompt.')
@@ -95,6 +100,7 @@ def main(argv):
                            speculative=_SPECULATIVE.value, prefill=_PREFILL.value,
                            n_win=_N_WIN.value, verify_cost=_VERIFY_COST.value,
                            tokens_per_dispatch=_TOKENS_PER_DISPATCH.value,
+                           prefill_chunk=_PREFILL_CHUNK.value,
                            stream=stream_printer(shown[0] if inline else None, _JSON.value)
                            if stream else None)
   except GenerateError as e:

@@ -16,7 +16,10 @@ until it is overwritten.
 
 CED prefill (`ced_prefill`): the encoder over the whole prompt, the decoder's KV source published
 from the encoder output over every row, the decoder over the last `n_win` tokens only (its
-windows floored there; model/ced.py). Bounded replay (`replay_windows`): the windows dropped and
+windows floored there; model/ced.py). A prompt longer than one dispatch should hold prefills in
+chunks: `forward_chunk` chunk by chunk (full prefill), or `ced_encoder_chunk` chunk by chunk and
+then `ced_decoder_tail` (CED), the same caches and last logits as the whole prompt at once.
+Bounded replay (`replay_windows`): the windows dropped and
 rebuilt from the last `n_win` tokens, the stored entries kept.
 """
 
@@ -75,11 +78,20 @@ def _finish(cache, decoding: Decoding, tokens_bq, batch):
           'length': jnp.maximum(cache['length'], decoding.end_b)}
 
 
+def _rows_at(tree, row_b):
+  """Row row_b[b] (along axis 1) of every [B, T, ...] array of `tree`, kept as [B, 1, ...]."""
+  def one(v):
+    return jnp.take_along_axis(v, row_b.reshape((-1, 1) + (1,) * (v.ndim - 2)), axis=1)
+  return jax.tree.map(one, tree)
+
+
 def forward_chunk(model, cache: dict, tokens_bq, valid_bq, *, engram_map=None,
                   capture_layers: tuple[int, ...] = (), start_b=None, write_entries: bool = True,
-                  images: dict | None = None):
+                  images: dict | None = None, logits_row_b=None):
   """(logits [B, Tq, V] fp32, captured {layer: [B, Tq, D]}, cache): the chunk's tokens at
-  positions start_b .. (default: each row's cached length), appended to the cache."""
+  positions start_b .. (default: each row's cached length), appended to the cache.
+  logits_row_b: only that row of each chunk row's logits, [B, 1, V] (a long prefill chunk
+  needs only its last prompt position's)."""
   cfg = model.cfg
   start_b = cache['length'] if start_b is None else start_b
   batch = chunk_batch(cfg, cache, tokens_bq, valid_bq, start_b, engram_map, images)
@@ -88,6 +100,8 @@ def forward_chunk(model, cache: dict, tokens_bq, valid_bq, *, engram_map=None,
   x, pre = model.residual_input(batch)
   x, pre, _, captured, shared = model.run_blocks(x, pre, batch, Shared(decode=decoding),
                                                  capture_layers)
+  if logits_row_b is not None:
+    x, pre = _rows_at((x, pre), jnp.clip(logits_row_b, 0, tokens_bq.shape[1] - 1))
   return model.logits(x, pre), captured, _finish(cache, shared.decode, tokens_bq, batch)
 
 
@@ -134,6 +148,70 @@ def ced_prefill(model, cache: dict, tokens_bt, lengths_b, n_win: int, *, engram_
                                                          blocks=model.blocks[encoder:])
   captured.update(decoder_captured)
   return model.logits(x, pre), captured, _finish(cache, shared.decode, tokens_bt, batch)
+
+
+def empty_tail(model, b: int, n_win: int, capture_layers: tuple[int, ...] = ()):
+  """Zeros for what `ced_encoder_chunk` collects of each row's last n_win prompt positions: the
+  encoder's output (x, pre) and the captured layers' inputs."""
+  cfg = model.cfg
+  probe = {'tokens': jnp.zeros((b, n_win), jnp.int32),
+           'modality': jnp.zeros((b, n_win), jnp.int32)}
+  x, pre = jax.eval_shape(model.residual_input, probe)
+  encoder_layers = {blk.layer for blk in model.blocks[:cfg.num_encoder_layers]}
+  captured = {l: jax.ShapeDtypeStruct((b, n_win, cfg.d_model), x.dtype)
+              for l in capture_layers if l in encoder_layers}
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), {'x': x, 'pre': pre,
+                                                              'captured': captured})
+
+
+def ced_encoder_chunk(model, cache: dict, tokens_bq, valid_bq, tail: dict, tail_b, *,
+                      engram_map=None, capture_layers: tuple[int, ...] = ()):
+  """One chunk of a chunked CED prefill (rows at their cached lengths, as `forward_chunk`):
+  the encoder over it, the first decoder layer's entries appended from the encoder output, and
+  the chunk's rows that lie in each row's tail [tail_b, tail_b + n_win) copied into `tail`
+  (`empty_tail`). Returns (cache, tail)."""
+  cfg = model.cfg
+  encoder = cfg.num_encoder_layers
+  start_b = cache['length']
+  batch = chunk_batch(cfg, cache, tokens_bq, valid_bq, start_b, engram_map)
+  end_b = start_b + jnp.sum(valid_bq, axis=1, dtype=jnp.int32)
+  shared = Shared(decode=Decoding(start_b, end_b, cache['layers']))
+  x, pre = model.residual_input(batch)
+  x, pre, _, captured, shared = model.run_blocks(x, pre, batch, shared, capture_layers,
+                                                 blocks=model.blocks[:encoder])
+  first_decoder = model.blocks[encoder]
+  if first_decoder.attn.owns_kv:
+    shared = first_decoder.publish_global_kv(x, pre, batch, shared)
+  n_win = tail['x'].shape[1]
+  pos_bq = batch['positions']
+  in_tail_bq = valid_bq & (pos_bq >= tail_b[:, None]) & (pos_bq < tail_b[:, None] + n_win)
+  slot_bq = jnp.where(in_tail_bq, pos_bq - tail_b[:, None], n_win)
+  new = {'x': x, 'pre': pre, 'captured': {l: captured[l] for l in tail['captured']}}
+  tail = jax.tree.map(lambda buf, rows: scatter_rows(buf, slot_bq, rows), tail, new)
+  return _finish(cache, shared.decode, tokens_bq, batch), tail
+
+
+def ced_decoder_tail(model, cache: dict, tail: dict, lengths_b, *, engram_map=None,
+                     capture_layers: tuple[int, ...] = ()):
+  """The end of a chunked CED prefill: the decoder over each row's last n_win prompt tokens
+  from the encoder output `ced_encoder_chunk` collected, as `ced_prefill`'s decoder runs.
+  Returns (logits [B, n_win, V], captured inputs of those rows, cache)."""
+  cfg = model.cfg
+  n_win = tail['x'].shape[1]
+  tail_b = jnp.maximum(lengths_b - n_win, 0)
+  pos_bq = tail_b[:, None] + jnp.arange(n_win, dtype=jnp.int32)
+  valid_bq = pos_bq < lengths_b[:, None]
+  tokens_bq = jnp.take_along_axis(cache['tokens'], jnp.minimum(pos_bq, cache['tokens'].shape[1] - 1),
+                                  axis=1)
+  batch = chunk_batch(cfg, cache, tokens_bq, valid_bq, tail_b, engram_map)
+  # The decoder's KV source was appended chunk by chunk: it publishes its entries as they are.
+  decoding = Decoding(tail_b, lengths_b, cache['layers'], write_entries=False)
+  x, pre, _, captured, shared = model.run_blocks(tail['x'], tail['pre'], batch,
+                                                 Shared(decode=decoding), capture_layers,
+                                                 blocks=model.blocks[cfg.num_encoder_layers:])
+  captured = {**tail['captured'], **captured}
+  cache = {**cache, 'layers': shared.decode.caches}
+  return model.logits(x, pre), captured, cache
 
 
 def replay_windows(model, cache: dict, n_win: int, *, engram_map=None):

@@ -43,7 +43,8 @@ from deepseek41.data.multimodal import build_document
 from deepseek41.data.shards import DataError
 from deepseek41.generate import sampling
 from deepseek41.generate.cache import empty_cache
-from deepseek41.generate.decode import ced_prefill, forward_chunk
+from deepseek41.generate.decode import (ced_decoder_tail, ced_encoder_chunk, ced_prefill,
+                                        empty_tail, forward_chunk)
 from deepseek41.model.ced import tail_reach
 from deepseek41.model.layer_cache import CacheSpec, ring_slots, scatter_rows
 from deepseek41.sharding import make_mesh
@@ -54,6 +55,9 @@ from deepseek41.train.reading import checkpoint_step, portable_config, run_token
 from deepseek41.train.warm_start import restore_weights
 
 TOKENS_PER_DISPATCH = 32  # plain decoding steps per dispatch to the device, by default
+# Prompt positions per prefill dispatch, by default: longer prompts prefill in chunks, whose
+# activations (not the prompt's) bound prefill's memory. 0: the whole prompt at once.
+PREFILL_CHUNK = 65536
 NO_TOKEN = -1  # a decode step's output where its row emitted nothing (finished, or its EOS)
 
 
@@ -315,18 +319,22 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                 speculative: bool = False, prefill: str = 'auto', n_win: int = 0,
                 verify_cost: float = 0.05, draft_len: int = 0, image_docs: list | None = None,
-                tokens_per_dispatch: int = TOKENS_PER_DISPATCH,
+                tokens_per_dispatch: int = TOKENS_PER_DISPATCH, prefill_chunk: int = PREFILL_CHUNK,
                 stream: Callable[[int, list[int]], None] | None = None) -> list[Result]:
   """Prefill the prompts as one right-padded batch, then decode until every row has its
   max_new_tokens (one for all rows, or one per row) or its end-of-document (eos_id; None: never
   stop early). Plain decoding runs up to tokens_per_dispatch steps per dispatch on the device
   (1: the one-step loop); `stream(row, tokens)` receives each row's new tokens after every
-  dispatch."""
+  dispatch. Text prompts longer than prefill_chunk positions prefill that many per dispatch
+  (`_chunked_prefill`; 0: whole)."""
   if not len(prompts):
     raise GenerateError('no prompts given')
   budgets = row_budgets(max_new_tokens, len(prompts))
   if tokens_per_dispatch < 1:
     raise GenerateError(f'--tokens_per_dispatch must be >= 1, got {tokens_per_dispatch}')
+  if prefill_chunk < 0:
+    raise GenerateError(f'--prefill_chunk must be >= 0 (0: the whole prompt at once), got '
+                        f'{prefill_chunk}')
   if not 0 < top_p <= 1:
     raise GenerateError(f'--top_p must be in (0, 1], got {top_p}')
   k = cfg.dspark.block_size if speculative else 0
@@ -358,8 +366,12 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
   feature_dim = cfg.model.d_model if speculative else 0
   cache = empty_cache(progs.model, spec, feature_dim)
   t0 = time.perf_counter()
-  if prefill == 'ced':
-    win = min(n_win or exact_n_win(cfg), t)
+  win = min(n_win or exact_n_win(cfg), t)
+  if prefill_chunk and t > prefill_chunk and images is None:
+    logits_last, cache = _chunked_prefill(progs, cache, tokens_bt, lengths, prefill_chunk,
+                                          win if prefill == 'ced' else 0, speculative,
+                                          cfg.model.vocab_size)
+  elif prefill == 'ced':
     logits_last, cache = progs.prefill_ced(cache, jnp.asarray(tokens_bt), jnp.asarray(lengths),
                                            win, speculative, images)
   else:
@@ -387,6 +399,28 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
                  prefill_s=prefill_s, decode_s=decode_s, forwards=forwards,
                  accepted_drafts=int(accepted[i]), timed_tokens=int(max(0, timed[i])))
           for i, p in enumerate(prompts)]
+
+
+def _chunked_prefill(progs: 'Programs', cache, tokens_bt: np.ndarray, lengths: np.ndarray,
+                     chunk: int, n_win: int, features: bool, vocab: int):
+  """Prefill `chunk` prompt positions per dispatch: every layer over each chunk (n_win = 0), or
+  CED's encoder over each chunk and then its decoder over the last n_win positions. The same
+  cache and last logits as the whole prompt in one dispatch, at one chunk's activations."""
+  b, t = tokens_bt.shape
+  padded = np.zeros((b, -(-t // chunk) * chunk), np.int32)
+  padded[:, :t] = tokens_bt
+  lengths_b = jnp.asarray(lengths)
+  if n_win:
+    tail = progs.tail_buffers(b, n_win, features)
+    for s in range(0, padded.shape[1], chunk):
+      cache, tail = progs.prefill_ced_chunk(cache, jnp.asarray(padded[:, s:s + chunk]),
+                                            lengths_b, tail, features)
+    return progs.prefill_ced_tail(cache, tail, lengths_b, features)
+  last_bv = jnp.zeros((b, vocab), jnp.float32)
+  for s in range(0, padded.shape[1], chunk):
+    last_bv, cache = progs.prefill_full_chunk(cache, jnp.asarray(padded[:, s:s + chunk]),
+                                              lengths_b, last_bv, features)
+  return last_bv, cache
 
 
 def _one_step_loop(progs: 'Programs', cache, rows: Rows, nxt, key, stream, *, temperature,
@@ -506,6 +540,58 @@ class Programs:
       return last, cache
     return self._compiled('prefill_full', run, ('features',))(
         self.state, cache, tokens_bt, lengths_b, images, features=features)
+
+  def prefill_full_chunk(self, cache, tokens_bq, lengths_b, last_bv, features: bool):
+    """One chunk of a chunked full prefill (rows at their cached lengths): (the logits at each
+    row's last prompt position where this chunk holds it, else `last_bv`; cache)."""
+    def run(state, cache, tokens_bq, lengths_b, last_bv, features):
+      model, dspark = self._merged(state)
+      start_b = cache['length']
+      valid = start_b[:, None] + jnp.arange(tokens_bq.shape[1])[None, :] < lengths_b[:, None]
+      row_b = lengths_b - 1 - start_b
+      logits, captured, cache = forward_chunk(
+          model, cache, tokens_bq, valid, engram_map=self.engram_map,
+          capture_layers=dspark.targets if features else (), logits_row_b=row_b)
+      if features:
+        cache = _write_features(dspark, cache, captured, valid, start_b)
+      here_b = (row_b >= 0) & (row_b < tokens_bq.shape[1])
+      return jnp.where(here_b[:, None], logits[:, 0], last_bv), cache
+    return self._compiled('prefill_full_chunk', run, ('features',), donate=('cache',))(
+        self.state, cache, tokens_bq, lengths_b, last_bv, features=features)
+
+  def prefill_ced_chunk(self, cache, tokens_bq, lengths_b, tail, features: bool):
+    """One encoder chunk of a chunked CED prefill: (cache, tail)."""
+    def run(state, cache, tokens_bq, lengths_b, tail, features):
+      model, dspark = self._merged(state)
+      start_b = cache['length']
+      valid = start_b[:, None] + jnp.arange(tokens_bq.shape[1])[None, :] < lengths_b[:, None]
+      tail_b = jnp.maximum(lengths_b - tail['x'].shape[1], 0)
+      return ced_encoder_chunk(model, cache, tokens_bq, valid, tail, tail_b,
+                               engram_map=self.engram_map,
+                               capture_layers=dspark.targets if features else ())
+    return self._compiled('prefill_ced_chunk', run, ('features',), donate=('cache', 'tail'))(
+        self.state, cache, tokens_bq, lengths_b, tail, features=features)
+
+  def prefill_ced_tail(self, cache, tail, lengths_b, features: bool):
+    """The decoder over the tail a chunked CED prefill collected: (last logits, cache)."""
+    def run(state, cache, tail, lengths_b, features):
+      model, dspark = self._merged(state)
+      n_win = tail['x'].shape[1]
+      logits, captured, cache = ced_decoder_tail(
+          model, cache, tail, lengths_b, engram_map=self.engram_map,
+          capture_layers=dspark.targets if features else ())
+      tail_b = jnp.maximum(lengths_b - n_win, 0)
+      if features:
+        valid = (tail_b[:, None] + jnp.arange(n_win)[None, :]) < lengths_b[:, None]
+        cache = _write_features(dspark, cache, captured, valid, tail_b)
+      last = jnp.take_along_axis(logits, (lengths_b - 1 - tail_b)[:, None, None], axis=1)[:, 0]
+      return last, cache
+    return self._compiled('prefill_ced_tail', run, ('features',), donate=('cache',))(
+        self.state, cache, tail, lengths_b, features=features)
+
+  def tail_buffers(self, b: int, n_win: int, features: bool):
+    _, dspark = self._merged(self.state)
+    return empty_tail(self.model, b, n_win, dspark.targets if features else ())
 
   def prefill_ced(self, cache, tokens_bt, lengths_b, n_win: int, features: bool, images=None):
     def run(state, cache, tokens_bt, lengths_b, images, n_win, features):

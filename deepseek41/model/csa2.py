@@ -61,6 +61,10 @@ SELECTION = 'csa2_selection'
 # Generation scores a KV source's stored index keys this many entries at a time: the history is
 # never dequantized whole (at 1M tokens that copy would be 256 MB a layer at c = 128, bf16).
 STORED_KEYS_BLOCK = 8192
+# A generation chunk of more query rows than this (a prefill chunk) unpacks the keys once and
+# scores them with model.index_impl's scorer: the copy is then small beside the chunk's own
+# activations, and the kernel is the fast path for many rows.
+STORED_KEYS_ROWS = 64
 
 
 @struct.dataclass
@@ -272,6 +276,8 @@ class CSA2(nnx.Module):
     # Generation publishes the stored keys (`decode_kv`); training, their values.
     load_keys = None if isinstance(k_bnc, jax.Array) else functools.partial(
         load, cfg.index_quant, dtype=x_btd.dtype)
+    if load_keys is not None and x_btd.shape[1] > STORED_KEYS_ROWS:
+      k_bnc, load_keys = load_keys(k_bnc), None
     if self.owns_index:
       q_idx, w_bth = self.index_query(jax.lax.stop_gradient(q_r_btr),
                                       jax.lax.stop_gradient(x_btd), pos,

@@ -13,7 +13,7 @@ from deepseek41.config import load_config_file, resolve
 from deepseek41.generate import sampling
 from deepseek41.generate.cache import empty_cache, global_bytes_per_token
 from deepseek41.generate.decode import ced_prefill, forward_chunk, replay_windows
-from deepseek41.generate.generator import Programs, decode_loop, exact_n_win
+from deepseek41.generate.generator import GenerateError, Programs, decode_loop, exact_n_win
 from deepseek41.model.ced import exact_tail_rows
 from deepseek41.model.dspark import DSpark
 from deepseek41.model.layer_cache import CacheSpec
@@ -267,6 +267,25 @@ def test_prompts_in_one_bucket_share_compiled_programs(plain_programs):
   assert progs.traces['prefill_ced'] == traces['prefill_ced'] + 1
 
 
+def test_chunked_prefill_equals_the_whole_prompt(plain_programs):
+  """Prompts prefilled 16 positions per dispatch (a full prefill chunk by chunk, or CED's
+  encoder chunk by chunk, then its decoder over the tail) decode the tokens of the whole prompt
+  at once, fp32; rows of different lengths, one shorter than a chunk."""
+  cfg, progs = plain_programs
+  rng = np.random.default_rng(12)
+  prompts = [rng.integers(3, 96, n).astype(np.int32) for n in (40, 6, 31)]
+  for prefill in ('full', 'ced'):
+    kw = dict(eos_id=None, max_new_tokens=6, prefill=prefill, tokens_per_dispatch=4)
+    whole = decode_loop(progs, cfg, prompts, prefill_chunk=0, **kw)
+    traces = dict(progs.traces)
+    chunked = decode_loop(progs, cfg, prompts, prefill_chunk=16, **kw)
+    assert _tokens(chunked) == _tokens(whole), prefill
+    name = 'prefill_full_chunk' if prefill == 'full' else 'prefill_ced_chunk'
+    assert progs.traces[name] == traces.get(name, 0) + 1  # one program for every chunk
+  with pytest.raises(GenerateError, match='--prefill_chunk must be >= 0'):
+    decode_loop(progs, cfg, prompts, eos_id=None, prefill_chunk=-1)
+
+
 # ---- speculative decoding ------------------------------------------------------------------
 
 
@@ -290,6 +309,9 @@ def test_greedy_speculative_decoding_returns_plain_greedy_tokens(drafting, monke
   plain = [r.tokens for r in decode_loop(progs, cfg, prompts, **kw)]
   spec = decode_loop(progs, cfg, prompts, speculative=True, verify_cost=0.0, **kw)
   assert [r.tokens for r in spec] == plain
+  chunked = decode_loop(progs, cfg, prompts, speculative=True, verify_cost=0.0,
+                        prefill_chunk=8, **kw)  # the drafter's features written chunk by chunk
+  assert [r.tokens for r in chunked] == plain
   # An oracle drafter (right but for slot 2) makes verifications accept and reject mid-block.
   real_draft = Programs.draft
 
