@@ -11,14 +11,23 @@ log-sum-exp (fp32 [B, T]) and nothing over the vocabulary; the backward recomput
 logits at a time and turns them into that chunk's gradients. Memory over the vocabulary is one
 chunk's [B, chunk, V] in fp32 plus an fp32 [D, V] gradient accumulator, whatever T is; the price
 is one more [tokens, D] x [D, V] product (the recomputed logits).
+
+On a mesh it is plain jnp that GSPMD partitions (the vocabulary split over `tensor` by the head's
+annotation), with two arrangements so that nothing the loop carries or walks is split along the
+loop: the chunks take every n-th position (a sequence split over `context` splits each chunk),
+and W's gradient is accumulated per token shard, summed over the shards once after the loop.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from deepseek41.ops.parallel.per_device import axis_size, token_split
 
 
 @jax.custom_vjp
@@ -88,6 +97,24 @@ def _unchunked(x_nbc, t: int):
   return jnp.moveaxis(x_nbc, 0, 2).reshape(b, n * c, *x_nbc.shape[3:])[:, :t]
 
 
+def _token_shards(b: int, c: int):
+  """((batch shards, context shards), the spec that splits a [batch shards, context shards, D,
+  V] array over them) for a chunk [B, c] on the mesh in context; ((1, 1), None) without one.
+
+  W's gradient sums over every token. Carried through the loop as one [D, V] sum, GSPMD would
+  reduce it over the devices that split the tokens in every chunk (a W-sized all-reduce per
+  chunk); one partial sum per token shard, each on its own devices, is reduced once at the end.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return (1, 1), None
+  axes, ctx = token_split(mesh, b, c)
+  shards = (math.prod(axis_size(mesh, a) for a in axes), axis_size(mesh, ctx) if ctx else 1)
+  if shards == (1, 1):
+    return shards, None
+  return shards, P(axes or None, ctx, P.UNCONSTRAINED, P.UNCONSTRAINED)
+
+
 def _chunk_logits(h_bcd, w_dv):
   return jnp.einsum('bcd,dv->bcv', h_bcd, w_dv, preferred_element_type=jnp.float32)
 
@@ -127,24 +154,32 @@ def _fused_fwd(h_btd, w_dv, targets_bt, mask_bt, chunk):
 
 def _fused_bwd(chunk, res, g):
   (h_nbcd, t_nbc, m_nbc), w_dv, lse_bt = res
-  t = lse_bt.shape[1]
+  b, t = lse_bt.shape
   n, c = chunk_layout(t, chunk)
   g_ce = g[0]  # the count's cotangent reaches nothing: it counts the mask
   dt = h_nbcd.dtype
+  (p, q), spec = _token_shards(b, c)
 
-  def one_chunk(dw_dv, x):
+  def per_shard(x_bc):  # [B, c, ...] -> [p, B / p, q, c / q, ...]
+    return x_bc.reshape(p, b // p, q, c // q, *x_bc.shape[2:])
+
+  def constrain(dw_pqdv):
+    return dw_pqdv if spec is None else jax.lax.with_sharding_constraint(dw_pqdv, spec)
+
+  def one_chunk(dw_pqdv, x):
     h_bcd, t_bc, m_bc, lse_bc = x
     p_bcv = jnp.exp(_chunk_logits(h_bcd, w_dv) - lse_bc[..., None])
     onehot_bcv = jax.nn.one_hot(t_bc, w_dv.shape[1], dtype=jnp.float32)
     dlogits_bcv = ((p_bcv - onehot_bcv) * (g_ce * m_bc)[..., None]).astype(dt)
     dh_bcd = jnp.einsum('bcv,dv->bcd', dlogits_bcv, w_dv).astype(dt)
-    dw_dv = dw_dv + jnp.einsum('bcd,bcv->dv', h_bcd, dlogits_bcv,
-                               preferred_element_type=jnp.float32)
-    return dw_dv, dh_bcd
+    dw_pqdv = dw_pqdv + jnp.einsum('pbqcd,pbqcv->pqdv', per_shard(h_bcd),
+                                   per_shard(dlogits_bcv), preferred_element_type=jnp.float32)
+    return constrain(dw_pqdv), dh_bcd
 
-  dw_dv, dh_nbcd = jax.lax.scan(one_chunk, jnp.zeros(w_dv.shape, jnp.float32),
-                                (h_nbcd, t_nbc, m_nbc, _chunked(lse_bt, n, c)))
-  return _unchunked(dh_nbcd, t), dw_dv.astype(w_dv.dtype), None, None
+  init = constrain(jnp.zeros((p, q, *w_dv.shape), jnp.float32))
+  dw_pqdv, dh_nbcd = jax.lax.scan(one_chunk, init,
+                                  (h_nbcd, t_nbc, m_nbc, _chunked(lse_bt, n, c)))
+  return _unchunked(dh_nbcd, t), jnp.sum(dw_pqdv, axis=(0, 1)).astype(w_dv.dtype), None, None
 
 
 head_cross_entropy_sum.defvjp(_fused_fwd, _fused_bwd)
