@@ -125,15 +125,15 @@ def _forward(h_btd, w_dv, targets_bt, mask_bt, chunk: int):
   mask_bt = mask_bt.astype(jnp.float32)
   xs = (_chunked(h_btd, n, c), _chunked(targets_bt, n, c), _chunked(mask_bt, n, c))
 
-  def one_chunk(total, x):
-    h_bcd, t_bc, m_bc = x
+  def one_chunk(x):  # (log-sum-exp, masked CE) of each token: summed after the loop, so a
+    h_bcd, t_bc, m_bc = x  # split batch is not reduced over the devices once a chunk
     logits_bcv = _chunk_logits(h_bcd, w_dv)
     lse_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
     tgt_bc = jnp.take_along_axis(logits_bcv, t_bc[..., None], axis=-1)[..., 0]
-    return total + jnp.sum((lse_bc - tgt_bc) * m_bc), lse_bc
+    return lse_bc, (lse_bc - tgt_bc) * m_bc
 
-  ce_sum, lse_nbc = jax.lax.scan(one_chunk, jnp.zeros((), jnp.float32), xs)
-  return ce_sum, jnp.sum(mask_bt), _unchunked(lse_nbc, h_btd.shape[1]), xs
+  lse_nbc, ce_nbc = jax.lax.map(one_chunk, xs)
+  return jnp.sum(ce_nbc), jnp.sum(mask_bt), _unchunked(lse_nbc, h_btd.shape[1]), xs
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
