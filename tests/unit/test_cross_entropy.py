@@ -167,8 +167,9 @@ def test_the_train_step_is_the_same_with_the_fused_head():
 
 
 def test_the_dspark_stage_is_the_same_with_the_fused_head():
-  """Post-training DSpark: the backbone's CE, the targets' logits at the anchors, the objective and
-  its gradients with model.head_chunk on equal those with it off."""
+  """Post-training DSpark with model.head_chunk on: the backbone's CE through the fused op, the
+  targets' logits through the head at the anchors only, and the objective equal those with it
+  off (the fused op's gradients: the tests above)."""
   drafter = {'dspark.stage': 'post_training', 'dspark.num_blocks': 1, 'dspark.block_size': 3,
              'dspark.n_routed_experts': 4, 'dspark.num_experts_per_tok': 2,
              'dspark.markov_rank': 8, 'dspark.anchors_per_sequence': 4}
@@ -184,15 +185,14 @@ def test_the_dspark_stage_is_the_same_with_the_fused_head():
     def objective(p, cfg=cfg, md=md, state=state):
       loss, (ce_sum, n, _, _, targets_nkv, _, _) = dspark_objective.stage_loss(
           cfg, md.graphdef, p, None, state['router_bias'], batch, key)
-      return loss, (ce_sum, n, targets_nkv)
-    out[chunk] = jax.jit(jax.value_and_grad(objective, has_aux=True))(state['params'])
-  ((loss, (ce, n, targets)), grads), ((loss_ref, (ce_ref, n_ref, targets_ref)), grads_ref) = \
-      out[16], out[0]
+      return loss, ce_sum, n, targets_nkv
+    out[chunk] = jax.jit(objective)(state['params'])
+  (loss, ce, n, targets), (loss_ref, ce_ref, n_ref, targets_ref) = out[16], out[0]
   assert float(n) == float(n_ref) > 0
   np.testing.assert_allclose(ce, ce_ref, rtol=1e-6)
+  assert targets.shape == targets_ref.shape and targets.shape[-1] == cfg.model.vocab_size
   np.testing.assert_allclose(np.asarray(targets), np.asarray(targets_ref), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
-  _assert_trees_close(grads, grads_ref, 1e-5)
 
 
 def test_the_benchmark_runs_at_cpu_shapes(monkeypatch, capsys):
