@@ -125,8 +125,10 @@ def _forward(h_btd, w_dv, targets_bt, mask_bt, chunk: int):
   mask_bt = mask_bt.astype(jnp.float32)
   xs = (_chunked(h_btd, n, c), _chunked(targets_bt, n, c), _chunked(mask_bt, n, c))
 
-  def one_chunk(x):  # (log-sum-exp, masked CE) of each token: summed after the loop, so a
-    h_bcd, t_bc, m_bc = x  # split batch is not reduced over the devices once a chunk
+  # Each token's (log-sum-exp, masked CE), summed after the loop: a sum carried through it would
+  # be reduced over the devices that split the tokens once a chunk.
+  def one_chunk(x):
+    h_bcd, t_bc, m_bc = x
     logits_bcv = _chunk_logits(h_bcd, w_dv)
     lse_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
     tgt_bc = jnp.take_along_axis(logits_bcv, t_bc[..., None], axis=-1)[..., 0]
