@@ -10,8 +10,9 @@ Variants (what they undo, and the docs/performance.md section that measured it):
                         the whole head width at once (`dkv_chunk`, ops/gpu/sparse_kernel.py;
                         section 22)
   head_fp32_backward    the LM head's backward by autodiff of its fp32-output product (fp32 /
-                        TF32 GEMMs over the vocabulary; `head_logits`, model/transformer.py;
-                        section 23)
+                        TF32 GEMMs over the vocabulary; `head_logits`, ops/cross_entropy.py;
+                        section 23); the whole-logits path only: add
+                        --config.model.head_chunk=0 (the fused op has its own backward)
   mhc_no_prefetch       the fused mHC kernels' walks without look-ahead loads, at their earlier
                         tiles (128 x 16 x 8 warps forward, 64 x 16 x 4 backward; section 24)
   sparse_unpipelined    the sparse kernels' earlier tiles: the dq kernel on the fused backward's

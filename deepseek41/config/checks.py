@@ -116,6 +116,11 @@ def check_indexer(m: ModelConfig):
   require(m.index_topk_block >= 0, 'model.index_topk_block', 'must be >= 0 (0 = one top-k pass)')
 
 
+def check_head(m: ModelConfig):
+  require(m.head_chunk >= 0, 'model.head_chunk',
+          f'must be >= 0 (0 = the whole logits), got {m.head_chunk}')
+
+
 def check_rope_and_norms(m: ModelConfig):
   require(m.yarn_factor >= 1.0, 'model.yarn_factor', f'must be >= 1, got {m.yarn_factor}')
   require(m.rms_norm_eps > 0, 'model.rms_norm_eps', 'must be > 0')
@@ -170,7 +175,7 @@ def check_index_impl(m: ModelConfig, backend: str):
 
 
 MODEL_CHECKS = (check_model_sizes, check_layer_wiring, check_residual, check_engram,
-                check_indexer, check_rope_and_norms, check_moe, check_vision)
+                check_indexer, check_head, check_rope_and_norms, check_moe, check_vision)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -194,6 +194,13 @@ class ModelConfig:
   # Image-span queries per chunk of the span branch; each chunk's scores are recomputed in the
   # backward instead of kept (ops/span_attention.py). 0: whole spans, probabilities kept.
   span_chunk: int = key(256, execution_only=True)
+  # The LM head and its cross-entropy as one op (ops/cross_entropy.py) that walks the sequence
+  # this many positions of every row at a time: the forward keeps each token's log-sum-exp, the
+  # backward recomputes a chunk's logits, so the vocabulary costs one chunk's [B, head_chunk, V]
+  # fp32 logits instead of the whole batch's [B, T, V] (2 GB at 8 x 4,096 with the 1B model's
+  # vocabulary, 34 GB at 65,536 tokens with V4.1's), for one more [tokens, D] x [D, V] product.
+  # 0 = the whole logits, kept for the backward. The same loss and gradients to rounding.
+  head_chunk: int = key(1024, execution_only=True)
   # fused: the GPU kernel (ops/gpu/index_scores.py), for the shapes index_scores_supported() takes;
   # auto picks it wherever it can run.
   index_impl: str = key('auto', choices=('reference', 'fused', 'mosaic'), auto=auto.index_impl,

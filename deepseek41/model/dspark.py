@@ -219,9 +219,10 @@ class DSpark(nnx.Module):
     return jnp.einsum('nkf,f->nk', feats_nkf, self.confidence[...].astype(jnp.float32))
 
 
-def target_logits(logits_btv, anchors: Anchors, k: int):
-  """The backbone's logits for the same next tokens as the K slots: positions P..P+K-1."""
-  t = logits_btv.shape[1]
+def target_rows(x_bt, anchors: Anchors, k: int):
+  """[N, K, ...]: the rows of a backbone array [B, T, ...] (its logits, or the head's input) for
+  the same next tokens as the K slots: positions P..P+K-1."""
+  t = x_bt.shape[1]
   b_n, p_n = anchors
   at_nk = jnp.clip(p_n[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :], 0, t - 1)
-  return logits_btv[b_n[:, None], at_nk]
+  return x_bt[b_n[:, None], at_nk]

@@ -30,37 +30,10 @@ from deepseek41.model.layer_cache import CacheSpec
 from deepseek41.model.params import TokenTable, dtype_of, normal_param
 from deepseek41.model.shared import Probe, Shared
 from deepseek41.model.vision import VisionEncoder
+from deepseek41.ops.cross_entropy import head_logits
 from deepseek41.ops.gpu.mhc_kernel import expand_fused
 from deepseek41.ops.launch import KERNEL_OUTPUTS
 from deepseek41.ops.parallel.per_device import constrain_tokens, gather_tensor_split
-
-
-@jax.custom_vjp
-def head_logits(x_btd, w_dv):
-  """fp32 logits [B, T, V] of compute-dtype x and W, whose backward runs in the compute dtype.
-
-  Autodiff of the fp32-output product would transpose it with the fp32 cotangent, promoting
-  the bf16 operand: two fp32 (TF32) GEMMs of [tokens, vocab] on the GPU, 6.5 ms of the
-  8 x 4,096 step (docs/performance.md section 23). Rounding the cotangent to x's dtype first
-  makes them bf16 GEMMs like every other layer's backward (W's gradient is rounded to W's
-  dtype either way). With fp32 compute (the CPU) nothing changes.
-  """
-  return jnp.einsum('btd,dv->btv', x_btd, w_dv, preferred_element_type=jnp.float32)
-
-
-def _head_logits_fwd(x_btd, w_dv):
-  return head_logits(x_btd, w_dv), (x_btd, w_dv)
-
-
-def _head_logits_bwd(res, g_btv):
-  x_btd, w_dv = res
-  g_btv = g_btv.astype(x_btd.dtype)
-  dx_btd = jnp.einsum('btv,dv->btd', g_btv, w_dv)
-  dw_dv = jnp.einsum('btd,btv->dv', x_btd, g_btv, preferred_element_type=jnp.float32)
-  return dx_btd, dw_dv.astype(w_dv.dtype)
-
-
-head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
 
 
 class Block(nnx.Module):
@@ -197,15 +170,24 @@ class Transformer(nnx.Module):
       return batch
     return {**batch, 'engram_row_ids': row_ids(self.cfg, addresses, batch)}
 
-  def logits(self, x, pre):
-    """Final read of the residual (collapse for mHC), RMSNorm, LM head: fp32 [B, T, V]."""
+  def final_hidden(self, x, pre):
+    """The LM head's input h [B, T, D]: the final read of the residual (collapse for mHC), then
+    the final RMSNorm."""
     cfg = self.cfg
     x = gather_tensor_split(x, self.sequence_parallel)
     if cfg.residual == 'mhc_multi_pass':
       x = collapse(x, self.hc_head(x))
     elif cfg.residual == 'mhc_single_pass':
       x = collapse(x, pre)
-    return head_logits(self.final_norm(x), self.head[...].astype(dtype_of(cfg.compute_dtype)))
+    return self.final_norm(x)
+
+  def head_weight(self):
+    """The LM head W [D, V] in the compute dtype."""
+    return self.head[...].astype(dtype_of(self.cfg.compute_dtype))
+
+  def logits(self, x, pre):
+    """Final read of the residual, RMSNorm, LM head: fp32 [B, T, V]."""
+    return head_logits(self.final_hidden(x, pre), self.head_weight())
 
   def embed_inputs(self, batch):
     """[B, T, D] input embeddings: the table, with image spans filled in by the vision path."""
@@ -261,11 +243,14 @@ class Transformer(nnx.Module):
       auxes.append(aux)
     return x, pre, auxes, captured, shared
 
-  def forward(self, batch, capture_layers: tuple[int, ...] = (), probe: Probe | None = None):
+  def forward(self, batch, capture_layers: tuple[int, ...] = (), probe: Probe | None = None,
+              head: bool = True):
     """(logits [B,T,V] fp32, aux, captured): captured[l] is the residual entering layer l, the
     mean over the mHC streams ([B, T, D]; DSpark's context features). With a `probe`, each CSA2
     layer's selection against dense attention is measured too: aux['selection'] =
-    {layer: diagnostics.SelectionStats} (model/diagnostics.py)."""
+    {layer: diagnostics.SelectionStats} (model/diagnostics.py). `head=False`: the head's input
+    h [B, T, D] in place of the logits, for a loss that applies the head itself
+    (`model.head_chunk`, ops/cross_entropy.py) without the whole logits."""
     with jax.named_scope('embed'):  # top-level scopes too, so no kernel of the step is unnamed
       x, pre = self.residual_input(batch)
       # context (and sequence) parallelism: each shard holds its stretch of tokens
@@ -275,7 +260,7 @@ class Transformer(nnx.Module):
     x, pre, auxes, captured, shared = self.run_blocks(x, pre, batch, Shared(probe=probe),
                                                       capture_layers)
     with jax.named_scope('head'):
-      logits_btv = self.logits(x, pre)
+      out = self.logits(x, pre) if head else self.final_hidden(x, pre)
     totals = shared.indexer_totals
     kl_sum, counted, recall_sum = jnp.zeros(3, jnp.float32) if totals is None else totals
     aux = {
@@ -288,4 +273,4 @@ class Transformer(nnx.Module):
     }
     if probe is not None:
       aux['selection'] = dict(sorted(shared.probe.stats.items()))
-    return logits_btv, aux, captured
+    return out, aux, captured

@@ -93,7 +93,7 @@ from deepseek41.tools.info import bytes_per_device
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.objectives import objective_for
 from deepseek41.train.state import abstract_state, build_model, model_def, state_shardings
-from deepseek41.train.step import cross_entropy_sum
+from deepseek41.train.step import head_loss_sums
 
 # Device memory (bytes, as sold: decimal GB) and the backend whose `auto` choices the plan takes.
 DEVICE_KINDS = {
@@ -504,6 +504,8 @@ class _View:
   programs then take only those as arguments)."""
   from deepseek41.model.transformer import Transformer as _T
   logits = _T.logits
+  final_hidden = _T.final_hidden
+  head_weight = _T.head_weight
   embed_inputs = _T.embed_inputs
   residual_input = _T.residual_input
   with_engram_rows = _T.with_engram_rows
@@ -529,7 +531,8 @@ def _merged(defs, state):
 
 
 def _compile_head(cfg, mesh, model, top, batch, spec) -> dict:
-  """Final read + norm + LM head + cross-entropy, forward + backward, from the last residual."""
+  """Final read + norm + LM head + cross-entropy, forward + backward, from the last residual:
+  the whole logits, or with model.head_chunk the fused op's chunks (train/step.py's path)."""
   rules = cfg.mesh.rules
   x, pre = top
   defs, part = {}, {}
@@ -539,8 +542,9 @@ def _compile_head(cfg, mesh, model, top, batch, spec) -> dict:
     defs[name], part[name] = _submodule(model, name)
 
   def loss(part, x, pre, targets, mask):
-    logits = _View(cfg.model, _merged(defs, part), cfg.mesh.sequence_parallel).logits(x, pre)
-    return cross_entropy_sum(logits, targets, mask)[0]
+    view = _View(cfg.model, _merged(defs, part), cfg.mesh.sequence_parallel)
+    out = view.final_hidden(x, pre) if cfg.model.head_chunk else view.logits(x, pre)
+    return head_loss_sums(view, out, {'targets': targets, 'loss_mask': mask})[0]
 
   def fwd_bwd(part, x, pre, targets, mask):
     return jax.grad(loss, argnums=(0, 1, 2))(part, x, pre, targets, mask)

@@ -19,6 +19,7 @@ from flax import nnx
 
 from deepseek41.config import RunConfig
 from deepseek41.model.moe import update_router_bias
+from deepseek41.ops.cross_entropy import cross_entropy_sum, head_cross_entropy_sum
 from deepseek41.train.optimizer import learning_rate_schedule
 
 
@@ -34,20 +35,23 @@ def merge_model(graphdef, params, biases) -> nnx.Module:
   return nnx.merge(graphdef, params, biases)
 
 
-def cross_entropy_sum(logits_btv, targets_bt, mask_bt):
-  """Sum of masked token CE in fp32, and the count of real targets."""
-  logits_btv = logits_btv.astype(jnp.float32)
-  lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
-  tgt_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
-  mask = mask_bt.astype(jnp.float32)
-  return jnp.sum((lse_bt - tgt_bt) * mask), jnp.sum(mask)
+def head_loss_sums(model, out, batch):
+  """(CE sum, real targets) of the backbone's forward output `out`: the fp32 logits [B, T, V],
+  or with `model.head_chunk` the head's input h [B, T, D] (`Transformer.forward(head=False)`),
+  which the fused head + cross-entropy takes a chunk of positions at a time
+  (ops/cross_entropy.py), never holding the whole logits."""
+  chunk = model.cfg.head_chunk
+  if chunk:
+    return head_cross_entropy_sum(out, model.head_weight(), batch['targets'], batch['loss_mask'],
+                                  chunk)
+  return cross_entropy_sum(out, batch['targets'], batch['loss_mask'])
 
 
 def forward_loss(md: ModelDef, params, biases, batch):
   model = merge_model(md.graphdef, params, biases)
-  logits_btv, aux = model(batch)
+  out, aux, _ = model.forward(batch, head=not model.cfg.head_chunk)
   with jax.named_scope('loss'):
-    ce_sum, n = cross_entropy_sum(logits_btv, batch['targets'], batch['loss_mask'])
+    ce_sum, n = head_loss_sums(model, out, batch)
   return ce_sum, n, aux
 
 

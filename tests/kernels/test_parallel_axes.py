@@ -11,15 +11,19 @@ rowwise scales follow each device's tokens (docs/performance.md section 10.4).
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.extend
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.helpers import (EVERY_KERNEL, GROUPED, MESH_KERNEL_SHAPES, kernels_outside_shard_map,
                            model_loss_fn, packed_batch, resolved)
 
+from deepseek41.ops.cross_entropy import head_cross_entropy_sum
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.optimizer import make_optimizer
@@ -29,7 +33,11 @@ MESHES = {'context8': {'mesh.data': 1, 'mesh.context': 8},
           'fsdp8': {'mesh.data': 1, 'mesh.fsdp': 8},
           'data4_tensor2': {'mesh.data': 4, 'mesh.tensor': 2},
           'fsdp2_tensor2_context2': {'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.tensor': 2,
-                                     'mesh.context': 2}}
+                                     'mesh.context': 2},
+          # the fused LM head + loss in 4 chunks of 16 positions (one chunk on one device), the
+          # vocabulary split over tensor and each chunk's positions over context
+          'tensor2_context4_head_chunks': {'mesh.data': 1, 'mesh.tensor': 2, 'mesh.context': 4,
+                                           'model.head_chunk': 16}}
 
 
 @functools.lru_cache(maxsize=None)  # the 1-device runs serve every mesh
@@ -134,3 +142,42 @@ def test_sequence_parallel_splits_the_kept_residual(sequence_parallel):
     assert splits >= cfg.model.num_layers + 1  # the embedding's output and every layer's
   else:
     assert splits == 0
+
+
+@pytest.mark.parametrize('axes', [('data',), ('fsdp', 'tensor'), ('data', 'tensor', 'context')])
+def test_fused_head_reduces_its_weight_gradient_once(axes):
+  """The fused LM head + loss (ops/cross_entropy.py) on a split batch: its W gradient is summed
+  over the devices once, after the chunks, not once a chunk (GSPMD reduces a loop-carried sum
+  over a split axis inside the loop unless the carry keeps one partial sum per token shard), and
+  it equals one device's. fsdp: W's rows split as well (`embed` over fsdp)."""
+  b, t, d, v, chunk = 8, 64, 16, 256, 8  # 8 chunks
+  sizes = {'data': 8 // 2 ** (len(axes) - 1)} if axes[0] == 'data' else {'fsdp': 4}
+  sizes.update({a: 2 for a in axes[1:]})
+  mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=jax.devices()[:8],
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+  batch_axes = tuple(a for a in axes if a in ('data', 'fsdp'))
+  tokens = NamedSharding(mesh, P(batch_axes, 'context' if 'context' in axes else None))
+  w_spec = P('fsdp' if 'fsdp' in axes else None, 'tensor' if 'tensor' in axes else None)
+  k = jax.random.split(jax.random.key(0), 3)
+  h = jax.random.normal(k[0], (b, t, d))
+  w = 0.3 * jax.random.normal(k[1], (d, v))
+  targets = jax.random.randint(k[2], (b, t), 0, v)
+  mask = jnp.ones((b, t), jnp.int32).at[:, -3:].set(0)
+  grad = jax.jit(jax.grad(lambda h, w, tg, m: head_cross_entropy_sum(h, w, tg, m, chunk)[0],
+                          argnums=(0, 1)))
+  want = grad(h, w, targets, mask)
+  args = (jax.device_put(h, tokens), jax.device_put(w, NamedSharding(mesh, w_spec)),
+          jax.device_put(targets, tokens), jax.device_put(mask, tokens))
+  with jax.set_mesh(mesh):
+    compiled = grad.lower(*args).compile()
+    got = compiled(*args)
+  for a, e in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-6)
+  # The all-reduces of W's gradient ([.., D, V / tensor] f32): after the loop, in the entry
+  # computation (one per split axis or one over all of them).
+  v_shard = v // sizes.get('tensor', 1)
+  per_computation = re.split(r'\n(?=\S)', compiled.as_text())
+  big = [(c.split('\n', 1)[0].startswith('ENTRY'), line) for c in per_computation
+         for line in c.splitlines()
+         if re.search(rf'f32\[(1,1,)?{d},{v_shard}\]\S* all-reduce\(', line)]
+  assert big and all(in_entry for in_entry, _ in big), big

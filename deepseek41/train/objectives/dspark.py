@@ -38,7 +38,7 @@ from deepseek41.train.checkpoint import CheckpointError
 from deepseek41.train.flops import FlopsPerToken, flops_per_token
 from deepseek41.train.objectives import base
 from deepseek41.train.optimizer import learning_rate_schedule
-from deepseek41.train.step import (ModelDef, cross_entropy_sum, stacked_router_biases,
+from deepseek41.train.step import (ModelDef, head_loss_sums, stacked_router_biases,
                                    updated_router_biases)
 
 log = logging.getLogger(__name__)
@@ -108,8 +108,8 @@ def stage_loss(cfg: RunConfig, graphdef, params, fixed, biases, batch, key,
   """
   m = cfg.model
   model = merge(graphdef, params, fixed, biases)
-  logits_btv, aux, drafts, targets_nkv = model.drafts_and_targets(batch, key)
-  ce_sum, n = cross_entropy_sum(logits_btv, batch['targets'], batch['loss_mask'])
+  out, aux, drafts, targets_nkv = model.drafts_and_targets(batch, key)
+  ce_sum, n = head_loss_sums(model.backbone, out, batch)
   d_loss, terms = draft_loss(cfg, drafts, targets_nkv)
   loss = jnp.zeros((), jnp.float32)
   if with_drafter:
@@ -168,8 +168,8 @@ def make_eval_step(cfg: RunConfig, graphdef):
 
   def eval_step(state, batch):
     model = merge(graphdef, state['params'], state.get('frozen'), state['router_bias'])
-    logits_btv, _, drafts, targets_nkv = model.drafts_and_targets(batch, key)
-    ce_sum, n = cross_entropy_sum(logits_btv, batch['targets'], batch['loss_mask'])
+    out, _, drafts, targets_nkv = model.drafts_and_targets(batch, key)
+    ce_sum, n = head_loss_sums(model.backbone, out, batch)
     return {'ce_sum': ce_sum, 'tokens': n,
             'alpha_nk': dspark_objective.acceptance_nk(drafts.logits_nkv, targets_nkv),
             'conf_logit_nk': drafts.conf_logit_nk, 'valid_nk': drafts.valid_nk}
