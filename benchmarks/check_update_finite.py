@@ -1,5 +1,8 @@
 """One update of a config from its initialisation, and which parameters it leaves non-finite
-or moves most: a first look when a run stops with a non-finite loss at its second step.
+or moves most: a first look when a run stops with a non-finite loss at its second step. For a
+token table (`TokenTable`: the Sinkhorn-balanced update of muon_hybrid) left non-finite, its
+gradient and each of the balance's passes are traced on the device: where the first
+non-finite value appears, and the smallest and largest norms each pass divides by.
 
     python benchmarks/check_update_finite.py --config=configs/ablation_1b.py \
         --config.train.optimizer=muon_hybrid --config.data.seq_len=4096 \
@@ -9,18 +12,24 @@ or moves most: a first look when a run stops with a non-finite loss at its secon
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from absl import app
+from flax import nnx
+from absl import app, flags
 from ml_collections import config_flags
 
 from deepseek41.config import resolve
+from deepseek41.model.params import TokenTable, token_axis_of
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.objectives import objective_for
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.state import named_leaves
+from deepseek41.train.step import accumulate_gradients
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'A get_config() file.')
+_TRACE_ALL = flags.DEFINE_bool('trace_all_tables', False, 'Trace every token table\'s balance, '
+                               'not only those left non-finite.')
 
 
 def synthetic_batch(cfg, seed: int = 0) -> dict[str, np.ndarray]:
@@ -31,6 +40,29 @@ def synthetic_batch(cfg, seed: int = 0) -> dict[str, np.ndarray]:
           'segment_ids': np.ones((b, t), np.int32),
           'positions': np.tile(np.arange(t, dtype=np.int32), (b, 1)),
           'loss_mask': np.ones((b, t), np.int32), 'modality': np.zeros((b, t), np.int32)}
+
+
+def pass_labels(normalizations: int) -> list[str]:
+  return ['live rows'] + [f'pass {k} ({"rows" if k % 2 == 0 else "columns"})'
+                          for k in range(normalizations)]
+
+
+def sinkhorn_passes(g_tc, cfg_train):
+  """Per pass of train/muon.py `sinkhorn_balance` on g (rows first, then `pass_labels`): (norms
+  above 0, min norm, max norm, non-finite values after it)."""
+  t = cfg_train
+  x = g_tc.astype(jnp.float32)
+  row_norm = jnp.linalg.norm(x, axis=1, keepdims=True)
+  live = row_norm > t.sinkhorn_tau * jnp.mean(row_norm)
+  out = [(jnp.sum(live), jnp.min(row_norm), jnp.max(row_norm),
+          jnp.sum(~jnp.isfinite(x)))]
+  x = jnp.where(live, x, 0.0)
+  for k in range(t.sinkhorn_normalizations):
+    norm = jnp.linalg.norm(x, axis=1 if k % 2 == 0 else 0, keepdims=True)
+    x = x / (norm + t.sinkhorn_eps)
+    out.append((jnp.sum(norm > 0),
+                jnp.min(norm), jnp.max(norm), jnp.sum(~jnp.isfinite(x))))
+  return out
 
 
 def main(argv):
@@ -61,6 +93,36 @@ def main(argv):
     print(f'  non-finite: {name} {shape}')
   for _, rms, name, shape in sorted((r for r in rows if not r[0]), key=lambda r: -r[1])[:10]:
     print(f'  update rms {rms:.3e}: {name} {shape}')
+  tables = {n: v for n, v in named_leaves(state['params']).items()}
+  names = set(_token_tables(state['params'])) if _TRACE_ALL.value else {r[2] for r in bad}
+  bad_tables = sorted(names & set(_token_tables(state['params'])))
+  if not bad_tables:
+    return
+  with jax.set_mesh(mesh):
+    grads = jax.jit(lambda st, b: accumulate_gradients(cfg, md, st['params'], st['router_bias'],
+                                                       b)[0])(state, batch)
+  named = named_leaves(grads)
+  for name in bad_tables:
+    axis = _token_tables(state['params'])[name]
+    g = jnp.moveaxis(named[name], axis, 0)
+    print(f'{name} {tables[name].shape}: gradient non-finite {int(jnp.sum(~jnp.isfinite(g)))}, '
+          f'|g| max {float(jnp.max(jnp.abs(g))):.3e}, rows touched '
+          f'{int(jnp.sum(jnp.any(g != 0, axis=1)))} of {g.shape[0]}')
+    passes = jax.jit(sinkhorn_passes, static_argnums=1)(g, cfg.train)
+    for label, (count, lo, hi, nonfinite) in zip(
+        pass_labels(cfg.train.sinkhorn_normalizations), passes):
+      print(f'  {label}: {int(count)} nonzero norms in [{float(lo):.3e}, {float(hi):.3e}], '
+            f'{int(nonfinite)} non-finite after')
+
+
+def _token_tables(params) -> dict[str, int]:
+  """{dotted path: token axis} of the TokenTable variables."""
+  out = {}
+  for path, var in jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+    if isinstance(var, TokenTable):
+      out[state_lib._dotted(path)] = token_axis_of(var)
+  return out
 
 
 if __name__ == '__main__':
