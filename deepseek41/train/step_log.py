@@ -102,7 +102,8 @@ class StepLog:
     if m.csa2:
       scalars['indexer_loss'] = float(host['indexer_loss'])
       scalars['indexer_recall'] = float(host['indexer_recall'])
-    scalars.update({k: timing[k] for k in ('mfu', 'images_per_s') if k in timing})
+    scalars.update({k: timing[k] for k in ('mfu', 'images_per_s', 'run_tokens_per_s', 'run_mfu')
+                    if k in timing})
     scalars.update({k: float(v) for k, v in host.get('extra', {}).items()})  # a stage's own
     peak_gb = peak_device_memory_gb()
     if peak_gb is not None:

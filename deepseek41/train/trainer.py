@@ -348,7 +348,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
                    time.perf_counter() - t_wait, compile_cache.describe())
           throughput.pause()
           step_log.drain(keep_last=False)
-          throughput.start()
+          throughput.begin_run()
         step_log.drain(keep_last=True)
         ckpt.poll()  # a failed background save stops the run here, not one interval later
 

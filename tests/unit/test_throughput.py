@@ -37,3 +37,33 @@ def test_the_compile_step_is_not_timed():
   s = t.scalars()
   assert s['step_time_s'] != s['step_time_s']  # nan: nothing timed
   assert 'mfu' not in s and 'images_per_s' not in s
+
+
+def test_the_run_figure_counts_every_step_since_compilation_over_training_time(monkeypatch):
+  """Two windows (4 steps in 2 s, then 2 steps in 2 s with 1 s of evaluation left out): each
+  window's tokens/s is its own; the run's is all 6 steps over the 3 s of training since the
+  compile step, which is not counted."""
+  now = [10.0]
+  monkeypatch.setattr(throughput_lib.time, 'perf_counter', lambda: now[0])
+  fpt = types.SimpleNamespace(total=1e6, vision_per_image=0)
+  t = throughput_lib.Throughput(tokens_per_step=1000, flops_per_token=fpt, peak_tflops=1.0,
+                                device_count=1, process_count=1, vision=False)
+  t.pause()
+  t.count_step(data_wait_s=0.0)  # the compile step
+  now[0] += 30.0
+  t.begin_run()
+  for _ in range(4):
+    t.count_step(data_wait_s=0.0)
+  now[0] += 2.0
+  first = t.scalars()
+  assert first['tokens_per_s'] == first['run_tokens_per_s'] == pytest.approx(2000.0)
+  t.start()
+  now[0] += 1.0
+  t.exclude(1.0)  # an evaluation
+  for _ in range(2):
+    t.count_step(data_wait_s=0.0)
+  now[0] += 1.0
+  second = t.scalars()
+  assert second['tokens_per_s'] == pytest.approx(2000.0)   # 2 steps in the window's 1 s
+  assert second['run_tokens_per_s'] == pytest.approx(6000 / 3.0)
+  assert second['run_mfu'] == pytest.approx(6000 * 1e6 / 3.0 / 1e12)
