@@ -109,6 +109,19 @@ def _tail_rows(x, start_b, n_win: int):
   return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, n_win, axis=0))(x, start_b)
 
 
+def _encoder(model, batch, decoding: Decoding, capture_layers):
+  """CED's encoder over a chunk with the caches, then the first decoder layer's entries
+  appended from its output: (x, pre, captured, shared)."""
+  encoder = model.cfg.num_encoder_layers
+  x, pre = model.residual_input(batch)
+  x, pre, _, captured, shared = model.run_blocks(x, pre, batch, Shared(decode=decoding),
+                                                 capture_layers, blocks=model.blocks[:encoder])
+  first_decoder = model.blocks[encoder]
+  if first_decoder.attn.owns_kv:
+    shared = first_decoder.publish_global_kv(x, pre, batch, shared)
+  return x, pre, captured, shared
+
+
 def ced_prefill(model, cache: dict, tokens_bt, lengths_b, n_win: int, *, engram_map=None,
                 capture_layers: tuple[int, ...] = (), images: dict | None = None):
   """CED prefill of right-padded prompts into an empty cache: (logits [B, n_win, V] of each
@@ -129,13 +142,8 @@ def ced_prefill(model, cache: dict, tokens_bt, lengths_b, n_win: int, *, engram_
   valid_bt = jnp.arange(t)[None, :] < lengths_b[:, None]
   start_b = jnp.zeros_like(lengths_b)
   batch = chunk_batch(cfg, cache, tokens_bt, valid_bt, start_b, engram_map, images)
-  shared = Shared(decode=Decoding(start_b, lengths_b, cache['layers']))
-  x, pre = model.residual_input(batch)
-  x, pre, _, captured, shared = model.run_blocks(x, pre, batch, shared, capture_layers,
-                                                 blocks=model.blocks[:encoder])
-  first_decoder = model.blocks[encoder]
-  if first_decoder.attn.owns_kv:
-    shared = first_decoder.publish_global_kv(x, pre, batch, shared)
+  x, pre, captured, shared = _encoder(model, batch, Decoding(start_b, lengths_b, cache['layers']),
+                                      capture_layers)
   tail_b = jnp.maximum(lengths_b - n_win, 0)
   per_slot = ('row_offset', 'image_patches', 'image_grid')  # not per position
   tail = jax.tree.map(lambda v: _tail_rows(v, tail_b, n_win),
@@ -171,17 +179,11 @@ def ced_encoder_chunk(model, cache: dict, tokens_bq, valid_bq, tail: dict, tail_
   the chunk's rows that lie in each row's tail [tail_b, tail_b + n_win) copied into `tail`
   (`empty_tail`). Returns (cache, tail)."""
   cfg = model.cfg
-  encoder = cfg.num_encoder_layers
   start_b = cache['length']
   batch = chunk_batch(cfg, cache, tokens_bq, valid_bq, start_b, engram_map)
   end_b = start_b + jnp.sum(valid_bq, axis=1, dtype=jnp.int32)
-  shared = Shared(decode=Decoding(start_b, end_b, cache['layers']))
-  x, pre = model.residual_input(batch)
-  x, pre, _, captured, shared = model.run_blocks(x, pre, batch, shared, capture_layers,
-                                                 blocks=model.blocks[:encoder])
-  first_decoder = model.blocks[encoder]
-  if first_decoder.attn.owns_kv:
-    shared = first_decoder.publish_global_kv(x, pre, batch, shared)
+  x, pre, captured, shared = _encoder(model, batch, Decoding(start_b, end_b, cache['layers']),
+                                      capture_layers)
   n_win = tail['x'].shape[1]
   pos_bq = batch['positions']
   in_tail_bq = valid_bq & (pos_bq >= tail_b[:, None]) & (pos_bq < tail_b[:, None] + n_win)

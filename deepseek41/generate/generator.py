@@ -503,6 +503,18 @@ def _write_features(dspark, cache, captured, valid_bq, start_b):
           'feat_pos': scatter_rows(cache['feat_pos'], slots, pos_bq)}
 
 
+def _ced_tail_result(dspark, cache, logits_bwv, captured, lengths_b, features: bool):
+  """(each row's last prompt logits, cache) from CED's decoder over the rows' last n_win
+  positions, DSpark's features of them written when `features`."""
+  n_win = logits_bwv.shape[1]
+  tail_b = jnp.maximum(lengths_b - n_win, 0)
+  if features:
+    valid = (tail_b[:, None] + jnp.arange(n_win)[None, :]) < lengths_b[:, None]
+    cache = _write_features(dspark, cache, captured, valid, tail_b)
+  last = jnp.take_along_axis(logits_bwv, (lengths_b - 1 - tail_b)[:, None, None], axis=1)[:, 0]
+  return last, cache
+
+
 class Programs:
   """The jitted pieces of generation over the split model state (merged inside each program).
   `traces` counts how often each program was traced: once per shape of its inputs."""
@@ -576,16 +588,10 @@ class Programs:
     """The decoder over the tail a chunked CED prefill collected: (last logits, cache)."""
     def run(state, cache, tail, lengths_b, features):
       model, dspark = self._merged(state)
-      n_win = tail['x'].shape[1]
       logits, captured, cache = ced_decoder_tail(
           model, cache, tail, lengths_b, engram_map=self.engram_map,
           capture_layers=dspark.targets if features else ())
-      tail_b = jnp.maximum(lengths_b - n_win, 0)
-      if features:
-        valid = (tail_b[:, None] + jnp.arange(n_win)[None, :]) < lengths_b[:, None]
-        cache = _write_features(dspark, cache, captured, valid, tail_b)
-      last = jnp.take_along_axis(logits, (lengths_b - 1 - tail_b)[:, None, None], axis=1)[:, 0]
-      return last, cache
+      return _ced_tail_result(dspark, cache, logits, captured, lengths_b, features)
     return self._compiled('prefill_ced_tail', run, ('features',), donate=('cache',))(
         self.state, cache, tail, lengths_b, features=features)
 
@@ -599,12 +605,7 @@ class Programs:
       logits, captured, cache = ced_prefill(
           model, cache, tokens_bt, lengths_b, n_win, engram_map=self.engram_map,
           capture_layers=dspark.targets if features else (), images=images)
-      tail_b = jnp.maximum(lengths_b - n_win, 0)
-      if features:
-        valid = (tail_b[:, None] + jnp.arange(n_win)[None, :]) < lengths_b[:, None]
-        cache = _write_features(dspark, cache, captured, valid, tail_b)
-      last = jnp.take_along_axis(logits, (lengths_b - 1 - tail_b)[:, None, None], axis=1)[:, 0]
-      return last, cache
+      return _ced_tail_result(dspark, cache, logits, captured, lengths_b, features)
     return self._compiled('prefill_ced', run, ('n_win', 'features'))(
         self.state, cache, tokens_bt, lengths_b, images, n_win=n_win, features=features)
 

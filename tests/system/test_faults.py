@@ -20,7 +20,6 @@ from orbax.checkpoint._src.handlers import json_checkpoint_handler
 from orbax.checkpoint._src.multihost import multihost
 
 from deepseek41.config import resolve
-from deepseek41.train import checkpoint as checkpoint_lib
 from deepseek41.train import metrics as metrics_lib
 from deepseek41.train import trainer as trainer_lib
 from deepseek41.train.checkpoint import (MANIFEST, CheckpointError, CheckpointSaveError,

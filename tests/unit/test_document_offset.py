@@ -6,7 +6,6 @@ produces (multiples of data.document_align) gets the same pool, selection and lo
 document alone in a row.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
 
 from deepseek41.config import DEFAULT_RULES, mesh_rules
 from deepseek41.ops.parallel import engram_lookup as el

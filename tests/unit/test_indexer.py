@@ -16,7 +16,7 @@ from deepseek41.model.compressor import (CompressedKV, Compressor, document_firs
 from deepseek41.model import indexer as indexer_lib
 from deepseek41.model.indexer import (IndexKeys, IndexQuery, block_scores, candidate_blocks,
                                       indexer_distillation, indexer_kl_per_query,
-                                      newest_visible_bt, pool_entry_mask, recall_per_query,
+                                      newest_visible_bt, pool_entry_mask,
                                       select_topk, select_topk_blocked)
 from deepseek41.model.rope import rope_for_role
 from deepseek41.ops.index_scores import index_scores_reference as index_scores
