@@ -24,7 +24,7 @@ from deepseek41.sharding import make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.checkpoint import Checkpointer
 from deepseek41.train.optimizer import make_optimizer
-from deepseek41.train.step import forward_loss
+from deepseek41.train.step import accumulate_gradients, forward_loss, make_train_step
 from deepseek41.train.trainer import train
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,6 +173,21 @@ def logged_losses(workdir: str) -> dict[int, float]:
 
 def resolved(num_devices=1, **overrides):
   return resolve(small_config(**overrides), num_devices=num_devices, backend='cpu')
+
+
+def one_train_step(**overrides):
+  """(gradients, new state, metrics) of one train step of `resolved(**overrides)` from its
+  initialisation, on one device, on `packed_batch(seed=3)` with image rows 0 and 7."""
+  cfg = resolved(**overrides)
+  tx = make_optimizer(cfg.train)
+  mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+  state, _ = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
+  md = state_lib.model_def(cfg, tx)
+  batch = packed_batch(seed=3, image_rows=(0, 7))
+  grads = jax.jit(lambda p, b, x: accumulate_gradients(cfg, md, p, b, x)[0])(
+      state['params'], state['router_bias'], batch)
+  new_state, metrics = jax.jit(make_train_step(cfg, md))(state, batch)
+  return grads, new_state, metrics
 
 
 def packed_batch(seed=0, b=B, t=T, vocab=VOCAB, docs_per_row=3, pad=5, image_rows=()):
