@@ -75,6 +75,9 @@ def main(argv):
   bsh = batch_sharding(mesh, cfg.mesh.rules)
   batch = {k: jax.device_put(v, bsh) for k, v in synthetic_batch(cfg).items()}
   before = {k: np.asarray(v, np.float32) for k, v in named_leaves(state['params']).items()}
+  # Rows a batch never gathers can hide a non-finite initialisation behind a finite loss.
+  for name in [n for n, v in before.items() if not np.isfinite(v).all()][:20]:
+    print(f'  non-finite BEFORE the update (initialisation): {name}')
   with jax.set_mesh(mesh):
     step = jax.jit(objective_for(cfg).make_train_step(md), in_shardings=(shardings, bsh),
                    out_shardings=(shardings, None))
@@ -88,6 +91,12 @@ def main(argv):
     rms = float(np.sqrt(np.mean(np.square(delta)))) if finite else float('nan')
     rows.append((not finite, rms, name, after.shape))
   bad = [r for r in rows if r[0]]
+  opt_bad = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(
+      new['opt']) if hasattr(leaf, 'dtype') and jnp.issubdtype(leaf.dtype, jnp.floating)
+      and not bool(jnp.isfinite(leaf).all())]
+  print(f'{len(opt_bad)} optimizer state leaves non-finite after the update')
+  for path in opt_bad[:20]:
+    print(f'  non-finite state: {path}')
   print(f'{len(bad)} of {len(rows)} parameters non-finite after the update')
   for _, _, name, shape in bad[:20]:
     print(f'  non-finite: {name} {shape}')
