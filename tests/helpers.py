@@ -447,3 +447,32 @@ def entry_layout(ratio, docs=DOCS, t=T):
 def first_visible(vis):
   """The document's first entry as the smallest visible one (-1: none), from the dense mask."""
   return np.where(vis.any(-1), np.argmax(vis, -1), -1).astype(np.int32)
+
+
+# CSA2 at the small config's sizes, the two-stage top-k active
+CSA2_SMALL = {'model.attention_variant': 'csa2', 'model.index_n_heads': 2,
+              'model.index_head_dim': 8, 'model.sparse_chunk': 16, 'model.index_topk_block': 2}
+
+
+def aligned_batch(seed):
+  """Documents of even length, so ratio-2 groups never straddle (the packer's alignment)."""
+  batch = packed_batch(seed=seed, docs_per_row=2, pad=4)
+  seg = batch['segment_ids']
+  for r in range(seg.shape[0]):
+    first = np.argmax(seg[r] == 2)
+    if first % 2:  # move the boundary one token later
+      seg[r, first] = 1
+      batch['positions'][r, first] = batch['positions'][r, first - 1] + 1
+      batch['positions'][r, first + 1:][seg[r, first + 1:] == 2] -= 1
+  batch['loss_mask'] = (seg > 0).astype(np.int32)
+  return batch
+
+
+# The DSpark stage trained beside its backbone (no backbone checkpoint needed)
+DRAFTER = {'dspark.stage': 'post_training', 'dspark.num_blocks': 1, 'dspark.block_size': 3,
+           'dspark.n_routed_experts': 4, 'dspark.num_experts_per_tok': 2,
+           'dspark.markov_rank': 8, 'dspark.anchors_per_sequence': 4}
+
+
+def singular_values(x):
+  return np.linalg.svd(np.asarray(x, np.float64), compute_uv=False)

@@ -1,21 +1,24 @@
 """train.optimizer=muon_hybrid on 8 fake devices and through the trainer: the sharded update equals
 one device's, with no expert stack gathered; resume is bit-exact; resuming under the other
-optimizer is refused, naming train.optimizer."""
+optimizer is refused, naming train.optimizer; the DSpark stage's step trains its drafter with it."""
 
 import functools
+import math
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from deepseek41.sharding import make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.checkpoint import CheckpointError
-from deepseek41.train.optimizer import make_optimizer
+from deepseek41.train.objectives import objective_for
+from deepseek41.train.optimizer import learning_rate_schedule, make_optimizer
 from deepseek41.train.trainer import train
-from tests.helpers import (VISION, final_state, leaf_value, logged_losses, random_like, resolved,
-                           small_config)
+from tests.helpers import (DRAFTER, VISION, final_state, leaf_value, logged_losses, packed_batch,
+                           random_like, resolved, singular_values, small_config)
 
 HYBRID = {'train.optimizer': 'muon_hybrid', 'model.engram': True,
           'model.residual': 'mhc_single_pass'}
@@ -114,3 +117,28 @@ def test_resuming_with_another_optimizer_is_refused(straight, tmp_path):
   msg = str(err.value)
   assert msg.startswith('train.optimizer:') and "'muon_hybrid'" in msg and "'adamw'" in msg
   assert 'shape/dtype' not in msg and 'absent' not in msg   # the cause, not the layout
+
+
+def test_the_dspark_stage_trains_with_muon_hybrid():
+  """The DSpark stage's step (its own, objectives/dspark.py) with the hybrid: the drafter's
+  Markov tables get the Sinkhorn update, its routed experts Muon's, each expert on its own."""
+  cfg = resolved(**{**DRAFTER, 'train.optimizer': 'muon_hybrid', 'train.weight_decay': 0.0})
+  tx = make_optimizer(cfg.train)
+  md = state_lib.model_def(cfg, tx)
+  state = jax.jit(state_lib._init_fn(cfg, tx))()
+  batch = {k: jnp.asarray(v) for k, v in packed_batch(seed=1).items()}
+  new, metrics = jax.jit(objective_for(cfg).make_train_step(md))(state, batch)
+  assert np.isfinite(float(metrics['loss'])) and np.isfinite(float(metrics['extra']['dspark_loss']))
+  lr, t = float(learning_rate_schedule(cfg.train)(0)), cfg.train
+  moved = lambda *path: (leaf_value(new['params'], *path) - leaf_value(state['params'], *path))
+  markov = -moved('dspark', 'markov_in') / (t.sinkhorn_gamma * lr)
+  live = np.abs(markov).sum(axis=1) > 0
+  assert 0 < live.sum() < len(live)   # the tokens the drafts read, only
+  np.testing.assert_allclose(np.sqrt(np.mean(markov[live] ** 2, axis=1)), 1.0, rtol=1e-4)
+  experts = -moved('dspark', 'blocks', 0, 'moe', 'w_up') / lr
+  for e in range(experts.shape[0]):
+    unit = experts[e] / (t.muon_rms_match * math.sqrt(max(experts.shape[1:])))
+    # an expert's gradient has at most the rank of the tokens it served: the polar factor keeps
+    # its null directions at ~0, and every other singular value at 1
+    sv = singular_values(unit)
+    assert np.all((np.abs(sv - 1) < 2e-2) | (sv < 5e-2)) and np.sum(np.abs(sv - 1) < 2e-2) >= 1, sv

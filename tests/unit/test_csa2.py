@@ -12,10 +12,8 @@ from deepseek41.model.indexer import pool_entry_mask
 from deepseek41.model.shared import Shared
 from deepseek41.ops.sparse_attention import selection_mask
 from deepseek41.model.transformer import Transformer
-from tests.helpers import packed_batch, resolved, token_ce
-
-CSA2 = {'model.attention_variant': 'csa2', 'model.index_n_heads': 2, 'model.index_head_dim': 8,
-        'model.sparse_chunk': 16, 'model.index_topk_block': 2}  # two-stage top-k active
+from tests.helpers import CSA2_SMALL as CSA2
+from tests.helpers import aligned_batch, resolved, token_ce
 
 
 def _model(**overrides):
@@ -43,23 +41,9 @@ def _published(shared: Shared) -> set[str]:
 _token_ce = nnx.jit(token_ce)
 
 
-def _aligned_batch(seed):
-  """Documents of even length, so ratio-2 groups never straddle (the packer's alignment)."""
-  batch = packed_batch(seed=seed, docs_per_row=2, pad=4)
-  seg = batch['segment_ids']
-  for r in range(seg.shape[0]):
-    first = np.argmax(seg[r] == 2)
-    if first % 2:  # move the boundary one token later
-      seg[r, first] = 1
-      batch['positions'][r, first] = batch['positions'][r, first - 1] + 1
-      batch['positions'][r, first + 1:][seg[r, first + 1:] == 2] -= 1
-  batch['loss_mask'] = (seg > 0).astype(np.int32)
-  return batch
-
-
 def test_roles_publish_and_reuse_exactly_what_they_should():
   model, cfg = _model()
-  batch = {k: jnp.asarray(v) for k, v in _aligned_batch(0).items()}
+  batch = {k: jnp.asarray(v) for k, v in aligned_batch(0).items()}
   trail = _walk(model, batch)
   roles = layer_roles(cfg.model)
   assert [r.mode for r in roles] == ['SWA', FULL, FULL, REINDEX]
@@ -102,7 +86,7 @@ def test_roles_publish_and_reuse_exactly_what_they_should():
 
 def test_top_k_covering_everything_selects_exactly_the_visible_entries():
   model, cfg = _model(**{'model.index_topk': 64, 'model.candidate_topk_blocks': 16})
-  batch = {k: jnp.asarray(v) for k, v in _aligned_batch(1).items()}
+  batch = {k: jnp.asarray(v) for k, v in aligned_batch(1).items()}
   final = _walk(model, batch)[-1]
   for layer, src in ((1, 1), (2, 2), (3, 2)):
     comp, _ = final.kv[src]
@@ -117,7 +101,7 @@ def csa2_model():
 
 
 def test_causality_and_document_isolation(csa2_model):
-  batch = _aligned_batch(2)
+  batch = aligned_batch(2)
   base = np.asarray(_token_ce(csa2_model, batch))
   rng = np.random.default_rng(3)
   for t_change in (9, 30):
@@ -133,7 +117,7 @@ def test_causality_and_document_isolation(csa2_model):
 
 
 def test_the_compressed_branch_changes_the_model(csa2_model):
-  batch = _aligned_batch(4)
+  batch = aligned_batch(4)
   off, _ = _model(**{'model.attention_variant': 'window'})
   assert np.abs(np.asarray(_token_ce(csa2_model, batch)) -
                 np.asarray(_token_ce(off, batch))).max() > 1e-4
@@ -144,7 +128,7 @@ def test_the_compressed_branch_changes_the_model(csa2_model):
                                        {'model.sparse_chunk': 5},
                                        {'model.index_causal_groups': 1}])
 def test_scalable_path_equals_reference(csa2_model, overrides):
-  batch = _aligned_batch(5)
+  batch = aligned_batch(5)
 
   def loss_and_grads(model):
     def loss(m):
@@ -160,7 +144,7 @@ def test_scalable_path_equals_reference(csa2_model, overrides):
 def _split_grads(overrides, term):
   """Gradients of one objective term, split into indexer weights and everything else."""
   model, cfg = _model(**overrides)
-  batch = _aligned_batch(6)
+  batch = aligned_batch(6)
 
   def loss(m):
     logits, aux = m(batch)
@@ -187,49 +171,3 @@ def test_indexer_and_backbone_gradients_are_isolated():
   assert any(np.abs(g).max() > 0 for g in rest.values())
 
 
-def test_indexer_learns_its_target():
-  from deepseek41.sharding import make_mesh
-  from deepseek41.train import state as state_lib
-  from deepseek41.train.optimizer import make_optimizer
-  from deepseek41.train.step import make_train_step
-  cfg = resolved(**{**CSA2, 'train.lr': 1e-2, 'train.warmup_steps': 1, 'train.steps': 40})
-  tx = make_optimizer(cfg.train)
-  state, _ = state_lib.init_state(cfg, tx, make_mesh(cfg.mesh, jax.devices()[:1]),
-                                  cfg.mesh.rules)
-  step = jax.jit(make_train_step(cfg, state_lib.model_def(cfg, tx)))
-  batch = _aligned_batch(7)
-  history = []
-  for _ in range(40):
-    state, m = step(state, batch)
-    history.append((float(m['indexer_loss']), float(m['indexer_recall'])))
-  (loss0, recall0), (loss1, recall1) = np.mean(history[:3], 0), np.mean(history[-3:], 0)
-  assert loss1 < 0.85 * loss0
-  assert recall1 > recall0
-
-
-def test_sharded_matches_single_device():
-  """CSA2 (selection, shared KV, gathered branch) on a 2x2x2 mesh of 8 fake devices."""
-  from deepseek41.sharding import batch_sharding, make_mesh
-  from deepseek41.train import state as state_lib
-  from deepseek41.train.optimizer import make_optimizer
-  from deepseek41.train.step import forward_loss
-  batch = _aligned_batch(8)
-  out = []
-  for n, mesh_overrides in ((1, {'mesh.data': 1}),
-                            (8, {'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.expert': 2})):
-    cfg = resolved(num_devices=n, **{**CSA2, **mesh_overrides})
-    tx = make_optimizer(cfg.train)
-    mesh = make_mesh(cfg.mesh, jax.devices()[:n])
-    state, _ = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
-    md = state_lib.model_def(cfg, tx)
-    gbatch = {k: jax.device_put(v, batch_sharding(mesh, cfg.mesh.rules)) for k, v in batch.items()}
-
-    def loss(params, biases, b):
-      ce, cnt, aux = forward_loss(md, params, biases, b)
-      return ce / cnt + aux['indexer_loss']
-    with jax.set_mesh(mesh):
-      out.append(jax.jit(jax.value_and_grad(loss))(state['params'], state['router_bias'], gbatch))
-  (l1, g1), (l8, g8) = out
-  np.testing.assert_allclose(l8, l1, rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)

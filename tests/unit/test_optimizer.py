@@ -23,7 +23,8 @@ from deepseek41.train.muon import newton_schulz, ns_coefficients, sinkhorn_balan
 from deepseek41.train.objectives import objective_for
 from deepseek41.train.optimizer import (ADAMW, MUON, SINKHORN, hybrid_labels,
                                         learning_rate_schedule, make_optimizer)
-from tests.helpers import VISION, leaf_value, packed_batch, random_like, resolved, small_config
+from tests.helpers import (VISION, leaf_value, random_like, resolved, singular_values,
+                           small_config)
 
 COEFFS = ns_coefficients(((3.4445, -4.775, 2.0315), (2.0, -1.5, 0.5)), (8, 2))
 # The whole structure: Engram tables, mHC's static parameters, experts, head-wise Q.
@@ -32,19 +33,11 @@ HYBRID = {'train.optimizer': 'muon_hybrid', 'model.engram': True,
 # + CSA2 (the indexer's head-wise Q) and the ViT (its fused q/k/v), for the updates alone (no
 # forward pass to compile)
 EVERY_GROUP = {**HYBRID, **VISION, 'model.attention_variant': 'csa2'}
-# The DSpark stage trained beside its backbone (no backbone checkpoint needed)
-DRAFTER = {'dspark.stage': 'post_training', 'dspark.num_blocks': 1, 'dspark.block_size': 3,
-           'dspark.n_routed_experts': 4, 'dspark.num_experts_per_tok': 2,
-           'dspark.markov_rank': 8, 'dspark.anchors_per_sequence': 4}
 
 
 def _polar(x):
   u, _, vt = np.linalg.svd(np.asarray(x, np.float64), full_matrices=False)
   return u @ vt
-
-
-def _singular_values(x):
-  return np.linalg.svd(np.asarray(x, np.float64), compute_uv=False)
 
 
 # ---- Newton-Schulz and the Sinkhorn balance ------------------------------------------------------
@@ -57,12 +50,12 @@ def test_newton_schulz_is_the_polar_factor(shape):
   # fp32, 8 fast + 2 stable iterations: measured max |error| 1e-4 (2e-4 square), singular values
   # in [1.0000, 1.0005].
   np.testing.assert_allclose(out, _polar(x), atol=5e-4)
-  assert np.all(np.abs(_singular_values(out) - 1) < 1e-3)
+  assert np.all(np.abs(singular_values(out) - 1) < 1e-3)
   # bf16 iterations: singular values within 0.7% of 1 (measured 0.993-1.007), the factor itself
   # within 1.6e-2 of the SVD's (entries ~0.15): what train.muon_ns_dtype=bfloat16 trades.
   out16 = np.asarray(newton_schulz(jnp.asarray(x), COEFFS, jnp.bfloat16))
   assert out16.dtype == np.float32
-  assert np.all(np.abs(_singular_values(out16) - 1) < 1.5e-2)
+  assert np.all(np.abs(singular_values(out16) - 1) < 1.5e-2)
   np.testing.assert_allclose(out16, _polar(x), atol=3e-2)
 
 
@@ -127,7 +120,7 @@ def _assert_orthogonal(direction_mn, grad_mn, rms):
   random matrix's smallest ones converge last: measured 0.988 for one of 32)."""
   m, n = direction_mn.shape
   unit = direction_mn / (rms * math.sqrt(max(m, n)))
-  np.testing.assert_allclose(_singular_values(unit), 1.0, atol=2e-2)
+  np.testing.assert_allclose(singular_values(unit), 1.0, atol=2e-2)
   np.testing.assert_allclose(unit, _polar(grad_mn), atol=5e-3)
 
 
@@ -175,7 +168,7 @@ def test_each_expert_and_each_q_head_is_orthogonalised_on_its_own():
   # (the stack orthogonalised as one [E x d, f] matrix would leave each slice's singular
   # values near 1/sqrt(E), not 1)
   whole = _polar(g_edf.reshape(-1, g_edf.shape[-1])).reshape(g_edf.shape)
-  assert _singular_values(whole[0]).max() < 0.7
+  assert singular_values(whole[0]).max() < 0.7
   q_rhd = -leaf_value(updates, 'blocks', 1, 'attn', 'wq_b') / lr
   g_rhd = leaf_value(grads, 'blocks', 1, 'attn', 'wq_b')
   for h in range(q_rhd.shape[1]):
@@ -286,26 +279,3 @@ def test_muon_ns_dtype_auto_follows_the_backend():
   assert resolve(c, num_devices=1, backend='gpu').train.muon_ns_dtype == 'bfloat16'
 
 
-def test_the_dspark_stage_trains_with_muon_hybrid():
-  """The DSpark stage's step (its own, objectives/dspark.py) with the hybrid: the drafter's
-  Markov tables get the Sinkhorn update, its routed experts Muon's, each expert on its own."""
-  cfg = resolved(**{**DRAFTER, 'train.optimizer': 'muon_hybrid', 'train.weight_decay': 0.0})
-  tx = make_optimizer(cfg.train)
-  md = state_lib.model_def(cfg, tx)
-  state = jax.jit(state_lib._init_fn(cfg, tx))()
-  batch = {k: jnp.asarray(v) for k, v in packed_batch(seed=1).items()}
-  new, metrics = jax.jit(objective_for(cfg).make_train_step(md))(state, batch)
-  assert np.isfinite(float(metrics['loss'])) and np.isfinite(float(metrics['extra']['dspark_loss']))
-  lr, t = _lr(cfg), cfg.train
-  moved = lambda *path: (leaf_value(new['params'], *path) - leaf_value(state['params'], *path))
-  markov = -moved('dspark', 'markov_in') / (t.sinkhorn_gamma * lr)
-  live = np.abs(markov).sum(axis=1) > 0
-  assert 0 < live.sum() < len(live)   # the tokens the drafts read, only
-  np.testing.assert_allclose(np.sqrt(np.mean(markov[live] ** 2, axis=1)), 1.0, rtol=1e-4)
-  experts = -moved('dspark', 'blocks', 0, 'moe', 'w_up') / lr
-  for e in range(experts.shape[0]):
-    unit = experts[e] / (t.muon_rms_match * math.sqrt(max(experts.shape[1:])))
-    # an expert's gradient has at most the rank of the tokens it served: the polar factor keeps
-    # its null directions at ~0, and every other singular value at 1
-    sv = _singular_values(unit)
-    assert np.all((np.abs(sv - 1) < 2e-2) | (sv < 5e-2)) and np.sum(np.abs(sv - 1) < 2e-2) >= 1, sv
