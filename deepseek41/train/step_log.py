@@ -91,7 +91,7 @@ class StepLog:
                'grad_norm': float(host['grad_norm']), 'lr': float(host['lr'])}
     timing = self.throughput.scalars()
     scalars.update({k: timing[k] for k in ('step_time_s', 'tokens_per_s', 'model_tflops_per_s',
-                                           'data_wait_s')})
+                                           'data_wait_s', 'step_time_min_s', 'step_time_max_s')})
     scalars['dropped_frac'] = float(host['dropped']) / max(
         float(host['routed_tokens']) * m.num_experts_per_tok * m.num_layers, 1.0)
     engram_layers = len(m.engram_layer_ids) if m.engram else 0
@@ -102,7 +102,8 @@ class StepLog:
     if m.csa2:
       scalars['indexer_loss'] = float(host['indexer_loss'])
       scalars['indexer_recall'] = float(host['indexer_recall'])
-    scalars.update({k: timing[k] for k in ('mfu', 'images_per_s', 'run_tokens_per_s', 'run_mfu')
+    scalars.update({k: timing[k] for k in ('mfu', 'images_per_s', 'run_s', 'run_tokens_per_s',
+                                           'run_mfu')
                     if k in timing})
     scalars.update({k: float(v) for k, v in host.get('extra', {}).items()})  # a stage's own
     peak_gb = peak_device_memory_gb()

@@ -67,3 +67,26 @@ def test_the_run_figure_counts_every_step_since_compilation_over_training_time(m
   assert second['tokens_per_s'] == pytest.approx(2000.0)   # 2 steps in the window's 1 s
   assert second['run_tokens_per_s'] == pytest.approx(6000 / 3.0)
   assert second['run_mfu'] == pytest.approx(6000 * 1e6 / 3.0 / 1e12)
+
+
+def test_each_step_is_timed_between_two_finishes_with_exclusions_left_out(monkeypatch):
+  """Steps seen finished 0.5, 0.3 (after 1 s of evaluation left out) and 0.4 s apart: the
+  window's shortest and longest step, and its mean, agree."""
+  now = [0.0]
+  monkeypatch.setattr(throughput_lib.time, 'perf_counter', lambda: now[0])
+  fpt = types.SimpleNamespace(total=1.0, vision_per_image=0)
+  t = throughput_lib.Throughput(tokens_per_step=10, flops_per_token=fpt, peak_tflops=None,
+                                device_count=1, process_count=1, vision=False)
+  t.begin_run()
+  now[0] += 0.5
+  t.count_step(data_wait_s=0.0)
+  now[0] += 1.3
+  t.exclude(1.0)
+  t.count_step(data_wait_s=0.0)
+  now[0] += 0.4
+  t.count_step(data_wait_s=0.0)
+  s = t.scalars()
+  assert s['step_time_min_s'] == pytest.approx(0.3)
+  assert s['step_time_max_s'] == pytest.approx(0.5)
+  assert s['step_time_s'] == pytest.approx(1.2 / 3)
+  assert s['run_s'] == pytest.approx(1.2)
