@@ -180,31 +180,28 @@ def _values(jaxpr):
 
 @pytest.mark.parametrize('combine', fe.COMBINES)
 def test_the_forward_writes_neither_gathered_rows_nor_gate_and_up(combine):
-  """grouped_fused's forward (bf16) computes no [M_pad, D] rows in the compute dtype (with the
-  atomic combine none at all, with the gather combine only the f32 weighted rows) and one
-  [M_pad, F] kernel output, h; `grouped`'s, the contrast that makes the check bite, gathers the
-  token rows and writes gate and up from its kernels."""
+  """grouped_fused's forward (bf16) gathers no [M_pad, D] copy of the tokens, and its kernels
+  write one [M_pad, F] array, h, and one [M_pad, D] array, the weighted rows of the gather combine
+  (none with the atomic one); `grouped`'s, the contrast that makes the check bite, gathers the
+  token rows and its kernels write gate and up."""
   x, idx, weight, valid, w = inputs(3)
   bf = jnp.bfloat16
   args = (x.astype(bf), idx, weight, valid, *(a.astype(bf) for a in w))
   m_pad = grouped_gemm.padded_rows(N * K, E, TILES.block_m)
-  wide = lambda n: (n, -(-n // 16) * 16)  # noqa: E731  (the kernels pad widths to 16)
   values = {}
   for backend in ('grouped', 'grouped_fused'):
     fwd = functools.partial(expert_gemm.expert_ffn, swiglu_limit=1.0, backend=backend,
                             grouped_tiles=TILES, fused_combine=combine)
     values[backend] = _values(jax.make_jaxpr(fwd)(*args).jaxpr)
 
-  def rows(backend, width, dtypes=(bf,), kernel_only=False):
-    return [v for v in values[backend] if v[1][:1] == (m_pad,) and v[1][1:] in [
-        (c,) for c in wide(width)] and v[2] in dtypes and (v[0] == 'pallas_call' or
-                                                           not kernel_only)]
-  assert rows('grouped', D) and len(rows('grouped', F, kernel_only=True)) == 2
-  assert not rows('grouped_fused', D)
-  if combine == 'atomic':
-    assert not rows('grouped_fused', D, (bf, jnp.float32))
-  h = rows('grouped_fused', F, (bf, jnp.float32), kernel_only=True)
-  assert [v[2] for v in h] == [bf], h  # h only
+  def rows(backend, width, primitive):
+    widths = (width, -(-width // 16) * 16)  # the kernels pad widths to 16
+    return [v for v in values[backend]
+            if v[0] == primitive and v[1][:1] == (m_pad,) and v[1][1:] in [(c,) for c in widths]]
+  assert rows('grouped', D, 'gather') and not rows('grouped_fused', D, 'gather')
+  assert len(rows('grouped', F, 'pallas_call')) == 2  # gate and up
+  assert [v[2] for v in rows('grouped_fused', F, 'pallas_call')] == [bf]  # h only
+  assert len(rows('grouped_fused', D, 'pallas_call')) == (combine == 'gather')
 
 
 def test_fp8_is_refused_by_name():

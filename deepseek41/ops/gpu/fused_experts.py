@@ -367,14 +367,14 @@ def _weight_grad(x, rows_x, dy, rows_dy, scale_m, group_tiles_e1, block_m, out_d
 
 
 def _down_combine(h_mf, w_down_efd, weight_m, src_m, tile_expert_t, row_nk, ok_nk, combine,
-                  tiles, interpret):
-  """sum_k weight_nk * (h W_down)[row of (n, k)]: float32 [N, D]."""
+                  out_dtype, tiles, interpret):
+  """sum_k weight_nk * (h W_down)[row of (n, k)], summed in float32: [N, D]."""
   n = row_nk.shape[0]
   kw = dict(scale_m=weight_m, round_to=h_mf.dtype, tiles=tiles, interpret=interpret)
   if combine == 'atomic':
     dest_m = jnp.where(src_m >= 0, src_m, n)
     return gmm_rows(((h_mf, w_down_efd),), tile_expert_t, dest_m=dest_m, n_dest=n, **kw)
-  out_md = gmm_rows(((h_mf, w_down_efd),), tile_expert_t, out_dtype=jnp.float32, **kw)
+  out_md = gmm_rows(((h_mf, w_down_efd),), tile_expert_t, out_dtype=out_dtype, **kw)
   return gather_sum(out_md, row_nk, ok_nk)
 
 
@@ -384,7 +384,7 @@ def _forward(x_nd, weight_m, w_gate_edf, w_up_edf, w_down_efd, src_m, tile_exper
   h_mf = swiglu_gate_up(x_nd, src_m, w_gate_edf, w_up_edf, tile_expert_t, limit=limit,
                         tiles=tiles, interpret=interpret)
   y_nd = _down_combine(h_mf, w_down_efd, weight_m, src_m, tile_expert_t, row_nk, ok_nk, combine,
-                       tiles, interpret)
+                       out_dtype, tiles, interpret)
   return y_nd.astype(out_dtype), h_mf
 
 
@@ -401,8 +401,10 @@ def fused_expert_block(x_nd, weight_m, w_gate_edf, w_up_edf, w_down_efd, src_m, 
 
   combine (static), the down projection's epilogue, which scales each row by its routing weight
   in float32 after rounding it to the compute dtype:
-    'gather': writes the weighted rows, float32 [M_pad, D], and sums each token's K rows through
-      the inverse map: 4 M_pad D bytes written, 4 N K D read, 4 N D written; deterministic.
+    'gather': writes the weighted rows [M_pad, D] in out_dtype and sums each token's K rows in
+      float32 through the inverse map: in bf16 2 M_pad D bytes written, 2 N K D read (4 and 4 in
+      float32, where the caller asks for an unrounded sum: the expert-parallel partials), then
+      y; deterministic. In bf16 each weighted row is rounded once before the sum.
     'atomic': scatter-adds them into a float32 [N, D] sum with atomics: no [M_pad, D] buffer,
       4 N D bytes zeroed and read back plus 4 M_pad D of atomic adds (read-modify-write in L2,
       reaching HBM as the sum's lines are evicted); the order of the adds, so the last bits of
