@@ -4,13 +4,14 @@ Usage (GPU, the 1B ablation shape):   python benchmarks/bench_moe.py --out moe.j
        (GPU, grouped against grouped_fused at the 1B and the released expert shapes):
          python benchmarks/bench_moe.py --case 1b --backends FUSED
          python benchmarks/bench_moe.py --case rel4k --backends FUSED
-         with FUSED = grouped,grouped_fused,grouped_fused_atomic
+         with FUSED = grouped,grouped_fused,grouped_fused_atomic,grouped_fused_saved
        (CPU smoke run, small shapes):  python benchmarks/bench_moe.py --small
 
 Cases (--case): `1b` = configs/ablation_1b.py's experts (E 64, D 1024, F 384, top-6) on 8 x 4,096
 tokens; `rel4k` = the released expert shapes (D 5120, F 2304, top-6) for one device's 48 local
 experts (384 over expert=8) at 4,096 assignments per expert, one group of 32,768 tokens.
-`grouped_fused_atomic` is the grouped_fused backend with its atomic combine (fused_combine).
+`grouped_fused_atomic` is the grouped_fused backend with its atomic combine (fused_combine),
+`grouped_fused_saved` with gate and up saved for the backward (fused_recompute=False).
 The grouped backends take the platform's tiles (ops/gpu/grouped_gemm.py GPU_TILES) with the
 weight-gradient kernel of --wgrad (auto: model.grouped_wgrad's rule, Mosaic from D 4096 up).
 
@@ -50,7 +51,8 @@ CASES = {
     'rel4k': dict(FULL, tokens=4096 * 48 // 6, groups=1, d=5120, f=2304, experts=48),
 }
 # Benchmark names of a backend with options: name -> (backend, more expert_ffn_batched arguments).
-VARIANTS = {'grouped_fused_atomic': ('grouped_fused', dict(fused_combine='atomic'))}
+VARIANTS = {'grouped_fused_atomic': ('grouped_fused', dict(fused_combine='atomic')),
+            'grouped_fused_saved': ('grouped_fused', dict(fused_recompute=False))}
 
 
 def parse_args(argv=None):

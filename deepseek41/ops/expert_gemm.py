@@ -24,7 +24,8 @@ Backends (docs/performance.md says why there are several):
     row tile by token index from x and writes only SwiGLU's output h (no [M, D] copy of the
     tokens, no [M, F] gate and up in HBM), the down projection's epilogue weighting each row by
     its router weight and the combine summing a token's K rows (through the inverse map, or
-    scatter-added with float32 atomics: `fused_combine`); its backward recomputes gate and up.
+    scatter-added with float32 atomics: `fused_combine`); its backward recomputes gate and up
+    (or the forward saves them: `fused_recompute`).
     Opt-in (model.moe_backend) until measured on the GPU; no FP8.
 
 FP8 (`fp8='rowwise'`, model.fp8; ops/fp8_matmul.py): `reference` and `capacity_einsum` run
@@ -326,7 +327,8 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_d
 
 
 def _grouped_fused(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_down_efd,
-                   limit, tiles, out_dtype=None, max_valid=None, combine='gather'):
+                   limit, tiles, out_dtype=None, max_valid=None, combine='gather',
+                   recompute=True):
   """`grouped`'s padded layout, without its dispatch and combine buffers: the kernels gather
   each padded row's token row (src_m) themselves and weight and sum the rows in the down
   projection's epilogue (ops/gpu/fused_experts.py)."""
@@ -341,7 +343,8 @@ def _grouped_fused(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_ed
   y_nd = fused_expert_block(x_nd, weight_m, w_gate_edf, w_up_edf, w_down_efd, src_m,
                             lay.tile_expert_t, lay.group_tiles_e1, lay.row_a.reshape(n, k),
                             lay.valid_a.reshape(n, k), limit, combine,
-                            jnp.dtype(out_dtype or x_nd.dtype), tiles, launch.interpreted())
+                            jnp.dtype(out_dtype or x_nd.dtype), tiles, launch.interpreted(),
+                            recompute)
   return y_nd, jnp.zeros((), jnp.int32)
 
 
@@ -351,7 +354,8 @@ def _grouped_fused(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_ed
 def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_down_efd, *,
                swiglu_limit: float | None, backend: str, capacity_factor: float = 1.25,
                grouped_tiles: Tiles | None = None, fp8: str = 'off',
-               out_dtype=None, max_valid: int | None = None, fused_combine: str = 'gather'):
+               out_dtype=None, max_valid: int | None = None, fused_combine: str = 'gather',
+               fused_recompute: bool = True):
   """Routed experts for one group of N tokens.
 
   Args:
@@ -374,6 +378,8 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_do
       (ops/parallel/expert_parallel.py's bounded allgather exchange).
     fused_combine: grouped_fused only; 'gather' or 'atomic', how the down projection's weighted
       rows reach their tokens (ops/gpu/fused_experts.py `fused_expert_block`).
+    fused_recompute: grouped_fused only; the backward recomputes gate and up (True) or the
+      differentiated forward saves them (False); the same numbers.
 
   Returns:
     (y_nd in out_dtype, dropped): dropped is the int32 count of (valid token, expert) assignments
@@ -400,7 +406,7 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_do
     return _ragged_dot(*args, fp8=fp8, out_dtype=out_dtype)
   if backend == 'grouped_fused':
     return _grouped_fused(*args, grouped_tiles, out_dtype=out_dtype, max_valid=max_valid,
-                          combine=fused_combine)
+                          combine=fused_combine, recompute=fused_recompute)
   return _grouped(*args, grouped_tiles, fp8=fp8, out_dtype=out_dtype, max_valid=max_valid)
 
 
@@ -408,7 +414,7 @@ def expert_ffn_batched(x_bnd, expert_idx_bnk, weight_bnk, valid_bn, w_gate_edf, 
                        w_down_efd, *, swiglu_limit: float | None, backend: str,
                        capacity_factor: float = 1.25,
                        grouped_tiles: Tiles | None = None, fp8: str = 'off',
-                       fused_combine: str = 'gather'):
+                       fused_combine: str = 'gather', fused_recompute: bool = True):
   """expert_ffn over a leading batch of groups; returns (y_bnd, dropped summed over groups).
 
   reference and capacity_einsum run per group under vmap: capacity is per sequence (GShard), so
@@ -416,7 +422,8 @@ def expert_ffn_batched(x_bnd, expert_idx_bnk, weight_bnk, valid_bn, w_gate_edf, 
   so all groups go through as one and the group boundary does not matter.
   """
   kw = dict(swiglu_limit=swiglu_limit, backend=backend, capacity_factor=capacity_factor,
-            grouped_tiles=grouped_tiles, fp8=fp8, fused_combine=fused_combine)
+            grouped_tiles=grouped_tiles, fp8=fp8, fused_combine=fused_combine,
+            fused_recompute=fused_recompute)
   if backend in ('ragged_dot', *GROUPED_BACKENDS):
     b, n, d = x_bnd.shape
     k = expert_idx_bnk.shape[-1]

@@ -72,16 +72,18 @@ def run(backend, x, idx, weight, valid, w, limit, **kw):
   return y, grads
 
 
-CASES = [  # dtype, swiglu_limit, combine, tiles, out_dtype, per-assignment validity
-    (jnp.float32, 1.0, 'gather', TILES, None, False),
-    (jnp.float32, None, 'atomic', OTHER_TILES, None, True),
-    (jnp.bfloat16, 1.0, 'atomic', TILES, jnp.float32, False),
-    (jnp.bfloat16, None, 'gather', OTHER_TILES, None, True),
+CASES = [  # dtype, swiglu_limit, combine, recompute, tiles, out_dtype, per-assignment validity
+    (jnp.float32, 1.0, 'gather', True, TILES, None, False),
+    (jnp.float32, None, 'atomic', False, OTHER_TILES, None, True),
+    (jnp.bfloat16, 1.0, 'atomic', True, TILES, jnp.float32, False),
+    (jnp.bfloat16, 1.0, 'gather', False, OTHER_TILES, None, True),
+    (jnp.bfloat16, None, 'gather', True, OTHER_TILES, None, True),
 ]
 
 
-@pytest.mark.parametrize('dtype,limit,combine,tiles,out_dtype,per_assignment', CASES)
-def test_block_equals_the_reference(dtype, limit, combine, tiles, out_dtype, per_assignment):
+@pytest.mark.parametrize('dtype,limit,combine,recompute,tiles,out_dtype,per_assignment', CASES)
+def test_block_equals_the_reference(dtype, limit, combine, recompute, tiles, out_dtype,
+                                    per_assignment):
   x, idx, weight, valid, w = inputs(0, per_assignment)
   counts = np.bincount(np.asarray(idx)[np.broadcast_to(
       np.asarray(valid).reshape(N, -1), (N, K))], minlength=E)
@@ -96,7 +98,7 @@ def test_block_equals_the_reference(dtype, limit, combine, tiles, out_dtype, per
   x_c, w_c = x.astype(dtype), [a.astype(dtype) for a in w]
   y_ref, g_ref = run('reference', x_c, idx, weight, valid, w_c, limit, out_dtype=jnp.float32)
   y, grads = run('grouped_fused', x_c, idx, weight, valid, w_c, limit, grouped_tiles=tiles,
-                 fused_combine=combine, out_dtype=out_dtype)
+                 fused_combine=combine, fused_recompute=recompute, out_dtype=out_dtype)
   assert y.dtype == (out_dtype or dtype)
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
   assert rel_err(y, y_ref) <= tol, rel_err(y, y_ref)
@@ -121,6 +123,18 @@ def test_bf16_rounds_as_the_grouped_backend():
   y_f, _ = jax.jit(functools.partial(expert_gemm.expert_ffn, backend='grouped_fused', **kw))(
       *args)
   assert rel_err(y_f, y_g) <= 1e-6
+
+
+def test_saving_gate_and_up_gives_the_recomputed_gradients():
+  """fused_recompute=False (gate and up saved, their derivative in XLA) against the backward
+  kernel's epilogue on the recomputed ones, bf16: the same values, the same formula."""
+  x, idx, weight, valid, w = inputs(6)
+  bf = jnp.bfloat16
+  args = (x.astype(bf), idx, weight, valid, [a.astype(bf) for a in w], 1.0)
+  _, g_re = run('grouped_fused', *args, grouped_tiles=TILES, fused_recompute=True)
+  _, g_sv = run('grouped_fused', *args, grouped_tiles=TILES, fused_recompute=False)
+  for a, b in zip(g_sv, g_re):
+    assert rel_err(a, b) <= 1e-6
 
 
 def test_kernels_equal_the_layout_references():
@@ -233,7 +247,8 @@ def test_bounded_layout_with_max_valid():
 
 def test_kernels_lower_to_triton_at_the_1b_shapes():
   """The Triton lowering (gathered loads, the SwiGLU derivative in the epilogue, atomics) at
-  configs/ablation_1b.py's expert shapes, forward and backward, both combines. It does not run
+  configs/ablation_1b.py's expert shapes, forward and backward, both combines, gate and up
+  recomputed or saved. It does not run
   Triton's compiler; that needs the GPU."""
   try:
     from jax._src.pallas.triton import pallas_call_registration as pcr  # noqa: PLC0415
@@ -250,13 +265,15 @@ def test_kernels_lower_to_triton_at_the_1b_shapes():
     args = (s((n, d), bf16), s((m,), jnp.float32), s((e, d, f), bf16), s((e, d, f), bf16),
             s((e, f, d), bf16), s((m,), jnp.int32), s((m // bm,), jnp.int32),
             s((e + 1,), jnp.int32), s((n, k), jnp.int32), s((n, k), bool))
-    for combine in fe.COMBINES:
-      def fwd_bwd(x, wm, wg, wu, wd, *layout, combine=combine):
+    for combine, recompute in (('gather', True), ('atomic', False)):
+      def fwd_bwd(x, wm, wg, wu, wd, *layout, combine=combine, recompute=recompute):
         y, vjp = jax.vjp(lambda *a: fe.fused_expert_block(
-            *a, *layout, 10.0, combine, jnp.dtype(bf16), gg.GPU_TILES, False), x, wm, wg, wu, wd)
+            *a, *layout, 10.0, combine, jnp.dtype(bf16), gg.GPU_TILES, False, recompute),
+            x, wm, wg, wu, wd)
         return y, vjp(y)
       text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=('cuda',)).as_text()
-      for name in ('moe_swiglu', 'moe_swiglu_bwd', 'moe_gmm_rows', 'moe_tgmm_rows'):
+      swiglu = ('moe_swiglu', 'moe_swiglu_bwd') if recompute else ('moe_swiglu_save',)
+      for name in (*swiglu, 'moe_gmm_rows', 'moe_tgmm_rows'):
         assert f'"{name}"' in text, name
       assert ('"moe_gmm_scatter"' in text) == (combine == 'atomic')
   finally:

@@ -58,10 +58,10 @@ def _row_index(src_ref):
 
 
 def _swiglu_kernel(te_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bn, bk, k_steps, limit,
-                   precision, grads):
+                   precision, grads, save):
   # te: [1] the tile's expert; src: [bm] the rows' source tokens (-1: padding); x: the whole
   # [N, D] tokens; wg, wu: the whole [E, D, F] weights. grads: dh [bm, bn], scale [bm] in, the
-  # gate and up cotangents out; else h out.
+  # gate and up cotangents out; else h out, and with save gate and up too.
   outs = refs[2:] if grads else refs
   e = te_ref[0]
   j = pl.program_id(1)
@@ -91,6 +91,9 @@ def _swiglu_kernel(te_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bn, bk, k_step
       outs[1][...] = d_up.astype(outs[1].dtype)
     else:
       outs[0][...] = clipped_swiglu(gate, up, limit).astype(outs[0].dtype)
+      if save:
+        outs[1][...] = gate
+        outs[2][...] = up
 
   @pl.when(e < 0)
   def _():
@@ -99,8 +102,10 @@ def _swiglu_kernel(te_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bn, bk, k_step
 
 
 def swiglu_gate_up(x_nd, src_m, w_gate_edf, w_up_edf, tile_expert_t, *, limit, tiles: Tiles,
-                   interpret: bool | None = None, dh_mf=None, scale_m=None):
+                   interpret: bool | None = None, dh_mf=None, scale_m=None, save=False):
   """h_mf = clipped_swiglu(x[src_m] Wg_e, x[src_m] Wu_e) on the padded layout: [M_pad, F].
+
+  save: (h_mf, gate_mf, up_mf), gate and up as the activation took them (compute dtype).
 
   With dh_mf and scale_m (backward mode): (d_gate_mf, d_up_mf), the cotangents of gate and up for
   the cotangent scale_m * dh_mf of h, gate and up recomputed from the gathered rows.
@@ -118,8 +123,9 @@ def swiglu_gate_up(x_nd, src_m, w_gate_edf, w_up_edf, tile_expert_t, *, limit, t
   dp, fp = w_gate_edf.shape[1:]
   bk, bn = _fit(tiles.block_k, dp), _fit(tiles.swiglu_block_n, fp)
   grads = dh_mf is not None
+  save = save and not grads
   kernel = functools.partial(_swiglu_kernel, bn=bn, bk=bk, k_steps=dp // bk, limit=limit,
-                             precision=_precision(dt), grads=grads)
+                             precision=_precision(dt), grads=grads, save=save)
   whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
   in_specs = [pl.BlockSpec((None, 1), lambda i, j: (i, 0)),
               pl.BlockSpec((bm,), lambda i, j: (i,)),
@@ -130,7 +136,7 @@ def swiglu_gate_up(x_nd, src_m, w_gate_edf, w_up_edf, tile_expert_t, *, limit, t
   if grads:
     in_specs += [row_tile, pl.BlockSpec((bm,), lambda i, j: (i,))]
     operands += [pad_axis(dh_mf.astype(dt), 1, MIN_DOT), scale_m.astype(jnp.float32)]
-  n_out = 2 if grads else 1
+  n_out = 2 if grads else 3 if save else 1
   out = launch.pallas_call(
       kernel,
       out_shape=tuple(jax.ShapeDtypeStruct((m_pad, fp), dt) for _ in range(n_out)),
@@ -139,10 +145,10 @@ def swiglu_gate_up(x_nd, src_m, w_gate_edf, w_up_edf, tile_expert_t, *, limit, t
       out_specs=tuple(row_tile for _ in range(n_out)),
       compiler_params=_compiler_params(tiles.num_warps, tiles.num_stages, interpret),
       interpret=interpret,
-      name='moe_swiglu_bwd' if grads else 'moe_swiglu',
+      name='moe_swiglu_bwd' if grads else 'moe_swiglu_save' if save else 'moe_swiglu',
   )(*operands)
   out = tuple(o[:, :f] for o in out)
-  return out if grads else out[0]
+  return out if n_out > 1 else out[0]
 
 
 # ---- grouped GEMM on gathered rows, scaled rows, scattered rows --------------------------------
@@ -379,19 +385,22 @@ def _down_combine(h_mf, w_down_efd, weight_m, src_m, tile_expert_t, row_nk, ok_n
 
 
 def _forward(x_nd, weight_m, w_gate_edf, w_up_edf, w_down_efd, src_m, tile_expert_t,
-             group_tiles_e1, row_nk, ok_nk, limit, combine, out_dtype, tiles, interpret):
+             group_tiles_e1, row_nk, ok_nk, limit, combine, out_dtype, tiles, interpret,
+             save=False):
+  """(y_nd, (h_mf, gate_mf, up_mf)), gate and up None unless saved."""
   del group_tiles_e1
-  h_mf = swiglu_gate_up(x_nd, src_m, w_gate_edf, w_up_edf, tile_expert_t, limit=limit,
-                        tiles=tiles, interpret=interpret)
-  y_nd = _down_combine(h_mf, w_down_efd, weight_m, src_m, tile_expert_t, row_nk, ok_nk, combine,
-                       out_dtype, tiles, interpret)
-  return y_nd.astype(out_dtype), h_mf
+  h_gu = swiglu_gate_up(x_nd, src_m, w_gate_edf, w_up_edf, tile_expert_t, limit=limit,
+                        tiles=tiles, interpret=interpret, save=save)
+  h_gu = h_gu if save else (h_gu, None, None)
+  y_nd = _down_combine(h_gu[0], w_down_efd, weight_m, src_m, tile_expert_t, row_nk, ok_nk,
+                       combine, out_dtype, tiles, interpret)
+  return y_nd.astype(out_dtype), h_gu
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14, 15))
 def fused_expert_block(x_nd, weight_m, w_gate_edf, w_up_edf, w_down_efd, src_m, tile_expert_t,
                        group_tiles_e1, row_nk, ok_nk, limit, combine, out_dtype, tiles,
-                       interpret):
+                       interpret, recompute=True):
   """y_n = sum_k weight_nk * Expert_{idx_nk}(x_n) on the padded layout, rows gathered in-kernel.
 
   x_nd [N, D] tokens (compute dtype); weight_m float32 [M_pad] each padded row's routing weight
@@ -410,33 +419,40 @@ def fused_expert_block(x_nd, weight_m, w_gate_edf, w_up_edf, w_down_efd, src_m, 
       reaching HBM as the sum's lines are evicted); the order of the adds, so the last bits of
       y, vary from run to run.
 
-  Backward: gate and up are recomputed from the gathered rows (the forward kernel again, its
-  epilogue applying SwiGLU's derivative), not saved: two [M_pad, F] residuals of every MoE layer
-  are not kept alive from forward to backward, for the FLOPs of the gate and up GEMMs once more
-  (2 of the block's 9 GEMMs' worth, +22%). h [M_pad, F] is kept (the down projection's weight
+  recompute (static), how the backward gets gate and up:
+    True: recomputed from the gathered rows (the forward kernel again, its epilogue applying
+      SwiGLU's derivative): two [M_pad, F] residuals of every MoE layer are not kept alive from
+      forward to backward, for the FLOPs of the gate and up GEMMs once more (2 of the block's 9
+      GEMMs' worth, +22%), and x's rows read again.
+    False: the differentiated forward's kernel also writes gate and up (4 M_pad F bytes in bf16,
+      kept to the backward, read once there by SwiGLU's derivative in XLA); a forward that is not
+      differentiated still writes h only.
+  Same numbers either way. h [M_pad, F] is kept (the down projection's weight
   gradient and the routing weights' gradient read it). The dgrad of the down projection gathers
   dy's token rows in its A loads; the two dgrads of x add into one accumulator, and their
   [M_pad, D] rows are summed per token through the inverse map (a gather, no atomics); the weight
   gradients gather their token rows in tgmm's loads (with the Mosaic weight gradient,
   Tiles.wgrad='mosaic', those rows are materialised, as Mosaic's kernel cannot gather).
   """
+  del recompute
   return _forward(x_nd, weight_m, w_gate_edf, w_up_edf, w_down_efd, src_m, tile_expert_t,
                   group_tiles_e1, row_nk, ok_nk, limit, combine, out_dtype, tiles, interpret)[0]
 
 
 def _block_fwd(x_nd, weight_m, w_gate_edf, w_up_edf, w_down_efd, src_m, tile_expert_t,
-               group_tiles_e1, row_nk, ok_nk, limit, combine, out_dtype, tiles, interpret):
-  y_nd, h_mf = _forward(x_nd, weight_m, w_gate_edf, w_up_edf, w_down_efd, src_m, tile_expert_t,
+               group_tiles_e1, row_nk, ok_nk, limit, combine, out_dtype, tiles, interpret,
+               recompute):
+  y_nd, h_gu = _forward(x_nd, weight_m, w_gate_edf, w_up_edf, w_down_efd, src_m, tile_expert_t,
                         group_tiles_e1, row_nk, ok_nk, limit, combine, out_dtype, tiles,
-                        interpret)
+                        interpret, save=not recompute)
   return y_nd, (x_nd, weight_m, w_gate_edf, w_up_edf, w_down_efd, src_m, tile_expert_t,
-                group_tiles_e1, row_nk, ok_nk, h_mf)
+                group_tiles_e1, row_nk, ok_nk, h_gu)
 
 
-def _block_bwd(limit, combine, out_dtype, tiles, interpret, res, dy_nd):
+def _block_bwd(limit, combine, out_dtype, tiles, interpret, recompute, res, dy_nd):
   del combine, out_dtype
   (x_nd, weight_m, w_gate_edf, w_up_edf, w_down_efd, src_m, tile_expert_t, group_tiles_e1,
-   row_nk, ok_nk, h_mf) = res
+   row_nk, ok_nk, (h_mf, gate_mf, up_mf)) = res
   dt = x_nd.dtype
   bm = src_m.shape[0] // tile_expert_t.shape[0]
   kw = dict(tiles=tiles, interpret=interpret)
@@ -446,8 +462,12 @@ def _block_bwd(limit, combine, out_dtype, tiles, interpret, res, dy_nd):
   d_weight_m = jnp.sum(dhu_mf.astype(jnp.float32) * h_mf.astype(jnp.float32), axis=1)
   dw_down = _weight_grad(h_mf, None, dy_nd, src_m, weight_m, group_tiles_e1, bm,
                          w_down_efd.dtype, **kw)
-  d_gate_mf, d_up_mf = swiglu_gate_up(x_nd, src_m, w_gate_edf, w_up_edf, tile_expert_t,
-                                      limit=limit, dh_mf=dhu_mf, scale_m=weight_m, **kw)
+  if recompute:
+    d_gate_mf, d_up_mf = swiglu_gate_up(x_nd, src_m, w_gate_edf, w_up_edf, tile_expert_t,
+                                        limit=limit, dh_mf=dhu_mf, scale_m=weight_m, **kw)
+  else:  # what the kernel's backward epilogue computes, on the saved gate and up
+    d_gate_mf, d_up_mf = clipped_swiglu_grads(
+        gate_mf, up_mf, dhu_mf.astype(jnp.float32) * weight_m[:, None], limit)
   dx_md = gmm_rows(((d_gate_mf, w_gate_edf), (d_up_mf, w_up_edf)), tile_expert_t,
                    transpose_rhs=True, **kw)
   dx_nd = gather_sum(dx_md, row_nk, ok_nk).astype(dt)
