@@ -23,7 +23,7 @@ import pytest
 
 from deepseek41.config import ConfigError, resolve
 from deepseek41.config.schema import MOE_BACKENDS
-from deepseek41.ops import expert_gemm, grouped_gemm
+from deepseek41.ops import expert_gemm, grouped_gemm, launch
 from deepseek41.ops.gpu import fused_experts as fe
 from deepseek41.ops.gpu import grouped_gemm as gg
 from deepseek41.ops.swiglu import clipped_swiglu
@@ -294,3 +294,20 @@ def test_a_train_step_equals_reference():
   # difference at rounding level moves the update by a fraction of lr (3e-3); 1% of lr allowed.
   for a, b in zip(jax.tree.leaves(state['params']), jax.tree.leaves(state_ref['params'])):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=3e-5)
+
+
+def test_shapes_only_stand_in_never_runs():
+  """tools.plan's stand-in (ops/launch.py): within shapes_only the backend's kernels compile as
+  their buffers, and the program so traced refuses to run."""
+  x, idx, weight, valid, w = inputs(7)
+
+  def loss(x, weight, *w):
+    y, _ = expert_gemm.expert_ffn(x, idx, weight, valid, *w, swiglu_limit=1.0,
+                                  backend='grouped_fused', grouped_tiles=TILES)
+    return jnp.sum(y ** 2)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  with launch.shapes_only():
+    hlo = grads.lower(x, weight, *w).compile().as_text()
+  assert 'moe_swiglu' not in hlo and 'cpu_callback' in hlo
+  with pytest.raises(Exception, match='compile-only stand-in'):
+    jax.block_until_ready(grads(x, weight, *w))
