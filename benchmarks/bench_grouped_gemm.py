@@ -16,7 +16,8 @@ the down projection's kernels, for the kernel timings and sweeps.
 
 Records (one JSON line each, to stdout and appended to --out):
   kind=block: the routed-expert block (dispatch + 3 projections + combine), forward and
-    forward+backward, per backend (grouped, capacity_einsum, ragged_dot). Useful work is
+    forward+backward, per backend (grouped, capacity_einsum, ragged_dot; grouped_fused on
+    request). Useful work is
     6 * N * K * D * F forward and 3x that forward+backward; padding, capacity slots and
     ragged_dot's per-group dense work are not credited. drop_frac is capacity_einsum's.
   kind=kernel: one grouped matmul alone, 2 * N * K * D * F useful FLOPs, on expert-sorted rows:
@@ -46,7 +47,7 @@ sys.path.insert(0, ROOT)
 from bench_moe import build  # noqa: E402  (benchmarks/bench_moe.py)
 from timing import jsonl_emitter, time_fn, time_queued  # noqa: E402  (benchmarks/timing.py)
 from deepseek41.ops import grouped_gemm, launch  # noqa: E402
-from deepseek41.ops.expert_gemm import expert_ffn  # noqa: E402
+from deepseek41.ops.expert_gemm import GROUPED_BACKENDS, expert_ffn  # noqa: E402
 from deepseek41.ops.gpu import grouped_gemm as gg  # noqa: E402
 
 SWIGLU_LIMIT = 10.0
@@ -131,7 +132,7 @@ def bench_block(emit, case, c, backend, args, dtype, tiles):
     return
   experts = make_experts(jax.random.key(0), e, d, f, dtype)
   fwd, fwd_bwd = build(backend, args.capacity_factor,
-                       grouped_tiles=tiles if backend == 'grouped' else None)
+                       grouped_tiles=tiles if backend in GROUPED_BACKENDS else None)
 
   def make_args(rep, with_ct=False):
     key = jax.random.fold_in(jax.random.key(1), rep)
@@ -154,7 +155,7 @@ def bench_block(emit, case, c, backend, args, dtype, tiles):
             groups=b, dtype=str(dtype), fwd_ms=fwd_ms, fwd_bwd_ms=bwd_ms,
             fwd_tflops=tflops(flops_fwd, fwd_ms), fwd_bwd_tflops=tflops(3 * flops_fwd, bwd_ms),
             drop_frac=int(dropped) / (n * k), compile_s=c1 + c2,
-            tiles=dataclasses.asdict(tiles) if backend == 'grouped' else None))
+            tiles=dataclasses.asdict(tiles) if backend in GROUPED_BACKENDS else None))
 
 
 # ---- one grouped matmul alone ------------------------------------------------------------------

@@ -1,7 +1,19 @@
 """Time the routed-expert backends of deepseek41.ops.expert_gemm, forward and forward+backward.
 
 Usage (GPU, the 1B ablation shape):   python benchmarks/bench_moe.py --out moe.json
+       (GPU, grouped against grouped_fused at the 1B and the released expert shapes):
+         python benchmarks/bench_moe.py --case 1b --backends FUSED
+         python benchmarks/bench_moe.py --case rel4k --backends FUSED
+         with FUSED = grouped,grouped_fused,grouped_fused_atomic,grouped_fused_saved
        (CPU smoke run, small shapes):  python benchmarks/bench_moe.py --small
+
+Cases (--case): `1b` = configs/ablation_1b.py's experts (E 64, D 1024, F 384, top-6) on 8 x 4,096
+tokens; `rel4k` = the released expert shapes (D 5120, F 2304, top-6) for one device's 48 local
+experts (384 over expert=8) at 4,096 assignments per expert, one group of 32,768 tokens.
+`grouped_fused_atomic` is the grouped_fused backend with its atomic combine (fused_combine),
+`grouped_fused_saved` with gate and up saved for the backward (fused_recompute=False).
+The grouped backends take the platform's tiles (ops/gpu/grouped_gemm.py GPU_TILES) with the
+weight-gradient kernel of --wgrad (auto: model.grouped_wgrad's rule, Mosaic from D 4096 up).
 
 Method (docs/performance.md): jit, warm up, block_until_ready, median over --reps runs, each on freshly
 drawn inputs. FLOPs counted are the useful ones only, 2 * 3 * (B*T) * K * D * F forward (three
@@ -27,12 +39,20 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from timing import time_fn  # noqa: E402  (benchmarks/timing.py)
-from deepseek41.ops.expert_gemm import (clipped_swiglu, expert_capacity, expert_ffn,  # noqa: E402
-                                        expert_ffn_batched)
+from deepseek41.ops.expert_gemm import (GROUPED_BACKENDS, clipped_swiglu,  # noqa: E402
+                                        expert_capacity, expert_ffn, expert_ffn_batched)
+from deepseek41.ops.gpu.grouped_gemm import default_tiles  # noqa: E402
 
 SWIGLU_LIMIT = 10.0
 FULL = dict(tokens=4096, groups=2, d=1024, f=512, experts=64, k=6, dtype='bfloat16', reps=10)
 SMALL = dict(tokens=256, groups=2, d=64, f=32, experts=8, k=2, dtype='float32', reps=5)
+CASES = {
+    '1b': dict(FULL, tokens=4096, groups=8, f=384),
+    'rel4k': dict(FULL, tokens=4096 * 48 // 6, groups=1, d=5120, f=2304, experts=48),
+}
+# Benchmark names of a backend with options: name -> (backend, more expert_ffn_batched arguments).
+VARIANTS = {'grouped_fused_atomic': ('grouped_fused', dict(fused_combine='atomic')),
+            'grouped_fused_saved': ('grouped_fused', dict(fused_recompute=False))}
 
 
 def parse_args(argv=None):
@@ -49,14 +69,18 @@ def parse_args(argv=None):
   p.add_argument('--skew', type=float, default=0.0,
                  help='std of a per-expert router-logit bias: >0 makes the load uneven')
   p.add_argument('--check_tokens', type=int, default=1024, help='group length of the accuracy check')
-  p.add_argument('--backends', default='reference,capacity_einsum,ragged_dot,einsum_only',
+  p.add_argument('--backends',
+                 default='reference,capacity_einsum,ragged_dot,grouped,grouped_fused,einsum_only',
                  help='comma list; reference is timed only with --small or --time_reference; '
                  'einsum_only is the expert matmuls alone on a dispatched buffer (the ceiling)')
   p.add_argument('--time_reference', action='store_true')
   p.add_argument('--small', action='store_true', help='small shapes for a CPU smoke run')
+  p.add_argument('--case', choices=tuple(CASES), help='preset shapes (module docstring)')
+  p.add_argument('--wgrad', default='auto', choices=('auto', 'triton', 'mosaic'),
+                 help='the grouped backends\' weight-gradient kernel (model.grouped_wgrad)')
   p.add_argument('--out', help='write the results as JSON here')
   args = p.parse_args(argv)
-  for key, value in (SMALL if args.small else FULL).items():
+  for key, value in (SMALL if args.small else CASES.get(args.case, FULL)).items():
     if getattr(args, key) is None:
       setattr(args, key, value)
   return args
@@ -123,8 +147,19 @@ def build_einsum_only(args, dtype):
   return jax.jit(ffn), fwd_bwd, shape
 
 
-def check_accuracy(backend, args, dtype):
+def backend_options(name, args):
+  """(backend, expert_ffn_batched keyword arguments) of a benchmark name (VARIANTS)."""
+  backend, extra = VARIANTS.get(name, (name, {}))
+  extra = dict(extra)
+  if backend in GROUPED_BACKENDS:
+    wgrad = args.wgrad if args.wgrad != 'auto' else ('mosaic' if args.d >= 4096 else 'triton')
+    extra['grouped_tiles'] = default_tiles(wgrad)
+  return backend, extra
+
+
+def check_accuracy(name, args, dtype):
   """One group in the benchmark dtype, no drops, vs the f32 reference at highest precision."""
+  backend, extra = backend_options(name, args)
   n = min(args.check_tokens, args.tokens)
   x, idx, weight, valid = make_inputs(jax.random.key(12345), args, 1, n, jnp.float32)
   experts = make_experts(jax.random.key(54321), args, jnp.float32)
@@ -135,7 +170,7 @@ def check_accuracy(backend, args, dtype):
     y_ref, _ = jax.jit(functools.partial(expert_ffn, swiglu_limit=SWIGLU_LIMIT,
                                          backend='reference'))(x, idx, weight, valid, *experts)
   y, dropped = jax.jit(functools.partial(expert_ffn, swiglu_limit=SWIGLU_LIMIT, backend=backend,
-                                         capacity_factor=no_drop))(
+                                         capacity_factor=no_drop, **extra))(
       x.astype(dtype), idx, weight, valid, *(w.astype(dtype) for w in experts))
   assert int(dropped) == 0
   err = jnp.max(jnp.abs(y.astype(jnp.float32) - y_ref)) / jnp.max(jnp.abs(y_ref))
@@ -147,7 +182,8 @@ def bench_backend(backend, args, dtype):
   flops_fwd = 2 * 3 * n_total * args.k * args.d * args.f
   if backend == 'einsum_only':
     return bench_einsum_only(args, dtype, flops_fwd)
-  fwd, fwd_bwd = build(backend, args.capacity_factor)
+  name, (backend, extra) = backend, backend_options(backend, args)
+  fwd, fwd_bwd = build(backend, args.capacity_factor, **extra)
   experts = make_experts(jax.random.key(0), args, dtype)
 
   def make_args(rep, with_ct=False):
@@ -162,13 +198,13 @@ def bench_backend(backend, args, dtype):
   bwd_ms, bwd_compile = time_fn(fwd_bwd, functools.partial(make_args, with_ct=True), args.reps)
   _, dropped = fwd(*make_args(0))
   return dict(
-      backend=backend,
+      backend=name,
       fwd_ms=fwd_ms,
       fwd_bwd_ms=bwd_ms,
       fwd_tflops=flops_fwd / fwd_ms / 1e9,
       fwd_bwd_tflops=3 * flops_fwd / bwd_ms / 1e9,
       drop_frac=int(dropped) / (n_total * args.k),
-      max_rel_err=check_accuracy(backend, args, dtype),
+      max_rel_err=check_accuracy(name, args, dtype),
       compile_s=fwd_compile + bwd_compile,
   )
 

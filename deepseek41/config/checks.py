@@ -134,7 +134,11 @@ def check_moe(m: ModelConfig):
           f'must be >= 0 (0: never overflow), got {m.expert_buffer_factor}')
   require(m.eval_moe_backend != 'capacity_einsum', 'model.eval_moe_backend',
           "'capacity_einsum' drops assignments past capacity and evaluation must not: use auto, "
-          'reference, ragged_dot or grouped')
+          'reference, ragged_dot, grouped or grouped_fused')
+  for name in ('moe_backend', 'eval_moe_backend'):
+    require(m.fp8 == 'off' or getattr(m, name) != 'grouped_fused', f'model.{name}',
+            f"'grouped_fused' has no FP8 path and model.fp8 is {m.fp8!r}: use 'grouped' for "
+            "FP8 expert GEMMs, or model.fp8=off")
   require(m.router_bias_rate >= 0, 'model.router_bias_rate', 'must be >= 0')
   require(m.balance_loss_weight >= 0, 'model.balance_loss_weight', 'must be >= 0')
 

@@ -22,6 +22,8 @@ from deepseek41.config.keys import key, keys_of
 LAYOUT_VERSION = 1  # bump when the train-state pytree layout changes incompatibly
 
 QUANT_FORMATS = ('none', 'fp4_e4m3_16', 'fp4_ue8m0_32', 'fp8_ue8m0_32')
+# The routed experts' backends (ops/expert_gemm.py BACKENDS).
+MOE_BACKENDS = ('reference', 'capacity_einsum', 'ragged_dot', 'grouped', 'grouped_fused')
 
 ATTENTION_VARIANTS = ('csa2', 'dense', 'window')  # model.attention_variant
 
@@ -121,8 +123,11 @@ class ModelConfig:
   swiglu_limit: float = key(10.0)
   router_bias_rate: float = key(0.001)  # gamma of the sign rule, per step, per modality
   balance_loss_weight: float = key(1e-4)  # alpha of the sequence-wise balance loss [S]; 0 = off
-  moe_backend: str = key('auto', auto=auto.moe_backend,
-                         choices=('reference', 'capacity_einsum', 'ragged_dot', 'grouped'),
+  # grouped_fused (ops/gpu/fused_experts.py): grouped's kernels gathering their own token rows,
+  # gate+up+SwiGLU in one kernel, the router weights and the combine in the down projection's
+  # epilogue (docs/performance.md C). Opt-in until measured on the GPU: auto never picks it; no
+  # FP8 (model.fp8 must be off with it).
+  moe_backend: str = key('auto', auto=auto.moe_backend, choices=MOE_BACKENDS,
                          execution_only=True)
   # capacity_einsum: slots per expert = ceil(cf * N * K / E)
   capacity_factor: float = key(1.25, execution_only=True)
@@ -162,7 +167,7 @@ class ModelConfig:
   # The routed experts of held-out evaluation, dropless: auto keeps a dropless moe_backend and
   # replaces capacity_einsum (grouped on the GPU, ragged_dot on the TPU, reference on the CPU).
   eval_moe_backend: str = key('auto', auto=auto.eval_moe_backend,
-                              choices=('reference', 'capacity_einsum', 'ragged_dot', 'grouped'),
+                              choices=MOE_BACKENDS,
                               execution_only=True)
   # fused: the GPU kernels (ops/gpu/window_kernel.py, ops/gpu/sparse_kernel.py); the other choices
   # are the plain jnp paths, which every backend runs. auto picks the kernels on the GPU (the window

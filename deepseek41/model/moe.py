@@ -17,7 +17,7 @@ from flax import nnx
 
 from deepseek41.config import ModelConfig
 from deepseek41.model.params import RouterBias, normal_param
-from deepseek41.ops.expert_gemm import clipped_swiglu
+from deepseek41.ops.expert_gemm import GROUPED_BACKENDS, clipped_swiglu
 from deepseek41.ops.fp8_matmul import dense
 from deepseek41.ops.gpu.grouped_gemm import default_tiles
 from deepseek41.ops.parallel.expert_parallel import routed_experts
@@ -114,7 +114,8 @@ class MoE(nnx.Module):
         capacity_factor=cfg.capacity_factor, fp8=cfg.fp8,
         buffer_factor=cfg.expert_buffer_factor, exchange=cfg.expert_exchange,
         partials=cfg.expert_partials,
-        grouped_tiles=default_tiles(cfg.grouped_wgrad) if cfg.moe_backend == 'grouped' else None)
+        grouped_tiles=(default_tiles(cfg.grouped_wgrad)
+                       if cfg.moe_backend in GROUPED_BACKENDS else None))
     if cfg.n_shared_experts:
       y_btd = y_btd + self.shared_experts(x_btd)
     aux = {

@@ -19,6 +19,14 @@ Backends (docs/performance.md says why there are several):
     the Pallas grouped-GEMM kernels of ops/gpu/grouped_gemm.py (Triton lowering; forward and
     backward are kernels, the useful FLOPs plus < block_m padding rows per expert). On the CPU
     the kernels run in the Pallas interpreter.
+  * `grouped_fused`: `grouped`'s layout and FLOPs, its GEMMs gathering their own rows
+    (ops/gpu/fused_experts.py): the gate and up projections in one kernel that loads each
+    row tile by token index from x and writes only SwiGLU's output h (no [M, D] copy of the
+    tokens, no [M, F] gate and up in HBM), the down projection's epilogue weighting each row by
+    its router weight and the combine summing a token's K rows (through the inverse map, or
+    scatter-added with float32 atomics: `fused_combine`); its backward recomputes gate and up
+    (or the forward saves them: `fused_recompute`).
+    Opt-in (model.moe_backend) until measured on the GPU; no FP8.
 
 FP8 (`fp8='rowwise'`, model.fp8; ops/fp8_matmul.py): `reference` and `capacity_einsum` run
 each expert's three GEMMs as row-wise scaled e4m3 GEMMs, forward, dgrad and wgrad (a vmap of
@@ -31,8 +39,9 @@ Padding tokens (`valid` false) take no capacity, are never counted as dropped, a
 `valid` may also be given per assignment ([N, K]): an expert shard computes only the assignments
 to its own experts of tokens gathered from every shard (ops/parallel/expert_parallel.py).
 All backends are jit-able and differentiable in x, weight_nk and the three expert tensors; all but
-`grouped` are plain jnp and indifferent to how the weights are sharded (`grouped` computes the
-experts of the weight tensor it is given: shard it by expert under shard_map, not by D or F).
+`grouped` and `grouped_fused` are plain jnp and indifferent to how the weights are sharded (those
+two compute the experts of the weight tensor they are given: shard it by expert under shard_map,
+not by D or F).
 """
 
 from __future__ import annotations
@@ -46,11 +55,16 @@ import jax.numpy as jnp
 
 from deepseek41.ops import launch
 from deepseek41.ops.fp8_matmul import batched_fp8_matmul, check_fp8, qdq_rowwise
+from deepseek41.ops.gpu.fused_experts import COMBINES, fused_expert_block
 from deepseek41.ops.gpu.grouped_gemm import Tiles, default_tiles, projection
 from deepseek41.ops.grouped_gemm import make_layout, per_assignment
 from deepseek41.ops.grouped_gemm import sort_by_expert as _sort_by_expert
+from deepseek41.ops.swiglu import clipped_swiglu
 
-BACKENDS = ('reference', 'capacity_einsum', 'ragged_dot', 'grouped')
+BACKENDS = ('reference', 'capacity_einsum', 'ragged_dot', 'grouped', 'grouped_fused')
+# The backends that compute on the padded expert-sorted layout with the Pallas kernels, and so
+# take kernel tiles (grouped_tiles).
+GROUPED_BACKENDS = ('grouped', 'grouped_fused')
 
 
 def expert_capacity(n_tokens: int, k: int, e: int, factor: float) -> int:
@@ -60,20 +74,6 @@ def expert_capacity(n_tokens: int, k: int, e: int, factor: float) -> int:
   and larger buffers would only hold padding.
   """
   return max(1, min(n_tokens, math.ceil(factor * n_tokens * k / e)))
-
-
-def clipped_swiglu(h_gate, h_up, limit: float | None):
-  """silu(min(g, L)) * clip(u, -L, L) in float32, cast back to the input dtype.
-
-  The one activation of every expert, routed (each backend) and shared (model/moe.py): float32
-  so that silu and the product round once, to the compute dtype, not at every step in bf16.
-  """
-  g = h_gate.astype(jnp.float32)
-  u = h_up.astype(jnp.float32)
-  if limit is not None:
-    g = jnp.minimum(g, limit)
-    u = jnp.clip(u, -limit, limit)
-  return (jax.nn.silu(g) * u).astype(h_gate.dtype)
 
 
 def combine(y_nkd, weight_nk, dtype):
@@ -323,13 +323,39 @@ def _grouped(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_d
   return combine(y_nkd, weight_nk, out_dtype or x_nd.dtype), jnp.zeros((), jnp.int32)
 
 
+# ---- grouped_fused -----------------------------------------------------------------------------
+
+
+def _grouped_fused(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_down_efd,
+                   limit, tiles, out_dtype=None, max_valid=None, combine='gather',
+                   recompute=True):
+  """`grouped`'s padded layout, without its dispatch and combine buffers: the kernels gather
+  each padded row's token row (src_m) themselves and weight and sum the rows in the down
+  projection's epilogue (ops/gpu/fused_experts.py)."""
+  n, k = expert_idx_nk.shape
+  tiles = tiles or default_tiles()
+  lay = make_layout(expert_idx_nk, valid_nk, w_gate_edf.shape[0], tiles.block_m, max_valid)
+  src_m = jnp.where(lay.used_m, lay.assign_m // k, -1).astype(jnp.int32)
+  # Each row's router weight: a gather whose transpose is a gather (take_rows), as grouped's rows.
+  weight_a1 = jnp.where(valid_nk, weight_nk.astype(jnp.float32), 0.0).reshape(n * k, 1)
+  weight_m = take_rows(weight_a1, lay.assign_m, lay.used_m, lay.row_a[:, None],
+                       lay.valid_a[:, None])[:, 0]
+  y_nd = fused_expert_block(x_nd, weight_m, w_gate_edf, w_up_edf, w_down_efd, src_m,
+                            lay.tile_expert_t, lay.group_tiles_e1, lay.row_a.reshape(n, k),
+                            lay.valid_a.reshape(n, k), limit, combine,
+                            jnp.dtype(out_dtype or x_nd.dtype), tiles, launch.interpreted(),
+                            recompute)
+  return y_nd, jnp.zeros((), jnp.int32)
+
+
 # ---- public API --------------------------------------------------------------------------------
 
 
 def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_down_efd, *,
                swiglu_limit: float | None, backend: str, capacity_factor: float = 1.25,
                grouped_tiles: Tiles | None = None, fp8: str = 'off',
-               out_dtype=None, max_valid: int | None = None):
+               out_dtype=None, max_valid: int | None = None, fused_combine: str = 'gather',
+               fused_recompute: bool = True):
   """Routed experts for one group of N tokens.
 
   Args:
@@ -342,12 +368,18 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_do
     swiglu_limit: the clamp L of the SwiGLU (None: no clamp).
     backend: one of BACKENDS; a Python string, static under jit.
     capacity_factor: capacity_einsum only; C = expert_capacity(N, K, E, capacity_factor).
-    grouped_tiles: grouped only; kernel tiling (None: grouped_gemm's default for the platform).
-    fp8: 'off' or 'rowwise' (model.fp8): the expert GEMMs in e4m3 (module docstring).
+    grouped_tiles: grouped and grouped_fused only; kernel tiling (None: grouped_gemm's default
+      for the platform).
+    fp8: 'off' or 'rowwise' (model.fp8): the expert GEMMs in e4m3 (module docstring);
+      grouped_fused takes 'off' only.
     out_dtype: the dtype of y_nd (None: x's); float32 keeps the combined sum unrounded.
-    max_valid: grouped only; a static bound the caller guarantees on the valid assignments
-      (None: N*K), which sizes the expert-sorted layout (ops/parallel/expert_parallel.py's bounded
-      allgather exchange).
+    max_valid: grouped and grouped_fused only; a static bound the caller guarantees on the
+      valid assignments (None: N*K), which sizes the expert-sorted layout
+      (ops/parallel/expert_parallel.py's bounded allgather exchange).
+    fused_combine: grouped_fused only; 'gather' or 'atomic', how the down projection's weighted
+      rows reach their tokens (ops/gpu/fused_experts.py `fused_expert_block`).
+    fused_recompute: grouped_fused only; the backward recomputes gate and up (True) or the
+      differentiated forward saves them (False); the same numbers.
 
   Returns:
     (y_nd in out_dtype, dropped): dropped is the int32 count of (valid token, expert) assignments
@@ -356,6 +388,11 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_do
   if backend not in BACKENDS:
     raise ValueError(f'unknown expert backend {backend!r}; expected one of {BACKENDS}')
   check_fp8(fp8)
+  if backend == 'grouped_fused' and fp8 != 'off':
+    raise ValueError(f"the grouped_fused expert backend has no FP8 path (fp8={fp8!r}); use "
+                     "backend 'grouped' for FP8 expert GEMMs")
+  if fused_combine not in COMBINES:
+    raise ValueError(f'unknown fused_combine {fused_combine!r}; expected one of {COMBINES}')
   dtype = x_nd.dtype
   w_gate_edf, w_up_edf, w_down_efd = (w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
   expert_idx_nk = expert_idx_nk.astype(jnp.int32)
@@ -367,22 +404,27 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_do
     return _capacity_einsum(*args, capacity_factor, fp8=fp8, out_dtype=out_dtype)
   if backend == 'ragged_dot':
     return _ragged_dot(*args, fp8=fp8, out_dtype=out_dtype)
+  if backend == 'grouped_fused':
+    return _grouped_fused(*args, grouped_tiles, out_dtype=out_dtype, max_valid=max_valid,
+                          combine=fused_combine, recompute=fused_recompute)
   return _grouped(*args, grouped_tiles, fp8=fp8, out_dtype=out_dtype, max_valid=max_valid)
 
 
 def expert_ffn_batched(x_bnd, expert_idx_bnk, weight_bnk, valid_bn, w_gate_edf, w_up_edf,
                        w_down_efd, *, swiglu_limit: float | None, backend: str,
                        capacity_factor: float = 1.25,
-                       grouped_tiles: Tiles | None = None, fp8: str = 'off'):
+                       grouped_tiles: Tiles | None = None, fp8: str = 'off',
+                       fused_combine: str = 'gather', fused_recompute: bool = True):
   """expert_ffn over a leading batch of groups; returns (y_bnd, dropped summed over groups).
 
   reference and capacity_einsum run per group under vmap: capacity is per sequence (GShard), so
-  the sort stays local to a group when the batch is sharded. ragged_dot and grouped are dropless,
+  the sort stays local to a group when the batch is sharded. The others are dropless,
   so all groups go through as one and the group boundary does not matter.
   """
   kw = dict(swiglu_limit=swiglu_limit, backend=backend, capacity_factor=capacity_factor,
-            grouped_tiles=grouped_tiles, fp8=fp8)
-  if backend in ('ragged_dot', 'grouped'):
+            grouped_tiles=grouped_tiles, fp8=fp8, fused_combine=fused_combine,
+            fused_recompute=fused_recompute)
+  if backend in ('ragged_dot', *GROUPED_BACKENDS):
     b, n, d = x_bnd.shape
     k = expert_idx_bnk.shape[-1]
     y_nd, dropped = expert_ffn(x_bnd.reshape(b * n, d), expert_idx_bnk.reshape(b * n, k),

@@ -164,7 +164,8 @@ def cpu_stand_ins(model: ml_collections.ConfigDict, backend: str) -> list[str]:
     notes.append(f'moe_backend: {model.moe_backend} -> grouped (kernels as their operands '
                  'and results)')
     model.moe_backend = 'grouped'
-  elif backend != 'gpu' and model.moe_backend in ('auto', 'grouped', 'ragged_dot'):
+  elif backend != 'gpu' and model.moe_backend in ('auto', 'grouped', 'grouped_fused',
+                                                   'ragged_dot'):
     notes.append(f'moe_backend: {model.moe_backend} -> capacity_einsum (capacity factor '
                  f'{model.capacity_factor})')
     model.moe_backend = 'capacity_einsum'

@@ -81,7 +81,11 @@ MESHES = {
 CASES = [(b, m, x) for b in ('reference', 'grouped') for m in MESHES
          for x in ('allgather', 'padded')] + [
     ('capacity_einsum', m, 'auto') for m in MESHES] + [
-    ('ragged_dot', 'data2_expert4', 'allgather'), ('ragged_dot', 'data2_expert4', 'padded')]
+    ('ragged_dot', 'data2_expert4', 'allgather'), ('ragged_dot', 'data2_expert4', 'padded')] + [
+    # grouped_fused: grouped's layout under both exchanges, the width split (its F slices and
+    # the float32 partials of the allgather exchange) on one mesh each.
+    ('grouped_fused', 'data2_expert4', 'allgather'), ('grouped_fused', 'data2_expert4', 'padded'),
+    ('grouped_fused', 'fsdp2_expert2_tensor2', 'allgather')]
 
 
 @pytest.mark.parametrize('backend,mesh_name,exchange', CASES)
@@ -115,7 +119,7 @@ def test_allgather_sends_each_token_once():
   assert [t for op, t in ops if op == 'reduce_scatter'] == [f'{n}x{D}xf32']
 
 
-@pytest.mark.parametrize('backend', ['reference', 'grouped'])
+@pytest.mark.parametrize('backend', ['reference', 'grouped', 'grouped_fused'])
 def test_bounded_allgather_drops_exactly_the_overflow(backend):
   """expert_buffer_factor with the allgather exchange: each expert shard computes the first
   buffer_factor * N * K of its assignments in (local expert, token) order and drops the rest,

@@ -64,6 +64,10 @@ class Tiles:
   # transposed ragged dot, 1.4-2.2x faster in docs/performance.md 9.7; GPU only, sm_90, D and F
   # multiples of 128), falling back to tgmm where it cannot run.
   wgrad: str = 'triton'
+  # The fused gate+up+SwiGLU kernel's output width (ops/gpu/fused_experts.py): two float32
+  # accumulators (gate and up) of [block_m, swiglu_block_n] hold the registers of gmm's one
+  # [128, 256], hence half of GPU_TILES' block_n. Not yet measured on the GPU.
+  swiglu_block_n: int = 128
 
 
 # H200 (Hopper, bf16), measured alone at configs/ablation_1b.py's and the released expert shapes
@@ -77,7 +81,8 @@ class Tiles:
 GPU_TILES = Tiles(block_n=256, block_d=256, block_r=32, wgrad='mosaic')
 # Interpret mode (CPU tests): small tiles so that loops over tiles and contraction steps, and
 # groups spanning several tiles, are all exercised at test shapes.
-INTERPRET_TILES = Tiles(block_m=32, block_n=16, block_k=16, block_d=16, block_f=32, block_r=16)
+INTERPRET_TILES = Tiles(block_m=32, block_n=16, block_k=16, block_d=16, block_f=32, block_r=16,
+                        swiglu_block_n=16)
 
 
 def default_tiles(wgrad: str | None = None) -> Tiles:
