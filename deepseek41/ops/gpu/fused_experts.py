@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 
 from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
-from deepseek41.ops.gpu.grouped_gemm import (Tiles, _compiler_params, _fit, _precision,
+from deepseek41.ops.gpu.grouped_gemm import (Tiles, compiler_params, fit_block, dot_precision,
                                              mosaic_wgrad_supported, tgmm_mosaic)
 from deepseek41.ops.gpu.sparse_kernel import add_rows
 from deepseek41.ops.launch import pad_axis
@@ -121,11 +121,11 @@ def swiglu_gate_up(x_nd, src_m, w_gate_edf, w_up_edf, tile_expert_t, *, limit, t
   w_gate_edf, w_up_edf = (pad_axis(pad_axis(w.astype(dt), 1, MIN_DOT), 2, MIN_DOT)
                           for w in (w_gate_edf, w_up_edf))
   dp, fp = w_gate_edf.shape[1:]
-  bk, bn = _fit(tiles.block_k, dp), _fit(tiles.swiglu_block_n, fp)
+  bk, bn = fit_block(tiles.block_k, dp), fit_block(tiles.swiglu_block_n, fp)
   grads = dh_mf is not None
   save = save and not grads
   kernel = functools.partial(_swiglu_kernel, bn=bn, bk=bk, k_steps=dp // bk, limit=limit,
-                             precision=_precision(dt), grads=grads, save=save)
+                             precision=dot_precision(dt), grads=grads, save=save)
   whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
   in_specs = [pl.BlockSpec((None, 1), lambda i, j: (i, 0)),
               pl.BlockSpec((bm,), lambda i, j: (i,)),
@@ -143,7 +143,7 @@ def swiglu_gate_up(x_nd, src_m, w_gate_edf, w_up_edf, tile_expert_t, *, limit, t
       grid=(n_tiles, fp // bn),
       in_specs=in_specs,
       out_specs=tuple(row_tile for _ in range(n_out)),
-      compiler_params=_compiler_params(tiles.num_warps, tiles.num_stages, interpret),
+      compiler_params=compiler_params(tiles.num_warps, tiles.num_stages, interpret),
       interpret=interpret,
       name='moe_swiglu_bwd' if grads else 'moe_swiglu_save' if save else 'moe_swiglu',
   )(*operands)
@@ -225,7 +225,7 @@ def gmm_rows(pairs, tile_expert_t, *, src_m=None, scale_m=None, dest_m=None, n_d
   w_list = [pad_axis(pad_axis(w.astype(dt), 1, MIN_DOT), 2, MIN_DOT) for _, w in pairs]
   kp = a_list[0].shape[1]
   np_ = w_list[0].shape[1] if transpose_rhs else w_list[0].shape[2]
-  bk, bn = _fit(tiles.block_k, kp), _fit(tiles.block_n, np_)
+  bk, bn = fit_block(tiles.block_k, kp), fit_block(tiles.block_n, np_)
   gather, scaled, scatter = src_m is not None, scale_m is not None, dest_m is not None
   whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
   rows = pl.BlockSpec((bm,), lambda i, j: (i,))
@@ -243,9 +243,9 @@ def gmm_rows(pairs, tile_expert_t, *, src_m=None, scale_m=None, dest_m=None, n_d
   kernel = functools.partial(
       _gmm_kernel, n_pairs=len(pairs), gather=gather, scaled=scaled, scatter=scatter,
       transpose_rhs=transpose_rhs, bn=bn, bk=bk, k_steps=kp // bk, round_to=round_to,
-      precision=_precision(dt), n_dest=n_dest, interpret=interpret)
+      precision=dot_precision(dt), n_dest=n_dest, interpret=interpret)
   params = dict(grid=(n_tiles, np_ // bn),
-                compiler_params=_compiler_params(tiles.num_warps, tiles.num_stages, interpret),
+                compiler_params=compiler_params(tiles.num_warps, tiles.num_stages, interpret),
                 interpret=interpret)
   if not scatter:
     y = launch.pallas_call(
@@ -309,8 +309,8 @@ def tgmm_rows(x, dy, group_tiles_e1, *, block_m: int, rows_x=None, rows_dy=None,
   x = pad_axis(x, 1, MIN_DOT)
   dy = pad_axis(dy.astype(dt), 1, MIN_DOT)
   dp, fp = x.shape[1], dy.shape[1]
-  bd, bf = _fit(tiles.block_d, dp), _fit(tiles.block_f, fp)
-  br = _fit(min(tiles.block_r, block_m), block_m)
+  bd, bf = fit_block(tiles.block_d, dp), fit_block(tiles.block_f, fp)
+  br = fit_block(min(tiles.block_r, block_m), block_m)
   g = group_tiles_e1.astype(jnp.int32)
   whole = lambda a: pl.BlockSpec(a.shape, lambda e, i, j: (0,) * a.ndim)  # noqa: E731
   in_specs = [pl.BlockSpec((None, 1), lambda e, i, j: (e, 0))] * 2
@@ -326,7 +326,7 @@ def tgmm_rows(x, dy, group_tiles_e1, *, block_m: int, rows_x=None, rows_dy=None,
     in_specs.append(whole(scale_m))
     operands.append(scale_m.astype(jnp.float32))
   kernel = functools.partial(_tgmm_kernel, steps_per_tile=block_m // br, br=br,
-                             precision=_precision(dt), gather_x=rows_x is not None,
+                             precision=dot_precision(dt), gather_x=rows_x is not None,
                              gather_dy=rows_dy is not None, scaled=scale_m is not None)
   dw = launch.pallas_call(
       kernel,
@@ -334,7 +334,7 @@ def tgmm_rows(x, dy, group_tiles_e1, *, block_m: int, rows_x=None, rows_dy=None,
       grid=(n_experts, dp // bd, fp // bf),
       in_specs=in_specs,
       out_specs=pl.BlockSpec((None, bd, bf), lambda e, i, j: (e, i, j)),
-      compiler_params=_compiler_params(tiles.tgmm_warps, tiles.tgmm_stages, interpret),
+      compiler_params=compiler_params(tiles.tgmm_warps, tiles.tgmm_stages, interpret),
       interpret=interpret,
       name='moe_tgmm_rows',
   )(*operands)

@@ -95,7 +95,7 @@ def default_tiles(wgrad: str | None = None) -> Tiles:
 # ---- kernels -----------------------------------------------------------------------------------
 
 
-def _fit(block: int, dim: int) -> int:
+def fit_block(block: int, dim: int) -> int:
   """The largest power of two <= block that divides dim (dim a multiple of MIN_DOT)."""
   b = max(MIN_DOT, block)
   while dim % b:
@@ -103,12 +103,12 @@ def _fit(block: int, dim: int) -> int:
   return b
 
 
-def _precision(dtype):
+def dot_precision(dtype):
   # float32 operands: exact products (IEEE), not Triton's TF32 default; bf16 is exact anyway.
   return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _compiler_params(num_warps, num_stages, interpret):
+def compiler_params(num_warps, num_stages, interpret):
   if interpret:
     return None
   return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -172,10 +172,10 @@ def gmm(x_md, w_edf, tile_expert_t, scale_x_m=None, scale_w_en=None, *,
   w_edf = pad_axis(pad_axis(w_edf, 1, MIN_DOT), 2, MIN_DOT)
   kp = x_md.shape[1]
   np_ = w_edf.shape[1] if transpose_rhs else w_edf.shape[2]
-  bk, bn = _fit(tiles.block_k, kp), _fit(tiles.block_n, np_)
+  bk, bn = fit_block(tiles.block_k, kp), fit_block(tiles.block_n, np_)
   e, r, c = w_edf.shape
   kernel = functools.partial(_gmm_kernel, bn=bn, bk=bk, k_steps=kp // bk,
-                             transpose_rhs=transpose_rhs, precision=_precision(x_md.dtype),
+                             transpose_rhs=transpose_rhs, precision=dot_precision(x_md.dtype),
                              scaled=scaled)
   in_specs = [pl.BlockSpec((None, 1), lambda i, j: (i, 0)),
               pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
@@ -192,7 +192,7 @@ def gmm(x_md, w_edf, tile_expert_t, scale_x_m=None, scale_w_en=None, *,
       grid=(n_tiles, np_ // bn),
       in_specs=in_specs,
       out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-      compiler_params=_compiler_params(tiles.num_warps, tiles.num_stages, interpret),
+      compiler_params=compiler_params(tiles.num_warps, tiles.num_stages, interpret),
       interpret=interpret,
       name=('moe_gmm_t' if transpose_rhs else 'moe_gmm') + ('_fp8' if scaled else ''),
   )(*operands)
@@ -228,11 +228,11 @@ def tgmm(x_md, dy_mf, group_tiles_e1, *, block_m: int, out_dtype=None, tiles: Ti
   x_md = pad_axis(x_md, 1, MIN_DOT)
   dy_mf = pad_axis(dy_mf.astype(dt), 1, MIN_DOT)
   dp, fp = x_md.shape[1], dy_mf.shape[1]
-  bd, bf = _fit(tiles.block_d, dp), _fit(tiles.block_f, fp)
+  bd, bf = fit_block(tiles.block_d, dp), fit_block(tiles.block_f, fp)
   g = group_tiles_e1.astype(jnp.int32)
-  br = _fit(min(tiles.block_r, block_m), block_m)
+  br = fit_block(min(tiles.block_r, block_m), block_m)
   kernel = functools.partial(_tgmm_kernel, steps_per_tile=block_m // br, br=br,
-                             precision=_precision(dt))
+                             precision=dot_precision(dt))
   dw = launch.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((n_experts, dp, fp), out_dtype or dt),
@@ -242,7 +242,7 @@ def tgmm(x_md, dy_mf, group_tiles_e1, *, block_m: int, out_dtype=None, tiles: Ti
                 pl.BlockSpec((m_pad, bd), lambda e, i, j: (0, i)),
                 pl.BlockSpec((m_pad, bf), lambda e, i, j: (0, j))],
       out_specs=pl.BlockSpec((None, bd, bf), lambda e, i, j: (e, i, j)),
-      compiler_params=_compiler_params(tiles.tgmm_warps, tiles.tgmm_stages, interpret),
+      compiler_params=compiler_params(tiles.tgmm_warps, tiles.tgmm_stages, interpret),
       interpret=interpret,
       name='moe_tgmm',
   )(g[:-1].reshape(n_experts, 1), g[1:].reshape(n_experts, 1), x_md, dy_mf)
