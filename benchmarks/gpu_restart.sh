@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Start-up on one GPU (issue 47 item 5): a cold start with an empty compilation cache, a restart
+# of the same run from its checkpoint, and a fresh run of the same config with the cache warm.
+# For each: seconds from the process's launch to its first step's line, and the trainer's own
+# start-up lines (initialisation, first step, what the persistent cache loaded).
+#   bash benchmarks/gpu_restart.sh                    # configs/ablation_1b.py at 8 x 4,096
+#   CONFIG=configs/ablation_1b.py EXTRA="" bash benchmarks/gpu_restart.sh   # as shipped (64K)
+set -uo pipefail
+source benchmarks/device_env.sh
+CONFIG=${CONFIG:-configs/ablation_1b.py}
+EXTRA=${EXTRA---config.data.seq_len=4096 --config.train.batch_size=8 --config.train.remat=none}
+CACHE=/tmp/restart_cache; rm -rf "$CACHE" /tmp/restart_a /tmp/restart_b
+COMMON="--config.data.synthetic=True --config.log.every_steps=1 --config.log.progress_bar=False \
+  --config.train.eval_every_steps=0 --config.checkpoint.every_steps=2 \
+  --config.train.compilation_cache_dir=$CACHE $EXTRA"
+
+run() {  # name workdir steps
+  local t0; t0=$(date +%s.%N)
+  python3 -m deepseek41.train --config="$CONFIG" --workdir="$2" $COMMON \
+    --config.train.steps="$3" > "$OUT/restart_$1.log" 2>&1
+  local rc=$? t1; t1=$(date +%s.%N)
+  # the log's clock has whole seconds: the first step's line against the launch
+  local first; first=$(grep -m1 -E "INFO step [0-9]+:" "$OUT/restart_$1.log" | cut -c1-8)
+  local launch; launch=$(date -d "@${t0%.*}" +%H:%M:%S)
+  echo "$1: exit $rc, process $(python3 -c "print(round($t1 - $t0, 1))") s, launch $launch," \
+    "first step line $first" | tee -a "$OUT/restart_summary.txt"
+  grep -E "initialised|restored|first step|compil" "$OUT/restart_$1.log" | cut -c1-240 \
+    | tee -a "$OUT/restart_summary.txt"
+}
+run cold /tmp/restart_a 2        # empty cache: compiles and writes every program
+run restart /tmp/restart_a 4     # the same run from its step-2 checkpoint
+run fresh_warm /tmp/restart_b 2  # a new run, same config, the cache warm
