@@ -42,12 +42,24 @@ def draw(key, p_xv):
   return jax.random.categorical(key, logits).astype(jnp.int32)
 
 
+def sample(key, logits_xv, temperature: float, top_p: float = 1.0):
+  """(tokens int32 [...], their distribution `probs` [..., V]). Greedy takes the argmax of the
+  logits: what a draw from the one-hot gives, without its noise over the vocabulary."""
+  p_xv = probs(logits_xv, temperature, top_p)
+  if temperature <= 0:
+    return jnp.argmax(logits_xv.astype(jnp.float32), axis=-1).astype(jnp.int32), p_xv
+  return draw(key, p_xv), p_xv
+
+
 def verify(key, p_bjv, q_bkv, drafts_bk, admit_b, greedy: bool):
   """(accepted_b, next_b): how many of the first admit_b drafts are accepted, and the token after
   them (a residual draw after a rejection, else the bonus).
 
   p_bjv [B, J, V]: the target's distributions at the chunk's positions (p_0 follows the anchor);
   q_bkv [B, J-1, V] and drafts_bk [B, J-1]: the drafts' distributions and tokens; admit_b <= J-1.
+  Slot i's uniform depends on the key and i only, not on J: a verification of more drafts than
+  a row admits accepts what a shorter one would (generator.py's device loop verifies every
+  drafted slot, its host loop only as many as some row admits).
   """
   b, j1 = drafts_bk.shape
   slot_k = jnp.arange(j1)[None, :]
@@ -57,7 +69,8 @@ def verify(key, p_bjv, q_bkv, drafts_bk, admit_b, greedy: bool):
   if greedy:
     ok_bk = drafts_bk == jnp.argmax(p_bjv[:, :j1], axis=-1)
   else:
-    u_bk = jax.random.uniform(key_u, (b, j1))
+    u_bk = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key_u, i), (b,)),
+                    out_axes=1)(jnp.arange(j1))
     ok_bk = u_bk * q_d_bk < p_d_bk  # u < p / q without dividing (q > 0 where d was drawn)
   ok_bk = ok_bk & (slot_k < admit_b[:, None])
   accepted_b = jnp.sum(jnp.cumprod(ok_bk.astype(jnp.int32), axis=1), axis=1)
