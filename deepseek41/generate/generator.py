@@ -608,8 +608,11 @@ def verify_block(model, dspark, engram_map, cache, anchor_b, drafts_bj, q_bjv, a
   logits, captured, cache = forward_chunk(model, cache, chunk, valid, engram_map=engram_map,
                                           capture_layers=dspark.targets)
   cache = _write_features(dspark, cache, captured, valid, start)
-  p_bjv = sampling.probs(logits, temperature, top_p)
-  acc, nxt = sampling.verify(key, p_bjv, q_bjv, drafts_bj, admit_b, greedy=temperature <= 0)
+  if temperature <= 0:  # the argmax of the logits, as of greedy `probs`' one-hot
+    acc, nxt = sampling.verify_greedy(logits, drafts_bj, admit_b)
+  else:
+    acc, nxt = sampling.verify(key, sampling.probs(logits, temperature, top_p), q_bjv,
+                               drafts_bj, admit_b, greedy=False)
   return acc, nxt, logits, {**cache, 'length': start + acc + 1}
 
 

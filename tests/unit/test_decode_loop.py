@@ -94,6 +94,12 @@ def test_verifying_more_drafts_accepts_what_fewer_would():
       assert np.asarray(a).tolist() == np.asarray(s).tolist()
     if not greedy:  # acceptance and rejection both happen
       assert 0 < np.asarray(long[0]).sum() < np.asarray(admit).sum()
+  one_hot = sampling.probs(jnp.log(p), 0.0)  # greedy: the logits' argmax as its one-hot's
+  drafts = drafts.at[::2, 0].set(jnp.argmax(p[::2, 0], axis=-1))  # some accepted
+  got = sampling.verify_greedy(jnp.log(p), drafts, admit)
+  for a, s in zip(got, sampling.verify(kv, one_hot, q, drafts, admit, True)):
+    assert np.asarray(a).tolist() == np.asarray(s).tolist()
+  assert np.asarray(got[0]).sum() > 0
 
 
 def test_rows_cut_at_the_end_of_document_and_the_budget():
