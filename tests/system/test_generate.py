@@ -356,13 +356,15 @@ def test_greedy_speculative_decoding_returns_plain_greedy_tokens(drafting, monke
     table[b, :len(p) + len(t)] = list(p) + t
   monkeypatch.setattr(generator, 'draft_block', _oracle_drafter(table, 96))
   oracle = Programs(*nnx.merge(progs.graph, progs.state), None)  # traced with the oracle
-  runs = {}
+  runs, streamed = {}, {}
   for n in (1, 4, 32):
+    streamed[n] = [[] for _ in prompts]
     runs[n] = decode_loop(oracle, cfg, prompts, speculative=True, verify_cost=0.0,
-                          tokens_per_dispatch=n, **kw)
-    assert [r.tokens for r in runs[n]] == plain, n
-    stats = [(r.accepted_drafts, r.forwards) for r in runs[n]]
-    assert stats == [(r.accepted_drafts, r.forwards) for r in runs[1]], n
+                          tokens_per_dispatch=n, **kw,
+                          stream=lambda row, new: streamed[n][row].extend(new))
+    assert [r.tokens for r in runs[n]] == plain == streamed[n], n
+    stats = [(r.accepted_drafts, r.forwards, r.timed_tokens) for r in runs[n]]
+    assert stats == [(r.accepted_drafts, r.forwards, r.timed_tokens) for r in runs[1]], n
   assert oracle.traces['speculate'] == 2  # per tokens_per_dispatch: one for every dispatch
   rounds = [_oracle_runs(len(p), b) for p, b in zip(prompts, budgets)]
   assert [r.accepted_drafts for r in runs[1]] == [sum(l - f for f, l in rs) for rs in rounds]
