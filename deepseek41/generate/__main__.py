@@ -41,7 +41,8 @@ _PREFILL = flags.DEFINE_enum('prefill', 'auto', ['auto', 'ced', 'full'],
                              'auto: CED where the model has an encoder/decoder split.')
 _N_WIN = flags.DEFINE_integer('n_win', 0, 'CED decoder tail (0: the smallest exact one).')
 _VERIFY_COST = flags.DEFINE_float(
-    'verify_cost', 0.05, 'Cost of one more verified position relative to a decode step.')
+    'verify_cost', 0.05, 'Cost of one more verified position relative to a decode step (the '
+    'device loop verifies every draft in one shape: there 0, admitting all, accepts the most).')
 _TOKENS_PER_DISPATCH = flags.DEFINE_integer(
     'tokens_per_dispatch', TOKENS_PER_DISPATCH,
     'Plain decoding steps per dispatch to the device, speculative decoding tokens a row at '
