@@ -803,8 +803,9 @@ class Programs:
             model, dspark, self.engram_map, cache, anchor_b, drafts_bk, q_bkv, admit_b, sub,
             temperature, top_p)
         if temperature > 0:  # no row admits a draft: the host loop's plain step draws it
-          next_b = jnp.where(jnp.any(admit_b > 0), next_b,
-                             sampling.sample(sub, logits_bjv[:, 0], temperature, top_p)[0])
+          next_b = jax.lax.cond(
+              jnp.any(admit_b > 0), lambda: next_b,
+              lambda: sampling.sample(sub, logits_bjv[:, 0], temperature, top_p)[0])
         run_bk1 = jnp.where(slot_k1 == acc_b[:, None], next_b[:, None],
                             jnp.concatenate([drafts_bk, drafts_bk[:, :1]], axis=1))
         emitted_b, done_b, left_b = stop_run(run_bk1, acc_b + 1, carry['done'], carry['left'],

@@ -382,22 +382,30 @@ def test_greedy_speculative_decoding_returns_plain_greedy_tokens(drafting, monke
     assert [r.tokens for r in out] == cut, n
 
 
-def test_sampled_speculative_device_loop_equals_the_host_loop(drafting):
+def test_sampled_speculative_device_loop_equals_the_host_loop(drafting, monkeypatch):
   """Sampled (temperature and top-p), three rows of different budgets: the device loop's
   rounds split the keys as the host loop's, so both return the same tokens and accepted
-  drafts; another seed returns other tokens."""
+  drafts, every draft admitted (verify_cost 0) or the rows' own lengths admitted, some rounds
+  none (where the host loop takes a plain step); another seed returns other tokens."""
   cfg, progs = drafting
+  plain_steps = []
+  real_plain = Programs.plain
+  monkeypatch.setattr(Programs, 'plain',
+                      lambda self, *a, **k: plain_steps.append(1) or real_plain(self, *a, **k))
   rng = np.random.default_rng(11)
   prompts = [rng.integers(3, 96, n).astype(np.int32) for n in (5, 12, 9)]
-  kw = dict(eos_id=None, max_new_tokens=[10, 7, 12], prefill='full', speculative=True,
-            verify_cost=0.0, temperature=0.8, top_p=0.9, seed=3)
-  host = decode_loop(progs, cfg, prompts, tokens_per_dispatch=1, **kw)
-  assert sum(r.accepted_drafts for r in host) > 0
-  for n in (4, 32):
-    device = decode_loop(progs, cfg, prompts, tokens_per_dispatch=n, **kw)
-    assert [r.tokens for r in device] == [r.tokens for r in host], n
-    assert [(r.accepted_drafts, r.forwards) for r in device] == \
-        [(r.accepted_drafts, r.forwards) for r in host], n
+  for cost in (0.0, 0.6):
+    kw = dict(eos_id=None, max_new_tokens=[10, 7, 12], prefill='full', speculative=True,
+              verify_cost=cost, temperature=0.8, top_p=0.9, seed=3)
+    plain_steps.clear()
+    host = decode_loop(progs, cfg, prompts, tokens_per_dispatch=1, **kw)
+    assert sum(r.accepted_drafts for r in host) > 0
+    assert (len(plain_steps) > 0) == (cost > 0)
+    for n in (4, 32) if cost == 0 else (32,):
+      device = decode_loop(progs, cfg, prompts, tokens_per_dispatch=n, **kw)
+      assert [r.tokens for r in device] == [r.tokens for r in host], (cost, n)
+      assert [(r.accepted_drafts, r.forwards) for r in device] == \
+          [(r.accepted_drafts, r.forwards) for r in host], (cost, n)
   other = decode_loop(progs, cfg, prompts, tokens_per_dispatch=32, **{**kw, 'seed': 4})
   assert [r.tokens for r in other] != [r.tokens for r in host]
 
