@@ -350,6 +350,9 @@ def test_greedy_speculative_decoding_returns_plain_greedy_tokens(drafting, monke
   chunked = decode_loop(progs, cfg, prompts, speculative=True, verify_cost=0.0,
                         prefill_chunk=8, **kw)  # the drafter's features written chunk by chunk
   assert [r.tokens for r in chunked] == plain
+  shorter = decode_loop(progs, cfg, prompts, speculative=True, verify_cost=0.6,
+                        **kw)  # rows admit fewer drafts than the verification holds, or none
+  assert [r.tokens for r in shorter] == plain
 
   table = np.zeros((3, 40), np.int32)
   for b, (p, t) in enumerate(zip(prompts, longer)):
