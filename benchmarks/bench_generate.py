@@ -4,9 +4,13 @@
 
 For each batch size: plain greedy decoding at each --tokens_per_dispatch (`b<B>_plain_n<N>`:
 N decode steps per dispatch to the device; 1 is the one-step loop, a host round trip per
-token), then speculative (DSpark drafts, greedy verification), each run twice with the same
+token), then speculative decoding (DSpark drafts, greedy verification) at each
+--speculative_per_dispatch (`b<B>_speculative_n<N>`: 1 is the host loop, a draft and a
+verification of the longest admitted row per round trip; N > 1 runs rounds on the device, each
+verification of fixed shape, up to N tokens a row per dispatch), each run twice with the same
 shapes and the second one timed (tokens/s after compilation, summed over the batch's rows); the
-share of tokens where speculative and plain agree, and its speed against each plain. Then the
+share of tokens where speculative and plain agree, the drafts accepted per verification, and
+its speed against each plain. Then the
 global cache's bytes per token, the bounded-replay KL on held-out sequences, and the compiled
 FLOPs of one plain decode step against the context length. Prompts are the first
 --prompt_tokens (+-25%) tokens of the interpreter's standard-library sources, one file per row.
@@ -34,6 +38,9 @@ _PROMPT = flags.DEFINE_integer('prompt_tokens', 512, 'Mean prompt length.')
 _NEW = flags.DEFINE_integer('new_tokens', 128, 'Tokens generated per row.')
 _PER_DISPATCH = flags.DEFINE_list('tokens_per_dispatch', ['1', '32'],
                                   'Plain decoding steps per dispatch, one run each.')
+_SPEC_PER_DISPATCH = flags.DEFINE_list(
+    'speculative_per_dispatch', ['1', '32'],
+    'Speculative decoding\'s tokens per dispatch (1: the host loop), one run each.')
 _REPLAY_CONTEXT = flags.DEFINE_integer('replay_context', 2048, 'Held-out sequence length.')
 _REPLAY_WINS = flags.DEFINE_list('replay_n_win', ['128', '512'], 'Replay lengths (+ the exact one).')
 _REPLAY_SEQS = flags.DEFINE_integer('replay_sequences', 32, 'Held-out sequences.')
@@ -87,12 +94,13 @@ def main(argv):
   for b in (int(x) for x in _BATCHES.value):
     prompts = stdlib_prompts(gen.tokenizer, b, _PROMPT.value)
     plains = [f'plain_n{n}' for n in _PER_DISPATCH.value]
-    for mode in plains + (['speculative'] if speculative else []):
+    specs = [f'speculative_n{n}' for n in _SPEC_PER_DISPATCH.value] if speculative else []
+    for mode in plains + specs:
       if not time_left(f'b{b}_{mode}'):
         continue
-      n = int(mode[len('plain_n'):]) if mode.startswith('plain_n') else 1
+      n = int(mode.rsplit('_n', 1)[1])
       kw = dict(eos_id=None, max_new_tokens=_NEW.value, temperature=0.0,
-                speculative=mode == 'speculative', verify_cost=0.0, tokens_per_dispatch=n)
+                speculative=mode in specs, verify_cost=0.0, tokens_per_dispatch=n)
       with jax.set_mesh(gen.mesh):
         t1 = time.perf_counter()
         decode_loop(gen._programs, cfg, prompts, **kw)  # compiles
@@ -104,7 +112,7 @@ def main(argv):
              'first_run_s': compile_s, 'prefill_s': runs[0].prefill_s,
              'tokens_per_dispatch': n,
              'tokens': [r.tokens for r in runs]}
-      if mode == 'speculative':
+      if mode in specs:
         row['accepted_per_verify'] = float(np.mean([r.accepted_drafts for r in runs])) / \
             max(runs[0].forwards, 1)
         timed = [result[f'b{b}_{p}'] for p in plains if f'b{b}_{p}' in result]

@@ -3,8 +3,9 @@
 # and its DSpark drafter trained together from initialization (configs/ablation_1b_dspark.py with
 # dspark.stage=post_training, full structure, 4K x 8) for STEPS (default 150) steps, then
 # benchmarks/bench_generate.py on its checkpoint: plain greedy decoding at 1 and 32 tokens per
-# dispatch (its --tokens_per_dispatch) and speculative greedy decoding at batch 1 and 32, the
-# cache's bytes per token, the bounded-replay KL, decode FLOPs by context.
+# dispatch (its --tokens_per_dispatch) and speculative greedy decoding, the host loop (1) and
+# rounds on the device (32 tokens a row per dispatch; its --speculative_per_dispatch), at batch
+# 1 and 32, the cache's bytes per token, the bounded-replay KL, decode FLOPs by context.
 # Everything still going DEADLINE_S (default 570) seconds after the start is skipped or killed.
 # SMOKE=1 runs the same on this CPU with configs/tiny_dspark.py.
 set -uo pipefail

@@ -8,10 +8,12 @@ prints each completion with its tokens/s. --prompts reads one JSON object per li
 one batch (different lengths are fine). Images take the places of the prompt's <image> markers.
 --json prints one JSON object per prompt instead.
 
-Plain decoding runs --tokens_per_dispatch steps on the device per round trip to the host. With
-one --prompt (or --stream) the text is printed as each dispatch completes it: one prompt's
-output is the same as without streaming; several prompts' pieces come as `[row] "text"` lines
-(with --json, {"row": ..., "text": ...} objects) before the usual output.
+Plain decoding runs --tokens_per_dispatch steps on the device per round trip to the host;
+speculative decoding runs draft-and-verify rounds there until a row could pass that many
+tokens (1: a draft and a verification per round trip). With one --prompt (or --stream) the
+text is printed as each dispatch completes it: one prompt's output is the same as without
+streaming; several prompts' pieces come as `[row] "text"` lines (with --json, {"row": ...,
+"text": ...} objects) before the usual output.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ _PREFILL = flags.DEFINE_enum('prefill', 'auto', ['auto', 'ced', 'full'],
                              'auto: CED where the model has an encoder/decoder split.')
 _N_WIN = flags.DEFINE_integer('n_win', 0, 'CED decoder tail (0: the smallest exact one).')
 _VERIFY_COST = flags.DEFINE_float(
-    'verify_cost', 0.05, 'Cost of one more verified position relative to a decode step.')
+    'verify_cost', 0.05, 'Cost of one more verified position relative to a decode step (the '
+    'device loop verifies every draft in one shape: there 0, admitting all, accepts the most).')
 _TOKENS_PER_DISPATCH = flags.DEFINE_integer(
     'tokens_per_dispatch', TOKENS_PER_DISPATCH,
-    'Plain decoding steps per dispatch to the device (1: a host round trip per token).')
+    'Plain decoding steps per dispatch to the device, speculative decoding tokens a row at '
+    'most (1: a host round trip per step or per draft-and-verify round).')
 _PREFILL_CHUNK = flags.DEFINE_integer(
     'prefill_chunk', PREFILL_CHUNK, 'Prompt positions per prefill dispatch: longer prompts '
     'prefill in chunks (memory of one chunk\'s activations); 0: the whole prompt at once. Image '

@@ -19,9 +19,13 @@ so row index = position = RoPE position, and compressed groups align as at infer
               `feat_pos`
 
 A verification chunk whose tail is rejected overwrites only slots that no later query needs, so
-a rollback is just a shorter `length` (stale slots are masked by position). Stored formats are
-`packing.Packed` (codes + scale bytes); `load` gives exactly the training path's fake
-quantization.
+a rollback is just a shorter `length` (stale slots are masked by position). A compressed group
+that a rejected token completes is written to its entry too: no query sees an entry before its
+group's last position, and the chunk that next holds that position rewrites the entry before it
+attends. So a verification of all drafted positions rolls back to any accepted length exactly.
+
+Stored formats are `packing.Packed` (codes + scale bytes); `load` gives exactly the training
+path's fake quantization.
 """
 
 from __future__ import annotations

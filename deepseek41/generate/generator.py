@@ -18,7 +18,12 @@ Plain decoding runs `tokens_per_dispatch` steps per dispatch on the device (`Pro
 decode_steps`: a while loop with the caches, the last token, the key and each row's done flag
 and remaining budget as its carry), one host round trip per dispatch; `tokens_per_dispatch=1`
 is the one-step loop, a dispatch and a round trip per token, against which the device loop is
-tested. Speculative decoding drafts and verifies once per round trip.
+tested. Speculative decoding runs rounds on the device the same way (`Programs.speculate`: per
+round DSpark's k drafts, each row's verify length from their confidences, one verification of
+fixed shape, the accepted tokens and the next, rows stopped by end-of-document or budget), up to
+`tokens_per_dispatch` tokens a row per dispatch; with `tokens_per_dispatch=1` it drafts and
+verifies once per round trip (`_one_step_loop`, the reference), its verification as long as
+the longest admitted row.
 """
 
 from __future__ import annotations
@@ -289,6 +294,21 @@ def stop_rows(next_b, done_b, left_b, eos_id):
   return emitted_b, done_b | (running_b & eos_b) | (left_b <= 0), left_b
 
 
+def stop_run(run_bj, valid_b, done_b, left_b, eos_id):
+  """(emitted_b, done_b, left_b) after a round that produced the tokens run_bj[:, :valid_b]
+  (a speculative round: the accepted drafts and the next token): a running row emits them up
+  to its end-of-document (not emitted) and its remaining budget left_b, and finishes at either.
+  `stop_rows` for runs of one token."""
+  running_b = ~done_b
+  slot_j = jnp.arange(run_bj.shape[1], dtype=jnp.int32)[None, :]
+  eos_bj = (run_bj == eos_id) & (slot_j < valid_b[:, None])
+  first_eos_b = jnp.min(jnp.where(eos_bj, slot_j, run_bj.shape[1]), axis=1)
+  emitted_b = jnp.where(running_b, jnp.minimum(jnp.minimum(first_eos_b, valid_b), left_b), 0)
+  left_b = left_b - emitted_b.astype(left_b.dtype)
+  finished_b = running_b & ((first_eos_b < valid_b) | (left_b <= 0))
+  return emitted_b.astype(jnp.int32), done_b | finished_b, left_b
+
+
 def image_fields(cfg: RunConfig, docs: list, t: int) -> dict[str, np.ndarray]:
   """The batch contract's image fields for right-padded prompts of `t` positions; `docs[i]` is
   prompt i's document (data/multimodal.py) or None for a text prompt."""
@@ -323,9 +343,10 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
                 stream: Callable[[int, list[int]], None] | None = None) -> list[Result]:
   """Prefill the prompts as one right-padded batch, then decode until every row has its
   max_new_tokens (one for all rows, or one per row) or its end-of-document (eos_id; None: never
-  stop early). Plain decoding runs up to tokens_per_dispatch steps per dispatch on the device
-  (1: the one-step loop); `stream(row, tokens)` receives each row's new tokens after every
-  dispatch. Text prompts longer than prefill_chunk positions prefill that many per dispatch
+  stop early). Plain decoding runs up to tokens_per_dispatch steps per dispatch on the device,
+  speculative decoding rounds until a row could pass max(tokens_per_dispatch, k + 1) tokens
+  (1: the one-step loop, either); `stream(row, tokens)` receives each row's new tokens after
+  every dispatch. Text prompts longer than prefill_chunk positions prefill that many per dispatch
   (`_chunked_prefill`; 0: whole)."""
   if not len(prompts):
     raise GenerateError('no prompts given')
@@ -378,7 +399,7 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
     logits_last, cache = progs.prefill_full(cache, jnp.asarray(tokens_bt),
                                             jnp.asarray(lengths), speculative, images)
   key, sub = jax.random.split(key)
-  nxt = sampling.draw(sub, sampling.probs(logits_last, temperature, top_p))
+  nxt = sampling.sample(sub, logits_last, temperature, top_p)[0]
   nxt = np.asarray(nxt)
   prefill_s = time.perf_counter() - t0
 
@@ -386,10 +407,14 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
   rows.add([[int(x)] for x in nxt])
   rows.publish(stream)
   sampler = dict(temperature=temperature, top_p=top_p)
-  if speculative or tokens_per_dispatch == 1:
+  if tokens_per_dispatch == 1:
     decode_s, forwards, untimed, accepted = _one_step_loop(
         progs, cache, rows, nxt, key, stream, speculative=speculative, k=k,
         verify_cost=verify_cost, **sampler)
+  elif speculative:
+    decode_s, forwards, untimed, accepted = _speculative_loop(
+        progs, cache, rows, nxt, key, stream, eos_id=eos_id, k=k, verify_cost=verify_cost,
+        n=max(tokens_per_dispatch, k + 1), **sampler)
   else:
     decode_s, forwards, untimed = _device_loop(progs, cache, rows, nxt, key, stream,
                                                eos_id=eos_id, n=tokens_per_dispatch, **sampler)
@@ -491,6 +516,37 @@ def _device_loop(progs: 'Programs', cache, rows: Rows, nxt, key, stream, *, eos_
   return decode_s, forwards, rows.counts() if untimed is None else untimed
 
 
+def _speculative_loop(progs: 'Programs', cache, rows: Rows, nxt, key, stream, *, eos_id,
+                      temperature, top_p, k: int, n: int, verify_cost: float):
+  """Speculative decoding, rounds on the device (`Programs.speculate`) until a row could
+  outgrow its n tokens of one dispatch: the row furthest ahead brings back n - k to n tokens
+  per dispatch, the host sees them once. The first dispatch runs one round (it compiles),
+  untimed as the one-step loop's first. (decode_s, forwards, tokens per row before the timed
+  part, accepted drafts per row)."""
+  carry = {'cache': cache, 'last': jnp.asarray(nxt), 'key': key,
+           'done': jnp.asarray(rows.done),
+           'left': jnp.asarray(rows.budgets - rows.counts(), jnp.int32)}
+  eos = jnp.int32(NO_TOKEN if eos_id is None else eos_id)
+  cost = jnp.float32(verify_cost)
+  forwards, decode_s, untimed, rounds = 0, 0.0, None, 1
+  accepted = np.zeros(len(rows.budgets), np.int64)
+  while not rows.done.all():
+    t1 = time.perf_counter()
+    out, carry = progs.speculate(carry, eos, jnp.int32(rounds), cost, temperature, top_p, k, n)
+    tokens_bn, count_b, done_b, ran, acc_b = jax.device_get(
+        (out['tokens'], out['count'], carry['done'], out['rounds'], out['accepted']))
+    forwards += int(ran)
+    accepted += acc_b
+    rows.add([tokens_bn[i, :count_b[i]] for i in range(len(count_b))], finished=done_b)
+    if untimed is None:
+      untimed = rows.counts()
+    else:
+      decode_s += time.perf_counter() - t1
+    rows.publish(stream)
+    rounds = n
+  return decode_s, forwards, rows.counts() if untimed is None else untimed, accepted
+
+
 def _write_features(dspark, cache, captured, valid_bq, start_b):
   """DSpark's context m_t of the chunk's rows into the cache's feature ring."""
   m_bqd = dspark.context(captured)
@@ -513,6 +569,51 @@ def _ced_tail_result(dspark, cache, logits_bwv, captured, lengths_b, features: b
     cache = _write_features(dspark, cache, captured, valid, tail_b)
   last = jnp.take_along_axis(logits_bwv, (lengths_b - 1 - tail_b)[:, None, None], axis=1)[:, 0]
   return last, cache
+
+
+def draft_block(model, dspark, cache, anchor_b, key, temperature, top_p, k: int):
+  """DSpark's k drafts after each row's anchor (the last token, not yet in the cache): (drafts
+  int32 [B, k], their distributions q [B, k, V], each slot's confidence [B, k]). The drafter
+  reads the feature ring's positions in the anchor's window; each slot's Markov bias follows
+  the previous slot's token, so the slots draw in order."""
+  p_b = cache['length']
+  w = model.cfg.sliding_window
+  fpos = cache['feat_pos']
+  ok = (fpos >= 0) & (fpos >= p_b[:, None] - w) & (fpos < p_b[:, None])
+  context = {'m_nwd': cache['feat'], 'positions_nw': jnp.maximum(fpos, 0), 'ok_nw': ok}
+  h_nkd, base_nkv, _ = dspark.draft_rows(anchor_b, p_b, context, model.embed[...],
+                                         model.head[...])
+  prev, drafts, qs, confs = anchor_b, [], [], []
+  for slot, sub in enumerate(jax.random.split(key, k)):
+    bias_n1v, e_n1r = dspark.markov(prev[:, None])
+    prev, q_nv = sampling.sample(sub, base_nkv[:, slot] + bias_n1v[:, 0], temperature, top_p)
+    conf = jax.nn.sigmoid(dspark.confidence_logit(h_nkd[:, slot:slot + 1], e_n1r))[:, 0]
+    drafts.append(prev)
+    qs.append(q_nv)
+    confs.append(conf)
+  return jnp.stack(drafts, 1), jnp.stack(qs, 1), jnp.stack(confs, 1)
+
+
+def verify_block(model, dspark, engram_map, cache, anchor_b, drafts_bj, q_bjv, admit_b, key,
+                 temperature, top_p):
+  """The backbone over [anchor, drafts] at each row's cached length, DSpark's features of
+  every position written, then rejection sampling of each row's first admit_b drafts:
+  (accepted_b, next_b, the chunk's logits [B, j + 1, V], the cache rolled back to start +
+  accepted + 1). Rolling back is only the shorter length: what the rejected positions wrote
+  (window and row ring slots, completed entries, features, tokens) lies at positions no later
+  query sees before a later chunk overwrites it (cache.py)."""
+  start = cache['length']
+  chunk = jnp.concatenate([anchor_b[:, None], drafts_bj], axis=1)
+  valid = jnp.ones(chunk.shape, bool)
+  logits, captured, cache = forward_chunk(model, cache, chunk, valid, engram_map=engram_map,
+                                          capture_layers=dspark.targets)
+  cache = _write_features(dspark, cache, captured, valid, start)
+  if temperature <= 0:  # the argmax of the logits, as of greedy `probs`' one-hot
+    acc, nxt = sampling.verify_greedy(logits, drafts_bj, admit_b)
+  else:
+    acc, nxt = sampling.verify(key, sampling.probs(logits, temperature, top_p), q_bjv,
+                               drafts_bj, admit_b, greedy=False)
+  return acc, nxt, logits, {**cache, 'length': start + acc + 1}
 
 
 class Programs:
@@ -619,7 +720,7 @@ class Programs:
           capture_layers=dspark.targets if features else ())
       if features:
         cache = _write_features(dspark, cache, captured, valid, start)
-      return sampling.draw(key, sampling.probs(logits[:, 0], temperature, top_p)), cache
+      return sampling.sample(key, logits[:, 0], temperature, top_p)[0], cache
     return self._compiled('plain', run, ('temperature', 'top_p', 'features'))(
         self.state, cache, tok_b, key, temperature=temperature, top_p=top_p, features=features)
 
@@ -639,7 +740,7 @@ class Programs:
         valid = jnp.ones((b, 1), bool)
         logits, _, cache = forward_chunk(model, carry['cache'], carry['last'][:, None], valid,
                                          engram_map=self.engram_map)
-        next_b = sampling.draw(sub, sampling.probs(logits[:, 0], temperature, top_p))
+        next_b = sampling.sample(sub, logits[:, 0], temperature, top_p)[0]
         emitted_b, done_b, left_b = stop_rows(next_b, carry['done'], carry['left'], eos_id)
         tokens_bn = tokens_bn.at[:, i].set(jnp.where(emitted_b, next_b, NO_TOKEN))
         return i + 1, {'cache': cache, 'last': next_b, 'key': key, 'done': done_b,
@@ -658,39 +759,74 @@ class Programs:
   def draft(self, cache, anchor_b, key, temperature, top_p, k: int):
     def run(state, cache, anchor_b, key, temperature, top_p, k):
       model, dspark = self._merged(state)
-      p_b = cache['length']
-      w = model.cfg.sliding_window
-      fpos = cache['feat_pos']
-      ok = (fpos >= 0) & (fpos >= p_b[:, None] - w) & (fpos < p_b[:, None])
-      context = {'m_nwd': cache['feat'], 'positions_nw': jnp.maximum(fpos, 0), 'ok_nw': ok}
-      h_nkd, base_nkv, _ = dspark.draft_rows(anchor_b, p_b, context, model.embed[...],
-                                             model.head[...])
-      prev, drafts, qs, confs = anchor_b, [], [], []
-      for slot, sub in enumerate(jax.random.split(key, k)):
-        bias_n1v, e_n1r = dspark.markov(prev[:, None])
-        q_nv = sampling.probs(base_nkv[:, slot] + bias_n1v[:, 0], temperature, top_p)
-        prev = sampling.draw(sub, q_nv)
-        conf = jax.nn.sigmoid(dspark.confidence_logit(h_nkd[:, slot:slot + 1], e_n1r))[:, 0]
-        drafts.append(prev)
-        qs.append(q_nv)
-        confs.append(conf)
-      return jnp.stack(drafts, 1), jnp.stack(qs, 1), jnp.stack(confs, 1)
+      return draft_block(model, dspark, cache, anchor_b, key, temperature, top_p, k)
     return self._compiled('draft', run, ('temperature', 'top_p', 'k'))(
         self.state, cache, anchor_b, key, temperature=temperature, top_p=top_p, k=k)
 
   def verify(self, cache, anchor_b, drafts_bj, q_bjv, admit_b, key, temperature, top_p):
     def run(state, cache, anchor_b, drafts_bj, q_bjv, admit_b, key, temperature, top_p):
       model, dspark = self._merged(state)
-      start = cache['length']
-      chunk = jnp.concatenate([anchor_b[:, None], drafts_bj], axis=1)
-      valid = jnp.ones(chunk.shape, bool)
-      logits, captured, cache = forward_chunk(model, cache, chunk, valid,
-                                              engram_map=self.engram_map,
-                                              capture_layers=dspark.targets)
-      cache = _write_features(dspark, cache, captured, valid, start)
-      p_bjv = sampling.probs(logits, temperature, top_p)
-      acc, nxt = sampling.verify(key, p_bjv, q_bjv, drafts_bj, admit_b, greedy=temperature <= 0)
-      return acc, nxt, {**cache, 'length': start + acc + 1}
+      acc, nxt, _, cache = verify_block(model, dspark, self.engram_map, cache, anchor_b,
+                                        drafts_bj, q_bjv, admit_b, key, temperature, top_p)
+      return acc, nxt, cache
     return self._compiled('verify', run, ('temperature', 'top_p'))(
         self.state, cache, anchor_b, drafts_bj, q_bjv, admit_b, key, temperature=temperature,
         top_p=top_p)
+
+  def speculate(self, carry: dict, eos_id, rounds, verify_cost, temperature, top_p, k: int,
+                n: int):
+    """Up to `rounds` speculative rounds in one dispatch: each drafts k tokens per row
+    (`draft_block`), admits each row's verify length on the device (`sampling.verify_length`
+    of the confidences; 0 for finished rows), verifies all k drafts in one forward of fixed
+    shape (`verify_block`: a row's drafts past its admit are rejected by construction), and
+    stops rows at their end-of-document or budget (`stop_run`). The loop ends early once every
+    row is done, or once a running row has no room for another round's k + 1 tokens among its
+    n. The keys split per round as `_one_step_loop` splits them. `carry`: the cache (donated),
+    the last token, the key, each row's done flag and remaining budget. Returns ({'tokens':
+    [B, n] (NO_TOKEN past a row's count), 'count': [B] emitted, 'rounds': rounds run,
+    'accepted': [B] drafts accepted by rows running at each round's start}, the carry)."""
+    def run(state, carry, eos_id, rounds, verify_cost, temperature, top_p, k, n):
+      b = carry['last'].shape[0]
+      slot_k1 = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+
+      def one_round(loop):
+        i, carry, tokens_bn, count_b, accepted_b = loop
+        model, dspark = self._merged(state)
+        key, sub = jax.random.split(carry['key'])
+        key, dkey = jax.random.split(key)
+        cache, anchor_b, running_b = carry['cache'], carry['last'], ~carry['done']
+        start_b = cache['length']
+        drafts_bk, q_bkv, conf_bk = draft_block(model, dspark, cache, anchor_b, dkey,
+                                                temperature, top_p, k)
+        admit_b = jnp.where(running_b, sampling.verify_length(conf_bk, verify_cost), 0)
+        acc_b, next_b, logits_bjv, cache = verify_block(
+            model, dspark, self.engram_map, cache, anchor_b, drafts_bk, q_bkv, admit_b, sub,
+            temperature, top_p)
+        if temperature > 0:  # no row admits a draft: the host loop's plain step draws it
+          next_b = jax.lax.cond(
+              jnp.any(admit_b > 0), lambda: next_b,
+              lambda: sampling.sample(sub, logits_bjv[:, 0], temperature, top_p)[0])
+        run_bk1 = jnp.where(slot_k1 == acc_b[:, None], next_b[:, None],
+                            jnp.concatenate([drafts_bk, drafts_bk[:, :1]], axis=1))
+        emitted_b, done_b, left_b = stop_run(run_bk1, acc_b + 1, carry['done'], carry['left'],
+                                             eos_id)
+        dest_bk1 = jnp.where(slot_k1 < emitted_b[:, None], count_b[:, None] + slot_k1, n)
+        tokens_bn = tokens_bn.at[jnp.arange(b)[:, None], dest_bk1].set(run_bk1, mode='drop')
+        # A finished row keeps its start: its later rounds write nothing past its budget.
+        cache = {**cache, 'length': jnp.where(done_b, start_b, cache['length'])}
+        carry = {'cache': cache, 'last': next_b, 'key': key, 'done': done_b, 'left': left_b}
+        return (i + 1, carry, tokens_bn, count_b + emitted_b,
+                accepted_b + jnp.where(running_b, acc_b, 0))
+
+      def running(loop):
+        i, carry, _, count_b, _ = loop
+        room = jnp.all(carry['done'] | (count_b + k + 1 <= n))
+        return (i < rounds) & ~jnp.all(carry['done']) & room
+      zeros_b = jnp.zeros((b,), jnp.int32)
+      start = (jnp.int32(0), carry, jnp.full((b, n), NO_TOKEN, jnp.int32), zeros_b, zeros_b)
+      ran, after, tokens_bn, count_b, accepted_b = jax.lax.while_loop(running, one_round, start)
+      out = {'tokens': tokens_bn, 'count': count_b, 'rounds': ran, 'accepted': accepted_b}
+      return out, after
+    return self._compiled('speculate', run, ('temperature', 'top_p', 'k', 'n'), ('carry',))(
+        self.state, carry, eos_id, rounds, verify_cost, temperature=temperature, top_p=top_p,
+        k=k, n=n)

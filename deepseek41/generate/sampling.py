@@ -42,25 +42,35 @@ def draw(key, p_xv):
   return jax.random.categorical(key, logits).astype(jnp.int32)
 
 
+def sample(key, logits_xv, temperature: float, top_p: float = 1.0):
+  """(tokens int32 [...], their distribution `probs` [..., V]). Greedy takes the argmax of the
+  logits: what a draw from the one-hot gives, without its noise over the vocabulary."""
+  p_xv = probs(logits_xv, temperature, top_p)
+  if temperature <= 0:
+    return jnp.argmax(logits_xv.astype(jnp.float32), axis=-1).astype(jnp.int32), p_xv
+  return draw(key, p_xv), p_xv
+
+
 def verify(key, p_bjv, q_bkv, drafts_bk, admit_b, greedy: bool):
   """(accepted_b, next_b): how many of the first admit_b drafts are accepted, and the token after
   them (a residual draw after a rejection, else the bonus).
 
   p_bjv [B, J, V]: the target's distributions at the chunk's positions (p_0 follows the anchor);
   q_bkv [B, J-1, V] and drafts_bk [B, J-1]: the drafts' distributions and tokens; admit_b <= J-1.
+  Slot i's uniform depends on the key and i only, not on J: a verification of more drafts than
+  a row admits accepts what a shorter one would (generator.py's device loop verifies every
+  drafted slot, its host loop only as many as some row admits).
   """
+  if greedy:
+    return verify_greedy(p_bjv, drafts_bk, admit_b)
   b, j1 = drafts_bk.shape
-  slot_k = jnp.arange(j1)[None, :]
   p_d_bk = jnp.take_along_axis(p_bjv[:, :j1], drafts_bk[..., None], axis=-1)[..., 0]
   q_d_bk = jnp.take_along_axis(q_bkv, drafts_bk[..., None], axis=-1)[..., 0]
   key_u, key_r = jax.random.split(key)
-  if greedy:
-    ok_bk = drafts_bk == jnp.argmax(p_bjv[:, :j1], axis=-1)
-  else:
-    u_bk = jax.random.uniform(key_u, (b, j1))
-    ok_bk = u_bk * q_d_bk < p_d_bk  # u < p / q without dividing (q > 0 where d was drawn)
-  ok_bk = ok_bk & (slot_k < admit_b[:, None])
-  accepted_b = jnp.sum(jnp.cumprod(ok_bk.astype(jnp.int32), axis=1), axis=1)
+  u_bk = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key_u, i), (b,)),
+                  out_axes=1)(jnp.arange(j1))
+  ok_bk = u_bk * q_d_bk < p_d_bk  # u < p / q without dividing (q > 0 where d was drawn)
+  accepted_b = _accepted(ok_bk, admit_b)
   p_next_bv = jnp.take_along_axis(p_bjv, accepted_b[:, None, None], axis=1)[:, 0]
   rejected_b = accepted_b < admit_b
   q_at = jnp.take_along_axis(q_bkv, jnp.minimum(accepted_b, j1 - 1)[:, None, None], axis=1)[:, 0]
@@ -68,11 +78,23 @@ def verify(key, p_bjv, q_bkv, drafts_bk, admit_b, greedy: bool):
   mass_b1 = jnp.sum(residual_bv, axis=-1, keepdims=True)
   residual_bv = jnp.where(mass_b1 > 0, residual_bv / jnp.where(mass_b1 > 0, mass_b1, 1.0),
                           p_next_bv)
-  if greedy:
-    next_b = jnp.argmax(p_next_bv, axis=-1).astype(jnp.int32)
-  else:
-    next_b = draw(key_r, jnp.where(rejected_b[:, None], residual_bv, p_next_bv))
-  return accepted_b.astype(jnp.int32), next_b
+  next_b = draw(key_r, jnp.where(rejected_b[:, None], residual_bv, p_next_bv))
+  return accepted_b, next_b
+
+
+def verify_greedy(scores_bjv, drafts_bk, admit_b):
+  """`verify` at temperature 0: a draft is accepted while it is the target's argmax, and the
+  next token is the argmax where the first one differs (or the bonus). scores_bjv: the logits,
+  or any scores with the same argmax (greedy `probs`, its one-hot)."""
+  target_bj = jnp.argmax(scores_bjv, axis=-1).astype(jnp.int32)
+  accepted_b = _accepted(drafts_bk == target_bj[:, :drafts_bk.shape[1]], admit_b)
+  return accepted_b, jnp.take_along_axis(target_bj, accepted_b[:, None], axis=1)[:, 0]
+
+
+def _accepted(ok_bk, admit_b):
+  """int32 [B]: the run of accepted slots from the first, among the first admit_b."""
+  ok_bk = ok_bk & (jnp.arange(ok_bk.shape[1])[None, :] < admit_b[:, None])
+  return jnp.sum(jnp.cumprod(ok_bk.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
 def verify_length(conf_bk, cost_per_position: float):

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from deepseek41.config import load_config_file, resolve
-from deepseek41.generate import sampling
+from deepseek41.generate import generator, sampling
 from deepseek41.generate.cache import empty_cache, global_bytes_per_token
 from deepseek41.generate.decode import ced_prefill, forward_chunk, replay_windows
 from deepseek41.generate.generator import GenerateError, Programs, decode_loop, exact_n_win
@@ -301,31 +301,160 @@ def drafting():
   return _drafting()
 
 
+def _oracle_drafter(table_bl, vocab):
+  """`generator.draft_block` as an oracle reading the true continuation table_bl [B, L] (the
+  prompt, then plain greedy's tokens): right but for slot length % 4 (none when that is 3),
+  so that verifications accept 0, 1, 2 or all 3 drafts. Traceable, for both loops."""
+  real_draft = generator.draft_block
+  table = jnp.asarray(table_bl)
+
+  def oracle(model, dspark, cache, anchor_b, key, temperature, top_p, k):
+    _, _, conf = real_draft(model, dspark, cache, anchor_b, key, temperature, top_p, k)
+    length = cache['length'][:, None]
+    at = jnp.clip(length + 1 + jnp.arange(k)[None, :], 0, table.shape[1] - 1)
+    truth = jnp.take_along_axis(table, at, axis=1)
+    wrong = jnp.arange(k)[None, :] == length % 4
+    drafts = jnp.where(wrong, (truth + 1) % vocab, truth)
+    return drafts, jax.nn.one_hot(drafts, vocab), jnp.ones_like(conf)
+  return oracle
+
+
+def _oracle_runs(prompt_len: int, budget: int):
+  """[(first, last) generated token index] of each oracle round (`_oracle_drafter`)."""
+  e, runs = 1, []
+  while e < budget:
+    acc = (prompt_len + e - 1) % 4
+    runs.append((e, e + acc))
+    e += acc + 1
+  return runs
+
+
 def test_greedy_speculative_decoding_returns_plain_greedy_tokens(drafting, monkeypatch):
+  """fp32, prompts of different lengths and budgets: speculative greedy decoding returns plain
+  greedy's tokens, one round per dispatch (the host loop, tokens_per_dispatch=1), on the device
+  one round (4 = k + 1) or many (32) per dispatch. With an oracle drafter verifications accept
+  0 to 3 drafts: the same tokens, accepted counts and forwards from both loops, and an
+  end-of-document inside an accepted run stops its row there, its budget a run in the middle."""
   cfg, progs = drafting
   rng = np.random.default_rng(5)
-  prompts = [rng.integers(3, 96, n).astype(np.int32) for n in (7, 12)]
-  kw = dict(eos_id=None, max_new_tokens=14, prefill='full')
-  plain = [r.tokens for r in decode_loop(progs, cfg, prompts, **kw)]
-  spec = decode_loop(progs, cfg, prompts, speculative=True, verify_cost=0.0, **kw)
-  assert [r.tokens for r in spec] == plain
+  prompts = [rng.integers(3, 96, n).astype(np.int32) for n in (7, 12, 3)]
+  budgets = [14, 9, 11]
+  kw = dict(eos_id=None, max_new_tokens=budgets, prefill='full')
+  longer = [r.tokens for r in decode_loop(progs, cfg, prompts, **{
+      **kw, 'max_new_tokens': [b + 4 for b in budgets]})]  # what the oracle drafts past a budget
+  plain = [t[:b] for t, b in zip(longer, budgets)]
+  for n in (1, 32):
+    spec = decode_loop(progs, cfg, prompts, speculative=True, verify_cost=0.0,
+                       tokens_per_dispatch=n, **kw)
+    assert [r.tokens for r in spec] == plain, n
   chunked = decode_loop(progs, cfg, prompts, speculative=True, verify_cost=0.0,
                         prefill_chunk=8, **kw)  # the drafter's features written chunk by chunk
   assert [r.tokens for r in chunked] == plain
-  # An oracle drafter (right but for slot 2) makes verifications accept and reject mid-block.
-  real_draft = Programs.draft
+  shorter = decode_loop(progs, cfg, prompts, speculative=True, verify_cost=0.6,
+                        **kw)  # rows admit fewer drafts than the verification holds, or none
+  assert [r.tokens for r in shorter] == plain
 
-  def oracle(self, cache, anchor_b, key, temperature, top_p, k):
-    drafts, q, conf = real_draft(self, cache, anchor_b, key, temperature, top_p, k)
-    length = np.asarray(cache['length'])
-    truth = np.stack([[(prompts[b].tolist() + plain[b] + [0] * 8)[length[b] + 1 + i]
-                       for i in range(k)] for b in range(2)]).astype(np.int32)
-    truth[:, 1] = (truth[:, 1] + 1) % 96
-    return jnp.asarray(truth), jax.nn.one_hot(truth, 96), jnp.ones_like(conf)
-  monkeypatch.setattr(Programs, 'draft', oracle)
-  spec = decode_loop(progs, cfg, prompts, speculative=True, verify_cost=0.0, **kw)
-  assert [r.tokens for r in spec] == plain
-  assert all(r.accepted_drafts > 0 for r in spec) and spec[0].forwards < 14
+  table = np.zeros((3, 40), np.int32)
+  for b, (p, t) in enumerate(zip(prompts, longer)):
+    table[b, :len(p) + len(t)] = list(p) + t
+  monkeypatch.setattr(generator, 'draft_block', _oracle_drafter(table, 96))
+  oracle = Programs(*nnx.merge(progs.graph, progs.state), None)  # traced with the oracle
+  runs, streamed = {}, {}
+  for n in (1, 4, 32):
+    streamed[n] = [[] for _ in prompts]
+    runs[n] = decode_loop(oracle, cfg, prompts, speculative=True, verify_cost=0.0,
+                          tokens_per_dispatch=n, **kw,
+                          stream=lambda row, new: streamed[n][row].extend(new))
+    assert [r.tokens for r in runs[n]] == plain == streamed[n], n
+    stats = [(r.accepted_drafts, r.forwards, r.timed_tokens) for r in runs[n]]
+    assert stats == [(r.accepted_drafts, r.forwards, r.timed_tokens) for r in runs[1]], n
+  assert oracle.traces['speculate'] == 2  # per tokens_per_dispatch: one for every dispatch
+  rounds = [_oracle_runs(len(p), b) for p, b in zip(prompts, budgets)]
+  assert [r.accepted_drafts for r in runs[1]] == [sum(l - f for f, l in rs) for rs in rounds]
+  assert runs[1][0].forwards == max(len(rs) for rs in rounds) < max(budgets) - 1
+  # Row 2's budget ends inside a run; the end-of-document: a token of row 0 that first occurs
+  # inside an accepted run, not at its end.
+  assert rounds[2][-1][1] >= budgets[2]
+  eos, at = next((plain[0][i], i) for f, l in rounds[0] for i in range(f, l)
+                 if plain[0][i] not in plain[0][:i])
+  cut = [t[:t.index(eos)] if eos in t else t for t in plain]
+  assert len(cut[0]) == at < budgets[0]
+  for n in (1, 4, 32):
+    out = decode_loop(oracle, cfg, prompts, speculative=True, verify_cost=0.0,
+                      tokens_per_dispatch=n, **{**kw, 'eos_id': eos})
+    assert [r.tokens for r in out] == cut, n
+
+
+def test_sampled_speculative_device_loop_equals_the_host_loop(drafting, monkeypatch):
+  """Sampled (temperature and top-p), three rows of different budgets: the device loop's
+  rounds split the keys as the host loop's, so both return the same tokens and accepted
+  drafts, every draft admitted (verify_cost 0) or the rows' own lengths admitted, some rounds
+  none (where the host loop takes a plain step); another seed returns other tokens."""
+  cfg, progs = drafting
+  plain_steps = []
+  real_plain = Programs.plain
+  monkeypatch.setattr(Programs, 'plain',
+                      lambda self, *a, **k: plain_steps.append(1) or real_plain(self, *a, **k))
+  rng = np.random.default_rng(11)
+  prompts = [rng.integers(3, 96, n).astype(np.int32) for n in (5, 12, 9)]
+  for cost in (0.0, 0.6):
+    kw = dict(eos_id=None, max_new_tokens=[10, 7, 12], prefill='full', speculative=True,
+              verify_cost=cost, temperature=0.8, top_p=0.9, seed=3)
+    plain_steps.clear()
+    host = decode_loop(progs, cfg, prompts, tokens_per_dispatch=1, **kw)
+    assert sum(r.accepted_drafts for r in host) > 0
+    assert (len(plain_steps) > 0) == (cost > 0)
+    for n in (4, 32) if cost == 0 else (32,):
+      device = decode_loop(progs, cfg, prompts, tokens_per_dispatch=n, **kw)
+      assert [r.tokens for r in device] == [r.tokens for r in host], (cost, n)
+      assert [(r.accepted_drafts, r.forwards) for r in device] == \
+          [(r.accepted_drafts, r.forwards) for r in host], (cost, n)
+  other = decode_loop(progs, cfg, prompts, tokens_per_dispatch=32, **{**kw, 'seed': 4})
+  assert [r.tokens for r in other] != [r.tokens for r in host]
+
+
+def test_a_fixed_length_verification_rolls_back_exactly(drafting):
+  """A verification of all k = 3 drafts of which the rows accept 1 and 2: rolled back to start
+  + accepted + 1, the cache decodes and drafts as plain steps over the accepted tokens do. A
+  ratio-2 group straddles each row's last accepted and first rejected position (its entry is
+  written from a rejected token, its first row kept in the row ring); the rejected positions'
+  window slots, ratio-1 entries, features and tokens are written too."""
+  cfg, progs = drafting
+  model, _ = nnx.merge(progs.graph, progs.state)
+  k, v = 3, cfg.model.vocab_size
+  spec = CacheSpec(batch=2, max_len=48, max_chunk=k + 1)
+  lengths = np.array([7, 12], np.int32)
+  prompt = np.random.default_rng(7).integers(3, v, (2, 16)).astype(np.int32)
+  prompt = np.where(np.arange(16)[None] < lengths[:, None], prompt, 0)
+  last, start = progs.prefill_full(empty_cache(model, spec, cfg.model.d_model),
+                                   jnp.asarray(prompt), jnp.asarray(lengths), True)
+  seq, steps = [np.asarray(jnp.argmax(last, -1), np.int32)], [start]
+  for _ in range(3):  # plain greedy steps: steps[i] holds i tokens after the prompt
+    tok, cache = progs.plain(steps[-1], jnp.asarray(seq[-1]), jax.random.key(0), 0.0, 1.0, True)
+    seq.append(np.asarray(tok))
+    steps.append(cache)
+  seq = np.stack(seq, 1)
+  drafts = seq[:, 1:4].copy()
+  drafts[0, 1:] = (drafts[0, 1:] + 1) % v
+  drafts[1, 2] = (drafts[1, 2] + 1) % v
+  acc, nxt, verified = progs.verify(start, jnp.asarray(seq[:, 0]), jnp.asarray(drafts),
+                                    jax.nn.one_hot(drafts, v), jnp.asarray([k, k]),
+                                    jax.random.key(0), 0.0, 1.0)
+  assert np.asarray(acc).tolist() == [1, 2]
+  assert np.asarray(nxt).tolist() == [seq[0, 2], seq[1, 3]]
+  # The plain reference: row 0 after 2 steps, row 1 after 3 (rows are independent).
+  ref = jax.tree.map(lambda a, b: a.at[1].set(b[1]), steps[2], steps[3])
+  np.testing.assert_array_equal(np.asarray(verified['length']), np.asarray(ref['length']))
+  got = progs.draft(verified, nxt, jax.random.key(1), 0.0, 1.0, k)
+  want = progs.draft(ref, nxt, jax.random.key(1), 0.0, 1.0, k)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-4, atol=1e-5)
+  tok = np.asarray(nxt)[:, None]
+  for _ in range(5):
+    logits, verified = _chunk(model, verified, jnp.asarray(tok), jnp.ones((2, 1), bool))
+    logits_ref, ref = _chunk(model, ref, jnp.asarray(tok), jnp.ones((2, 1), bool))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_ref), rtol=2e-4, atol=2e-4)
+    tok = np.asarray(jnp.argmax(logits_ref, -1), np.int32)
 
 
 def test_rejection_sampling_returns_the_target_distribution():
@@ -352,21 +481,26 @@ def test_rejection_sampling_returns_the_target_distribution():
 
 
 def test_sampled_speculative_decoding_matches_the_model():
-  """A toy model over 8 tokens: the second generated token's frequency over 3,000 sampled
-  speculative runs matches its exact marginal sum_t1 p(t1) p(t2 | t1) from full forwards."""
+  """A toy model over 8 tokens, 3,000 rows decoding 4 tokens speculatively on the device (the
+  first dispatch one round, the second the rest, rows at their own positions): the second to
+  fourth generated tokens are distributed as their exact marginals from full forwards."""
   cfg, progs = _drafting(vocab=8)
   prompt = np.array([3, 5, 1, 6, 2], np.int32)
   n = 3000
-  out = decode_loop(progs, cfg, [prompt] * n, eos_id=None, max_new_tokens=2, temperature=1.0,
-                    speculative=True, verify_cost=0.0, prefill='full', seed=1)
+  out = decode_loop(progs, cfg, [prompt] * n, eos_id=None, max_new_tokens=4, temperature=1.0,
+                    speculative=True, verify_cost=0.0, prefill='full', seed=1,
+                    tokens_per_dispatch=8)
   assert sum(r.accepted_drafts for r in out) > 100  # drafts were accepted, not only resampled
   model = nnx.merge(progs.graph, progs.state)[0]
-  p1 = jax.nn.softmax(_full_logits(model, prompt[None])[0, -1])
-  nexts = np.concatenate([np.tile(prompt, (8, 1)), np.arange(8, dtype=np.int32)[:, None]], 1)
-  p2 = jax.nn.softmax(_full_logits(model, nexts)[:, -1], axis=-1)
-  exact = np.asarray(p1 @ p2)
-  freq = np.bincount([r.tokens[1] for r in out], minlength=8) / n
-  assert np.abs(freq - exact).sum() < 0.06
+  joint = jax.nn.softmax(_full_logits(model, prompt[None])[0, -1])  # p(t1)
+  for step in range(1, 4):
+    seqs = np.asarray([list(prompt) + list(np.unravel_index(i, (8,) * step))
+                       for i in range(8 ** step)], np.int32)
+    nxt = jax.nn.softmax(_full_logits(model, seqs)[:, -1], axis=-1)  # p(t | all before)
+    joint = (np.asarray(joint).reshape(-1, 1) * np.asarray(nxt)).reshape(-1)
+    exact = joint.reshape(-1, 8).sum(0)
+    freq = np.bincount([r.tokens[step] for r in out], minlength=8) / n
+    assert np.abs(freq - exact).sum() < 0.06, step
 
 
 def test_verify_length_admits_while_the_rate_rises():

@@ -1,13 +1,15 @@
 """The decode loop's bookkeeping without a model: length buckets, per-row budgets and stops,
-streamed text, and the bad input it names."""
+streamed text, the bad input it names; the sampling pieces speculative rounds rely on."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from deepseek41.generate import sampling
 from deepseek41.generate.generator import (NO_TOKEN, GenerateError, Rows, TextStream,
                                            decode_loop, length_bucket, max_positions, row_budgets,
-                                           stop_rows)
+                                           stop_rows, stop_run)
 from tests.helpers import resolved
 
 
@@ -32,6 +34,72 @@ def test_stop_rows_stops_each_row_on_its_own():
   assert np.asarray(left).tolist() == [2, 3, 0, 0]
   emitted, done, _ = stop_rows(next_b, jnp.zeros(4, bool), jnp.full(4, 5), jnp.int32(NO_TOKEN))
   assert np.asarray(emitted).all() and not np.asarray(done).any()  # no end-of-document
+
+
+def test_stop_run_cuts_a_round_at_the_end_of_document_and_the_budget():
+  """A speculative round's tokens (accepted drafts, then the next token; slots past `valid`
+  are not the row's): row 0 emits its three, row 1 stops before its end-of-document in the
+  middle of the run, row 2's budget cuts the run, row 3 was done, row 4 has an end-of-document
+  token past its valid slots (not seen), row 5 ends exactly at its budget. Rows.add of the
+  emitted tokens agrees, and runs of one token are `stop_rows`."""
+  run = jnp.asarray([[5, 6, 7, 8], [5, 2, 7, 2], [5, 6, 7, 8], [2, 2, 2, 2], [5, 6, 2, 8],
+                     [5, 6, 7, 8]])
+  valid = jnp.asarray([3, 4, 4, 1, 2, 2])
+  done = jnp.asarray([False, False, False, True, False, False])
+  left = jnp.asarray([9, 9, 2, 0, 9, 2])
+  emitted, done_after, left_after = stop_run(run, valid, done, left, jnp.int32(2))
+  assert np.asarray(emitted).tolist() == [3, 1, 2, 0, 2, 2]
+  assert np.asarray(done_after).tolist() == [False, True, True, True, False, True]
+  assert np.asarray(left_after).tolist() == [6, 8, 0, 0, 7, 0]
+  rows = Rows(np.asarray([9, 9, 2, 1, 9, 2]), eos_id=2)
+  rows.done[3] = True
+  rows.add([np.asarray(run)[i, :int(v)] for i, v in enumerate(valid)])
+  assert rows.counts().tolist() == [3, 1, 2, 0, 2, 2]
+  assert rows.done.tolist() == np.asarray(done_after).tolist()
+  next_b = jnp.asarray([5, 2, 7, 2])
+  for eos in (2, NO_TOKEN):
+    one = stop_run(next_b[:, None], jnp.ones(4, jnp.int32), jnp.asarray([False] * 3 + [True]),
+                   jnp.asarray([3, 3, 1, 0]), jnp.int32(eos))
+    ref = stop_rows(next_b, jnp.asarray([False] * 3 + [True]), jnp.asarray([3, 3, 1, 0]),
+                    jnp.int32(eos))
+    assert np.asarray(one[0]).tolist() == np.asarray(ref[0]).astype(int).tolist()
+    for a, b in zip(one[1:], ref[1:]):
+      assert np.asarray(a).tolist() == np.asarray(b).tolist()
+
+
+def test_greedy_sample_is_the_draw_from_the_one_hot():
+  logits = jax.random.normal(jax.random.key(0), (3, 5, 40)) * 3
+  key = jax.random.key(1)
+  tokens, p = sampling.sample(key, logits, 0.0)
+  assert np.asarray(tokens).tolist() == np.asarray(sampling.draw(key, p)).tolist()
+  np.testing.assert_array_equal(np.asarray(p), np.asarray(sampling.probs(logits, 0.0)))
+  tokens, p = sampling.sample(key, logits, 0.7, 0.9)
+  assert np.asarray(tokens).tolist() == \
+      np.asarray(sampling.draw(key, sampling.probs(logits, 0.7, 0.9))).tolist()
+
+
+def test_verifying_more_drafts_accepts_what_fewer_would():
+  """Rows admit j <= J drafts: verifying all 5 drafts accepts and draws the same as verifying
+  only the longest admitted 3 (the host loop's shape), sampled and greedy."""
+  v, b = 7, 64
+  kp, kq, kd, kv = jax.random.split(jax.random.key(2), 4)
+  p = jax.nn.softmax(jax.random.normal(kp, (b, 6, v)) * 2, axis=-1)
+  q = jax.nn.softmax(jax.random.normal(kq, (b, 5, v)) * 2, axis=-1)
+  drafts = jax.random.categorical(kd, jnp.log(q)).astype(jnp.int32)
+  admit = jnp.asarray(np.arange(b) % 4, jnp.int32)  # 0..3
+  for greedy in (False, True):
+    long = sampling.verify(kv, p, q, drafts, admit, greedy)
+    short = sampling.verify(kv, p[:, :4], q[:, :3], drafts[:, :3], admit, greedy)
+    for a, s in zip(long, short):
+      assert np.asarray(a).tolist() == np.asarray(s).tolist()
+    if not greedy:  # acceptance and rejection both happen
+      assert 0 < np.asarray(long[0]).sum() < np.asarray(admit).sum()
+  one_hot = sampling.probs(jnp.log(p), 0.0)  # greedy: the logits' argmax as its one-hot's
+  drafts = drafts.at[::2, 0].set(jnp.argmax(p[::2, 0], axis=-1))  # some accepted
+  got = sampling.verify_greedy(jnp.log(p), drafts, admit)
+  for a, s in zip(got, sampling.verify(kv, one_hot, q, drafts, admit, True)):
+    assert np.asarray(a).tolist() == np.asarray(s).tolist()
+  assert np.asarray(got[0]).sum() > 0
 
 
 def test_rows_cut_at_the_end_of_document_and_the_budget():
