@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 
 import jax
@@ -225,7 +226,7 @@ def test_fp8_is_refused_by_name():
                            fp8='rowwise')
   for key in ('model.moe_backend', 'model.eval_moe_backend'):
     c = small_config(**{key: 'grouped_fused', 'model.fp8': 'rowwise'})
-    with pytest.raises(ConfigError, match=rf"{key.replace('.', r'\.')}.*model\.fp8"):
+    with pytest.raises(ConfigError, match=re.escape(key) + r'.*model\.fp8'):
       resolve(c, num_devices=1, backend='gpu')
   assert MOE_BACKENDS == expert_gemm.BACKENDS
   for backend in ('cpu', 'gpu', 'tpu'):  # opt-in: auto never picks it
