@@ -15,6 +15,13 @@ global cache's bytes per token, the bounded-replay KL on held-out sequences, and
 FLOPs of one plain decode step against the context length. Prompts are the first
 --prompt_tokens (+-25%) tokens of the interpreter's standard-library sources, one file per row.
 Phases past --deadline_s seconds are skipped; the JSON is rewritten after every phase.
+
+With --contexts (e.g. 4096,65536,262144,1048576) only the long-context phase runs: batch 1, a
+prompt of random token ids exactly that long, prefilled --context_prefill_chunk positions per
+dispatch through each of --context_prefills (ced, full), then --new_tokens greedy tokens at
+--tokens_per_dispatch's largest; each context's prefill tokens/s, decode tokens/s and the
+device's memory in use after it (`ctx<L>_<prefill>`). The checkpoint's model must have the
+positions (`model.yarn_factor` x `model.yarn_original_max_position`).
 """
 
 from __future__ import annotations
@@ -47,6 +54,11 @@ _REPLAY_SEQS = flags.DEFINE_integer('replay_sequences', 32, 'Held-out sequences.
 _FLOP_CONTEXTS = flags.DEFINE_list('flop_contexts', ['4096', '65536'], 'Decode FLOPs at these.')
 _DEADLINE = flags.DEFINE_float('deadline_s', 1e9, 'Skip phases that start later than this.')
 _OUT = flags.DEFINE_string('out', '/tmp/bench_generate.json', 'Result JSON.')
+_CONTEXTS = flags.DEFINE_list('contexts', [], 'Long-context phase only: prompt lengths.')
+_CONTEXT_PREFILLS = flags.DEFINE_list('context_prefills', ['ced', 'full'],
+                                      'Long-context phase: the prefill paths.')
+_CONTEXT_CHUNK = flags.DEFINE_integer('context_prefill_chunk', 65536,
+                                      'Long-context phase: prompt positions per prefill dispatch.')
 
 
 def stdlib_prompts(tokenizer, count: int, mean_len: int) -> list[np.ndarray]:
@@ -90,6 +102,9 @@ def main(argv):
   result['restore_s'] = time.perf_counter() - t0
   result['step'] = gen.step
   cfg = gen.cfg
+  if _CONTEXTS.value:
+    long_contexts(gen, result, save, time_left)
+    return
   speculative = gen.dspark is not None
   for b in (int(x) for x in _BATCHES.value):
     prompts = stdlib_prompts(gen.tokenizer, b, _PROMPT.value)
@@ -165,6 +180,45 @@ def main(argv):
     save()
   result['total_s'] = time.perf_counter() - start
   save()
+
+
+def device_memory_gb() -> dict[str, float]:
+  stats = jax.devices()[0].memory_stats() or {}
+  return {k + '_gb': stats[k] / 2**30 for k in ('bytes_in_use', 'peak_bytes_in_use')
+          if k in stats}
+
+
+def long_contexts(gen, result, save, time_left):
+  """Prefill and decode speed at each of --contexts, batch 1 (module docstring)."""
+  from deepseek41.generate.generator import decode_loop
+  n = max(int(x) for x in _PER_DISPATCH.value)
+  rng = np.random.default_rng(0)
+  for context in (int(x) for x in _CONTEXTS.value):
+    prompt = rng.integers(3, gen.cfg.model.vocab_size, context).astype(np.int32)
+    for prefill in _CONTEXT_PREFILLS.value:
+      name = f'ctx{context}_{prefill}'
+      if not time_left(name):
+        continue
+      kw = dict(eos_id=None, max_new_tokens=_NEW.value, temperature=0.0, prefill=prefill,
+                prefill_chunk=_CONTEXT_CHUNK.value, tokens_per_dispatch=n)
+      try:
+        with jax.set_mesh(gen.mesh):
+          t1 = time.perf_counter()
+          decode_loop(gen._programs, gen.cfg, [prompt], **kw)  # compiles
+          first_s = time.perf_counter() - t1
+          [run] = decode_loop(gen._programs, gen.cfg, [prompt], **kw)
+      except Exception as e:  # noqa: BLE001 - out of memory at one length: record, go on
+        result[name] = {'error': f'{type(e).__name__}: {str(e)[:300]}'}
+        print(name, result[name], flush=True)
+        save()
+        continue
+      row = {'context': context, 'prefill': prefill, 'first_run_s': first_s,
+             'prefill_s': run.prefill_s, 'prefill_tokens_per_s': context / run.prefill_s,
+             'decode_tokens_per_s': run.timed_tokens / run.decode_s if run.decode_s else None,
+             'tokens_per_dispatch': n, **device_memory_gb()}
+      result[name] = row
+      print(name, row, flush=True)
+      save()
 
 
 if __name__ == '__main__':

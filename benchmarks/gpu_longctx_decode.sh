@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Decoding at 4K-1M tokens of context on one GPU (issue 48 item 3), one device call: the 1B
+# config with YaRN stretched to 1,048,576 positions (yarn_factor 256 over its 4,096), its
+# parameters as initialised (one training step on the default corpus writes the checkpoint and
+# its tokenizer: speed and memory do not depend on what the weights learned), then benchmarks/bench_generate.py's long-context phase:
+# at each context one prompt prefilled through CED and through every layer, PREFILL_CHUNK
+# positions a dispatch, then NEW greedy tokens 32 a dispatch; prefill and decode tokens/s and
+# the memory in use after each (JSON keys ctx<L>_<ced|full>).
+#   bash benchmarks/gpu_longctx_decode.sh
+#   CONTEXTS=4096,65536 bash benchmarks/gpu_longctx_decode.sh
+# SMOKE=1 runs the same on this CPU with configs/tiny.py at 256 and 1,024 tokens.
+set -uo pipefail
+source benchmarks/device_env.sh
+export TF_CPP_MIN_LOG_LEVEL=2
+START=$(date +%s)
+left() { echo $((${DEADLINE_S:-570} - ($(date +%s) - START))); }
+if [[ -n ${SMOKE:-} ]]; then
+  export JAX_PLATFORMS=cpu
+  CONFIG=configs/tiny.py; SHAPE="--config.data.seq_len=128 --config.train.batch_size=1"
+  YARN="--config.model.yarn_factor=16"; CONTEXTS=${CONTEXTS:-256,1024}; CHUNK=${PREFILL_CHUNK:-512}
+  NEW=${NEW:-16}
+else
+  CONFIG=configs/ablation_1b.py
+  SHAPE="--config.data.seq_len=4096 --config.train.batch_size=1 --config.train.remat=none"
+  YARN="--config.model.yarn_factor=256"; CONTEXTS=${CONTEXTS:-4096,65536,262144,1048576}
+  CHUNK=${PREFILL_CHUNK:-65536}; NEW=${NEW:-128}
+fi
+WD=/tmp/longdecode; rm -rf $WD
+timeout -s KILL "$(left)" python3 -m deepseek41.train --config=$CONFIG $SHAPE $YARN --workdir=$WD \
+  --config.data.cache_dir=/tmp/ds41-cache --config.train.steps=1 --config.train.eval_every_steps=0 \
+  --config.checkpoint.every_steps=1 --config.log.progress_bar=False > "$OUT/longdecode_train.log" 2>&1
+echo "train exit $? wall $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
+timeout -s KILL "$(left)" python3 benchmarks/bench_generate.py --workdir=$WD --contexts=$CONTEXTS \
+  --context_prefill_chunk=$CHUNK --new_tokens=$NEW --tokens_per_dispatch=32 \
+  --deadline_s=$(($(left) - 30)) --out="$OUT/longdecode.json" > "$OUT/longdecode.log" 2>&1
+echo "bench exit $? wall $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
+grep -E "^ctx|rror" "$OUT/longdecode.log" | cut -c1-400
