@@ -41,8 +41,9 @@ _PREFILL = flags.DEFINE_enum('prefill', 'auto', ['auto', 'ced', 'full'],
                              'auto: CED where the model has an encoder/decoder split.')
 _N_WIN = flags.DEFINE_integer('n_win', 0, 'CED decoder tail (0: the smallest exact one).')
 _VERIFY_COST = flags.DEFINE_float(
-    'verify_cost', 0.05, 'Cost of one more verified position relative to a decode step (the '
-    'device loop verifies every draft in one shape: there 0, admitting all, accepts the most).')
+    'verify_cost', None, 'Cost of one more verified position relative to a decode step '
+    '(default: 0.05 with --tokens_per_dispatch=1; 0, admitting every draft, in the device loop, '
+    'which verifies every draft in one shape).')
 _TOKENS_PER_DISPATCH = flags.DEFINE_integer(
     'tokens_per_dispatch', TOKENS_PER_DISPATCH,
     'Plain decoding steps per dispatch to the device, speculative decoding tokens a row at '

@@ -334,11 +334,26 @@ def image_fields(cfg: RunConfig, docs: list, t: int) -> dict[str, np.ndarray]:
   return out
 
 
+# The host loop's verify cost per draft (--verify_cost's default there): its verification of j
+# drafts is its own compiled shape, so admitting fewer saves work. The device loop verifies
+# every draft in one shape, where admitting all (cost 0) accepts the most.
+HOST_VERIFY_COST = 0.05
+
+
+def default_verify_cost(verify_cost: float | None, tokens_per_dispatch: int) -> float:
+  """`verify_cost`, or where None the loop's own: HOST_VERIFY_COST for the host loop
+  (tokens_per_dispatch 1), 0 (every draft admitted) for the device loop."""
+  if verify_cost is not None:
+    return verify_cost
+  return HOST_VERIFY_COST if tokens_per_dispatch == 1 else 0.0
+
+
 def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray], *,
                 eos_id: int | None, max_new_tokens: int | Sequence[int] = 64,
                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                 speculative: bool = False, prefill: str = 'auto', n_win: int = 0,
-                verify_cost: float = 0.05, draft_len: int = 0, image_docs: list | None = None,
+                verify_cost: float | None = None, draft_len: int = 0,
+                image_docs: list | None = None,
                 tokens_per_dispatch: int = TOKENS_PER_DISPATCH, prefill_chunk: int = PREFILL_CHUNK,
                 stream: Callable[[int, list[int]], None] | None = None) -> list[Result]:
   """Prefill the prompts as one right-padded batch, then decode until every row has its
@@ -360,6 +375,7 @@ def decode_loop(progs: 'Programs', cfg: RunConfig, prompts: Sequence[np.ndarray]
     raise GenerateError(f'--top_p must be in (0, 1], got {top_p}')
   k = cfg.dspark.block_size if speculative else 0
   k = min(k, draft_len) if draft_len else k
+  verify_cost = default_verify_cost(verify_cost, tokens_per_dispatch)
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   limit = max_positions(cfg)
   for i, (n, budget) in enumerate(zip(lengths, budgets)):

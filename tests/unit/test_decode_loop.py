@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from deepseek41.generate import sampling
-from deepseek41.generate.generator import (NO_TOKEN, GenerateError, Rows, TextStream,
-                                           decode_loop, length_bucket, max_positions, row_budgets,
-                                           stop_rows, stop_run)
+from deepseek41.generate.generator import (HOST_VERIFY_COST, NO_TOKEN, GenerateError, Rows,
+                                           TextStream, decode_loop, default_verify_cost,
+                                           length_bucket, max_positions, row_budgets, stop_rows,
+                                           stop_run)
 from tests.helpers import resolved
 
 
@@ -141,3 +142,11 @@ def test_bad_options_are_named():
   with pytest.raises(GenerateError, match=rf'prompt 1: 4 tokens \+ --max_new_tokens={limit} '):
     decode_loop(None, cfg, prompts, eos_id=None, max_new_tokens=[1, limit])
   assert row_budgets(np.int64(3), 2).tolist() == [3, 3]
+
+
+def test_the_verify_cost_defaults_to_each_loops_own():
+  """The host loop's verification of j drafts is its own shape (a cost per draft pays); the
+  device loop verifies every draft in one shape (cost 0 admits them all); a given cost stands."""
+  assert default_verify_cost(None, 1) == HOST_VERIFY_COST > 0
+  assert default_verify_cost(None, 32) == 0.0
+  assert default_verify_cost(0.3, 32) == default_verify_cost(0.3, 1) == 0.3
