@@ -22,7 +22,7 @@ CONFIGS = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py')))
 # (v41_flash: the released backbone + padded Engram tables + the ViT, itemised below).
 # The DSpark stages' trainable parameters are the drafter's (the backbone is `frozen`).
 CONFIG_PARAMS = {'ablation_1b.py': 1_261_912_776, 'ablation_3b.py': 3_046_162_120,
-                 'ablation_longctx.py': 164_972_016, 'tiny.py': 4_673_136,
+                 'ablation_longctx.py': 164_971_760, 'tiny.py': 4_673_136,
                  'tiny_multimodal.py': 5_243_120, 'v41_flash.py': 748_981_418_096,
                  'ablation_1b_dspark.py': 157_331_730, 'tiny_dspark.py': 1_150_228}
 FROZEN_BACKBONE = {'ablation_1b_dspark.py': 'ablation_1b.py', 'tiny_dspark.py': 'tiny.py'}
