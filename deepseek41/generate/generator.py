@@ -505,22 +505,22 @@ def _one_step_loop(progs: 'Programs', cache, rows: Rows, nxt, key, stream, *, te
   return decode_s, forwards, untimed, accepted
 
 
-def _device_loop(progs: 'Programs', cache, rows: Rows, nxt, key, stream, *, eos_id,
-                 temperature, top_p, n: int):
-  """Plain decoding, up to n steps per dispatch (`Programs.decode_steps`); the host sees each
-  dispatch's tokens once. The first dispatch runs one step (it compiles), untimed as the
-  one-step loop's first; the keys split as the one-step loop splits them, step by step.
-  (decode_s, forwards, tokens per row before the timed part)."""
-  carry = {'cache': cache, 'last': jnp.asarray(nxt), 'key': key,
-           'done': jnp.asarray(rows.done),
-           'left': jnp.asarray(rows.budgets - rows.counts(), jnp.int32)}
-  eos = jnp.int32(NO_TOKEN if eos_id is None else eos_id)
-  forwards, decode_s, untimed, steps = 0, 0.0, None, 1
+def _device_carry(cache, nxt, key, rows: Rows) -> dict:
+  """What a device loop's dispatches carry: the cache (donated), each row's last token, the key,
+  its done flag and remaining budget."""
+  return {'cache': cache, 'last': jnp.asarray(nxt), 'key': key, 'done': jnp.asarray(rows.done),
+          'left': jnp.asarray(rows.budgets - rows.counts(), jnp.int32)}
+
+
+def _drive(rows: Rows, stream, dispatch) -> tuple[float, int, np.ndarray]:
+  """Call `dispatch(first)` -> (tokens [B, n], emitted [B], done [B], forwards it ran) until every
+  row is done, each dispatch's tokens added and streamed once. The first dispatch (it compiles)
+  is untimed, as the one-step loop's first. (decode_s, forwards, tokens per row before the
+  timed part)."""
+  forwards, decode_s, untimed = 0, 0.0, None
   while not rows.done.all():
     t1 = time.perf_counter()
-    out, carry = progs.decode_steps(carry, eos, jnp.int32(steps), temperature, top_p, n)
-    tokens_bn, count_b, done_b, ran = jax.device_get(
-        (out['tokens'], out['count'], carry['done'], out['steps']))
+    tokens_bn, count_b, done_b, ran = dispatch(untimed is None)
     forwards += int(ran)
     rows.add([tokens_bn[i, :count_b[i]] for i in range(len(count_b))], finished=done_b)
     if untimed is None:
@@ -528,39 +528,45 @@ def _device_loop(progs: 'Programs', cache, rows: Rows, nxt, key, stream, *, eos_
     else:
       decode_s += time.perf_counter() - t1
     rows.publish(stream)
-    steps = n
   return decode_s, forwards, rows.counts() if untimed is None else untimed
+
+
+def _device_loop(progs: 'Programs', cache, rows: Rows, nxt, key, stream, *, eos_id,
+                 temperature, top_p, n: int):
+  """Plain decoding, up to n steps per dispatch (`Programs.decode_steps`); the host sees each
+  dispatch's tokens once. The first dispatch runs one step; the keys split as the one-step
+  loop splits them, step by step. (decode_s, forwards, tokens per row before the timed part)."""
+  carry = _device_carry(cache, nxt, key, rows)
+  eos = jnp.int32(NO_TOKEN if eos_id is None else eos_id)
+
+  def dispatch(first):
+    nonlocal carry
+    out, carry = progs.decode_steps(carry, eos, jnp.int32(1 if first else n), temperature,
+                                    top_p, n)
+    return jax.device_get((out['tokens'], out['count'], carry['done'], out['steps']))
+  return _drive(rows, stream, dispatch)
 
 
 def _speculative_loop(progs: 'Programs', cache, rows: Rows, nxt, key, stream, *, eos_id,
                       temperature, top_p, k: int, n: int, verify_cost: float):
   """Speculative decoding, rounds on the device (`Programs.speculate`) until a row could
   outgrow its n tokens of one dispatch: the row furthest ahead brings back n - k to n tokens
-  per dispatch, the host sees them once. The first dispatch runs one round (it compiles),
-  untimed as the one-step loop's first. (decode_s, forwards, tokens per row before the timed
-  part, accepted drafts per row)."""
-  carry = {'cache': cache, 'last': jnp.asarray(nxt), 'key': key,
-           'done': jnp.asarray(rows.done),
-           'left': jnp.asarray(rows.budgets - rows.counts(), jnp.int32)}
+  per dispatch, the host sees them once. The first dispatch runs one round. (decode_s,
+  forwards, tokens per row before the timed part, accepted drafts per row)."""
+  carry = _device_carry(cache, nxt, key, rows)
   eos = jnp.int32(NO_TOKEN if eos_id is None else eos_id)
   cost = jnp.float32(verify_cost)
-  forwards, decode_s, untimed, rounds = 0, 0.0, None, 1
   accepted = np.zeros(len(rows.budgets), np.int64)
-  while not rows.done.all():
-    t1 = time.perf_counter()
-    out, carry = progs.speculate(carry, eos, jnp.int32(rounds), cost, temperature, top_p, k, n)
+
+  def dispatch(first):
+    nonlocal carry, accepted
+    out, carry = progs.speculate(carry, eos, jnp.int32(1 if first else n), cost, temperature,
+                                 top_p, k, n)
     tokens_bn, count_b, done_b, ran, acc_b = jax.device_get(
         (out['tokens'], out['count'], carry['done'], out['rounds'], out['accepted']))
-    forwards += int(ran)
-    accepted += acc_b
-    rows.add([tokens_bn[i, :count_b[i]] for i in range(len(count_b))], finished=done_b)
-    if untimed is None:
-      untimed = rows.counts()
-    else:
-      decode_s += time.perf_counter() - t1
-    rows.publish(stream)
-    rounds = n
-  return decode_s, forwards, rows.counts() if untimed is None else untimed, accepted
+    accepted = accepted + acc_b
+    return tokens_bn, count_b, done_b, ran
+  return (*_drive(rows, stream, dispatch), accepted)
 
 
 def _write_features(dspark, cache, captured, valid_bq, start_b):
