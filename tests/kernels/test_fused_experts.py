@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import types
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,7 @@ from deepseek41.ops import expert_gemm, grouped_gemm, launch
 from deepseek41.ops.gpu import fused_experts as fe
 from deepseek41.ops.gpu import grouped_gemm as gg
 from deepseek41.ops.swiglu import clipped_swiglu
-from tests.helpers import one_train_step, small_config
+from tests.helpers import one_train_step, small_config, triton_lowering_for_h200
 
 N, K, E, D, F = 64, 2, 8, 24, 40  # D, F not multiples of 16: the kernels pad them
 EMPTY = (3, 6)
@@ -251,14 +250,7 @@ def test_kernels_lower_to_triton_at_the_1b_shapes():
   configs/ablation_1b.py's expert shapes, forward and backward, both combines, gate and up
   recomputed or saved. It does not run
   Triton's compiler; that needs the GPU."""
-  try:
-    from jax._src.pallas.triton import pallas_call_registration as pcr  # noqa: PLC0415
-    pcr.gpu_info_lib.get_gpu_info  # noqa: B018
-  except (ImportError, AttributeError):
-    pytest.skip('no Triton lowering hook in this jax')
-  saved = pcr.gpu_info_lib.get_gpu_info
-  pcr.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
-  try:
+  with triton_lowering_for_h200():
     e, d, f, n, k, bm = 64, 1024, 384, 4096, 6, gg.GPU_TILES.block_m
     m = grouped_gemm.padded_rows(n * k, e, bm)
     s = jax.ShapeDtypeStruct
@@ -277,8 +269,6 @@ def test_kernels_lower_to_triton_at_the_1b_shapes():
       for name in (*swiglu, 'moe_gmm_rows', 'moe_tgmm_rows'):
         assert f'"{name}"' in text, name
       assert ('"moe_gmm_scatter"' in text) == (combine == 'atomic')
-  finally:
-    pcr.gpu_info_lib.get_gpu_info = saved
 
 
 def test_a_train_step_equals_reference():

@@ -9,7 +9,6 @@ several row tiles, empty experts, padding tokens, widths that are not multiples 
 from __future__ import annotations
 
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +17,7 @@ import pytest
 
 from deepseek41.ops import grouped_gemm
 from deepseek41.ops.gpu import grouped_gemm as gg
+from tests.helpers import triton_lowering_for_h200
 
 N, K, E, D, F = 64, 2, 8, 24, 40  # D, F not multiples of 16: the kernels pad them
 BM = gg.INTERPRET_TILES.block_m  # 32: tgmm takes two 16-row steps per tile
@@ -146,14 +146,7 @@ def test_kernels_lower_to_triton_at_h200_shapes():
   Lowers for CUDA on the CPU with a stand-in for the GPU query (a private hook: skipped if it
   moved). It does not run Triton's compiler; that needs the GPU.
   """
-  try:
-    from jax._src.pallas.triton import pallas_call_registration as pcr  # noqa: PLC0415
-    pcr.gpu_info_lib.get_gpu_info  # noqa: B018
-  except (ImportError, AttributeError):
-    pytest.skip('no Triton lowering hook in this jax')
-  saved = pcr.gpu_info_lib.get_gpu_info
-  pcr.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
-  try:
+  with triton_lowering_for_h200():
     e, d, f, bm = 64, 1024, 384, gg.GPU_TILES.block_m
     m = grouped_gemm.padded_rows(4096 * 6, e, bm)
     bf16 = jnp.bfloat16
@@ -178,8 +171,6 @@ def test_kernels_lower_to_triton_at_h200_shapes():
       text = jax.jit(fn).trace(*args).lower(lowering_platforms=('cuda',)).as_text()
       assert 'triton' in text
     assert 'moe_gmm_fp8' in text and 'moe_gmm_t_fp8' in text and 'f8E4M3FN' in text
-  finally:
-    pcr.gpu_info_lib.get_gpu_info = saved
 
 
 @pytest.mark.parametrize('fp8', ['off', 'rowwise'])
