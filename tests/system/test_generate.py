@@ -58,6 +58,19 @@ def _full_logits(model, tokens_bt):
   return np.asarray(nnx.jit(lambda m, x: m(x)[0])(model, batch))
 
 
+def _exact_marginals(model, prompt, steps):
+  """(step, the exact distribution of generated token `step` over the 8-token vocabulary) for
+  each of `steps` (<= 3), summing the model's joint over every earlier continuation."""
+  joint = jax.nn.softmax(_full_logits(model, prompt[None])[0, -1])  # p(t1)
+  for step in range(1, max(steps) + 1):
+    seqs = np.asarray([list(prompt) + list(np.unravel_index(i, (8,) * step))
+                       for i in range(8 ** step)], np.int32)
+    nxt = jax.nn.softmax(_full_logits(model, seqs)[:, -1], axis=-1)  # p(t | all before)
+    joint = (np.asarray(joint).reshape(-1, 1) * np.asarray(nxt)).reshape(-1)
+    if step in steps:
+      yield step, joint.reshape(-1, 8).sum(0)
+
+
 @nnx.jit
 def _chunk(model, cache, tokens, valid):
   logits, _, cache = forward_chunk(model, cache, tokens, valid)
@@ -240,16 +253,9 @@ def test_sampled_device_loop_matches_the_model():
                     max_new_tokens=4, temperature=1.0, prefill='full', seed=1,
                     tokens_per_dispatch=8)
   assert out[0].forwards == 3
-  joint = jax.nn.softmax(_full_logits(model, prompt[None])[0, -1])  # p(t1)
-  for step in range(1, 4):
-    seqs = np.asarray([list(prompt) + list(np.unravel_index(i, (8,) * step))
-                       for i in range(8 ** step)], np.int32)
-    nxt = jax.nn.softmax(_full_logits(model, seqs)[:, -1], axis=-1)  # p(t | all before)
-    joint = (np.asarray(joint).reshape(-1, 1) * np.asarray(nxt)).reshape(-1)
-    if step >= 2:
-      exact = joint.reshape(-1, 8).sum(0)
-      freq = np.bincount([r.tokens[step] for r in out], minlength=8) / n
-      assert np.abs(freq - exact).sum() < 0.06, step
+  for step, exact in _exact_marginals(model, prompt, (2, 3)):
+    freq = np.bincount([r.tokens[step] for r in out], minlength=8) / n
+    assert np.abs(freq - exact).sum() < 0.06, step
 
 
 def test_prompts_in_one_bucket_share_compiled_programs(plain_programs):
@@ -492,13 +498,7 @@ def test_sampled_speculative_decoding_matches_the_model():
                     tokens_per_dispatch=8)
   assert sum(r.accepted_drafts for r in out) > 100  # drafts were accepted, not only resampled
   model = nnx.merge(progs.graph, progs.state)[0]
-  joint = jax.nn.softmax(_full_logits(model, prompt[None])[0, -1])  # p(t1)
-  for step in range(1, 4):
-    seqs = np.asarray([list(prompt) + list(np.unravel_index(i, (8,) * step))
-                       for i in range(8 ** step)], np.int32)
-    nxt = jax.nn.softmax(_full_logits(model, seqs)[:, -1], axis=-1)  # p(t | all before)
-    joint = (np.asarray(joint).reshape(-1, 1) * np.asarray(nxt)).reshape(-1)
-    exact = joint.reshape(-1, 8).sum(0)
+  for step, exact in _exact_marginals(model, prompt, (1, 2, 3)):
     freq = np.bincount([r.tokens[step] for r in out], minlength=8) / n
     assert np.abs(freq - exact).sum() < 0.06, step
 
