@@ -25,6 +25,7 @@ from deepseek41.train import state as state_lib
 from deepseek41.train.objectives import objective_for
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.state import named_leaves
+from deepseek41.train.muon import sinkhorn_balance
 from deepseek41.train.step import accumulate_gradients
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'A get_config() file.')
@@ -65,6 +66,17 @@ def sinkhorn_passes(g_tc, cfg_train):
   return out
 
 
+def division_balance(u_tc, normalizations, tau, eps):
+  """train/muon.py `sinkhorn_balance` as it was before 2026-12-05 (each line divided by its norm
+  + eps), kept to compare on the device."""
+  x = u_tc.astype(jnp.float32)
+  row_norm = jnp.linalg.norm(x, axis=1, keepdims=True)
+  x = jnp.where(row_norm > tau * jnp.mean(row_norm), x, 0.0)
+  for k in range(normalizations):
+    x = x / (jnp.linalg.norm(x, axis=1 if k % 2 == 0 else 0, keepdims=True) + eps)
+  return x
+
+
 def main(argv):
   del argv
   cfg = resolve(_CONFIG.value)
@@ -102,6 +114,7 @@ def main(argv):
     print(f'  non-finite: {name} {shape}')
   for _, rms, name, shape in sorted((r for r in rows if not r[0]), key=lambda r: -r[1])[:10]:
     print(f'  update rms {rms:.3e}: {name} {shape}')
+  del new, metrics  # the step's outputs: the gradients below need their memory (1B on 80 GB)
   tables = {n: v for n, v in named_leaves(state['params']).items()}
   names = set(_token_tables(state['params'])) if _TRACE_ALL.value else {r[2] for r in bad}
   bad_tables = sorted(names & set(_token_tables(state['params'])))
@@ -110,10 +123,23 @@ def main(argv):
   with jax.set_mesh(mesh):
     grads = jax.jit(lambda st, b: accumulate_gradients(cfg, md, st['params'], st['router_bias'],
                                                        b)[0])(state, batch)
-  named = named_leaves(grads)
+    # The optimizer alone, as its own program: non-finite here means the update's math, finite
+    # here but not in the step means how the step's program fused it.
+    updates = jax.jit(md.tx.update)(grads, state['opt'], state['params'])[0]
+  named, named_updates = named_leaves(grads), named_leaves(updates)
+  for name in bad_tables:
+    print(f'{name}: the optimizer alone leaves '
+          f'{int(jnp.sum(~jnp.isfinite(named_updates[name])))} non-finite update values')
+  del updates, named_updates
   for name in bad_tables:
     axis = _token_tables(state['params'])[name]
     g = jnp.moveaxis(named[name], axis, 0)
+    t = cfg.train
+    u = (1 + t.sinkhorn_momentum) * g.astype(jnp.float32)  # the first Nesterov step's input
+    for label, fn in (('balance', sinkhorn_balance), ('balance by division', division_balance)):
+      out = jax.jit(fn, static_argnums=(1, 2, 3))(u, t.sinkhorn_normalizations, t.sinkhorn_tau,
+                                                  t.sinkhorn_eps)
+      print(f'  {label} alone: {int(jnp.sum(~jnp.isfinite(out)))} non-finite')
     print(f'{name} {tables[name].shape}: gradient non-finite {int(jnp.sum(~jnp.isfinite(g)))}, '
           f'|g| max {float(jnp.max(jnp.abs(g))):.3e}, rows touched '
           f'{int(jnp.sum(jnp.any(g != 0, axis=1)))} of {g.shape[0]}')

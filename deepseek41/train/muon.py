@@ -126,8 +126,16 @@ def sinkhorn_balance(u_tc: jax.Array, normalizations: int, tau: float, eps: floa
   row_norm = jnp.linalg.norm(x, axis=1, keepdims=True)
   x = jnp.where(row_norm > tau * jnp.mean(row_norm), x, 0.0)
   for k in range(normalizations):
-    x = x / (jnp.linalg.norm(x, axis=1 if k % 2 == 0 else 0, keepdims=True) + eps)
+    x = unit_lines(x, axis=1 if k % 2 == 0 else 0, eps=eps)
   return math.sqrt(u_tc.shape[1]) * x
+
+
+def unit_lines(x: jax.Array, axis: int, eps: float) -> jax.Array:
+  """x / (|x| + eps) along axis, as x times an inverse norm that is zero where the norm is and at
+  most 1 / eps elsewhere: finite for every finite x, whatever the device does with tiny squares
+  (the GPU flushes them to zero) or with a zero line's 0 / eps."""
+  norm = jnp.linalg.norm(x, axis=axis, keepdims=True)
+  return x * jnp.where(norm > 0, 1.0 / (norm + eps), 0.0)
 
 
 def scale_by_sinkhorn(normalizations: int, tau: float, eps: float, gamma: float

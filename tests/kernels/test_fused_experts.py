@@ -245,11 +245,19 @@ def test_bounded_layout_with_max_valid():
     assert rel_err(g, r) <= 1e-5
 
 
-def test_kernels_lower_to_triton_at_the_1b_shapes():
+def test_kernels_lower_to_triton_at_the_1b_shapes(monkeypatch):
   """The Triton lowering (gathered loads, the SwiGLU derivative in the epilogue, atomics) at
   configs/ablation_1b.py's expert shapes, forward and backward, both combines, gate and up
-  recomputed or saved. It does not run
-  Triton's compiler; that needs the GPU."""
+  recomputed or saved. It does not run Triton's compiler, which needs the GPU; so every launch's
+  pipeline stages are checked to fit Hopper's shared memory here (dx's two GEMM pairs at 3 stages
+  asked for 288 KB and failed on the H100)."""
+  stages_asked = {}  # a step's operand bytes: the stages granted
+
+  def recording_fit_stages(num_stages, stage_bytes):
+    stages = gg.fit_stages(num_stages, stage_bytes)
+    stages_asked[stage_bytes] = stages
+    return stages
+  monkeypatch.setattr(fe, 'fit_stages', recording_fit_stages)
   with triton_lowering_for_h200():
     e, d, f, n, k, bm = 64, 1024, 384, 4096, 6, gg.GPU_TILES.block_m
     m = grouped_gemm.padded_rows(n * k, e, bm)
@@ -269,6 +277,9 @@ def test_kernels_lower_to_triton_at_the_1b_shapes():
       for name in (*swiglu, 'moe_gmm_rows', 'moe_tgmm_rows'):
         assert f'"{name}"' in text, name
       assert ('"moe_gmm_scatter"' in text) == (combine == 'atomic')
+  assert all(n * b <= gg.SHARED_MEMORY_BYTES for b, n in stages_asked.items()), stages_asked
+  two_pairs = 2 * (bm + gg.GPU_TILES.block_n) * gg.GPU_TILES.block_k * 2  # dx: gate and up
+  assert stages_asked[two_pairs] == 2 < gg.GPU_TILES.num_stages
 
 
 def test_a_train_step_equals_reference():

@@ -35,8 +35,8 @@ from jax.experimental import pallas as pl
 
 from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
-from deepseek41.ops.gpu.grouped_gemm import (Tiles, compiler_params, fit_block, dot_precision,
-                                             mosaic_wgrad_supported, tgmm_mosaic)
+from deepseek41.ops.gpu.grouped_gemm import (Tiles, compiler_params, dot_precision, fit_block,
+                                             fit_stages, mosaic_wgrad_supported, tgmm_mosaic)
 from deepseek41.ops.gpu.sparse_kernel import add_rows
 from deepseek41.ops.launch import pad_axis
 from deepseek41.ops.swiglu import clipped_swiglu, clipped_swiglu_grads
@@ -143,7 +143,9 @@ def swiglu_gate_up(x_nd, src_m, w_gate_edf, w_up_edf, tile_expert_t, *, limit, t
       grid=(n_tiles, fp // bn),
       in_specs=in_specs,
       out_specs=tuple(row_tile for _ in range(n_out)),
-      compiler_params=compiler_params(tiles.num_warps, tiles.num_stages, interpret),
+      compiler_params=compiler_params(
+          tiles.num_warps, fit_stages(tiles.num_stages, (bm + 2 * bn) * bk * jnp.dtype(dt).itemsize),
+          interpret),
       interpret=interpret,
       name='moe_swiglu_bwd' if grads else 'moe_swiglu_save' if save else 'moe_swiglu',
   )(*operands)
@@ -244,8 +246,11 @@ def gmm_rows(pairs, tile_expert_t, *, src_m=None, scale_m=None, dest_m=None, n_d
       _gmm_kernel, n_pairs=len(pairs), gather=gather, scaled=scaled, scatter=scatter,
       transpose_rhs=transpose_rhs, bn=bn, bk=bk, k_steps=kp // bk, round_to=round_to,
       precision=dot_precision(dt), n_dest=n_dest, interpret=interpret)
+  # Each pair's [bm, bk] row tile and [bk, bn] weight tile a step: two pairs (dx's gate and up)
+  # at GPU_TILES' 3 stages would ask for 288 KB.
+  stages = fit_stages(tiles.num_stages, len(pairs) * (bm + bn) * bk * jnp.dtype(dt).itemsize)
   params = dict(grid=(n_tiles, np_ // bn),
-                compiler_params=compiler_params(tiles.num_warps, tiles.num_stages, interpret),
+                compiler_params=compiler_params(tiles.num_warps, stages, interpret),
                 interpret=interpret)
   if not scatter:
     y = launch.pallas_call(
@@ -334,7 +339,9 @@ def tgmm_rows(x, dy, group_tiles_e1, *, block_m: int, rows_x=None, rows_dy=None,
       grid=(n_experts, dp // bd, fp // bf),
       in_specs=in_specs,
       out_specs=pl.BlockSpec((None, bd, bf), lambda e, i, j: (e, i, j)),
-      compiler_params=compiler_params(tiles.tgmm_warps, tiles.tgmm_stages, interpret),
+      compiler_params=compiler_params(
+          tiles.tgmm_warps, fit_stages(tiles.tgmm_stages, br * (bd + bf) * jnp.dtype(dt).itemsize),
+          interpret),
       interpret=interpret,
       name='moe_tgmm_rows',
   )(*operands)

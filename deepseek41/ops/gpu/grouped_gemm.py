@@ -103,6 +103,18 @@ def fit_block(block: int, dim: int) -> int:
   return b
 
 
+# Shared memory one Hopper block may use (227 KB of the SM's 228 KB). Triton keeps num_stages
+# copies of a contraction step's operand tiles there; a launch asking for more fails at run time
+# ("Shared memory size limit exceeded"), which no CPU test sees.
+SHARED_MEMORY_BYTES = 227 * 1024
+
+
+def fit_stages(num_stages: int, stage_bytes: int, budget: int = SHARED_MEMORY_BYTES) -> int:
+  """The most pipeline stages, at most num_stages and at least 1, whose operand tiles (stage_bytes
+  a step) fit in shared memory."""
+  return max(1, min(num_stages, budget // stage_bytes))
+
+
 def dot_precision(dtype):
   # float32 operands: exact products (IEEE), not Triton's TF32 default; bf16 is exact anyway.
   return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
