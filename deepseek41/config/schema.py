@@ -204,8 +204,9 @@ class ModelConfig:
   # backward recomputes a chunk's logits, so the vocabulary costs one chunk's [B, head_chunk, V]
   # fp32 logits instead of the whole batch's [B, T, V] (2 GB at 8 x 4,096 with the 1B model's
   # vocabulary, 34 GB at 65,536 tokens with V4.1's), for one more [tokens, D] x [D, V] product.
-  # 0 = the whole logits, kept for the backward. The same loss and gradients to rounding.
-  head_chunk: int = key(1024, execution_only=True)
+  # 0 = the whole logits, kept for the backward. The same loss and gradients to rounding. 2048:
+  # faster than 512 and 1024 at the 1B and V4.1 heads on the H100 (docs/performance.md 39).
+  head_chunk: int = key(2048, execution_only=True)
   # fused: the GPU kernel (ops/gpu/index_scores.py), for the shapes index_scores_supported() takes;
   # auto picks it wherever it can run.
   index_impl: str = key('auto', choices=('reference', 'fused', 'mosaic'), auto=auto.index_impl,
