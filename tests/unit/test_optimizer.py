@@ -19,7 +19,7 @@ from deepseek41.config import ConfigError, resolve
 from deepseek41.model.params import EngramTable, TokenTable
 from deepseek41.tools.info import bytes_per_device
 from deepseek41.train import state as state_lib
-from deepseek41.train.muon import newton_schulz, ns_coefficients, sinkhorn_balance
+from deepseek41.train.muon import newton_schulz, ns_coefficients, sinkhorn_balance, unit_lines
 from deepseek41.train.objectives import objective_for
 from deepseek41.train.optimizer import (ADAMW, MUON, SINKHORN, hybrid_labels,
                                         learning_rate_schedule, make_optimizer)
@@ -87,6 +87,23 @@ def test_sinkhorn_balance_rows_and_columns():
   col = np.linalg.norm(live, axis=0)
   assert col.max() / col.min() < 1.01, col
   assert np.all(np.sign(live) == np.sign(x[12:]))  # a positive rescaling of each entry
+
+
+def test_unit_lines_is_finite_and_zero_where_the_norm_is():
+  """The balance's normalisation: x / (|x| + eps) where the norm is positive, and 0 (not x / eps)
+  where it is zero, also for entries whose squares underflow (as a GPU flushes tiny squares);
+  finite for entries whose squares overflow. The 1B model's first GPU update went non-finite on
+  exactly the tables with all-zero rows (docs/performance.md section 39)."""
+  x = np.zeros((5, 4), np.float32)
+  x[0] = [3.0, 4.0, 0.0, 0.0]  # norm 5
+  x[1] = [1e-30, -1e-30, 0.0, 1e-30]  # squares underflow to 0: a zero norm, nonzero entries
+  x[3] = [3e30, 0.0, 0.0, -4e30]  # squares overflow: an infinite norm
+  out = np.asarray(unit_lines(jnp.asarray(x), axis=1, eps=1e-20))
+  np.testing.assert_allclose(out[0], x[0] / (5.0 + 1e-20), rtol=1e-6)
+  np.testing.assert_array_equal(out[1:3], 0.0)
+  assert np.isfinite(out).all()
+  cols = np.asarray(unit_lines(jnp.asarray(x[[0, 2]]), axis=0, eps=1e-20))
+  np.testing.assert_allclose(cols, [[1, 1, 0, 0], [0, 0, 0, 0]], rtol=1e-6)
 
 
 # ---- each group gets its update ------------------------------------------------------------------
