@@ -12,20 +12,28 @@
 #   bash benchmarks/gpu_optimizer.sh profile                 # steps 18-20 of each optimizer
 #       profiled: the `optimizer` scope's share of the step (trace_summary.py); `run` traces
 #       steps PROFILE..+2 (21-23) of its own run too
+# SOURCES=.corpus/code16k (benchmarks/prepare_code_corpus.sh, carried with the wheels) trains on
+# 22M tokens that do not repeat within 600 steps; without it, the default corpus, which does.
 # The sweep keeps the schedule of a 600-step run (its lr at step 150 as the full run's) by
 # stopping at SWEEP_STEPS (--stop_at_step), so its held-out loss ranks the rates the run uses.
 set -uo pipefail
 mode=${1:-sweep}
 source benchmarks/device_env.sh
-python3 -c "from deepseek41.data.default_corpus import default_corpus_dir as d; \
+if [ -n "${SOURCES:-}" ]; then  # a prepared text set (benchmarks/prepare_code_corpus.sh)
+  SOURCES_FLAG="--config.data.sources=$SOURCES"; echo "$SOURCES" > "$OUT/corpus.txt"
+else  # the default corpus: 2.65M training tokens, one pass every 81 steps here (section 39)
+  SOURCES_FLAG=""
+  python3 -c "from deepseek41.data.default_corpus import default_corpus_dir as d; \
 print(d('/tmp/ds41-cache', 16384, progress=False))" > "$OUT/corpus.txt" 2>&1
+fi
 STEPS=${STEPS:-600}
 [ "$mode" = sweep ] && EVAL=${EVAL:-50}  # held-out loss at 50, 100, 150
 COMMON="--config=configs/ablation_1b.py --config.log.progress_bar=False \
   --config.data.cache_dir=/tmp/ds41-cache --config.data.seq_len=4096 \
   --config.train.batch_size=8 --config.train.remat=none --config.train.steps=$STEPS \
   --config.train.warmup_steps=50 --config.train.eval_every_steps=${EVAL:-100} \
-  --config.train.eval_batches=8 --config.log.every_steps=10 --config.checkpoint.every_steps=0"
+  --config.train.eval_batches=8 --config.log.every_steps=10 --config.checkpoint.every_steps=0 \
+  $SOURCES_FLAG"
 run() {  # name, extra flags...
   local name=$1; shift
   # SIGTERM at BUDGET_S (a device call ends at 600 s): the run saves, stops (75) and its
