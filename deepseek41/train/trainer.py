@@ -354,7 +354,12 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
 
         if cfg.train.eval_every_steps and (step % cfg.train.eval_every_steps == 0
                                            or step == cfg.train.steps):
+          t_ready = time.perf_counter()
           jax.block_until_ready(metrics)
+          # How long the host waited for this step before evaluating: about a step's time when
+          # the device ran one step ahead, as it should (the windows around an evaluation shift
+          # a step's time between them on the GPU: docs/performance.md section 39).
+          step_log.carry['eval_step_wait_s'] = time.perf_counter() - t_ready
           _evaluate(evaluate, step_log, throughput, step, state)
           step_log.drain(keep_last=False)
           throughput.start()
@@ -436,7 +441,10 @@ class _Saver:
 def _evaluate(evaluate: Evaluator, step_log: StepLog, throughput: Throughput, step: int,
               state) -> None:
   t0 = time.perf_counter()
-  step_log.add_eval(step, evaluate(state))
+  evals = evaluate(state)
+  if evals:  # {} on synthetic data: no evaluation line
+    evals['eval_s'] = time.perf_counter() - t0
+  step_log.add_eval(step, evals)
   throughput.exclude(time.perf_counter() - t0)  # evaluation is not training time
 
 

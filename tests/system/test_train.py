@@ -112,6 +112,9 @@ def test_loss_falls(corpus, tmp_path, residual):
   assert all({'step', 'loss', 'tokens_per_s'} <= set(r) for r in records)
   assert [r['step'] for r in records] == list(range(0, 41))  # eval steps share their step's line
   assert records[40]['eval_loss'] == evals[40] and records[40]['loss'] is not None
+  # the evaluation's own time, and how long the host waited for the step before it
+  assert records[0]['eval_s'] > 0 and records[40]['eval_s'] > 0
+  assert records[40]['eval_step_wait_s'] >= 0 and 'eval_step_wait_s' not in records[39]
   assert json.load(open(tmp_path / 'config.json'))['train']['steps'] == 40
 
 
