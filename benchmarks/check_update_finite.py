@@ -131,10 +131,10 @@ def main(argv):
     print(f'{name}: the optimizer alone leaves '
           f'{int(jnp.sum(~jnp.isfinite(named_updates[name])))} non-finite update values')
   del updates, named_updates
+  t = cfg.train
   for name in bad_tables:
     axis = _token_tables(state['params'])[name]
     g = jnp.moveaxis(named[name], axis, 0)
-    t = cfg.train
     u = (1 + t.sinkhorn_momentum) * g.astype(jnp.float32)  # the first Nesterov step's input
     for label, fn in (('balance', sinkhorn_balance), ('balance by division', division_balance)):
       out = jax.jit(fn, static_argnums=(1, 2, 3))(u, t.sinkhorn_normalizations, t.sinkhorn_tau,

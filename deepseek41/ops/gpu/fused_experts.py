@@ -137,15 +137,15 @@ def swiglu_gate_up(x_nd, src_m, w_gate_edf, w_up_edf, tile_expert_t, *, limit, t
     in_specs += [row_tile, pl.BlockSpec((bm,), lambda i, j: (i,))]
     operands += [pad_axis(dh_mf.astype(dt), 1, MIN_DOT), scale_m.astype(jnp.float32)]
   n_out = 2 if grads else 3 if save else 1
+  # A step's x row tile [bm, bk] and the gate and up tiles [bk, bn] (fit_stages).
+  stages = fit_stages(tiles.num_stages, (bm + 2 * bn) * bk * jnp.dtype(dt).itemsize)
   out = launch.pallas_call(
       kernel,
       out_shape=tuple(jax.ShapeDtypeStruct((m_pad, fp), dt) for _ in range(n_out)),
       grid=(n_tiles, fp // bn),
       in_specs=in_specs,
       out_specs=tuple(row_tile for _ in range(n_out)),
-      compiler_params=compiler_params(
-          tiles.num_warps, fit_stages(tiles.num_stages, (bm + 2 * bn) * bk * jnp.dtype(dt).itemsize),
-          interpret),
+      compiler_params=compiler_params(tiles.num_warps, stages, interpret),
       interpret=interpret,
       name='moe_swiglu_bwd' if grads else 'moe_swiglu_save' if save else 'moe_swiglu',
   )(*operands)
@@ -330,6 +330,8 @@ def tgmm_rows(x, dy, group_tiles_e1, *, block_m: int, rows_x=None, rows_dy=None,
   if scale_m is not None:
     in_specs.append(whole(scale_m))
     operands.append(scale_m.astype(jnp.float32))
+  # A step's [br, bd] rows of x and [br, bf] of dy (fit_stages).
+  stages = fit_stages(tiles.tgmm_stages, br * (bd + bf) * jnp.dtype(dt).itemsize)
   kernel = functools.partial(_tgmm_kernel, steps_per_tile=block_m // br, br=br,
                              precision=dot_precision(dt), gather_x=rows_x is not None,
                              gather_dy=rows_dy is not None, scaled=scale_m is not None)
@@ -339,9 +341,7 @@ def tgmm_rows(x, dy, group_tiles_e1, *, block_m: int, rows_x=None, rows_dy=None,
       grid=(n_experts, dp // bd, fp // bf),
       in_specs=in_specs,
       out_specs=pl.BlockSpec((None, bd, bf), lambda e, i, j: (e, i, j)),
-      compiler_params=compiler_params(
-          tiles.tgmm_warps, fit_stages(tiles.tgmm_stages, br * (bd + bf) * jnp.dtype(dt).itemsize),
-          interpret),
+      compiler_params=compiler_params(tiles.tgmm_warps, stages, interpret),
       interpret=interpret,
       name='moe_tgmm_rows',
   )(*operands)
