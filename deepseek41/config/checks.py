@@ -297,6 +297,7 @@ def check_muon_hybrid(t: TrainConfig):
   require(all(n >= 0 for n in t.muon_ns_steps) and sum(t.muon_ns_steps) >= 1,
           'train.muon_ns_steps', f'must be >= 0 each and >= 1 in all, got {t.muon_ns_steps}')
   require(t.muon_rms_match > 0, 'train.muon_rms_match', f'must be > 0, got {t.muon_rms_match}')
+  require(t.muon_batch_mib >= 0, 'train.muon_batch_mib', f'must be >= 0, got {t.muon_batch_mib}')
   require(0 <= t.sinkhorn_momentum < 1, 'train.sinkhorn_momentum',
           f'must be in [0, 1), got {t.sinkhorn_momentum}')
   require(t.sinkhorn_gamma > 0, 'train.sinkhorn_gamma', f'must be > 0, got {t.sinkhorn_gamma}')

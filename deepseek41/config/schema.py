@@ -430,6 +430,10 @@ class TrainConfig:
   # leaves singular values within ~1e-2 of 1: tests/unit/test_optimizer.py), float32 on the CPU
   # (where bf16 matmuls are slower than fp32 ones).
   muon_ns_dtype: str = key('auto', choices=('float32', 'bfloat16'), auto=auto.muon_ns_dtype)
+  # [I] Newton-Schulz runs the weights of one shape and layout (the layers' copies of a weight) as
+  # one batch of up to this many MiB in muon_ns_dtype (a transient copy; 0: each weight on its
+  # own): three batched matmuls an iteration for all of them, not three per weight.
+  muon_batch_mib: int = key(2048, execution_only=True)
   # [I] The Muon and Sinkhorn groups learn at these multiples of the schedule's rate (1: the RMS
   # matches make train.lr right for all groups).
   muon_lr_multiplier: float = key(1.0)

@@ -134,7 +134,8 @@ def muon_hybrid(t: TrainConfig) -> optax.GradientTransformation:
   return optax.partition({
       MUON: momentum_group(
           t.muon_momentum,
-          scale_by_orthogonalization(coeffs, dtype_of(t.muon_ns_dtype), t.muon_rms_match),
+          scale_by_orthogonalization(coeffs, dtype_of(t.muon_ns_dtype), t.muon_rms_match,
+                                     t.muon_batch_mib << 20),
           t.weight_decay, t.muon_lr_multiplier),
       SINKHORN: momentum_group(
           t.sinkhorn_momentum,

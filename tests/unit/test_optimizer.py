@@ -19,9 +19,10 @@ from deepseek41.config import ConfigError, resolve
 from deepseek41.model.params import EngramTable, TokenTable
 from deepseek41.tools.info import bytes_per_device
 from deepseek41.train import state as state_lib
+from deepseek41.train import muon as muon_lib
 from deepseek41.train.muon import newton_schulz, ns_coefficients, sinkhorn_balance, unit_lines
 from deepseek41.train.objectives import objective_for
-from deepseek41.train.optimizer import (ADAMW, MUON, SINKHORN, hybrid_labels,
+from deepseek41.train.optimizer import (ADAMW, MUON, SINKHORN, hybrid_group, hybrid_labels,
                                         learning_rate_schedule, make_optimizer)
 from tests.helpers import (VISION, leaf_value, random_like, resolved, singular_values,
                            small_config)
@@ -205,6 +206,33 @@ def test_each_expert_and_each_q_head_is_orthogonalised_on_its_own():
   for j in range(3):
     for h in range(qkv.shape[2]):
       _assert_orthogonal(qkv[:, j, h], gqkv[:, j, h], rms)
+
+
+def test_same_shaped_weights_are_orthogonalised_as_one_batch():
+  """The layers' copies of a weight form one Newton-Schulz batch (cut at train.muon_batch_mib),
+  and the batch changes no update: each weight alone gives the same one."""
+  cfg, params, grads, updates, _, _ = _first_update()
+  leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  muon = [i for i, v in enumerate(leaves) if hybrid_group(v) == MUON]
+  batches = muon_lib._batches([leaves[i] if i in muon else None for i in range(len(leaves))],
+                              2, 1 << 30)
+  assert sorted(i for b in batches for i in b) == muon
+  assert len(batches) < len(muon)
+  w_up = {i for i, v in enumerate(leaves) if hybrid_group(v) == MUON
+          and v.get_value().shape == leaf_value(params, 'blocks', 0, 'moe', 'w_up').shape
+          and muon_lib.stack_axes_of(v) == (0,)}
+  assert len(w_up) > 1 and any(w_up <= set(b) for b in batches)
+  for b in batches:  # one shape, layout and dtype in each
+    assert len({(leaves[i].get_value().shape, leaves[i].get_metadata().get('logical_axes'))
+                for i in b}) == 1
+  one_byte_batches = muon_lib._batches([leaves[i] for i in muon], 2, 1)
+  assert all(len(b) == 1 for b in one_byte_batches)
+  # each weight on its own: the same update
+  alone = dataclasses.replace(cfg.train, muon_batch_mib=0)
+  tx = make_optimizer(alone)
+  updates_alone, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  for got, want in zip(jax.tree.leaves(updates), jax.tree.leaves(updates_alone)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
 
 
 def test_a_norm_weight_moves_like_adamw():
