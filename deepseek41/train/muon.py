@@ -190,7 +190,28 @@ def sinkhorn_balance(u_tc: jax.Array, normalizations: int, tau: float, eps: floa
   rows first and last (`normalizations` of them, odd), then times sqrt(columns), so every live row
   has RMS 1. Rows whose norm is at most tau x the mean row norm (tokens the recent batches did
   not contain: their momentum has decayed) are dead: they stay zero rather than being blown up
-  to a full row's step."""
+  to a full row's step.
+
+  Kept as diag(r) x diag(c): each normalisation updates the row scales r or the column scales c
+  from one read of x, and x is written once, at the end (`sinkhorn_balance_reference` rewrites
+  the table in every normalisation: three passes over it where this takes one)."""
+  x = u_tc.astype(jnp.float32)
+  row_norm = jnp.linalg.norm(x, axis=1)
+  alive = row_norm > tau * jnp.mean(row_norm)
+  r = jnp.where(alive, inverse_norm(row_norm, eps), 0.0)  # the first normalisation: rows
+  c = jnp.ones((x.shape[1],), jnp.float32)
+  for k in range(1, normalizations):
+    norms = jnp.linalg.norm(r[:, None] * x * c[None, :], axis=1 if k % 2 == 0 else 0)
+    if k % 2 == 0:
+      r = r * inverse_norm(norms, eps)
+    else:
+      c = c * inverse_norm(norms, eps)
+  return math.sqrt(u_tc.shape[1]) * (r[:, None] * x * c[None, :])
+
+
+def sinkhorn_balance_reference(u_tc: jax.Array, normalizations: int, tau: float,
+                               eps: float) -> jax.Array:
+  """`sinkhorn_balance` as the definition reads: the table itself normalised line by line."""
   x = u_tc.astype(jnp.float32)
   row_norm = jnp.linalg.norm(x, axis=1, keepdims=True)
   x = jnp.where(row_norm > tau * jnp.mean(row_norm), x, 0.0)
@@ -199,12 +220,16 @@ def sinkhorn_balance(u_tc: jax.Array, normalizations: int, tau: float, eps: floa
   return math.sqrt(u_tc.shape[1]) * x
 
 
+def inverse_norm(norm: jax.Array, eps: float) -> jax.Array:
+  """1 / (norm + eps) where norm > 0, and 0 where it is zero: at most 1 / eps, so finite for
+  every finite input, whatever the device does with tiny squares (the GPU flushes them to zero)
+  or with a zero line's 0 / eps."""
+  return jnp.where(norm > 0, 1.0 / (norm + eps), 0.0)
+
+
 def unit_lines(x: jax.Array, axis: int, eps: float) -> jax.Array:
-  """x / (|x| + eps) along axis, as x times an inverse norm that is zero where the norm is and at
-  most 1 / eps elsewhere: finite for every finite x, whatever the device does with tiny squares
-  (the GPU flushes them to zero) or with a zero line's 0 / eps."""
-  norm = jnp.linalg.norm(x, axis=axis, keepdims=True)
-  return x * jnp.where(norm > 0, 1.0 / (norm + eps), 0.0)
+  """x / (|x| + eps) along axis, as x times its `inverse_norm`."""
+  return x * inverse_norm(jnp.linalg.norm(x, axis=axis, keepdims=True), eps)
 
 
 def scale_by_sinkhorn(normalizations: int, tau: float, eps: float, gamma: float

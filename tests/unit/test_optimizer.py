@@ -20,7 +20,8 @@ from deepseek41.model.params import EngramTable, TokenTable
 from deepseek41.tools.info import bytes_per_device
 from deepseek41.train import state as state_lib
 from deepseek41.train import muon as muon_lib
-from deepseek41.train.muon import newton_schulz, ns_coefficients, sinkhorn_balance, unit_lines
+from deepseek41.train.muon import (newton_schulz, ns_coefficients, sinkhorn_balance,
+                                   sinkhorn_balance_reference, unit_lines)
 from deepseek41.train.objectives import objective_for
 from deepseek41.train.optimizer import (ADAMW, MUON, SINKHORN, hybrid_group, hybrid_labels,
                                         learning_rate_schedule, make_optimizer)
@@ -88,6 +89,19 @@ def test_sinkhorn_balance_rows_and_columns():
   col = np.linalg.norm(live, axis=0)
   assert col.max() / col.min() < 1.01, col
   assert np.all(np.sign(live) == np.sign(x[12:]))  # a positive rescaling of each entry
+
+
+@pytest.mark.parametrize('shape, normalizations', [((64, 16), 11), ((300, 7), 3), ((5, 40), 1)])
+def test_sinkhorn_balance_matches_its_reference(shape, normalizations):
+  """The scale-vector form equals the table normalised line by line, dead and zero rows too."""
+  rng = np.random.default_rng(shape[0])
+  x = rng.normal(size=shape) * rng.uniform(0.1, 10, (shape[0], 1)) * rng.uniform(0.1, 10, shape[1])
+  x[:2] *= 1e-6
+  x[2] = 0.0
+  x = jnp.asarray(x, jnp.float32)
+  np.testing.assert_allclose(np.asarray(sinkhorn_balance(x, normalizations, 1e-3, 1e-20)),
+                             np.asarray(sinkhorn_balance_reference(x, normalizations, 1e-3, 1e-20)),
+                             rtol=2e-5, atol=1e-7)
 
 
 def test_unit_lines_is_finite_and_zero_where_the_norm_is():
