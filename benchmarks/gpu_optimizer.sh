@@ -62,19 +62,24 @@ case "$mode" in
     # Steps PROFILE..PROFILE+2 traced: the optimizer's share of the step on the way.
     run ${opt}_${LR:-default} --config.train.optimizer=$opt $lr_flag \
       --config.log.profile_start_step=${PROFILE:-21} --config.log.profile_steps=3 "${@:3}" ;;
-  profile)  # with the step's HLO the glue fusions land in their scopes (trace_summary.py --hlo)
-    for opt in adamw muon_hybrid; do
+  profile)  # with the step's HLO the glue fusions land in their scopes (trace_summary.py --hlo);
+            # OPTS=muon_hybrid profiles one
+    for opt in ${OPTS:-adamw muon_hybrid}; do
       wd=/tmp/opt_prof_$opt
       XLA_FLAGS="--xla_dump_to=$wd/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*" \
         python3 -m deepseek41.train $COMMON --workdir=$wd --config.train.optimizer=$opt \
         --config.data.synthetic=True --config.train.eval_every_steps=0 \
+        --config.train.compilation_cache_dir= \
         --config.log.profile_start_step=18 --config.log.profile_steps=3 \
         --stop_at_step=22 > "$OUT/prof_$opt.log" 2>&1
       echo "prof_$opt exit $?" | tee -a "$OUT/summary.txt"
-      hlo=$(ls $wd/hlo/module_*jit_train_step*after_optimizations.txt 2>/dev/null | head -1)
+      # the GPU compilation's dump (the cache is off above: a loaded program dumps none, and the
+      # other train_step modules' instruction names would map the kernels to wrong scopes)
+      hlo=$(ls $wd/hlo/module_*jit_train_step*gpu_after_optimizations.txt 2>/dev/null | head -1)
       python3 benchmarks/trace_summary.py $wd/profile --merge-layers --depth 1 \
         ${hlo:+--hlo $hlo} > "$OUT/prof_${opt}_trace.txt" 2>&1
-      grep -E "optimizer|busy|step" "$OUT/prof_${opt}_trace.txt" | head -12
+      grep -E "busy per step" "$OUT/prof_${opt}_trace.txt"
+      sed -n '/^(b)/,/^(c)/p' "$OUT/prof_${opt}_trace.txt" | head -12
       rm -rf $wd
     done ;;
   *) echo "unknown mode $mode (sweep | run OPTIMIZER | profile)" >&2; exit 2 ;;
