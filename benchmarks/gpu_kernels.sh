@@ -68,7 +68,7 @@ train() {  # shape name run
   cp $wd/metrics.jsonl "$OUT/train${shape}_$run.jsonl" 2>/dev/null
   if [ "$run" = prof ]; then  # with the HLO, the glue fusions land in their scopes
     local hlo sum
-    hlo=$(ls $wd/hlo/module_*jit_train_step*after_optimizations.txt 2>/dev/null | head -1)
+    hlo=$(ls $wd/hlo/module_*jit_train_step*after_optimizations.txt 2>/dev/null | tr "\n" " ")
     sum="python3 benchmarks/trace_summary.py $wd/profile --merge-layers ${hlo:+--hlo $hlo}"
     $sum --depth 3 > "$OUT/train${shape}_prof_trace.txt" 2>&1 && head -40 "$OUT/train${shape}_prof_trace.txt"
     $sum --depth 6 --top 60 2>&1 | grep -E "attention|ms  *%|top" > "$OUT/train${shape}_prof_deep.txt"

@@ -73,12 +73,12 @@ case "$mode" in
         --config.log.profile_start_step=18 --config.log.profile_steps=3 \
         --stop_at_step=22 > "$OUT/prof_$opt.log" 2>&1
       echo "prof_$opt exit $?" | tee -a "$OUT/summary.txt"
-      # the GPU compilation's dump (the cache is off above: a loaded program dumps none, and the
-      # other train_step modules' instruction names would map the kernels to wrong scopes)
-      hlo=$(ls $wd/hlo/module_*jit_train_step*gpu_after_optimizations.txt 2>/dev/null | head -1)
+      # every train_step module of the dump (the cache is off above: a loaded program dumps
+      # none); trace_summary.py reads the one whose instructions name the most kernels
+      hlo=$(ls $wd/hlo/module_*jit_train_step*after_optimizations.txt 2>/dev/null | tr "\n" " ")
       python3 benchmarks/trace_summary.py $wd/profile --merge-layers --depth 1 \
         ${hlo:+--hlo $hlo} > "$OUT/prof_${opt}_trace.txt" 2>&1
-      grep -E "busy per step" "$OUT/prof_${opt}_trace.txt"
+      grep -E "^hlo:|busy per step" "$OUT/prof_${opt}_trace.txt"
       sed -n '/^(b)/,/^(c)/p' "$OUT/prof_${opt}_trace.txt" | head -12
       rm -rf $wd
     done ;;

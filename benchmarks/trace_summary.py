@@ -191,6 +191,19 @@ def hlo_op_names(text: str) -> dict[str, str]:
   return dict(_HLO_INSTRUCTION.findall(text))
 
 
+def best_hlo(paths: list[str], ops: list[dict]) -> tuple[str, str, dict[str, str], int]:
+  """(path, text, op names, kernel events named) of the dump in `paths` whose instructions name
+  the most of `ops`: another module's generic names (fusion.12) would name the wrong ops."""
+  best = None
+  for path in paths:
+    text = hlo_text(path)
+    names = hlo_op_names(text)
+    found = sum(1 for e in ops if _hlo_stack(e, names))
+    if best is None or found > best[3]:
+      best = (path, text, names, found)
+  return best
+
+
 def fusion_body(text: str, name: str, max_lines: int = 24) -> str:
   """The instruction `name` of an HLO dump and, for a fusion, its called computation's first
   `max_lines` lines; '' if the dump has no such instruction."""
@@ -388,8 +401,11 @@ def main(argv: list[str] | None = None) -> int:
                   help="keep processes whose name contains this ('/device:GPU:0'); '' keeps all "
                        '(the CPU, whose ops run on host threads)')
   ap.add_argument('--merge-layers', action='store_true', help='sum layerN scopes as layer*')
-  ap.add_argument('--hlo', default='', help="the program's optimized HLO text (XLA's dump): the "
-                  'name stacks of kernels whose trace events carry none')
+  ap.add_argument('--hlo', nargs='*', default=[],
+                  help="the program's optimized HLO text (XLA's dump): the name stacks of "
+                       'kernels whose trace events carry none; given several (a dump holds a '
+                       'module per compilation), the one whose instructions name the most '
+                       'kernels')
   ap.add_argument('--bodies', type=int, default=0,
                   help='with --hlo: print the HLO of this many of the costliest XLA fusions')
   args = ap.parse_args(argv)
@@ -403,10 +419,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f'no op events on processes matching {args.device_substr!r}; processes: '
           f'{sorted(set(procs.values()))} (try --device-substr "")')
     return 1
-  hlo = hlo_text(args.hlo) if args.hlo else ''
-  hlo_names = hlo_op_names(hlo) if args.hlo else None
-  if hlo_names is not None:
-    print(f'hlo: {args.hlo} ({len(hlo_names)} instructions with op_name metadata)')
+  hlo, hlo_names = '', None
+  if args.hlo:
+    path, hlo, hlo_names, found = best_hlo(args.hlo, ops)
+    own = sum(1 for e in ops if name_stack(e.get('args') or {}))
+    print(f'hlo: {path} ({len(hlo_names)} instructions with op_name metadata; they name '
+          f'{found} of {len(ops)} kernel events, {own} carry their own name stack)')
   report(ops, windows(ops, events, threads), depth=args.depth, top=args.top,
          merge_layers=args.merge_layers, steps=host_steps(events), hlo_names=hlo_names,
          hlo=hlo if args.bodies else '', bodies=args.bodies)

@@ -148,6 +148,14 @@ def test_hlo_dump_names_the_kernels_without_a_name_stack(tmp_path, capsys):
   # Without the dump the same kernels have no scope.
   assert trace_summary.main([str(tmp_path)]) == 0
   assert 'layer0' not in capsys.readouterr().out
+  # Given another module's dump too (first), the one naming the most kernels is read.
+  decoy = tmp_path / 'module_0000.jit_train_step.after_optimizations.txt'
+  decoy.write_text('ENTRY %main {\n  ROOT %loop_add_fusion.126 = bf16[8]{0} fusion(%p), '
+                   'kind=kLoop, metadata={op_name="jit(train_step)/optimizer/add"}\n}\n')
+  assert trace_summary.main([str(tmp_path), '--hlo', str(decoy), str(hlo), '--merge-layers']) == 0
+  out = capsys.readouterr().out
+  assert f'hlo: {hlo} ' in out and 'name 3 of 4 kernel events' in out, out
+  assert 'fwd  layer*/moe/add' in out and 'other  optimizer' not in out, out
 
 
 def test_bodies_print_the_costliest_fusions_hlo(tmp_path, capsys):
