@@ -80,6 +80,10 @@ case "$mode" in
         ${hlo:+--hlo $hlo} > "$OUT/prof_${opt}_trace.txt" 2>&1
       grep -E "^hlo:|busy per step" "$OUT/prof_${opt}_trace.txt"
       sed -n '/^(b)/,/^(c)/p' "$OUT/prof_${opt}_trace.txt" | head -12
+      # the events' own name stacks only (section 39's `optimizer` share came from these)
+      python3 benchmarks/trace_summary.py $wd/profile --merge-layers --depth 1 \
+        > "$OUT/prof_${opt}_trace_own.txt" 2>&1
+      sed -n '/^(b)/,/^(c)/p' "$OUT/prof_${opt}_trace_own.txt" | head -8
       rm -rf $wd
     done ;;
   *) echo "unknown mode $mode (sweep | run OPTIMIZER | profile)" >&2; exit 2 ;;
