@@ -7,8 +7,10 @@
 #   bash benchmarks/gpu_longctx.sh window    # sliding window only
 #   python3 benchmarks/summarize_longctx.py $OUT/longctx_*.json   # the three side by side
 # Two stages, as long-context models are trained (short first, then extended): SHORT_STEPS
-# (default 400) steps of SHORT_BATCH x SHORT_LEN (16 x 4,096) tokens, where the formats and the
-# copying are learned cheaply (a dense layer's step costs 4x less per token than at 16K), then,
+# (default 400) steps of SHORT_BATCH x SHORT_LEN (16 x 4,096) tokens, the task documents
+# SHORT_TASK_LEN (1,024) tokens long, four to a row, where the formats and the copying are
+# learned cheaply (a dense layer's step costs 4x less per token than at 16K, and a step carries
+# 16 times the task documents of a 4 x 16,384 one: supervision is what is scarce), then,
 # from its weights (checkpoint.init_from: a fresh optimizer, warm-up WARMUP2), STEPS (100) steps
 # of 4 x 16,384. Why: trained at 16K from scratch, dense attention ran 251 steps in 330 s and
 # had not learned even the answers' digits (docs/performance.md section 40). Each stage stops
@@ -18,12 +20,13 @@
 # positions) at five depths, and the checkpoints are deleted. configs/ablation_longctx.py
 # (0.16B) rather than the 1B model: retrieval is learned late (section 38).
 # Knobs (environment): CONFIG, SHORT_LEN (0: no short stage), SHORT_BATCH, SHORT_STEPS,
-# SHORT_S, STEPS, TRAIN_S, WARMUP2, SOURCES, EXAMPLES (documents per task, length and depth;
-# default 8), EVAL_TASKS, VARIANT_KEY (the config key that picks the attention: csa2 | dense |
-# window), GENERATE=1 (also decode each answer greedily: slower), LEN (the long stage's tokens
-# a row; default 16384), BATCH (4) and TASK_FLAGS (the tasks' sizes). On the CPU, in seconds:
+# SHORT_TASK_LEN, SHORT_S, STEPS, TRAIN_S, WARMUP2, SOURCES, EXAMPLES (documents per task,
+# length and depth; default 8), EVAL_TASKS, VARIANT_KEY (the config key that picks the
+# attention: csa2 | dense | window), GENERATE=1 (also decode each answer greedily: slower), LEN
+# (the long stage's tokens a row; default 16384), BATCH (4) and TASK_FLAGS (the tasks' sizes).
+# On the CPU, in two minutes:
 #   PATH=.venv/bin:$PATH OUT=/tmp/lc CONFIG=configs/tiny.py SHORT_LEN=128 SHORT_BATCH=4 \
-#     SHORT_STEPS=6 STEPS=4 LEN=256 BATCH=2 TASK_FLAGS=" " EXAMPLES=2 \
+#     SHORT_TASK_LEN=64 SHORT_STEPS=6 STEPS=4 LEN=256 BATCH=2 TASK_FLAGS=" " EXAMPLES=2 \
 #     EVAL_TASKS=mqar@256,passkey@256 bash benchmarks/gpu_longctx.sh csa2
 set -uo pipefail
 variant=${1:-csa2}
@@ -69,7 +72,7 @@ stage() {  # name, workdir, seconds, steps, length, flags...
 INIT=""
 if [ "$SHORT_LEN" != 0 ]; then
   stage short $SHORT_WORKDIR ${SHORT_S:-240} ${SHORT_STEPS:-400} $SHORT_LEN \
-    --config.train.batch_size=${SHORT_BATCH:-16}
+    --config.train.batch_size=${SHORT_BATCH:-16} --config.tasks.length=${SHORT_TASK_LEN:-1024}
   last=$(ls $SHORT_WORKDIR/checkpoints 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
   [ -n "$last" ] || { echo "short $variant saved no checkpoint" | tee -a "$OUT/summary.txt"; exit 1; }
   INIT="--config.checkpoint.init_from=$SHORT_WORKDIR/checkpoints/$last \

@@ -433,7 +433,7 @@ class TrainConfig:
   # [I] Newton-Schulz runs the weights of one shape and layout (the layers' copies of a weight) as
   # one batch of up to this many MiB in muon_ns_dtype (a transient copy; 0: each weight on its
   # own): three batched matmuls an iteration for all of them, not three per weight.
-  muon_batch_mib: int = key(2048, execution_only=True)
+  muon_batch_mib: int = key(2048)
   # [I] The Muon and Sinkhorn groups learn at these multiples of the schedule's rate (1: the RMS
   # matches make train.lr right for all groups).
   muon_lr_multiplier: float = key(1.0)
