@@ -10,5 +10,6 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 # Only 8 files of $OUT come back from a device call (16 MiB each), the first by name: everything
 # the call wrote goes back as 00_all.tgz too, whatever else is left out.
-trap 'tar czf "$OUT/00_all.tgz.part" -C "$OUT" --exclude "00_all.tgz*" . 2>/dev/null \
-  && mv "$OUT/00_all.tgz.part" "$OUT/00_all.tgz"' EXIT
+# (Written outside $OUT first: tar reports a directory that changes while it reads it.)
+trap 'tar czf "/tmp/00_all.$$.tgz" -C "$OUT" --exclude 00_all.tgz . \
+  && mv "/tmp/00_all.$$.tgz" "$OUT/00_all.tgz"' EXIT
