@@ -10,7 +10,7 @@
 # (default 400) steps of SHORT_BATCH x SHORT_LEN (16 x 4,096) tokens, the task documents
 # SHORT_TASK_LEN (1,024) tokens long, four to a row, where the formats and the copying are
 # learned cheaply (a dense layer's step costs 4x less per token than at 16K, and a step carries
-# 16 times the task documents of a 4 x 16,384 one: supervision is what is scarce), then,
+# up to 16 times the task documents of a 4 x 16,384 one: supervision is scarce), then,
 # from its weights (checkpoint.init_from: a fresh optimizer, warm-up WARMUP2), STEPS (100) steps
 # of 4 x 16,384. Why: trained at 16K from scratch, dense attention ran 251 steps in 330 s and
 # had not learned even the answers' digits (docs/performance.md section 40). Each stage stops
