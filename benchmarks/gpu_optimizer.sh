@@ -63,10 +63,14 @@ case "$mode" in
     run ${opt}_${LR:-default} --config.train.optimizer=$opt $lr_flag \
       --config.log.profile_start_step=${PROFILE:-21} --config.log.profile_steps=3 "${@:3}" ;;
   profile)  # with the step's HLO the glue fusions land in their scopes (trace_summary.py --hlo);
-            # OPTS=muon_hybrid profiles one
+            # OPTS=muon_hybrid profiles one. Its step times are without command buffers: the
+            # runs' own (`run`, command buffers on) are the ones to compare.
     for opt in ${OPTS:-adamw muon_hybrid}; do
       wd=/tmp/opt_prof_$opt
-      XLA_FLAGS="--xla_dump_to=$wd/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*" \
+      # Command buffers off: a kernel launched inside one (a CUDA graph) carries no name stack in
+      # the trace, and since the iterations are unrolled the optimizer's kernels are captured too.
+      XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_dump_to=$wd/hlo --xla_dump_hlo_as_text \
+        --xla_dump_hlo_module_re=.*train_step.*" \
         python3 -m deepseek41.train $COMMON --workdir=$wd --config.train.optimizer=$opt \
         --config.data.synthetic=True --config.train.eval_every_steps=0 \
         --config.train.compilation_cache_dir= \
