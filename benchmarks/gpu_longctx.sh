@@ -7,10 +7,11 @@
 #   bash benchmarks/gpu_longctx.sh window    # sliding window only
 #   python3 benchmarks/summarize_longctx.py $OUT/longctx_*.json   # the three side by side
 # Two stages, as long-context models are trained (short first, then extended): SHORT_STEPS
-# (default 400) steps of SHORT_BATCH x SHORT_LEN (16 x 4,096) tokens, the task documents
+# (default 350) steps of SHORT_BATCH x SHORT_LEN (16 x 4,096) tokens, the task documents
 # SHORT_TASK_LEN (1,024) tokens long, four to a row, where the formats and the copying are
-# learned cheaply (a dense layer's step costs 4x less per token than at 16K, and a step carries
-# up to 16 times the task documents of a 4 x 16,384 one: supervision is scarce), then,
+# learned cheaply (the dense variant costs 0.56 GFLOP a token at 4K against 1.47 at 16K, and a
+# step carries up to 16 times the task documents of a 4 x 16,384 one: supervision is scarce),
+# then,
 # from its weights (checkpoint.init_from: a fresh optimizer, warm-up WARMUP2), STEPS (100) steps
 # of 4 x 16,384. Why: trained at 16K from scratch, dense attention ran 251 steps in 330 s and
 # had not learned even the answers' digits (docs/performance.md section 40). Each stage stops
@@ -20,10 +21,11 @@
 # positions) at five depths, and the checkpoints are deleted. configs/ablation_longctx.py
 # (0.16B) rather than the 1B model: retrieval is learned late (section 38).
 # Knobs (environment): CONFIG, SHORT_LEN (0: no short stage), SHORT_BATCH, SHORT_STEPS,
-# SHORT_TASK_LEN, SHORT_S, STEPS, TRAIN_S, WARMUP2, SOURCES, EXAMPLES (documents per task,
-# length and depth; default 8), EVAL_TASKS, VARIANT_KEY (the config key that picks the
-# attention: csa2 | dense | window), GENERATE=1 (also decode each answer greedily: slower), LEN
-# (the long stage's tokens a row; default 16384), BATCH (4) and TASK_FLAGS (the tasks' sizes).
+# SHORT_TASK_LEN, SHORT_S (220 s), STEPS, TRAIN_S (170 s), WARMUP2, SOURCES, EXAMPLES
+# (documents per task, length and depth; default 8), EVAL_TASKS, VARIANT_KEY (the config key
+# that picks the attention: csa2 | dense | window), GENERATE=1 (also decode each answer
+# greedily: slower), LEN (the long stage's tokens a row; default 16384), BATCH (4) and
+# TASK_FLAGS (the tasks' sizes). The defaults fit a 10-minute call with the evaluation (~160 s).
 # On the CPU, in two minutes:
 #   PATH=.venv/bin:$PATH OUT=/tmp/lc CONFIG=configs/tiny.py SHORT_LEN=128 SHORT_BATCH=4 \
 #     SHORT_TASK_LEN=64 SHORT_STEPS=6 STEPS=4 LEN=256 BATCH=2 TASK_FLAGS=" " EXAMPLES=2 \
@@ -71,14 +73,14 @@ stage() {  # name, workdir, seconds, steps, length, flags...
 }
 INIT=""
 if [ "$SHORT_LEN" != 0 ]; then
-  stage short $SHORT_WORKDIR ${SHORT_S:-240} ${SHORT_STEPS:-400} $SHORT_LEN \
+  stage short $SHORT_WORKDIR ${SHORT_S:-220} ${SHORT_STEPS:-350} $SHORT_LEN \
     --config.train.batch_size=${SHORT_BATCH:-16} --config.tasks.length=${SHORT_TASK_LEN:-1024}
   last=$(ls $SHORT_WORKDIR/checkpoints 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
   [ -n "$last" ] || { echo "short $variant saved no checkpoint" | tee -a "$OUT/summary.txt"; exit 1; }
   INIT="--config.checkpoint.init_from=$SHORT_WORKDIR/checkpoints/$last \
     --config.train.warmup_steps=${WARMUP2:-10}"
 fi
-stage train $WORKDIR ${TRAIN_S:-150} $STEPS $LEN --config.train.batch_size=${BATCH:-4} $INIT
+stage train $WORKDIR ${TRAIN_S:-170} $STEPS $LEN --config.train.batch_size=${BATCH:-4} $INIT
 python3 -m deepseek41.eval --workdir=$WORKDIR --tasks=$EVAL_TASKS --examples=$EXAMPLES \
   --depths=0,0.25,0.5,0.75,1 --heldout_batches=2 ${GENERATE:+--generate} \
   --out="$OUT/longctx_$variant" > "$OUT/eval_$variant.log" 2>&1
