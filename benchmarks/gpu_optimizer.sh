@@ -59,7 +59,8 @@ case "$mode" in
   run)
     opt=${2:?run needs an optimizer: adamw or muon_hybrid}
     lr_flag=""; [ -n "${LR:-}" ] && lr_flag="--config.train.lr=$LR"
-    # Steps PROFILE..PROFILE+2 traced: the optimizer's share of the step on the way.
+    # Steps PROFILE..PROFILE+2 traced on the way (command buffers on, as trained: most kernels
+    # carry no scope there; `profile` turns them off for the optimizer's share).
     run ${opt}_${LR:-default} --config.train.optimizer=$opt $lr_flag \
       --config.log.profile_start_step=${PROFILE:-21} --config.log.profile_steps=3 "${@:3}" ;;
   profile)  # with the step's HLO the glue fusions land in their scopes (trace_summary.py --hlo);
