@@ -98,19 +98,13 @@ def _over_stack(fn, stack: tuple[int, ...]):
   return fn
 
 
-def orthogonalize(u: jax.Array, stack: tuple[int, ...], coeffs_k3: np.ndarray,
-                  dtype=jnp.float32) -> jax.Array:
-  """Each matrix of the stack `u` (stack axes `stack`) replaced by its Newton-Schulz polar
-  factor, in `dtype`."""
-  return orthogonalize_together([u], stack, coeffs_k3, dtype)[0]
-
-
 def orthogonalize_together(us: list[jax.Array], stack: tuple[int, ...], coeffs_k3: np.ndarray,
                            dtype=jnp.float32) -> list[jax.Array]:
-  """`orthogonalize` of several stacks of one shape (the layers' copies of a weight) as one
-  batch: their unit matrices stacked on a new leading axis, so each iteration is three batched
-  matmuls for all of them rather than three per weight (on the 1B model, 181 weights in 14
-  shapes). Stacking on a new axis keeps every other axis's sharding."""
+  """Each matrix of the stacks `us` (one shape, stack axes `stack`: the layers' copies of a
+  weight) replaced by its Newton-Schulz polar factor, in `dtype`, as one batch: their unit
+  matrices stacked on a new leading axis, so each iteration is three batched matmuls for all of
+  them rather than three per weight (on the 1B model, 181 weights in 14 shapes). Stacking on a
+  new axis keeps every other axis's sharding."""
   units = [unit_frobenius(u, stack, dtype) for u in us]
   if len(units) == 1:
     return [_over_stack(lambda m: polar_of_unit(m, coeffs_k3), stack)(units[0])]
