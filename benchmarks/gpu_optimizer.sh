@@ -70,7 +70,8 @@ case "$mode" in
       wd=/tmp/opt_prof_$opt
       # Command buffers off: a kernel launched inside one (a CUDA graph) carries no name stack in
       # the trace, and since the iterations are unrolled the optimizer's kernels are captured too.
-      XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_dump_to=$wd/hlo --xla_dump_hlo_as_text \
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer= --xla_dump_to=$wd/hlo \
+        --xla_dump_hlo_as_text \
         --xla_dump_hlo_module_re=.*train_step.*" \
         python3 -m deepseek41.train $COMMON --workdir=$wd --config.train.optimizer=$opt \
         --config.data.synthetic=True --config.train.eval_every_steps=0 \
@@ -85,10 +86,6 @@ case "$mode" in
         ${hlo:+--hlo $hlo} > "$OUT/prof_${opt}_trace.txt" 2>&1
       grep -E "^hlo:|busy per step" "$OUT/prof_${opt}_trace.txt"
       sed -n '/^(b)/,/^(c)/p' "$OUT/prof_${opt}_trace.txt" | head -12
-      # the events' own name stacks only (section 39's `optimizer` share came from these)
-      python3 benchmarks/trace_summary.py $wd/profile --merge-layers --depth 1 \
-        > "$OUT/prof_${opt}_trace_own.txt" 2>&1
-      sed -n '/^(b)/,/^(c)/p' "$OUT/prof_${opt}_trace_own.txt" | head -8
       rm -rf $wd
     done ;;
   *) echo "unknown mode $mode (sweep | run OPTIMIZER | profile)" >&2; exit 2 ;;
