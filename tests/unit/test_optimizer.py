@@ -326,7 +326,8 @@ def test_tools_info_counts_one_moment_for_matrices_and_tables():
      'train.muon_ns_coeffs'),
     ({'train.muon_momentum': 1.0}, 'train.muon_momentum'),
     ({'train.sinkhorn_tau': -1.0}, 'train.sinkhorn_tau'),
-    ({'train.muon_ns_dtype': 'float16'}, 'train.muon_ns_dtype')])
+    ({'train.muon_ns_dtype': 'float16'}, 'train.muon_ns_dtype'),
+    ({'train.muon_batch_mib': -1}, 'train.muon_batch_mib')])
 def test_bad_keys_are_named(override, culprit):
   with pytest.raises(ConfigError, match=culprit):
     resolved(**override)
