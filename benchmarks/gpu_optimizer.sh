@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_optimizer.sh sweep                   # muon_hybrid at each of LRS
 #                                                            # (6e-4 1.2e-3 2.4e-3) for
 #                                                            # SWEEP_STEPS (150) steps
+#                                                            # (SWEEP_OPT=adamw: AdamW's)
 #   LR=1.2e-3 bash benchmarks/gpu_optimizer.sh run muon_hybrid   # STEPS (600) steps at LR
 #   bash benchmarks/gpu_optimizer.sh run adamw               # the same at the config's 6e-4
 #       (flags after the optimizer go to the trainer: --config.train.muon_ns_dtype=float32)
@@ -52,8 +53,9 @@ run() {  # name, extra flags...
 }
 case "$mode" in
   sweep)
+    opt=${SWEEP_OPT:-muon_hybrid}  # SWEEP_OPT=adamw sweeps AdamW's rate the same way
     for lr in ${LRS:-6e-4 1.2e-3 2.4e-3}; do
-      run sweep_muon_$lr --config.train.optimizer=muon_hybrid --config.train.lr=$lr \
+      run sweep_${opt}_$lr --config.train.optimizer=$opt --config.train.lr=$lr \
         --stop_at_step=${SWEEP_STEPS:-150}
     done ;;
   run)
