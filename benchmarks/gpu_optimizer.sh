@@ -43,6 +43,9 @@ run() {  # name, extra flags...
     --workdir=/tmp/opt_$name "$@" > "$OUT/$name.log" 2>&1
   echo "$name exit $?" | tee -a "$OUT/summary.txt"
   cp /tmp/opt_$name/metrics.jsonl "$OUT/$name.jsonl" 2>/dev/null
+  # with its metrics, the run's resolved config: tools.compare draws against tokens from it
+  mkdir -p "$OUT/runs/$name" && cp /tmp/opt_$name/metrics.jsonl /tmp/opt_$name/config.json \
+    "$OUT/runs/$name/" 2>/dev/null
   grep -E "took|eval_loss|step ($STEPS|150):|rror" "$OUT/$name.log" | tail -6 | cut -c1-250
   if [ -d /tmp/opt_$name/profile ]; then  # the `optimizer` scope's share of the traced steps
     python3 benchmarks/trace_summary.py /tmp/opt_$name/profile --merge-layers --depth 1 \

@@ -8,7 +8,8 @@ is skipped) and `config.json` (the resolved config the trainer writes at its sta
 table of the last and best value of each metric per run and one of the config keys whose values
 differ; with `--out`, draws every metric against the step and against the tokens seen (step x
 batch x sequence length), one colour per run (matplotlib: `pip install -e '.[plot]'`).
-`--smooth` is an exponential moving average weight (0 = raw), applied to the drawn curves only.
+`--smooth` is an exponential moving average weight (0 = raw), applied to the drawn curves only
+(not to held-out `eval*` metrics, logged too rarely for an average).
 """
 
 from __future__ import annotations
@@ -143,6 +144,14 @@ def smoothed(values: list[float], weight: float) -> list[float]:
   return out
 
 
+def drawn_series(run: dict, metric: str, smooth: float) -> tuple[list[int], list[float]]:
+  """The steps and values drawn for one run's metric: smoothed, except held-out metrics."""
+  points = series(run, metric)
+  # Held-out metrics come a few points a run: an EMA over them lags by hundreds of steps.
+  weight = 0.0 if metric.startswith('eval') else smooth
+  return [s for s, _ in points], smoothed([v for _, v in points], weight)
+
+
 def draw(runs: list[dict], metrics: list[str], out: str, smooth: float = 0.0) -> None:
   """Each metric against the step (left) and the tokens seen (right), one line per run."""
   if not out.endswith(('.png', '.html')):
@@ -156,20 +165,23 @@ def draw(runs: list[dict], metrics: list[str], out: str, smooth: float = 0.0) ->
     import matplotlib.ticker
   except ImportError:
     raise CompareError("--out needs matplotlib: pip install -e '.[plot]'") from None
-  fig, axes = plt.subplots(len(metrics), 2, figsize=(11, 3.2 * len(metrics)), squeeze=False)
+  # The tokens column only where some run's config.json gives its tokens per step.
+  xlabels = ('step', 'tokens') if any(tokens_per_step(r) for r in runs) else ('step',)
+  fig, axes = plt.subplots(len(metrics), len(xlabels), figsize=(5.5 * len(xlabels),
+                                                                 3.2 * len(metrics)),
+                           squeeze=False)
   for row, metric in enumerate(metrics):
     for run in runs:
-      points = series(run, metric)
-      if not points:
+      steps, values = drawn_series(run, metric, smooth)
+      if not steps:
         continue
-      steps = [s for s, _ in points]
-      values = smoothed([v for _, v in points], smooth)
       axes[row, 0].plot(steps, values, label=run['name'])
       per_step = tokens_per_step(run)
-      if per_step:
+      if per_step and len(xlabels) == 2:
         axes[row, 1].plot([s * per_step for s in steps], values, label=run['name'])
-    axes[row, 1].xaxis.set_major_formatter(matplotlib.ticker.EngFormatter())  # 150k, 2M
-    for col, xlabel in enumerate(('step', 'tokens')):
+    if len(xlabels) == 2:
+      axes[row, 1].xaxis.set_major_formatter(matplotlib.ticker.EngFormatter())  # 150k, 2M
+    for col, xlabel in enumerate(xlabels):
       axes[row, col].set_xlabel(xlabel)
       axes[row, col].set_ylabel(metric)
       axes[row, col].grid(alpha=0.3)
@@ -204,6 +216,10 @@ def main(argv):
       print(f'note: never logged by these runs: {", ".join(unknown)} (logged: '
             f'{", ".join(names)}, and per-layer keys)', file=sys.stderr)
     print(report(runs, metrics))
+    no_tokens = [run['name'] for run in runs if not tokens_per_step(run)]
+    if OUT.value and no_tokens:
+      print(f'note: no train.batch_size and data.seq_len in the config.json of '
+            f'{", ".join(no_tokens)}: drawn against the step only', file=sys.stderr)
     if OUT.value:
       draw(runs, metrics, OUT.value, SMOOTH.value)
       print(f'wrote {OUT.value}')

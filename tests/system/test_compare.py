@@ -40,6 +40,9 @@ def test_table_differences_and_curves(tmp_path):
   text = compare.report(runs, ['loss', 'eval_loss'])
   assert '| mhc | loss | 3.2 (40) | 3 (30) |' in text and 'model.residual' in text
   assert compare.smoothed([1.0, 3.0], 0.5) == [1.0, 1.0 * 0.25 / 0.75 + 3.0 * 0.5 / 0.75]
+  # the training loss is drawn smoothed, the held-out loss (two points here) as logged
+  assert compare.drawn_series(runs[0], 'loss', 0.5)[1][1] == pytest.approx(4.0 * 2 / 3 + 5.0 / 3)
+  assert compare.drawn_series(runs[0], 'eval_loss', 0.5) == ([20, 40], [4.5, 4.4])
 
   png, html = tmp_path / 'out' / 'curves.png', tmp_path / 'curves.html'
   compare.draw(runs, ['loss', 'eval_loss'], str(png), smooth=0.5)
@@ -60,5 +63,14 @@ def test_cli_and_bad_input(tmp_path):
   bad = subprocess.run([sys.executable, '-m', 'deepseek41.tools.compare', str(tmp_path)],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
   assert bad.returncode == 2 and 'no metrics.jsonl' in bad.stderr
+  # a run without config.json (metrics copied off a machine): drawn against the step only
+  os.remove(os.path.join(a, 'config.json'))
+  bare = subprocess.run([sys.executable, '-m', 'deepseek41.tools.compare', a,
+                         f'--out={tmp_path}/bare.png'],
+                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+  assert bare.returncode == 0, bare.stderr
+  assert 'no train.batch_size and data.seq_len in the config.json of a' in bare.stderr
+  width = lambda png: int.from_bytes(png.read_bytes()[16:20], 'big')  # the IHDR chunk
+  assert width(tmp_path / 'bare.png') < 0.6 * width(tmp_path / 'c.png')  # one column of two
   with pytest.raises(compare.CompareError, match='.png or an .html'):
     compare.draw([compare.read_run(a)], ['loss'], str(tmp_path / 'x.pdf'))
