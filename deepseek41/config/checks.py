@@ -111,6 +111,8 @@ def check_indexer(m: ModelConfig):
           m.index_head_dim >= m.rope_head_dim, 'model.index_head_dim',
           f'must be even and >= rope_head_dim ({m.rope_head_dim}), got {m.index_head_dim}')
   require(m.sparse_chunk >= 1, 'model.sparse_chunk', 'must be >= 1')
+  require(m.sparse_dkv_tile >= 0 and not m.sparse_dkv_tile & (m.sparse_dkv_tile - 1),
+          'model.sparse_dkv_tile', f'must be 0 or a power of two, got {m.sparse_dkv_tile}')
   require(m.index_causal_groups >= 1, 'model.index_causal_groups', 'must be >= 1')
   require(m.span_chunk >= 0, 'model.span_chunk', 'must be >= 0 (0 = whole spans, kept)')
   require(m.index_topk_block >= 0, 'model.index_topk_block', 'must be >= 0 (0 = one top-k pass)')

@@ -191,6 +191,12 @@ class ModelConfig:
   # KV rows) add their key/value gradient once, in the index source's backward, instead of once
   # each (ops/gpu/sparse_kernel.py; docs/performance.md section 25). Same gradients.
   sparse_group_dkv: bool = key(True, execution_only=True)
+  # With the fused kernel, the sparse branch's key/value gradient sums each tile of this many
+  # consecutive queries on chip before adding it to the entries' rows, which neighbouring
+  # queries' overlapping picks make fewer adds (ops/gpu/merged_dkv.py); 0 adds each query's
+  # own with atomics. A power of two. Same gradients up to the order of fp32 adds; the faster
+  # depends on how much neighbouring selections overlap (docs/performance.md part K).
+  sparse_dkv_tile: int = key(0, execution_only=True)
   # With the fused kernels, their backward runs against the layer's merged softmax
   # (log-sum-exp, output cotangent, D = sum dO * O) instead of through autodiff of the merge,
   # which writes and reads a [T, H, d] cotangent per branch (ops/softmax_merge.py). Same

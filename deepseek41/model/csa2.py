@@ -315,11 +315,13 @@ class CSA2(nnx.Module):
         shared = shared.without_sinks(role.index_source)
     if merged_backward(cfg, shared) and cfg.sparse_impl == 'fused':
       partial, mass_btk = compressed_branch(q_bthd, kv, sel_idx, sel_valid, with_mass=distill,
-                                            later=later, sink=sink, sinks_key=role.layer)
+                                            later=later, sink=sink, sinks_key=role.layer,
+                                            dkv_tile=cfg.sparse_dkv_tile)
     else:
       o_bthd, lse_bth, *mass = compressed_partial(
           q_bthd, kv, sel_idx, sel_valid, impl=cfg.sparse_impl, chunk=cfg.sparse_chunk,
-          with_mass=distill, load_rows=comp.load_rows, later=later, sink=sink)
+          with_mass=distill, load_rows=comp.load_rows, later=later, sink=sink,
+          dkv_tile=cfg.sparse_dkv_tile)
       if later:
         *mass, sinks = mass
         shared = shared.with_sinks({role.layer: sinks})

@@ -131,7 +131,8 @@ _SINK_HEADS = (3, 3, 2, 2)
 
 def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathered',
                        chunk: int | None = None, scale: float | None = None,
-                       with_mass: bool = False, load_rows=None, later: int = 0, sink=None):
+                       with_mass: bool = False, load_rows=None, later: int = 0, sink=None,
+                       dkv_tile: int = 0):
   """Attention of each query over its selected compressed entries: (o_bthd, lse_bth fp32).
 
   o_bthd is fp32 from the reference and in kv's dtype from the gathered and fused paths.
@@ -146,6 +147,8 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
   later / sink (`fused` only): calls over the same kv and selection that defer their key/value
   gradient to the first (ops/gpu/sparse_kernel.py): `later` > 0 makes this the first and appends
   its sinks (one per later call) to the outputs; `sink`, one of them, makes this a later call.
+  dkv_tile (`fused` only): the key/value gradient's adds merged per tile of that many queries
+  (model.sparse_dkv_tile; ops/gpu/merged_dkv.py), 0 per query.
   """
   if (later or sink is not None) and impl != 'fused':
     raise ValueError(f'the deferred key/value gradient (later / sink) needs impl=fused, got '
@@ -164,7 +167,8 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
   elif impl == 'gathered':
     out = _partial_gathered(q_bthd, kv_bnd, idx_btk, valid_btk, scale, chunk)
   elif impl == 'fused':  # on the CPU the kernels run in the Pallas interpreter (tests)
-    kernel = functools.partial(_sparse_fused, scale=scale, with_mass=with_mass, later=later)
+    kernel = functools.partial(_sparse_fused, scale=scale, with_mass=with_mass, later=later,
+                               dkv_tile=dkv_tile)
     heads = {0: 2}
     if sink is not None:
       heads.update({4 + i: h for i, h in enumerate(_SINK_HEADS)})
@@ -185,34 +189,35 @@ def compressed_partial(q_bthd, kv_bnd, idx_btk, valid_btk, *, impl: str = 'gathe
 
 def compressed_branch(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float | None = None,
                       with_mass: bool = False, later: int = 0, sink=None,
-                      sinks_key: str = 'sinks'):
+                      sinks_key: str = 'sinks', dkv_tile: int = 0):
   """The fused compressed partial as a `softmax_merge.Branch`: (branch, mass_btk or None).
 
   Its forward runs now (the slot mass, a stop-gradient target, comes with it); its backward
   runs from the merged softmax's statistics. The deferred key/value gradient works as in
   `compressed_partial`: `later` > 0 makes the branch hand off one sink per later reader under
   `sinks_key` (`Branch.handoffs`); `sink`, one of them, makes this a later reader, whose sink
-  takes its coefficients back as its cotangent.
+  takes its coefficients back as its cotangent. dkv_tile as `compressed_partial`'s.
   """
   scale = 1.0 / math.sqrt(q_bthd.shape[-1]) if scale is None else scale
   sg = jax.lax.stop_gradient
   o_bthd, lse_bth, *rest = compressed_partial(sg(q_bthd), sg(kv_bnd), idx_btk, valid_btk,
                                               impl='fused', scale=scale, with_mass=with_mass,
-                                              later=later)
+                                              later=later, dkv_tile=dkv_tile)
   mass_btk = rest[0] if with_mass else None
   handoffs = {sinks_key: rest[-1]} if later else {}
   backward = functools.partial(_branch_backward, scale=scale, later_key=sinks_key if later
-                               else None)
+                               else None, dkv_tile=dkv_tile)
   return Branch(o_bthd, lse_bth, (q_bthd, kv_bnd, idx_btk, valid_btk,
                                   None if sink is None else tuple(sink)),
                 backward, handoffs), mass_btk
 
 
-def _branch_backward(args, merged, d_handoffs, *, scale, later_key):
+def _branch_backward(args, merged, d_handoffs, *, scale, later_key, dkv_tile=0):
   q_bthd, kv_bnd, idx_btk, valid_btk, sink = args
   defer = sink is not None
   flat = [a for part in (d_handoffs[later_key] if later_key else ()) for a in part]
-  kernel = functools.partial(_branch_backward_local, scale=scale, defer=defer)
+  kernel = functools.partial(_branch_backward_local, scale=scale, defer=defer,
+                             dkv_tile=dkv_tile)
   heads = {0: 2, 4: 2, 5: 2, 6: 2}
   heads.update({7 + i: _SINK_HEADS[i % len(_SINK_HEADS)] for i in range(len(flat))})
   outs = batch_local(kernel, q_bthd, kv_bnd, idx_btk, valid_btk, *merged, *flat,
@@ -227,14 +232,14 @@ def _branch_backward(args, merged, d_handoffs, *, scale, later_key):
 
 
 def _branch_backward_local(q_bthd, kv_bnd, idx_btk, valid_btk, delta_bth, lse_bth, do_bthd,
-                           *flat, scale, defer, tensor_axis, context_axis):
+                           *flat, scale, defer, tensor_axis, context_axis, dkv_tile=0):
   """`sparse_backward_fused` on this device's queries and heads. Every query may pick any entry,
   so the entries' gradient is summed over the context and tensor shards."""
   n = len(_SINK_HEADS)
   later_parts = [tuple(flat[i:i + n]) for i in range(0, len(flat), n)]
   out = sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, delta_bth, lse_bth, do_bthd,
                               scale=scale, defer=defer,
-                              later_parts=later_parts)
+                              later_parts=later_parts, dkv_tile=dkv_tile)
   if defer:
     dq, part = out
     return (dq, *part)

@@ -131,8 +131,9 @@ def test_grouped_key_value_gradient_equals_the_gathered_path():
                     **GROUPED}).model
   batch = {k: jnp.asarray(v)[:2] for k, v in packed_batch(seed=3, docs_per_row=2, pad=4).items()}
 
-  def loss_and_grads(impl, group=True):
-    model = Transformer(dataclasses.replace(cfg, sparse_impl=impl, sparse_group_dkv=group),
+  def loss_and_grads(impl, group=True, dkv_tile=0):
+    model = Transformer(dataclasses.replace(cfg, sparse_impl=impl, sparse_group_dkv=group,
+                                            sparse_dkv_tile=dkv_tile),
                         nnx.Rngs(params=0), remat='block')
 
     def loss(m):
@@ -151,9 +152,16 @@ def test_grouped_key_value_gradient_equals_the_gathered_path():
   np.testing.assert_allclose(l_own, l_ref, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(g_own), jax.tree.leaves(g_ref)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  # model.sparse_dkv_tile: each group's adds merged per tile of 4 queries (ops/gpu/merged_dkv.py)
+  (l_m, g_m), jaxpr = loss_and_grads('fused', dkv_tile=4)
+  assert jaxpr.count('name=csa2_sparse_dkv_merged') == 2
+  np.testing.assert_allclose(l_m, l_ref, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_m), jax.tree.leaves(g_ref)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-# BackwardTiles: (block_k, warps, head_group, dkv_chunk, stages, dq_block_k, dq_warps, dq_stages)
+# BackwardTiles: (block_k, warps, head_group, dkv_chunk, stages, dq_block_k, dq_warps, dq_stages,
+# dkv_tile)
 @pytest.mark.parametrize('bwd_tiles', [(16, 4, 8, 16, 1, 32, 4, 1), (32, 4, 8, 16, 1, 16, 4, 1)],
                          ids=['dq_wider', 'dkv_wider'])
 def test_grouped_calls_hand_off_and_add_once(bwd_tiles):
@@ -224,6 +232,6 @@ def test_kernels_lower_for_triton():
 def test_too_many_tile_fields_are_refused():
   kv = jnp.zeros((1, 4, D))
   idx, valid = jnp.zeros((1, 8, 4), jnp.int32), jnp.ones((1, 8, 4), bool)
-  with pytest.raises(ValueError, match='bwd_tiles has 9 fields'):
+  with pytest.raises(ValueError, match='bwd_tiles has 10 fields'):
     sparse_partial_fused(jnp.zeros((1, 8, H, D)), kv, idx, valid, scale=1.0,
-                         bwd_tiles=(16,) * 9, interpret=True)
+                         bwd_tiles=(16,) * 10, interpret=True)

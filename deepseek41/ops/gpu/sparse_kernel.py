@@ -333,7 +333,10 @@ class BackwardTiles(NamedTuple):
   per program, the key/value gradient `dkv_chunk` columns per product, `num_stages`. The
   deferred backward's first kernel (`_bwd_dq_kernel`) has its own `dq_block_k`, `dq_warps` and
   `dq_stages` (it holds no key/value tile, so it takes wider pipelined steps); its second
-  (`_dkv_kernel`) takes `block_k`, `num_warps` and no pipelining.
+  (`_dkv_kernel`) takes `block_k`, `num_warps` and no pipelining. `dkv_tile` > 0 forms every
+  key/value gradient that way, through `dkv_from_coefficients`, with the adds of each tile of
+  that many queries merged (ops/gpu/merged_dkv.py; `block_k` union rows a step); 0 adds each
+  query's own.
   """
   block_k: int
   num_warps: int
@@ -343,6 +346,7 @@ class BackwardTiles(NamedTuple):
   dq_block_k: int
   dq_warps: int
   dq_stages: int
+  dkv_tile: int
 
 
 def compiler_params(num_warps, num_stages):
@@ -438,6 +442,10 @@ def _sparse_partial_bwd(scale, with_mass, heads, fwd_tiles, bwd_tiles, interpret
   q_bthd, kv_bnd, idx_btk, valid_btk, o, lse = res
   do_bthd, dlse_bth, _ = cts
   t = bwd_tiles
+  if t.dkv_tile:  # merged adds: the coefficients first, as a deferred backward's
+    dq, part = _coefficients(res, cts, scale, t, interpret)
+    return dq, dkv_from_coefficients(kv_bnd, idx_btk, valid_btk, [part], t.block_k,
+                                     t.num_warps, t.dkv_chunk, interpret, t.dkv_tile), None, None
   dq, dkv = _backward(q_bthd, kv_bnd, idx_btk, valid_btk, o, lse, do_bthd, dlse_bth, scale,
                       t.block_k, t.num_warps, t.head_group, t.dkv_chunk, t.num_stages, interpret)
   return dq, dkv, None, None
@@ -477,11 +485,16 @@ def dq_and_coefficients(q_bthd, kv_bnd, idx_btk, valid_btk, o_bthd, lse_bth, do_
 
 
 def dkv_from_coefficients(kv_bnd, idx_btk, valid_btk, parts, block_k, num_warps, dkv_chunk,
-                          interpret):
+                          interpret, tile=0):
   """The deferred backward's second kernel: kv's gradient (kv's dtype) from every call in
   `parts` = [(ds_btkh, p_btkh, q_bthd, do_bthd), ...] (all in q's dtype) over these kv rows and
   this selection, summed on chip and added once per element (where one backward per call adds
-  once per call)."""
+  once per call). `tile` > 0: each tile of that many queries' adds merged first
+  (ops/gpu/merged_dkv.py)."""
+  if tile:
+    from deepseek41.ops.gpu.merged_dkv import merged_dkv  # noqa: PLC0415 (it imports this)
+    return merged_dkv(kv_bnd, idx_btk, valid_btk, parts, tile=tile, block_u=block_k,
+                      num_warps=num_warps, dkv_chunk=dkv_chunk, interpret=interpret)
   b, n, d = kv_bnd.shape
   h = parts[0][2].shape[2]
   idx_btk, nblk_bt1, bk = prepare_slots(idx_btk, valid_btk, n, block_k)
@@ -560,7 +573,7 @@ def _sparse_partial_first_bwd(scale, with_mass, heads, fwd_tiles, bwd_tiles, int
   parts = [part] + [tuple(x.astype(y.dtype) for x, y in zip(ct, part)) for ct in cts[3]]
   t = bwd_tiles
   dkv = dkv_from_coefficients(kv_bnd, idx_btk, valid_btk, parts, t.block_k, t.num_warps,
-                              t.dkv_chunk, interpret)
+                              t.dkv_chunk, interpret, t.dkv_tile)
   return dq, dkv, None, None
 
 
@@ -610,19 +623,21 @@ def default_tiles(heads: int) -> tuple[ForwardTiles, BackwardTiles]:
   78.5, fused 111.3 against 127.4). The deferred key/value kernel was fastest unpipelined.
   """
   if heads <= 16:
-    return ForwardTiles(64, 4, 3), BackwardTiles(32, 4, 32, 256, 2, 64, 4, 3)
+    return ForwardTiles(64, 4, 3), BackwardTiles(32, 4, 32, 256, 2, 64, 4, 3, 0)
   # A third forward stage measured 3% faster without the slot mass and was not run with it
   # (64 heads' q plus three 64 x 512 row tiles is near the shared memory's limit): two stay.
-  return ForwardTiles(64, 8, 2), BackwardTiles(32, 8, 32, FULL_WIDTH, 2, 64, 8, 2)
+  return ForwardTiles(64, 8, 2), BackwardTiles(32, 8, 32, FULL_WIDTH, 2, 64, 8, 2, 0)
 
 
-def _complete(name, given, default):
-  """`given`'s leading fields, the rest from `default` (a ForwardTiles or BackwardTiles)."""
+def _complete(name, given, default, dkv_tile=None):
+  """`given`'s leading fields, the rest from `default` (a ForwardTiles or BackwardTiles);
+  `dkv_tile`, where given, replaces a BackwardTiles' own."""
   given = tuple(map(int, given or ()))
   if len(given) > len(default):
     raise ValueError(f'{name} has {len(given)} fields; {type(default).__name__} has '
                      f'{len(default)}: {", ".join(default._fields)}')
-  return type(default)(*given, *default[len(given):])
+  tiles = type(default)(*given, *default[len(given):])
+  return tiles if dkv_tile is None else tiles._replace(dkv_tile=int(dkv_tile))
 
 
 def _kernel_size(x: int) -> int:
@@ -648,7 +663,8 @@ def _pad_channels(kv_bnd):
 def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
                          with_mass: bool = False, fwd_tiles: tuple[int, ...] | None = None,
                          bwd_tiles: tuple[int, ...] | None = None,
-                         interpret: bool | None = None, later: int = 0, sink=None):
+                         interpret: bool | None = None, later: int = 0, sink=None,
+                         dkv_tile: int | None = None):
   """(o_bthd in kv's dtype, lse_bth fp32, mass_btk fp32 or None), as `compressed_partial`.
 
   The slot mass carries no gradient (it is the indexer's stop-gradient target).
@@ -661,12 +677,13 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
   Deferred key/value gradient for calls sharing kv and selection (see above): `later` > 0 makes
   this the first call and appends its sinks (a tuple of `later` tuples of arrays) to the
   outputs; `sink`, one of them, makes this a later call, whose kv gets no gradient of its own.
+  dkv_tile: `BackwardTiles.dkv_tile` (model.sparse_dkv_tile), over bwd_tiles' where given.
   """
   h, d = q_bthd.shape[-2:]
   q_bthd, kv_bnd = _pad_heads(q_bthd), _pad_channels(kv_bnd)
   fwd_default, bwd_default = default_tiles(q_bthd.shape[2])
   fwd_tiles = _complete('fwd_tiles', fwd_tiles, fwd_default)
-  bwd_tiles = _complete('bwd_tiles', bwd_tiles, bwd_default)
+  bwd_tiles = _complete('bwd_tiles', bwd_tiles, bwd_default, dkv_tile)
   args = (q_bthd, kv_bnd.astype(q_bthd.dtype), idx_btk, valid_btk)
   static = (float(scale), bool(with_mass), h, fwd_tiles, bwd_tiles, launch.interpreted(interpret))
   sinks = None
@@ -682,10 +699,12 @@ def sparse_partial_fused(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float,
   return out + (sinks,) if later else out
 
 
-@functools.partial(jax.jit, static_argnames=('scale', 'bwd_tiles', 'interpret', 'defer'))
+@functools.partial(jax.jit, static_argnames=('scale', 'bwd_tiles', 'interpret', 'defer',
+                                             'dkv_tile'))
 def sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, delta_bth, lse_bth, do_bthd, *,
                           scale: float, bwd_tiles: tuple[int, ...] | None = None,
-                          interpret: bool | None = None, defer: bool = False, later_parts=()):
+                          interpret: bool | None = None, defer: bool = False, later_parts=(),
+                          dkv_tile: int | None = None):
   """The sparse branch's gradients given D = sum_d dO * O, the log-sum-exp and the output
   cotangent of the softmax it is part of, with no log-sum-exp cotangent: the merged softmax's
   (D, L, dO) give its exact share of the merged gradient (ops/softmax_merge.py).
@@ -702,14 +721,14 @@ def sparse_backward_fused(q_bthd, kv_bnd, idx_btk, valid_btk, delta_bth, lse_bth
   heads = ((0, 0), (0, 0), (0, q_p.shape[2] - h))
   lse_p = jnp.pad(lse_bth.astype(jnp.float32), heads)
   delta_p = jnp.pad(delta_bth.astype(jnp.float32), heads)  # padded heads: dO 0, so D 0
-  t = _complete('bwd_tiles', bwd_tiles, default_tiles(q_p.shape[2])[1])
+  t = _complete('bwd_tiles', bwd_tiles, default_tiles(q_p.shape[2])[1], dkv_tile)
   res, cts = (q_p, kv_p, idx_btk, valid_btk, None, lse_p), (do_p, delta_p)
-  if defer or later_parts:
+  if defer or later_parts or t.dkv_tile:
     dq_p, part = _coefficients(res, cts, scale, t, interpret)
     if defer:
       return dq_p[..., :h, :d], part
     dkv = dkv_from_coefficients(kv_p, idx_btk, valid_btk, [part, *later_parts], t.block_k,
-                                t.num_warps, t.dkv_chunk, interpret)
+                                t.num_warps, t.dkv_chunk, interpret, t.dkv_tile)
   else:
     dq_p, dkv = _backward(*res, *cts, scale, t.block_k, t.num_warps, t.head_group, t.dkv_chunk,
                           t.num_stages, interpret)
