@@ -57,9 +57,11 @@ run() {  # name, extra flags...
 case "$mode" in
   sweep)
     opt=${SWEEP_OPT:-muon_hybrid}  # SWEEP_OPT=adamw sweeps AdamW's rate the same way
+    # EXTRA: trainer flags for every point, TAG: their name in the runs' (e.g. TAG=_nsfp32
+    # EXTRA=--config.train.muon_ns_dtype=float32)
     for lr in ${LRS:-6e-4 1.2e-3 2.4e-3}; do
-      run sweep_${opt}_$lr --config.train.optimizer=$opt --config.train.lr=$lr \
-        --stop_at_step=${SWEEP_STEPS:-150}
+      run sweep_${opt}_$lr${TAG:-} --config.train.optimizer=$opt --config.train.lr=$lr \
+        --stop_at_step=${SWEEP_STEPS:-150} ${EXTRA:-}
     done ;;
   run)
     opt=${2:?run needs an optimizer: adamw or muon_hybrid}
