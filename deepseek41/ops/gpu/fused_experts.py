@@ -37,7 +37,7 @@ from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
 from deepseek41.ops.gpu.grouped_gemm import (Tiles, compiler_params, dot_precision, fit_block,
                                              fit_stages, mosaic_wgrad_supported, tgmm_mosaic)
-from deepseek41.ops.gpu.sparse_kernel import add_rows
+from deepseek41.ops.gpu.row_adds import add_rows
 from deepseek41.ops.launch import pad_axis
 from deepseek41.ops.swiglu import clipped_swiglu, clipped_swiglu_grads
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepseek41.ops import launch
-from deepseek41.ops.gpu.sparse_kernel import add_rows, compiler_params, padded_rows
+from deepseek41.ops.gpu.row_adds import add_rows, compiler_params, padded_rows
 
 
 def dkv_reference(n, idx_btk, valid_btk, parts):

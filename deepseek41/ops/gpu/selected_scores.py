@@ -20,8 +20,8 @@ from jax.experimental import pallas as pl
 
 from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
-from deepseek41.ops.gpu.sparse_kernel import (add_rows, compiler_params, per_query_specs,
-                                              prepare_rows)
+from deepseek41.ops.gpu.row_adds import add_rows, compiler_params
+from deepseek41.ops.gpu.sparse_kernel import per_query_specs, prepare_rows
 from deepseek41.ops.launch import droppable, name_outputs
 
 

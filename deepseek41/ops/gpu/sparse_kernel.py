@@ -38,15 +38,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
-
-try:  # private to jax, so guarded: another jax keeps its own atomics (below)
-  from jax._src.pallas.triton import lowering as _triton_lowering
-except ImportError:
-  _triton_lowering = None
 
 from deepseek41.ops import launch
 from deepseek41.ops.contracts import MIN_DOT
+from deepseek41.ops.gpu.merged_dkv import merged_dkv
+from deepseek41.ops.gpu.row_adds import add_rows, compiler_params, padded_rows
 from deepseek41.ops.launch import droppable, name_outputs
 
 # The slot mass needs every head's score of every slot against the final log-sum-exp. Up to
@@ -55,30 +51,6 @@ from deepseek41.ops.launch import droppable, name_outputs
 MASS_SCORES_ON_CHIP = 16 * 512
 
 
-def _relax_pallas_triton_atomics():
-  """Make Pallas-on-Triton atomics relaxed instead of acquire-release.
-
-  Triton's own `tl.atomic_add` takes `sem=`, but Pallas passes no choice and defaults to
-  acquire-release, which orders every one of the backward's key/value-gradient adds (nothing
-  here synchronises through them). Relaxed adds made the backward at configs/ablation_1b.py's
-  shapes 2.6x faster (docs/performance.md section 9.2). This sets the default of the lowering's
-  helper, so it holds for every Pallas Triton atomic in the process: the project's are all
-  gradient adds through `add_rows`, which nothing reads back before the kernel ends.
-  Left alone if the helper's signature is not the one this was written against.
-  """
-  if _triton_lowering is None:
-    return
-  try:
-    tt = _triton_lowering.tt_dialect
-    defaults = _triton_lowering._atomic_rmw.__defaults__
-    if defaults == (None, tt.MemSemantic.ACQUIRE_RELEASE, tt.MemSyncScope.GPU):
-      _triton_lowering._atomic_rmw.__defaults__ = (None, tt.MemSemantic.RELAXED,
-                                                   tt.MemSyncScope.GPU)
-  except AttributeError:  # another jax: keep its (correct, slower) default
-    pass
-
-
-_relax_pallas_triton_atomics()
 
 
 def _masked_scores(q_hd, kv_kd, rows_k, n, scale):
@@ -150,17 +122,6 @@ def _fwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, lse_ref, *mass_ref, n, 
         _masked_scores(q_hd, _gather(kv_ref, rows_k, d), rows_k, n, scale))
     return carry
   jax.lax.fori_loop(0, nblk, mass_block, 0)
-
-
-def add_rows(ref, rows_k, col0, vals_kc, *, n, interpret):
-  """ref[rows_k, col0:col0 + c] += vals_kc with (relaxed) atomics. Invalid slots all point at the
-  dummy row n: on the GPU they are masked out of the atomics, so they do not serialise on one
-  row; the interpreter takes no mask, and callers cut row n off."""
-  bk, c = vals_kc.shape
-  cols_c = col0 + jnp.arange(c, dtype=jnp.int32)
-  mask = None if interpret else jnp.broadcast_to((rows_k < n)[:, None], (bk, c))
-  plt.atomic_add(ref, (jnp.broadcast_to(rows_k[:, None], (bk, c)),
-                       jnp.broadcast_to(cols_c[None, :], (bk, c))), vals_kc, mask=mask)
 
 
 def _bwd_query(q_ref, o_ref, do_ref, lse_ref, dlse_ref):
@@ -288,11 +249,6 @@ def prepare_slots(idx_btk, valid_btk, n, block_k):
   return idx_btk, nblk_bt1, bk
 
 
-def padded_rows(n):
-  """Rows of kv with the zero dummy row n that invalid slots point at, rounded for Triton."""
-  return -(-(n + 1) // MIN_DOT) * MIN_DOT
-
-
 def prepare_rows(kv_bnd, idx_btk, valid_btk, block_k):
   """Pad kv with a zero dummy row n (invalid slots point there) and K to whole blocks.
 
@@ -347,10 +303,6 @@ class BackwardTiles(NamedTuple):
   dq_warps: int
   dq_stages: int
   dkv_tile: int
-
-
-def compiler_params(num_warps, num_stages):
-  return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_k, num_warps,
@@ -492,7 +444,6 @@ def dkv_from_coefficients(kv_bnd, idx_btk, valid_btk, parts, block_k, num_warps,
   once per call). `tile` > 0: each tile of that many queries' adds merged first
   (ops/gpu/merged_dkv.py)."""
   if tile:
-    from deepseek41.ops.gpu.merged_dkv import merged_dkv  # noqa: PLC0415 (it imports this)
     return merged_dkv(kv_bnd, idx_btk, valid_btk, parts, tile=tile, block_u=block_k,
                       num_warps=num_warps, dkv_chunk=dkv_chunk, interpret=interpret)
   b, n, d = kv_bnd.shape
