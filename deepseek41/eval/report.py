@@ -15,7 +15,8 @@ def _cell(x, fmt='.3f') -> str:
 # selection and on the answer's entry, and every measure per CSA2 layer.
 SELECTION_COLUMNS = (('dense_recall', 'dense recall'), ('answer_visible', 'visible'),
                      ('answer_in_dense_topk', 'in dense top-k'), ('answer_selected', 'selected'),
-                     ('answer_in_window', 'in window'))
+                     ('answer_in_window', 'in window'),
+                     ('neighbour_shared', 'neighbour shared'))
 
 
 def table(report: dict) -> str:

@@ -15,6 +15,11 @@ and whether the sliding window reads the row anyway. A failure then reads as: no
 group is incomplete), not in D_t (dense attention itself does not look there), in D_t but not
 selected (the indexer missed it), or selected (the miss is elsewhere).
 
+One measure is about speed, not retrieval: `neighbour_shared_t` = |S_t n S_t-1| / |S_t|, the
+share of a query's picks its predecessor in the document also picked. The tile-merged key/value
+gradient (model.sparse_dkv_tile, ops/gpu/merged_dkv.py) pays only where it is high: a tile of
+tau queries sharing s with each neighbour holds about K (1 + (tau - 1)(1 - s)) distinct entries.
+
 Plain jnp, `chunk` queries at a time: one chunk's [B, chunk, H, N] scores exist, never [T, N].
 The API (the eval command and the trainer's evaluation call these):
 
@@ -58,6 +63,8 @@ class SelectionStats(NamedTuple):
   answer_in_dense_topk: jax.Array  # bool: ... and among the dense top-k
   answer_in_window: jax.Array    # bool: the sliding window reads the answer row
   answer_mass: jax.Array         # fp32 dense mass on the answer's entry
+  neighbour_counted: jax.Array   # bool: the query and the row before it (same document) pick
+  neighbour_shared: jax.Array    # fp32 |S_t n S_t-1| / |S_t| (0 where not counted)
 
 
 def selection_stats(q_bthd, comp: CompressedKV, sel_idx_btk, sel_valid_btk, segment_ids_bt,
@@ -79,6 +86,10 @@ def selection_stats(q_bthd, comp: CompressedKV, sel_idx_btk, sel_valid_btk, segm
       jnp.asarray(answer_rows_bt, jnp.int32)
   seg_full_bt = jnp.asarray(segment_ids_bt, jnp.int32)
   b_idx = jnp.arange(b)[:, None, None]
+  before = ((0, 0), (1, 0), (0, 0))  # row t gets row t - 1's; row 0 gets none
+  prev_sel_btk = jnp.pad(sel_idx_btk[:, :-1], before)
+  prev_valid_btk = jnp.pad(sel_valid_btk[:, :-1], before)
+  prev_seg_bt = jnp.pad(seg_full_bt[:, :-1], before[:2])
 
   def per_chunk(c, offset):
     rows_bc = query_rows(offset, c['seg'].shape[1])
@@ -103,6 +114,12 @@ def selection_stats(q_bthd, comp: CompressedKV, sel_idx_btk, sel_valid_btk, segm
     a_seg = jnp.take_along_axis(seg_full_bt, jnp.clip(a_bc, 0, seg_full_bt.shape[1] - 1), -1)
     in_window = has & (a_bc <= rows_bc) & (rows_bc - a_bc < window) & (a_seg == c['seg']) & \
         (c['seg'] != 0)
+    # [B, C, K, K] comparisons: the diagnostics' chunk bounds them like the scores
+    also_before_bck = jnp.any((c['sel'][..., :, None] == c['prev_sel'][..., None, :]) &
+                              c['prev_valid'][..., None, :], -1) & c['sel_valid']
+    picks_bc = jnp.sum(c['sel_valid'], -1)
+    neighbour = (picks_bc > 0) & jnp.any(c['prev_valid'], -1) & (c['seg'] != 0) & \
+        (c['seg'] == c['prev_seg'])
     return SelectionStats(
         counted=counted,
         recall=jnp.where(counted, jnp.sum(sel_in_dense, -1) / jnp.maximum(n_dense, 1), 0.0),
@@ -112,10 +129,14 @@ def selection_stats(q_bthd, comp: CompressedKV, sel_idx_btk, sel_valid_btk, segm
         answer_selected=visible & jnp.any((c['sel'] == a_entry) & c['sel_valid'], -1),
         answer_in_dense_topk=visible & jnp.take_along_axis(in_dense_bcn, a_entry, -1)[..., 0],
         answer_in_window=in_window,
-        answer_mass=jnp.where(visible, jnp.take_along_axis(p_bcn, a_entry, -1)[..., 0], 0.0))
+        answer_mass=jnp.where(visible, jnp.take_along_axis(p_bcn, a_entry, -1)[..., 0], 0.0),
+        neighbour_counted=neighbour,
+        neighbour_shared=jnp.where(neighbour, jnp.sum(also_before_bck, -1) /
+                                   jnp.maximum(picks_bc, 1), 0.0))
 
   xs = {'q': q_bthd, 'seg': seg_full_bt, 'sel': sel_idx_btk, 'sel_valid': sel_valid_btk,
-        'answer': answers}
+        'answer': answers, 'prev_sel': prev_sel_btk, 'prev_valid': prev_valid_btk,
+        'prev_seg': prev_seg_bt}
   return map_query_chunks(per_chunk, xs, chunk)
 
 
@@ -138,21 +159,25 @@ def selection_diagnostics(model, batch, answer_rows_bt=None, chunk: int = 256
 
 FIELDS = {'dense_recall': 'recall', 'dense_mass': 'mass', 'answer_visible': 'answer_visible',
           'answer_selected': 'answer_selected', 'answer_in_dense_topk': 'answer_in_dense_topk',
-          'answer_in_window': 'answer_in_window', 'answer_dense_mass': 'answer_mass'}
+          'answer_in_window': 'answer_in_window', 'answer_dense_mass': 'answer_mass',
+          'neighbour_shared': 'neighbour_shared'}
 
 
 def selection_totals(stats: dict[int, SelectionStats], query_mask_bt=None
                      ) -> dict[int, jax.Array]:
   """{layer: fp32 [len(FIELDS), 2]}: per FIELDS entry (in order) its sum over the rows of
   `query_mask_bt` (default: all) that count and how many rows count: the dense_* fields over
-  the rows that see an entry, the answer_* ones over the rows that have an answer. Jittable; the
+  the rows that see an entry, the answer_* ones over the rows that have an answer,
+  neighbour_shared over the rows whose predecessor in the document picks too. Jittable; the
   totals of several batches add up."""
   out = {}
   for layer, st in stats.items():
     mask = jnp.ones(st.counted.shape, bool) if query_mask_bt is None else \
         jnp.asarray(query_mask_bt, bool)
     seen, answered = mask & st.counted, mask & st.answered
-    rows = [seen if name.startswith('dense_') else answered for name in FIELDS]
+    rows = [seen if name.startswith('dense_') else
+            mask & st.neighbour_counted if name.startswith('neighbour') else answered
+            for name in FIELDS]
     out[layer] = jnp.stack([jnp.stack([jnp.sum(jnp.where(r, getattr(st, f), 0).astype(
         jnp.float32)), jnp.sum(r, dtype=jnp.float32)]) for r, f in zip(rows, FIELDS.values())])
   return out

@@ -110,7 +110,7 @@ class Evaluator:
 
 # The selection's measures reported per task (model/diagnostics.py FIELDS; the JSON holds all).
 SELECTION_MEASURES = ('dense_recall', 'answer_selected', 'answer_in_dense_topk',
-                      'answer_visible', 'answer_in_window')
+                      'answer_visible', 'answer_in_window', 'neighbour_shared')
 
 
 def _number(x: float) -> float | None:

@@ -34,9 +34,14 @@ def numpy_stats(q, kv, seg, ratio, sel, sel_valid, answers, topk, window):
   b, t, h, d = q.shape
   n = kv.shape[1]
   out = {k: np.zeros((b, t)) for k in ('recall', 'mass', 'selected', 'in_dense', 'visible',
-                                       'in_window')}
+                                       'in_window', 'neighbour', 'shared')}
   for i in range(b):
     for r in range(t):
+      chosen = {int(j) for j, v in zip(sel[i, r], sel_valid[i, r]) if v}
+      before = {int(j) for j, v in zip(sel[i, r - 1], sel_valid[i, r - 1]) if v} if r else set()
+      if chosen and before and seg[i, r] != 0 and seg[i, r] == seg[i, r - 1]:
+        out['neighbour'][i, r] = 1
+        out['shared'][i, r] = len(chosen & before) / len(chosen)
       vis = [j for j in range(n) if j * ratio + ratio - 1 <= r and seg[i, r] != 0 and
              all(seg[i, j * ratio + u] == seg[i, r] for u in range(ratio))]
       a = answers[i, r]
@@ -81,6 +86,10 @@ def test_stats_equal_a_numpy_reference():
                     ('answer_visible', 'visible'), ('answer_in_window', 'in_window')):
     np.testing.assert_array_equal(np.asarray(getattr(got, name)), want[key].astype(bool), name)
   np.testing.assert_array_equal(np.asarray(got.answered), answers >= 0)
+  # the neighbour measure across chunk boundaries (chunk 7) and document starts
+  np.testing.assert_array_equal(np.asarray(got.neighbour_counted), want['neighbour'] == 1)
+  np.testing.assert_allclose(np.asarray(got.neighbour_shared), want['shared'], atol=1e-6)
+  assert 0 < want['shared'].mean() < want['neighbour'].mean()  # some shared, not all
 
 
 def test_needles_at_16k_recall_drops_when_the_selection_misses_them():
