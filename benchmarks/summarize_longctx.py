@@ -5,7 +5,9 @@ of `python -m deepseek41.eval` (e.g. the three variants of benchmarks/gpu_longct
 
 Standard library only. One column per report (named by its file), one row per task@length; then,
 for the reports of CSA2 models, the selection at the answers (model/diagnostics.py: the share
-of answers whose entry the layers select, and the indexer's recall of the dense top-k; a
+of answers whose entry the layers select, the indexer's recall of the dense top-k, and the share
+of a query's picks the row before it also picked, which sets the merged key/value gradient's
+worth, docs/performance.md part B; a
 report without selection shows '-'); the last rows are the held-out losses per source.
 """
 
@@ -63,7 +65,8 @@ def main(paths: list[str]) -> int:
     table('decoded', labels, lambda r, label: by_label(r, 'generated').get(label))
   if any('selection' in t for _, r in reports for t in r.get('tasks', [])):
     for measure, title in (('answer_selected', 'answer selected'),
-                           ('dense_recall', 'dense recall')):
+                           ('dense_recall', 'dense recall'),
+                           ('neighbour_shared', 'picks shared with the row before')):
       print()
       table(title, labels, lambda r, label, m=measure: selection_by_label(r, m).get(label))
   sources = list(dict.fromkeys(s for _, r in reports for s in r.get('heldout_loss', {})))
