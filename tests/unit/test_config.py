@@ -71,6 +71,8 @@ def test_tiny_roles_match_the_reference_toy():
     ('train.vision_lr_multiplier', 0.0, 'train.vision_lr_multiplier'),
     ('log.profile_start_step', -1, 'log.profile_start_step'),
     ('model.index_causal_groups', 0, 'model.index_causal_groups'),
+    ('model.sparse_dkv_tile', 3, 'model.sparse_dkv_tile'),
+    ('model.sparse_dkv_tile', -4, 'model.sparse_dkv_tile'),
 ])
 def test_inconsistent_values_name_the_key(key, value, culprit):
   with pytest.raises(ConfigError, match=culprit.replace('.', r'\.')):
