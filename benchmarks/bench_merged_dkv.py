@@ -16,7 +16,8 @@ selection reports its overlap (valid picks / the tiles' distinct entries):
   mixed with the chunk's (`--rho`, the correlation of neighbours' scores);
 - `recent`: every query's picks are the 512 entries just before it (a local-attention limit:
   the most overlap there can be).
-Which selection the trained model's is, is for `tile_overlap` on its selections to say.
+How alike a trained model's neighbours pick, the task evaluation's `neighbour_shared` says
+(model/diagnostics.py).
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
+from bench_sparse_kernel import selection  # noqa: E402
 from timing import jsonl_emitter, time_fn  # noqa: E402  (benchmarks/timing.py)
 from deepseek41.ops.gpu import merged_dkv, sparse_kernel  # noqa: E402
 
@@ -38,14 +41,8 @@ CASES = {'1b': dict(h=16, d=512, ratio=2), 'v41': dict(h=64, d=512, ratio=4)}
 
 def spread(key, t, n, k, ratio, rho):
   del rho
-  limit_t = (jnp.arange(t) + 1) // ratio
-  u_tk = jnp.sort(jax.random.uniform(key, (t, k)), axis=-1)
-  base_tk = (jnp.arange(k)[None, :] + u_tk) / k
-  idx = jnp.minimum(jnp.floor(base_tk * limit_t[:, None]).astype(jnp.int32), limit_t[:, None] - 1)
-  small = limit_t[:, None] <= k
-  idx = jnp.where(small, jnp.arange(k)[None, :], idx)
-  valid = jnp.where(small, jnp.arange(k)[None, :] < limit_t[:, None], True)
-  return jnp.clip(idx, 0, n - 1), valid
+  idx, valid = selection(key, t, n, k, ratio)  # bench_sparse_kernel.py's
+  return idx[0], valid[0]
 
 
 def pooled(key, t, n, k, ratio, rho, chunk=64, blocks=16, block=128):
@@ -62,15 +59,11 @@ def pooled(key, t, n, k, ratio, rho, chunk=64, blocks=16, block=128):
   own_tp = jax.random.normal(kq, (t, pool_cp.shape[1]))
   score_tp = rho * jnp.repeat(chunk_cp, chunk, axis=0) + jnp.sqrt(1 - rho ** 2) * own_tp
   pool_tp = jnp.repeat(pool_cp, chunk, axis=0)
-  visible = pool_tp < limit_t[:, None]
+  pool_tp, score_tp = jax.lax.sort((pool_tp, score_tp), dimension=1, num_keys=1)
   # a repeated block would pick an entry twice: keep one copy
   first = jnp.concatenate([jnp.ones_like(pool_tp[:, :1], bool),
-                           jnp.sort(pool_tp, -1)[:, 1:] != jnp.sort(pool_tp, -1)[:, :-1]], -1)
-  order = jnp.argsort(pool_tp, -1)
-  pool_tp = jnp.take_along_axis(pool_tp, order, -1)
-  score_tp = jnp.take_along_axis(score_tp, order, -1)
-  visible = jnp.take_along_axis(visible, order, -1) & first
-  score_tp = jnp.where(visible, score_tp, -jnp.inf)
+                           pool_tp[:, 1:] != pool_tp[:, :-1]], -1)
+  score_tp = jnp.where((pool_tp < limit_t[:, None]) & first, score_tp, -jnp.inf)
   top, at = jax.lax.top_k(score_tp, k)
   return jnp.take_along_axis(pool_tp, at, -1).astype(jnp.int32), jnp.isfinite(top)
 
@@ -116,7 +109,7 @@ def main(argv=None):
       for sel_name in args.selections.split(','):
         idx, valid = SELECTIONS[sel_name](jax.random.key(0), t, n, k, ratio, args.rho)
         idx, valid = idx[None], valid[None]
-        k_pad = max(16, int(pl_next_pow2(k)))
+        k_pad = max(16, pl.next_power_of_2(k))
         ks = jax.random.split(jax.random.key(1), 4)
         ds = jax.random.normal(ks[0], (1, t, k_pad, h), jnp.bfloat16)
         pr = jax.random.uniform(ks[1], (1, t, k_pad, h)).astype(jnp.bfloat16)
@@ -147,10 +140,6 @@ def main(argv=None):
             else:
               base = out.astype(jnp.float32)
             emit(rec)
-
-
-def pl_next_pow2(x):
-  return 1 << (int(x) - 1).bit_length()
 
 
 if __name__ == '__main__':

@@ -5,7 +5,8 @@ the entries' rows with atomics: `T x K x d` fp32 adds a layer, 69 GB at 65,536 q
 slots x 512 channels, whatever the selection. Neighbouring queries pick overlapping entries
 (a query chunk shares one candidate pool; recent entries are everyone's), so this version
 works on tiles of `tile` consecutive queries: the tile's distinct entries (its *union*, built
-once per selection and shared by every call over it) are walked in blocks of `block_u` rows,
+once per key/value gradient, so once for all the layers of a `model.sparse_group_dkv` group)
+are walked in blocks of `block_u` rows,
 each block's gradient is summed on chip over the tile's queries, then added once:
 
     dkv[u] += sum_{i in tile} sum_h dS[i, slot_i(u), h] q[i, h] + P[i, slot_i(u), h] dO[i, h]
