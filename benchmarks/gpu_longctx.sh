@@ -27,8 +27,8 @@
 # greedily: slower), LEN (the long stage's tokens a row; default 16384), BATCH (4) and
 # TASK_FLAGS (the tasks' sizes). The defaults fit a 10-minute call with the evaluation (~160 s).
 # On the CPU, in two minutes:
-#   PATH=.venv/bin:$PATH OUT=/tmp/lc CONFIG=configs/tiny.py SHORT_LEN=128 SHORT_BATCH=4 \
-#     SHORT_TASK_LEN=64 SHORT_STEPS=6 STEPS=4 LEN=256 BATCH=2 TASK_FLAGS=" " EXAMPLES=2 \
+#   PATH=.venv/bin:$PATH OUT=/tmp/lc CONFIG=configs/tiny.py SHORT_LEN=256 SHORT_BATCH=4 \
+#     SHORT_TASK_LEN=128 SHORT_STEPS=6 STEPS=4 LEN=256 BATCH=2 TASK_FLAGS=" " EXAMPLES=2 \
 #     EVAL_TASKS=mqar@256,passkey@256 bash benchmarks/gpu_longctx.sh csa2
 set -uo pipefail
 variant=${1:-csa2}
