@@ -118,13 +118,22 @@ def _scaled(schedule: optax.Schedule, multiplier: float) -> optax.Schedule:
   return schedule if multiplier == 1.0 else (lambda count: multiplier * schedule(count))
 
 
+def named(name: str, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`tx` with its update under the profile scope `name` (the `optimizer` scope's table names
+  the groups: benchmarks/trace_summary.py)."""
+  def update_fn(updates, state, params=None):
+    with jax.named_scope(name):
+      return tx.update(updates, state, params)
+  return optax.GradientTransformation(tx.init, update_fn)
+
+
 def muon_hybrid(t: TrainConfig) -> optax.GradientTransformation:
   """Muon for matrices, the Sinkhorn-balanced update for token tables, AdamW for the rest; one
   schedule (train.lr) for all, the matrix groups' updates scaled to AdamW's RMS (train/muon.py)."""
   schedule = learning_rate_schedule(t)
 
   def momentum_group(momentum, direction, weight_decay, multiplier):
-    parts = [optax.trace(decay=momentum, nesterov=True), direction]
+    parts = [named('momentum', optax.trace(decay=momentum, nesterov=True)), direction]
     if weight_decay > 0:
       parts.append(optax.add_decayed_weights(weight_decay))
     parts.append(optax.scale_by_learning_rate(_scaled(schedule, multiplier)))
@@ -132,25 +141,25 @@ def muon_hybrid(t: TrainConfig) -> optax.GradientTransformation:
 
   coeffs = ns_coefficients(t.muon_ns_coeffs, t.muon_ns_steps)
   return optax.partition({
-      MUON: momentum_group(
+      MUON: named('muon', momentum_group(
           t.muon_momentum,
-          scale_by_orthogonalization(coeffs, dtype_of(t.muon_ns_dtype), t.muon_rms_match,
-                                     t.muon_batch_mib << 20),
-          t.weight_decay, t.muon_lr_multiplier),
-      SINKHORN: momentum_group(
+          named('newton_schulz', scale_by_orthogonalization(
+              coeffs, dtype_of(t.muon_ns_dtype), t.muon_rms_match, t.muon_batch_mib << 20)),
+          t.weight_decay, t.muon_lr_multiplier)),
+      SINKHORN: named('sinkhorn', momentum_group(
           t.sinkhorn_momentum,
-          scale_by_sinkhorn(t.sinkhorn_normalizations, t.sinkhorn_tau, t.sinkhorn_eps,
-                            t.sinkhorn_gamma),
-          t.sinkhorn_weight_decay, t.sinkhorn_lr_multiplier),
-      ADAMW: optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
-                         mask=decay_mask),
+          named('balance', scale_by_sinkhorn(t.sinkhorn_normalizations, t.sinkhorn_tau,
+                                             t.sinkhorn_eps, t.sinkhorn_gamma)),
+          t.sinkhorn_weight_decay, t.sinkhorn_lr_multiplier)),
+      ADAMW: named('adamw', optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps,
+                                        weight_decay=t.weight_decay, mask=decay_mask)),
   }, hybrid_labels)
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
   parts = []
   if t.grad_clip_norm > 0:
-    parts.append(optax.clip_by_global_norm(t.grad_clip_norm))
+    parts.append(named('clip', optax.clip_by_global_norm(t.grad_clip_norm)))
   if t.optimizer == 'muon_hybrid':
     parts.append(muon_hybrid(t))
   else:

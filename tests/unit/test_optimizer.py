@@ -339,3 +339,16 @@ def test_muon_ns_dtype_auto_follows_the_backend():
   assert resolve(c, num_devices=1, backend='gpu').train.muon_ns_dtype == 'bfloat16'
 
 
+
+
+def test_the_update_names_each_group_for_the_profile():
+  """The `optimizer` scope's table splits by group: each part of the update carries its name
+  in the lowered program's locations (what the trace's kernels inherit)."""
+  cfg = resolved(**EVERY_GROUP)
+  params = _params(cfg)
+  tx = make_optimizer(cfg.train)
+  lowered = jax.jit(tx.update).lower(random_like(params, 0), tx.init(params), params)
+  text = lowered.as_text(debug_info=True)
+  for scope in ('clip', 'muon/momentum', 'muon/newton_schulz', 'sinkhorn/momentum',
+                'sinkhorn/balance', 'adamw'):
+    assert f'{scope}/' in text or f'"{scope}"' in text, scope
