@@ -7,8 +7,10 @@
 #                                                            # (6e-4 1.2e-3 2.4e-3) for
 #                                                            # SWEEP_STEPS (150) steps
 #                                                            # (SWEEP_OPT=adamw: AdamW's)
-#   LR=1.2e-3 bash benchmarks/gpu_optimizer.sh run muon_hybrid   # STEPS (600) steps at LR
-#   bash benchmarks/gpu_optimizer.sh run adamw               # the same at the config's 6e-4
+#   bash benchmarks/gpu_optimizer.sh run muon_hybrid         # STEPS (600) steps at LR, by
+#   bash benchmarks/gpu_optimizer.sh run adamw               # default each optimizer's best
+#                                                            # swept rate (2.4e-3, 3e-4:
+#                                                            # docs/performance.md section 42)
 #       (flags after the optimizer go to the trainer: --config.train.muon_ns_dtype=float32)
 #   bash benchmarks/gpu_optimizer.sh profile                 # steps 18-20 of each optimizer
 #       profiled: the `optimizer` scope's share of the step (trace_summary.py); `run` traces
@@ -65,10 +67,11 @@ case "$mode" in
     done ;;
   run)
     opt=${2:?run needs an optimizer: adamw or muon_hybrid}
-    lr_flag=""; [ -n "${LR:-}" ] && lr_flag="--config.train.lr=$LR"
+    case "$opt" in adamw) best=3e-4 ;; *) best=2.4e-3 ;; esac  # the sweeps' (section 42)
+    LR=${LR:-$best}
     # Steps PROFILE..PROFILE+2 traced on the way (command buffers on, as trained: most kernels
     # carry no scope there; `profile` turns them off for the optimizer's share).
-    run ${opt}_${LR:-default} --config.train.optimizer=$opt $lr_flag \
+    run ${opt}_$LR --config.train.optimizer=$opt --config.train.lr=$LR \
       --config.log.profile_start_step=${PROFILE:-21} --config.log.profile_steps=3 "${@:3}" ;;
   profile)  # with the step's HLO the glue fusions land in their scopes (trace_summary.py --hlo);
             # OPTS=muon_hybrid profiles one. Its step times are without command buffers: the
@@ -89,10 +92,12 @@ case "$mode" in
       # every train_step module of the dump (the cache is off above: a loaded program dumps
       # none); trace_summary.py reads the one whose instructions name the most kernels
       hlo=$(ls $wd/hlo/module_*jit_train_step*after_optimizations.txt 2>/dev/null | tr "\n" " ")
-      python3 benchmarks/trace_summary.py $wd/profile --merge-layers --depth 1 \
+      # three scope levels: optimizer/<group>/<part> (train/optimizer.py names them), and the
+      # top 60 kernels so the optimizer's element-wise passes are listed too
+      python3 benchmarks/trace_summary.py $wd/profile --merge-layers --depth 3 --top 60 \
         ${hlo:+--hlo $hlo} > "$OUT/prof_${opt}_trace.txt" 2>&1
       grep -E "^hlo:|busy per step" "$OUT/prof_${opt}_trace.txt"
-      sed -n '/^(b)/,/^(c)/p' "$OUT/prof_${opt}_trace.txt" | head -12
+      sed -n '/^(b)/,/^(c)/p' "$OUT/prof_${opt}_trace.txt" | grep -E "^\(b\)|fwd [0-9]|optimizer"
       rm -rf $wd
     done ;;
   *) echo "unknown mode $mode (sweep | run OPTIMIZER | profile)" >&2; exit 2 ;;
