@@ -462,6 +462,9 @@ class TrainConfig:
   # (0 = all). The others keep their residuals for the backward: less recompute, more memory.
   remat_layers: int = key(0)
   eval_every_steps: int = key(50)       # 0 disables evaluation
+  # The step-0 evaluation, the start of the held-out curve; off where its compilation is the
+  # time a short run cannot spare (a stage of benchmarks/gpu_longctx.sh).
+  eval_at_start: bool = key(True)
   eval_batches: int = key(4)
   # Long-context tasks evaluated with the held-out loss: "task@length,..." (e.g.
   # 'passkey@256,mqar@4k'; the tasks section says how many documents, at which depths), logged

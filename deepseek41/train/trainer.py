@@ -319,7 +319,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     save = _Saver(ckpt, step_log, throughput, train_iter, cfg.to_dict(), layout)
 
     # ---- loop --------------------------------------------------------------------------------
-    if start == 0 and cfg.train.eval_every_steps:
+    if start == 0 and cfg.train.eval_every_steps and cfg.train.eval_at_start:
       _evaluate(evaluate, step_log, throughput, 0, state)  # the start of the held-out curve
     end = cfg.train.steps if stop_at_step is None else min(stop_at_step, cfg.train.steps)
     profiler = _StepProfiler(cfg, workdir, start, end, primary)

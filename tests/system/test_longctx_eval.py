@@ -154,6 +154,10 @@ def test_eval_reports_a_checkpoint(run, tmp_path):
   pytest.importorskip('matplotlib')
   report_lib.heat_map(report, str(tmp_path / 'r.png'))
   assert os.path.getsize(tmp_path / 'r.png') > 1000
+  # variants side by side, one lacking a task (its panel left blank)
+  one_task = {**report, 'tasks': [t for t in report['tasks'] if t['task'] == 'mqar']}
+  report_lib.comparison_map([('a', report), ('b', one_task)], str(tmp_path / 'c.png'))
+  assert os.path.getsize(tmp_path / 'c.png') > os.path.getsize(tmp_path / 'r.png')
 
 
 def test_a_dspark_stage_is_scored_by_its_backbone(corpus, run, tmp_path):
@@ -207,9 +211,10 @@ SPECS = (TaskSpec('mqar', 64), TaskSpec('passkey', 128))
 
 @pytest.fixture(scope='module')
 def csa2_run(corpus, tmp_path_factory):
-  """The run fixture's training and evaluation with a CSA2 model."""
+  """The run fixture's training and evaluation with a CSA2 model, without the step-0 one."""
   workdir = str(tmp_path_factory.mktemp('csa2') / 'w')
   train(_config(corpus, **CSA2, **{'train.steps': 2, 'train.eval_every_steps': 2,
+                                   'train.eval_at_start': False,
                                    'train.eval_batches': 1,
                                    'train.eval_tasks': 'mqar@64,passkey@128',
                                    'tasks.eval_examples': 8, 'tasks.eval_depths': (0.0, 0.5),
@@ -232,7 +237,7 @@ def _expected(cfg, docs):
 
 def test_the_trainer_logs_the_selection(csa2_run):
   evals = [r for r in map(json.loads, open(f'{csa2_run}/metrics.jsonl')) if 'eval_loss' in r]
-  assert [r['step'] for r in evals] == [0, 2]
+  assert [r['step'] for r in evals] == [2]  # train.eval_at_start=False
   for r in evals:
     for name in SELECTION_MEASURES:
       for label in ('mqar@64', 'passkey@128', 'passkey@128/depth0', 'passkey@128/depth0.5'):
