@@ -1,9 +1,11 @@
 """Side by side: the accuracy of each task at each length (mean over depths) in several reports
 of `python -m deepseek41.eval` (e.g. the three variants of benchmarks/gpu_longctx.sh).
 
-    python3 benchmarks/summarize_longctx.py OUT/longctx_csa2.json OUT/longctx_dense.json ...
+    python3 benchmarks/summarize_longctx.py OUT/longctx_csa2.json OUT/longctx_dense.json ... \
+        [--plot=PATH.png]
 
-Standard library only. One column per report (named by its file), one row per task@length; then,
+Standard library only (`--plot`, the reports' heat maps one row each, needs matplotlib and the
+repository on the path: deepseek41/eval/report.py). One column per report (named by its file), one row per task@length; then,
 for the reports of CSA2 models, the selection at the answers (model/diagnostics.py: the share
 of answers whose entry the layers select, the indexer's recall of the dense top-k, and the share
 of a query's picks the row before it also picked, which sets the merged key/value gradient's
@@ -16,6 +18,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from deepseek41.eval.report import comparison_map  # noqa: E402  (stdlib only at import)
 
 
 def _load(path: str) -> tuple[str, dict]:
@@ -44,11 +49,16 @@ def selection_by_label(report: dict, measure: str) -> dict[str, float]:
   return {label: total / asked for label, (total, asked) in totals.items() if asked}
 
 
-def main(paths: list[str]) -> int:
+def main(args: list[str]) -> int:
+  plots = [a.split('=', 1)[1] for a in args if a.startswith('--plot=')]
+  paths = [a for a in args if not a.startswith('--plot=')]
   if not paths:
     print(__doc__.strip())
     return 2
   reports = [_load(p) for p in paths]
+  for plot in plots:
+    comparison_map(reports, plot)
+    print(f'wrote {plot}')
   width = max(12, *(len(name) for name, _ in reports)) + 2
 
   def table(title: str, rows: list[str], value) -> None:

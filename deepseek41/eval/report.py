@@ -63,37 +63,64 @@ def write_json(report: dict, path: str) -> None:
   os.replace(path + '.tmp', path)
 
 
+def _draw_task(ax, mine: list[dict], title: str):
+  """One task's accuracy (color and number) by depth (rows; one row for a task without depth)
+  and context length (columns); returns the image for the color bar."""
+  lengths = sorted({t['length'] for t in mine})
+  labels = {t['length']: t['label'].split('@')[1] for t in mine}
+  depths = sorted({t['depth'] for t in mine}, key=lambda d: -1 if d is None else d)
+  acc = [[next((t['acc'] for t in mine if t['length'] == n and t['depth'] == d), None)
+          for n in lengths] for d in depths]
+  grid = [[float('nan') if a is None else a for a in row] for row in acc]
+  image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap='RdYlGn', aspect='auto')
+  for i, row in enumerate(acc):
+    for j, a in enumerate(row):
+      if a is not None:
+        ax.text(j, i, f'{a:.2f}', ha='center', va='center', fontsize=8)
+  ax.set_xticks(range(len(lengths)), [labels[n] for n in lengths])
+  ax.set_yticks(range(len(depths)), ['all' if d is None else f'{d:g}' for d in depths])
+  ax.set_xlabel('context length')
+  ax.set_ylabel('depth' if depths != [None] else '')
+  ax.set_title(title)
+  return image
+
+
 def heat_map(report: dict, path: str, key: str = 'tasks') -> None:
-  """One panel per task: accuracy (color and number) by depth (rows; one row for a task without
-  depth) and context length (columns). Needs matplotlib (`pip install -e '.[plot]'`)."""
+  """One panel per task: accuracy by depth and context length. Needs matplotlib
+  (`pip install -e '.[plot]'`)."""
+  comparison_map([(None, report)], path, key)
+
+
+def comparison_map(reports: list[tuple[str | None, dict]], path: str,
+                   key: str = 'tasks') -> None:
+  """One row of task panels per (name, report), e.g. the attention variants of one experiment
+  side by side (benchmarks/summarize_longctx.py --plot); a task a report lacks is left blank.
+  Needs matplotlib."""
   import matplotlib  # optional: the `plot` extra
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  rows = report[key]
-  names = list(dict.fromkeys(t['task'] for t in rows))
-  fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.6), squeeze=False,
-                           layout='constrained')
-  for ax, name in zip(axes[0], names):
-    mine = [t for t in rows if t['task'] == name]
-    lengths = sorted({t['length'] for t in mine})
-    labels = {t['length']: t['label'].split('@')[1] for t in mine}
-    depths = sorted({t['depth'] for t in mine}, key=lambda d: -1 if d is None else d)
-    acc = [[next((t['acc'] for t in mine if t['length'] == n and t['depth'] == d), None)
-            for n in lengths] for d in depths]
-    grid = [[float('nan') if a is None else a for a in row] for row in acc]
-    image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap='RdYlGn', aspect='auto')
-    for i, row in enumerate(acc):
-      for j, a in enumerate(row):
-        if a is not None:
-          ax.text(j, i, f'{a:.2f}', ha='center', va='center', fontsize=8)
-    ax.set_xticks(range(len(lengths)), [labels[n] for n in lengths])
-    ax.set_yticks(range(len(depths)), ['all' if d is None else f'{d:g}' for d in depths])
-    ax.set_xlabel('context length')
-    ax.set_ylabel('depth' if depths != [None] else '')
-    ax.set_title(f'{name} ({"decoded" if key == "generated" else "teacher-forced"})')
-  fig.colorbar(image, ax=axes[0].tolist(), label='accuracy')
-  fig.suptitle(f'{os.path.basename(report["workdir"])} step {report["step"]}', fontsize=10)
+  names = list(dict.fromkeys(t['task'] for _, r in reports for t in r[key]))
+  fig, axes = plt.subplots(len(reports), len(names),
+                           figsize=(4.5 * len(names), 0.4 + 3.2 * len(reports)),
+                           squeeze=False, layout='constrained')
+  how = 'decoded' if key == 'generated' else 'teacher-forced'
+  image = None
+  for row, (label, report) in zip(axes, reports):
+    for ax, name in zip(row, names):
+      mine = [t for t in report[key] if t['task'] == name]
+      if not mine:
+        ax.axis('off')
+        continue
+      title = f'{name} ({how})' if label is None else f'{label}: {name}'
+      image = _draw_task(ax, mine, title)
+  if image is not None:
+    fig.colorbar(image, ax=axes.ravel().tolist(), label='accuracy')
+  if len(reports) == 1:
+    report = reports[0][1]
+    fig.suptitle(f'{os.path.basename(report["workdir"])} step {report["step"]}', fontsize=10)
+  else:
+    fig.suptitle(f'accuracy by depth and context length ({how})', fontsize=10)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path, dpi=120)
   plt.close(fig)
