@@ -1,45 +1,54 @@
 #!/usr/bin/env bash
 # The long-context ablation on one GPU: CSA2 vs dense attention vs window-only at the same
-# tokens, trained on text mixed with MQAR, passkey and needle documents, then scored at 4K-64K by
+# tokens, trained on MQAR, passkey and needle documents, then scored at 4K-64K by
 # `python -m deepseek41.eval` (README, "Long-context evaluation"). One device call per variant:
 #   bash benchmarks/gpu_longctx.sh csa2      # configs/ablation_longctx.py as shipped
 #   bash benchmarks/gpu_longctx.sh dense     # every ratio > 0 layer attends to all its tokens
 #   bash benchmarks/gpu_longctx.sh window    # sliding window only
 #   python3 benchmarks/summarize_longctx.py $OUT/longctx_*.json   # the three side by side
 # Two stages, as long-context models are trained (short first, then extended): SHORT_STEPS
-# (default 350) steps of SHORT_BATCH x SHORT_LEN (16 x 4,096) tokens, the task documents
+# (300) steps of SHORT_BATCH x SHORT_LEN (16 x 4,096) tokens, the task documents
 # SHORT_TASK_LEN (1,024) tokens long, four to a row, where the formats and the copying are
-# learned cheaply (the dense variant costs 0.56 GFLOP a token at 4K against 1.47 at 16K, and a
-# step carries up to 16 times the task documents of a 4 x 16,384 one: supervision is scarce),
-# then,
-# from its weights (checkpoint.init_from: a fresh optimizer, warm-up WARMUP2), STEPS (100) steps
-# of 4 x 16,384. Why: trained at 16K from scratch, dense attention ran 251 steps in 330 s and
-# had not learned even the answers' digits (docs/performance.md section 40). Each stage stops
-# at its step count or its time budget (SHORT_S, TRAIN_S: SIGTERM saves and stops), whichever
-# comes first; the steps each reached are in summary.txt (the same tokens only if all reach
-# their counts). Then every task is evaluated at 4K-64K (YaRN covers 4 x 16,384 = 65,536
-# positions) at five depths, and the checkpoints are deleted. configs/ablation_longctx.py
-# (0.16B) rather than the 1B model: retrieval is learned late (section 38).
+# learned cheaply (dense attention costs 0.56 GFLOP a token at 4K against 1.47 at 16K, and a
+# step carries up to 16 times the task documents of a 4 x 16,384 one), then, from its weights
+# (checkpoint.init_from: a fresh optimizer, warm-up WARMUP2), STEPS (80) steps of 4 x 16,384.
+# Each stage stops at its step count or its time budget (SHORT_S, TRAIN_S: SIGTERM saves and
+# stops), whichever comes first; the steps each reached are in summary.txt (the same tokens
+# only if all reach their counts). Then every task is evaluated at 4K-64K (YaRN covers
+# 4 x 16,384 = 65,536 positions) at five depths, and the checkpoints are deleted.
+# Why this shape (docs/performance.md sections 38, 40, 42, 43): retrieval forms late, so
+# configs/ablation_longctx.py (0.16B) rather than the 1B model, trained with muon_hybrid (on
+# the CPU it formed MQAR retrieval about ten times sooner than AdamW), on task documents only
+# (beside text rows the answers were a few hundred of a step's 65,536 supervised tokens, and
+# dense attention had not learned even the answers' digits after 175 steps), without the
+# trainer's evaluations (each costs its compilation, 31-34 s on the H100; SHORT_EVERY=N
+# evaluates the short stage every N steps). The budget on an H100 (section 42): a stage's
+# first step 52-56 s, then 0.36 s a step at 16 x 4,096 and 1.15 s at 4 x 16,384 (dense; CSA2
+# and window are faster), so 215 + 185 s of training and about 160 s of evaluation fit a
+# 10-minute call.
 # Knobs (environment): CONFIG, SHORT_LEN (0: no short stage), SHORT_BATCH, SHORT_STEPS,
-# SHORT_TASK_LEN, SHORT_S (220 s), STEPS, TRAIN_S (170 s), WARMUP2, SOURCES, EXAMPLES
-# (documents per task, length and depth; default 8), EVAL_TASKS, VARIANT_KEY (the config key
-# that picks the attention: csa2 | dense | window), GENERATE=1 (also decode each answer
-# greedily: slower), LEN (the long stage's tokens a row; default 16384), BATCH (4) and
-# TASK_FLAGS (the tasks' sizes). The defaults fit a 10-minute call with the evaluation (~160 s).
+# SHORT_TASK_LEN, SHORT_S (215 s), SHORT_EVERY (0), STEPS, TRAIN_S (185 s), WARMUP2, SOURCES,
+# EXAMPLES (documents per task, length and depth; default 6), EVAL_TASKS, VARIANT_KEY (the
+# config key that picks the attention: csa2 | dense | window), GENERATE=1 (also decode each
+# answer greedily: slower), LEN (the long stage's tokens a row; default 16384), BATCH (4) and
+# TASK_FLAGS (the tasks' sizes).
 # On the CPU, in two minutes:
 #   PATH=.venv/bin:$PATH OUT=/tmp/lc CONFIG=configs/tiny.py SHORT_LEN=256 SHORT_BATCH=4 \
-#     SHORT_TASK_LEN=128 SHORT_STEPS=6 STEPS=4 LEN=256 BATCH=2 TASK_FLAGS=" " EXAMPLES=2 \
-#     EVAL_TASKS=mqar@256,passkey@256 bash benchmarks/gpu_longctx.sh csa2
+#     SHORT_TASK_LEN=128 SHORT_STEPS=6 SHORT_EVERY=6 STEPS=4 LEN=256 BATCH=2 TASK_FLAGS=" " \
+#     EXAMPLES=2 EVAL_TASKS=mqar@256,passkey@256 bash benchmarks/gpu_longctx.sh csa2
 set -uo pipefail
 variant=${1:-csa2}
 source benchmarks/device_env.sh
 CONFIG=${CONFIG:-configs/ablation_longctx.py}
 VARIANT_KEY=${VARIANT_KEY:-model.attention_variant}
 SHORT_LEN=${SHORT_LEN:-4096}
-STEPS=${STEPS:-100}
+STEPS=${STEPS:-80}
 LEN=${LEN:-16384}
-EXAMPLES=${EXAMPLES:-8}
-SOURCES=${SOURCES:-default:0.4,mqar:0.2,passkey:0.2,needle:0.2}
+EXAMPLES=${EXAMPLES:-6}
+# Task documents only (section 43): beside text rows, whose every token is supervised, the
+# answers were a few hundred of a step's 65,536 supervised tokens, and the model had not
+# learned even the answers' digits by step 175 (section 42).
+SOURCES=${SOURCES:-mqar:0.4,passkey:0.3,needle:0.3}
 EVAL_TASKS=${EVAL_TASKS:-mqar@4k,mqar@16k,mqar@64k,passkey@4k,passkey@16k,passkey@32k,passkey@64k,needle@16k,needle@64k}
 case "$variant" in
   csa2|dense|window) ;;
@@ -57,11 +66,12 @@ COMMON="--config=$CONFIG --config.$VARIANT_KEY=$variant --config.log.progress_ba
   --config.data.sources=$SOURCES $TASK_FLAGS \
   --config.train.eval_batches=2 --config.tasks.eval_examples=$EXAMPLES \
   --config.checkpoint.every_steps=0 --config.checkpoint.max_to_keep=1"
-stage() {  # name, workdir, seconds, steps, length, flags...
-  local name=$1 wd=$2 seconds=$3 steps=$4 len=$5; shift 5
+stage() {  # name, workdir, seconds, steps, eval every, length, flags...
+  # No step-0 evaluation: its compilation took 31-34 s of each stage's budget (section 42).
+  local name=$1 wd=$2 seconds=$3 steps=$4 every=$5 len=$6; shift 6
   timeout --signal=TERM "$seconds" python3 -m deepseek41.train $COMMON --workdir=$wd \
     --config.data.seq_len=$len --config.train.steps=$steps \
-    --config.train.eval_every_steps=$(( (steps + 1) / 2 )) \
+    --config.train.eval_every_steps=$every --config.train.eval_at_start=False \
     --config.train.eval_tasks=mqar@$len,passkey@$len "$@" > "$OUT/${name}_$variant.log" 2>&1
   local rc=$?
   local reached
@@ -73,14 +83,14 @@ stage() {  # name, workdir, seconds, steps, length, flags...
 }
 INIT=""
 if [ "$SHORT_LEN" != 0 ]; then
-  stage short $SHORT_WORKDIR ${SHORT_S:-220} ${SHORT_STEPS:-350} $SHORT_LEN \
+  stage short $SHORT_WORKDIR ${SHORT_S:-215} ${SHORT_STEPS:-300} ${SHORT_EVERY:-0} $SHORT_LEN \
     --config.train.batch_size=${SHORT_BATCH:-16} --config.tasks.length=${SHORT_TASK_LEN:-1024}
   last=$(ls $SHORT_WORKDIR/checkpoints 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
   [ -n "$last" ] || { echo "short $variant saved no checkpoint" | tee -a "$OUT/summary.txt"; exit 1; }
   INIT="--config.checkpoint.init_from=$SHORT_WORKDIR/checkpoints/$last \
     --config.train.warmup_steps=${WARMUP2:-10}"
 fi
-stage train $WORKDIR ${TRAIN_S:-170} $STEPS $LEN --config.train.batch_size=${BATCH:-4} $INIT
+stage train $WORKDIR ${TRAIN_S:-185} $STEPS 0 $LEN --config.train.batch_size=${BATCH:-4} $INIT
 python3 -m deepseek41.eval --workdir=$WORKDIR --tasks=$EVAL_TASKS --examples=$EXAMPLES \
   --depths=0,0.25,0.5,0.75,1 --heldout_batches=2 ${GENERATE:+--generate} \
   --out="$OUT/longctx_$variant" > "$OUT/eval_$variant.log" 2>&1
