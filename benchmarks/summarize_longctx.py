@@ -24,8 +24,10 @@ from deepseek41.eval.report import comparison_map  # noqa: E402  (stdlib only at
 
 
 def _load(path: str) -> tuple[str, dict]:
+  """(name, report): the file's name without gpu_longctx.sh's `longctx_` (the variant)."""
+  name = os.path.splitext(os.path.basename(path))[0]
   with open(path) as f:
-    return os.path.splitext(os.path.basename(path))[0], json.load(f)
+    return name.removeprefix('longctx_') or name, json.load(f)
 
 
 def by_label(report: dict, key: str = 'tasks') -> dict[str, float]:

@@ -9,6 +9,5 @@ PATH=.venv/bin:$PATH OUT=/tmp/cpuexp/out CONFIG=configs/tiny.py SOURCES=mqar:0.5
   EVAL_TASKS=mqar@128,mqar@256,mqar@512,passkey@128,passkey@256,passkey@512 \
   bash benchmarks/gpu_longctx.sh $v > /tmp/cpuexp/$v.txt 2>&1
 done
-for v in dense csa2 window; do cp /tmp/cpuexp/out/longctx_$v.json /tmp/cpuexp/out/$v.json; done
-.venv/bin/python benchmarks/summarize_longctx.py /tmp/cpuexp/out/{dense,csa2,window}.json \
+.venv/bin/python benchmarks/summarize_longctx.py /tmp/cpuexp/out/longctx_{dense,csa2,window}.json \
   --plot=/tmp/cpuexp/out/longctx_cpu_tiny.png
