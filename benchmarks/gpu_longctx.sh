@@ -11,7 +11,7 @@
 # SHORT_TASK_LEN (1,024) tokens long, four to a row, where the formats and the copying are
 # learned cheaply (dense attention costs 0.56 GFLOP a token at 4K against 1.47 at 16K, and a
 # step carries up to 16 times the task documents of a 4 x 16,384 one), then, from its weights
-# (checkpoint.init_from: a fresh optimizer, warm-up WARMUP2), STEPS (80) steps of 4 x 16,384.
+# (checkpoint.init_from: a fresh optimizer, warm-up WARMUP2), STEPS (70) steps of 4 x 16,384.
 # Each stage stops at its step count or its time budget (SHORT_S, TRAIN_S: SIGTERM saves and
 # stops), whichever comes first; the steps each reached are in summary.txt (the same tokens
 # only if all reach their counts). Then every task is evaluated at 4K-64K (YaRN covers
@@ -23,9 +23,9 @@
 # dense attention had not learned even the answers' digits after 175 steps), without the
 # trainer's evaluations (each costs its compilation, 31-34 s on the H100; SHORT_EVERY=N
 # evaluates the short stage every N steps). The budget on an H100 (section 42): a stage's
-# first step 52-56 s, then 0.36 s a step at 16 x 4,096 and 1.15 s at 4 x 16,384 (dense; CSA2
-# and window are faster), so 215 + 185 s of training and about 160 s of evaluation fit a
-# 10-minute call.
+# first step 52-56 s with AdamW (muon_hybrid compiled 40-50 s longer on the 1B model), then
+# 0.36 s a step at 16 x 4,096 and 1.15 s at 4 x 16,384 (dense; CSA2 and window are faster), so
+# 215 + 185 s of training and about 160 s of evaluation fit a 10-minute call.
 # Knobs (environment): CONFIG, SHORT_LEN (0: no short stage), SHORT_BATCH, SHORT_STEPS,
 # SHORT_TASK_LEN, SHORT_S (215 s), SHORT_EVERY (0), STEPS, TRAIN_S (185 s), WARMUP2, SOURCES,
 # EXAMPLES (documents per task, length and depth; default 6), EVAL_TASKS, VARIANT_KEY (the
@@ -42,7 +42,7 @@ source benchmarks/device_env.sh
 CONFIG=${CONFIG:-configs/ablation_longctx.py}
 VARIANT_KEY=${VARIANT_KEY:-model.attention_variant}
 SHORT_LEN=${SHORT_LEN:-4096}
-STEPS=${STEPS:-80}
+STEPS=${STEPS:-70}
 LEN=${LEN:-16384}
 EXAMPLES=${EXAMPLES:-6}
 # Task documents only (section 43): beside text rows, whose every token is supervised, the
