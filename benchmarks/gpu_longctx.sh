@@ -23,7 +23,7 @@
 # dense attention had not learned even the answers' digits after 175 steps), without the
 # trainer's evaluations (each costs its compilation, 31-34 s on the H100; SHORT_EVERY=N
 # evaluates the short stage every N steps). The budget on an H100 (section 42): a stage's
-# first step 52-56 s with AdamW (muon_hybrid compiled 40-50 s longer on the 1B model), then
+# first step 52-56 s with AdamW (muon_hybrid compiled about 40 s longer on the 1B model), then
 # 0.36 s a step at 16 x 4,096 and 1.15 s at 4 x 16,384 (dense; CSA2 and window are faster), so
 # 215 + 185 s of training and about 160 s of evaluation fit a 10-minute call.
 # Knobs (environment): CONFIG, SHORT_LEN (0: no short stage), SHORT_BATCH, SHORT_STEPS,
