@@ -31,7 +31,10 @@
 # EXAMPLES (documents per task, length and depth; default 6), EVAL_TASKS, VARIANT_KEY (the
 # config key that picks the attention: csa2 | dense | window), GENERATE=1 (also decode each
 # answer greedily: slower), LEN (the long stage's tokens a row; default 16384), BATCH (4) and
-# TASK_FLAGS (the tasks' sizes).
+# TASK_FLAGS (the tasks' sizes), SHORT_EXTRA (trainer flags of the short stage alone, e.g. a
+# wider selection while the tasks are learned: --config.model.index_topk=1024, a quarter of
+# the entries at 4K, as many as the candidate pool holds; the weights carry over, the
+# selection's size is not a parameter).
 # On the CPU, in two minutes:
 #   PATH=.venv/bin:$PATH OUT=/tmp/lc CONFIG=configs/tiny.py SHORT_LEN=256 SHORT_BATCH=4 \
 #     SHORT_TASK_LEN=128 SHORT_STEPS=6 SHORT_EVERY=6 STEPS=4 LEN=256 BATCH=2 TASK_FLAGS=" " \
@@ -84,7 +87,8 @@ stage() {  # name, workdir, seconds, steps, eval every, length, flags...
 INIT=""
 if [ "$SHORT_LEN" != 0 ]; then
   stage short $SHORT_WORKDIR ${SHORT_S:-215} ${SHORT_STEPS:-300} ${SHORT_EVERY:-0} $SHORT_LEN \
-    --config.train.batch_size=${SHORT_BATCH:-16} --config.tasks.length=${SHORT_TASK_LEN:-1024}
+    --config.train.batch_size=${SHORT_BATCH:-16} --config.tasks.length=${SHORT_TASK_LEN:-1024} \
+    ${SHORT_EXTRA:-}
   last=$(ls $SHORT_WORKDIR/checkpoints 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
   [ -n "$last" ] || { echo "short $variant saved no checkpoint" | tee -a "$OUT/summary.txt"; exit 1; }
   INIT="--config.checkpoint.init_from=$SHORT_WORKDIR/checkpoints/$last \
