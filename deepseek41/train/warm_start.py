@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 
 # Sections compared on resume beyond the model: a difference is reported, never refused.
 _RUN_SECTIONS = ('data', 'train', 'mesh', 'checkpoint', 'log', 'dspark', 'tasks')
+# [I] How many entries a CSA2 query selects: no weight depends on it. A warm start
+# (checkpoint.init_from) may change it, e.g. a wide selection while a short stage learns the
+# tasks, then the model's own (benchmarks/gpu_longctx.sh SHORT_EXTRA); a resume may not.
+SELECTION_SIZE_KEYS = ('index_topk', 'candidate_topk_blocks')
+INIT_FROM = 'checkpoint.init_from'
 
 
 # ---- the rules ---------------------------------------------------------------------------------
@@ -138,6 +143,13 @@ def restore_weights(key: str, path: str, cfg: RunConfig, mesh) -> tuple[Objectiv
     step_dir = ckpt.step_dir(step)
     saved = ckpt.read_json_item(step, 'config')
     another_model, _ = model_differences(saved.get('model', {}), cfg.to_dict()['model'])
+    if key == INIT_FROM:
+      resized = [d for d in another_model
+                 if d.split(':')[0].removeprefix('model.') in SELECTION_SIZE_KEYS]
+      another_model = [d for d in another_model if d not in resized]
+      if resized:
+        log.info('%s: the weights of a model that selected otherwise: %s', key,
+                 '; '.join(resized))
     if another_model:
       raise CheckpointError(
           f'{key}: {step_dir} holds another model: ' + '; '.join(another_model[:5])
@@ -220,7 +232,7 @@ def load_warm_starts(cfg: RunConfig, state: dict, mesh) -> dict:
   objective = objective_for(cfg)
   starts = list(objective.warm_starts())
   if cfg.checkpoint.init_from:
-    starts.append(WarmStart('checkpoint.init_from', cfg.checkpoint.init_from, MODEL))
+    starts.append(WarmStart(INIT_FROM, cfg.checkpoint.init_from, MODEL))
   for start in starts:
     state = load_warm_start(cfg, objective, state, start, mesh)
   return state

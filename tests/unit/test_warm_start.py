@@ -108,6 +108,22 @@ def test_init_from_takes_the_weights_and_nothing_else(pretrained, calls):
     warm_start.load_warm_starts(other, _fresh(other)[0], mesh)
 
 
+def test_init_from_may_change_how_many_entries_are_selected(pretrained, calls):
+  """The selection's size is no weight: a warm start may narrow it (a wide selection in a short
+  stage, then the model's own); the resume rule still counts it as another model."""
+  saved, path = pretrained
+  base = _cfg().model
+  narrower = {'model.index_topk': base.index_topk // 2,
+              'model.candidate_topk_blocks': base.candidate_topk_blocks // 2}
+  cfg = _cfg(**{'checkpoint.init_from': path, **narrower})
+  fresh, mesh = _fresh(cfg)
+  started = warm_start.load_warm_starts(cfg, fresh, mesh)
+  _same(started['params'], saved['params'])
+  another, _ = warm_start.model_differences(_cfg().to_dict()['model'], cfg.to_dict()['model'])
+  assert sorted(d.split(':')[0] for d in another) == ['model.candidate_topk_blocks',
+                                                        'model.index_topk']
+
+
 @pytest.mark.parametrize('stage', ['frozen', 'post_training'])
 def test_the_backbone_goes_under_the_drafter(pretrained, calls, stage):
   saved, path = pretrained
