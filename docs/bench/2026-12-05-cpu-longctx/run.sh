@@ -11,3 +11,7 @@ PATH=.venv/bin:$PATH OUT=/tmp/cpuexp/out CONFIG=configs/tiny.py SOURCES=mqar:0.5
 done
 .venv/bin/python benchmarks/summarize_longctx.py /tmp/cpuexp/out/longctx_{dense,csa2,window}.json \
   --plot=/tmp/cpuexp/out/longctx_cpu_tiny.png
+# csa2_warm.json: the CSA2 variant with every entry selected in the short stage (the stage-2
+# run and the evaluation were rerun by hand after the script was edited under it; the same
+# flags): the loop above with v=csa2 and
+#   SHORT_EXTRA="--config.model.index_topk=256 --config.model.candidate_topk_blocks=64"
