@@ -59,16 +59,19 @@ def step_directory(key: str, path: str) -> tuple[str, int]:
   return os.path.dirname(parent), int(step)
 
 
-def model_differences(saved_model: dict, model_now: dict) -> tuple[list[str], list[str]]:
+def model_differences(saved_model: dict, model_now: dict, tolerated: tuple[str, ...] = ()
+                      ) -> tuple[list[str], list[str]]:
   """How a checkpoint's saved model section differs from this run's, one 'model.<key>: ...' line
   per key: (the differences that make it another model, those in keys that only choose how the
-  model is executed). The latter resolve from 'auto' per backend, so they never block: a GPU
-  checkpoint resumes on the CPU. Replaced keys are compared as their successors
-  (`upgrade_saved_model`: a checkpoint saved with `model.csa2` holds the same model as one
-  with the matching `model.attention_variant`)."""
+  model is executed or that the caller tolerates, e.g. `SELECTION_SIZE_KEYS` for a warm start).
+  The execution keys resolve from 'auto' per backend, so they never block: a GPU checkpoint
+  resumes on the CPU. Replaced keys are compared as their successors (`upgrade_saved_model`: a
+  checkpoint saved with `model.csa2` holds the same model as one with the matching
+  `model.attention_variant`)."""
   lines = _diff(_as_json(upgrade_saved_model(saved_model)), _as_json(model_now), 'model')
-  execution = [d for d in lines if d.split(':')[0].split('.')[-1] in EXECUTION_ONLY_MODEL_KEYS]
-  return [d for d in lines if d not in execution], execution
+  allowed = set(EXECUTION_ONLY_MODEL_KEYS) | set(tolerated)
+  same_model = [d for d in lines if d.split(':')[0].split('.')[-1] in allowed]
+  return [d for d in lines if d not in same_model], same_model
 
 
 def layout_problems(meta: dict, layout: dict, entries: tuple[str, ...] | None = None) -> list[str]:
@@ -142,14 +145,11 @@ def restore_weights(key: str, path: str, cfg: RunConfig, mesh) -> tuple[Objectiv
   try:
     step_dir = ckpt.step_dir(step)
     saved = ckpt.read_json_item(step, 'config')
-    another_model, _ = model_differences(saved.get('model', {}), cfg.to_dict()['model'])
-    if key == INIT_FROM:
-      resized = [d for d in another_model
-                 if d.split(':')[0].removeprefix('model.') in SELECTION_SIZE_KEYS]
-      another_model = [d for d in another_model if d not in resized]
-      if resized:
-        log.info('%s: the weights of a model that selected otherwise: %s', key,
-                 '; '.join(resized))
+    another_model, same_model = model_differences(
+        saved.get('model', {}), cfg.to_dict()['model'],
+        SELECTION_SIZE_KEYS if key == INIT_FROM else ())
+    if same_model:
+      log.info('%s: the same model, run otherwise: %s', key, '; '.join(same_model))
     if another_model:
       raise CheckpointError(
           f'{key}: {step_dir} holds another model: ' + '; '.join(another_model[:5])
