@@ -4,13 +4,13 @@ of `python -m deepseek41.eval` (e.g. the three variants of benchmarks/gpu_longct
     python3 benchmarks/summarize_longctx.py OUT/longctx_csa2.json OUT/longctx_dense.json ... \
         [--plot=PATH.png]
 
-Standard library only (`--plot`, the reports' heat maps one row each, needs matplotlib and the
-repository on the path: deepseek41/eval/report.py). One column per report (named by its file), one row per task@length; then,
-for the reports of CSA2 models, the selection at the answers (model/diagnostics.py: the share
-of answers whose entry the layers select, the indexer's recall of the dense top-k, and the share
-of a query's picks the row before it also picked, which sets the merged key/value gradient's
-worth, docs/performance.md part B; a
-report without selection shows '-'); the last rows are the held-out losses per source.
+Standard library only (`--plot`, the reports' heat maps one row each, needs matplotlib:
+deepseek41/eval/report.py). One column per report (named by its file, less gpu_longctx.sh's
+`longctx_`), one row per task@length; then, for the reports of CSA2 models, the selection at the
+answers (model/diagnostics.py: the share of answers whose entry the layers select, the indexer's
+recall of the dense top-k, and the share of a query's picks the row before it also picked, which
+sets the merged key/value gradient's worth, docs/performance.md part B; a report without
+selection shows '-'); the last rows are the held-out losses per source.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from deepseek41.eval.report import comparison_map  # noqa: E402  (stdlib only at
 
 
 def _load(path: str) -> tuple[str, dict]:
-  """(name, report): the file's name without gpu_longctx.sh's `longctx_` (the variant)."""
   name = os.path.splitext(os.path.basename(path))[0]
   with open(path) as f:
     return name.removeprefix('longctx_') or name, json.load(f)
@@ -59,7 +58,11 @@ def main(args: list[str]) -> int:
     return 2
   reports = [_load(p) for p in paths]
   for plot in plots:
-    comparison_map(reports, plot)
+    try:
+      comparison_map(reports, plot)
+    except ImportError:
+      print(f'--plot={plot}: needs matplotlib (pip install -e \'.[plot]\')', file=sys.stderr)
+      return 2
     print(f'wrote {plot}')
   width = max(12, *(len(name) for name, _ in reports)) + 2
 

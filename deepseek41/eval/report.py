@@ -88,11 +88,12 @@ def _draw_task(ax, mine: list[dict], title: str):
 def heat_map(report: dict, path: str, key: str = 'tasks') -> None:
   """One panel per task: accuracy by depth and context length. Needs matplotlib
   (`pip install -e '.[plot]'`)."""
-  comparison_map([(None, report)], path, key)
+  comparison_map([(None, report)], path, key,
+                 title=f'{os.path.basename(report["workdir"])} step {report["step"]}')
 
 
-def comparison_map(reports: list[tuple[str | None, dict]], path: str,
-                   key: str = 'tasks') -> None:
+def comparison_map(reports: list[tuple[str | None, dict]], path: str, key: str = 'tasks',
+                   title: str | None = None) -> None:
   """One row of task panels per (name, report), e.g. the attention variants of one experiment
   side by side (benchmarks/summarize_longctx.py --plot); a task a report lacks is left blank.
   Needs matplotlib."""
@@ -116,11 +117,7 @@ def comparison_map(reports: list[tuple[str | None, dict]], path: str,
       image = _draw_task(ax, mine, title)
   if image is not None:
     fig.colorbar(image, ax=axes.ravel().tolist(), label='accuracy')
-  if len(reports) == 1:
-    report = reports[0][1]
-    fig.suptitle(f'{os.path.basename(report["workdir"])} step {report["step"]}', fontsize=10)
-  else:
-    fig.suptitle(f'accuracy by depth and context length ({how})', fontsize=10)
+  fig.suptitle(title or f'accuracy by depth and context length ({how})', fontsize=10)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path, dpi=120)
   plt.close(fig)
