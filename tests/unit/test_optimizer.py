@@ -339,8 +339,6 @@ def test_muon_ns_dtype_auto_follows_the_backend():
   assert resolve(c, num_devices=1, backend='gpu').train.muon_ns_dtype == 'bfloat16'
 
 
-
-
 def test_the_update_names_each_group_for_the_profile():
   """The `optimizer` scope's table splits by group: each part of the update carries its name
   in the lowered program's locations (what the trace's kernels inherit)."""
