@@ -1,0 +1,50 @@
+"""benchmarks/summarize_longctx.py: the variants' reports side by side, each named by its variant."""
+
+import importlib
+import json
+import os
+
+import pytest
+
+from tests.helpers import REPO_ROOT
+
+
+def _task(label, depth, correct, answers):
+  task, length = label.split('@')
+  return dict(task=task, label=label, length=int(length), depth=depth, correct=correct,
+              answers=answers, acc=correct / answers)
+
+
+@pytest.fixture
+def summarize(monkeypatch):
+  monkeypatch.syspath_prepend(os.path.join(REPO_ROOT, 'benchmarks'))
+  return importlib.import_module('summarize_longctx')  # a script beside the benchmarks
+
+
+@pytest.fixture
+def reports(tmp_path):
+  """gpu_longctx.sh's file names: longctx_<variant>.json."""
+  paths = []
+  for variant, right in (('dense', 3), ('window', 1)):
+    report = {'workdir': f'/tmp/longctx_{variant}', 'step': 4,
+              'tasks': [_task('passkey@256', 0.0, right, 4), _task('passkey@256', 1.0, 4, 4)],
+              'heldout_loss': {'passkey': 0.5}}
+    path = tmp_path / f'longctx_{variant}.json'
+    path.write_text(json.dumps(report))
+    paths.append(str(path))
+  return paths
+
+
+def test_columns_are_the_variants_and_accuracy_is_over_depths(summarize, reports, capsys):
+  assert summarize.main(reports) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].split() == ['accuracy', 'dense', 'window']
+  assert lines[1].split() == ['passkey@256', '0.875', '0.625']  # (3 + 4) / 8, (1 + 4) / 8
+
+
+def test_plot_draws_every_variant(summarize, reports, tmp_path, capsys):
+  pytest.importorskip('matplotlib')
+  plot = tmp_path / 'variants.png'
+  assert summarize.main([*reports, f'--plot={plot}']) == 0
+  assert f'wrote {plot}' in capsys.readouterr().out
+  assert os.path.getsize(plot) > 1000
