@@ -74,8 +74,9 @@ case "$mode" in
     run ${opt}_$LR --config.train.optimizer=$opt --config.train.lr=$LR \
       --config.log.profile_start_step=${PROFILE:-21} --config.log.profile_steps=3 "${@:3}" ;;
   profile)  # with the step's HLO the glue fusions land in their scopes (trace_summary.py --hlo);
-            # OPTS=muon_hybrid profiles one. Its step times are without command buffers: the
-            # runs' own (`run`, command buffers on) are the ones to compare.
+            # OPTS=muon_hybrid profiles one; EXTRA: trainer flags (e.g. a Newton-Schulz schedule).
+            # Its step times are without command buffers: the runs' own (`run`, command buffers
+            # on) are the ones to compare.
     for opt in ${OPTS:-adamw muon_hybrid}; do
       wd=/tmp/opt_prof_$opt
       # Command buffers off: a kernel launched inside one (a CUDA graph) carries no name stack in
@@ -87,7 +88,7 @@ case "$mode" in
         --config.data.synthetic=True --config.train.eval_every_steps=0 \
         --config.train.compilation_cache_dir= \
         --config.log.profile_start_step=18 --config.log.profile_steps=3 \
-        --stop_at_step=22 > "$OUT/prof_$opt.log" 2>&1
+        --stop_at_step=22 ${EXTRA:-} > "$OUT/prof_$opt.log" 2>&1
       echo "prof_$opt exit $?" | tee -a "$OUT/summary.txt"
       # every train_step module of the dump (the cache is off above: a loaded program dumps
       # none); trace_summary.py reads the one whose instructions name the most kernels
