@@ -11,6 +11,10 @@ answers (model/diagnostics.py: the share of answers whose entry the layers selec
 recall of the dense top-k, and the share of a query's picks the row before it also picked, which
 sets the merged key/value gradient's worth, docs/performance.md part B; a report without
 selection shows '-'); the last rows are the held-out losses per source.
+
+Reports with one name (the same variant's runs with other seeds, in other directories) are
+pooled into one column: each task, length and depth counts all their answers, the selection
+measures are weighted by answers, the held-out losses averaged.
 """
 
 from __future__ import annotations
@@ -27,6 +31,49 @@ def _load(path: str) -> tuple[str, dict]:
   name = os.path.splitext(os.path.basename(path))[0]
   with open(path) as f:
     return name.removeprefix('longctx_') or name, json.load(f)
+
+
+def _pool_tasks(entries: list[dict]) -> list[dict]:
+  """One entry per (label, depth): answers summed, accuracy and the selection's top-level
+  measures over all of them."""
+  groups: dict[tuple, list[dict]] = {}
+  for t in entries:
+    groups.setdefault((t['label'], t['depth']), []).append(t)
+  out = []
+  for runs in groups.values():
+    answers = sum(t['answers'] for t in runs)
+    merged = {k: runs[0][k] for k in ('task', 'length', 'label', 'depth')}
+    merged.update(answers=answers, correct=sum(t['correct'] for t in runs))
+    merged['acc'] = merged['correct'] / answers if answers else 0.0
+    measures = {m for t in runs for m, v in t.get('selection', {}).items() if m != 'layers'}
+    if measures:
+      merged['selection'] = {
+          m: sum(t['selection'][m] * t['answers'] for t in runs) / answers
+          for m in measures if answers and all(m in t.get('selection', {}) for t in runs)}
+    out.append(merged)
+  return out
+
+
+def pooled(reports: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+  """The reports with one name merged into one (module docstring), in first-seen order."""
+  groups: dict[str, list[dict]] = {}
+  for name, report in reports:
+    groups.setdefault(name, []).append(report)
+  out = []
+  for name, runs in groups.items():
+    if len(runs) == 1:
+      out.append((name, runs[0]))
+      continue
+    merged = {'runs': len(runs),
+              'tasks': _pool_tasks([t for r in runs for t in r.get('tasks', [])])}
+    if any('generated' in r for r in runs):
+      merged['generated'] = _pool_tasks([t for r in runs for t in r.get('generated', [])])
+    sources = {s for r in runs for s in r.get('heldout_loss', {})}
+    merged['heldout_loss'] = {
+        s: sum(r['heldout_loss'][s] for r in runs) / len(runs)
+        for s in sources if all(s in r.get('heldout_loss', {}) for r in runs)}
+    out.append((name, merged))
+  return out
 
 
 def by_label(report: dict, key: str = 'tasks') -> dict[str, float]:
@@ -56,7 +103,10 @@ def main(args: list[str]) -> int:
   if not paths:
     print(__doc__.strip())
     return 2
-  reports = [_load(p) for p in paths]
+  reports = pooled([_load(p) for p in paths])
+  for name, report in reports:
+    if report.get('runs'):
+      print(f'{name}: {report["runs"]} runs pooled')
   for plot in plots:
     try:
       comparison_map(reports, plot)

@@ -48,3 +48,19 @@ def test_plot_draws_every_variant(summarize, reports, tmp_path, capsys):
   assert summarize.main([*reports, f'--plot={plot}']) == 0
   assert f'wrote {plot}' in capsys.readouterr().out
   assert os.path.getsize(plot) > 1000
+
+
+def test_runs_of_one_variant_are_pooled(summarize, reports, tmp_path, capsys):
+  """A second dense run (another seed, another directory): its answers join the first's."""
+  other = {'workdir': '/tmp/longctx_dense', 'step': 4,
+           'tasks': [_task('passkey@256', 0.0, 1, 4), _task('passkey@256', 1.0, 0, 4)],
+           'heldout_loss': {'passkey': 1.5}}
+  (tmp_path / 'seed1').mkdir()
+  path = tmp_path / 'seed1' / 'longctx_dense.json'
+  path.write_text(json.dumps(other))
+  assert summarize.main([*reports, str(path)]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0] == 'dense: 2 runs pooled'
+  assert lines[1].split() == ['accuracy', 'dense', 'window']
+  assert lines[2].split() == ['passkey@256', '0.500', '0.625']  # (3 + 4 + 1 + 0) / 16
+  assert lines[-1].split() == ['passkey', '1.000', '0.500']  # held-out losses averaged
