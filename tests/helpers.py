@@ -476,3 +476,30 @@ DRAFTER = {'dspark.stage': 'post_training', 'dspark.num_blocks': 1, 'dspark.bloc
 
 def singular_values(x):
   return np.linalg.svd(np.asarray(x, np.float64), compute_uv=False)
+
+
+def documents(t: int, lengths_per_row) -> np.ndarray:
+  """[B, T] int32 segment ids: each row's documents (ids 1, 2, ...) back to back, then padding
+  (0)."""
+  out = np.zeros((len(lengths_per_row), t), np.int32)
+  for row, lengths in enumerate(lengths_per_row):
+    start = 0
+    for k, n in enumerate(lengths):
+      out[row, start:start + n] = k + 1
+      start += n
+  return out
+
+
+def assert_partial_close(o, lse, o_ref, lse_ref, blind, *, atol_o: float, atol_lse: float):
+  """An attention partial (o [B, T, H, d] bf16, lse [B, T, H] fp32) against its reference: close
+  where a query sees something; exactly o = 0 and lse = -inf at the `blind` [B, T] queries,
+  which must exist (the test would not hold them otherwise)."""
+  assert o.shape == o_ref.shape and o.dtype == jnp.bfloat16
+  assert lse.shape == o.shape[:3] and lse.dtype == jnp.float32
+  o, lse, lse_ref = np.asarray(o, np.float32), np.asarray(lse), np.asarray(lse_ref)
+  np.testing.assert_allclose(o, np.asarray(o_ref, np.float32), atol=atol_o)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+  np.testing.assert_allclose(lse, lse_ref, atol=atol_lse)  # -inf == -inf passes
+  blind = np.asarray(blind)
+  assert blind.any() and np.all(o[blind] == 0) and np.all(np.isneginf(lse[blind]))
+  return o, lse

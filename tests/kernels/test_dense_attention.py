@@ -15,23 +15,12 @@ import pytest
 from deepseek41.ops.dense_attention import causal_runs, dense_branch, dense_partial
 from deepseek41.ops.gpu.window_kernel import window_partial_fused
 from deepseek41.ops.softmax_merge import merge
-from tests.helpers import triton_lowering_for_h200
+from tests.helpers import documents, triton_lowering_for_h200
 
 B, T, H, D = 2, 23, 2, 8
 
 
-def documents(lengths_per_row, t=T):
-  """[B, T] segment ids: consecutive documents 1, 2, ... of the given lengths, 0 after."""
-  out = np.zeros((len(lengths_per_row), t), np.int32)
-  for row, lengths in enumerate(lengths_per_row):
-    start = 0
-    for k, n in enumerate(lengths):
-      out[row, start:start + n] = k + 1
-      start += n
-  return out
-
-
-SEG = documents([(9, 14), (5, 7, 6)])  # row 1 ends in 5 padding positions
+SEG = documents(T, [(9, 14), (5, 7, 6)])  # row 1 ends in 5 padding positions
 
 
 def inputs(seed=0, t=T):

@@ -171,3 +171,13 @@ def test_contracts_import_without_jax():
   out = subprocess.run([sys.executable, '-c', script], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
   assert out.returncode == 0 and out.stdout.strip() == 'ok', out.stderr[-2000:]
+
+
+def test_mosaic_gpu_kernels_follow_the_rule():
+  """plgpu.kernel's interpret= from the same rule: the interpreter here unless told otherwise,
+  a test's own interpreter parameters kept."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  assert isinstance(launch.mosaic_gpu_interpret(), plgpu.InterpretGPUParams)
+  assert launch.mosaic_gpu_interpret(False) is False
+  mine = plgpu.InterpretGPUParams(detect_races=True)
+  assert launch.mosaic_gpu_interpret(mine) is mine

@@ -18,6 +18,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deepseek41.ops.gpu.sparse_mgpu import sparse_forward_mgpu
 from deepseek41.ops.sparse_attention import compressed_partial
+from tests.helpers import assert_partial_close
 
 ATOL_O = 3e-2    # bf16 outputs (as test_sparse_kernel.py's bf16 tolerance)
 ATOL_LSE = 2e-3  # fp32 statistics of bf16 scores
@@ -53,15 +54,8 @@ def compare(h, d, k, n=37, b=2, t=3, seed=0, scale=None, interpret=None, garbage
   # interpret None: ops/launch.py's rule, the interpreter on this CPU
   o, lse = sparse_forward_mgpu(q, kv, idx, valid, scale=scale, interpret=interpret)
   o_ref, lse_ref = compressed_partial(q, kv, idx, valid, impl='reference', scale=scale)
-  assert o.shape == q.shape and o.dtype == jnp.bfloat16
-  assert lse.shape == q.shape[:3] and lse.dtype == jnp.float32
-  o, lse, lse_ref = np.asarray(o, np.float32), np.asarray(lse), np.asarray(lse_ref)
-  np.testing.assert_allclose(o, np.asarray(o_ref, np.float32), atol=ATOL_O)
-  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
-  np.testing.assert_allclose(lse, lse_ref, atol=ATOL_LSE)  # -inf == -inf passes
-  blind = ~np.asarray(valid).any(-1)
-  assert blind.any() and np.all(o[blind] == 0) and np.all(np.isneginf(lse[blind]))
-  return o, lse
+  return assert_partial_close(o, lse, o_ref, lse_ref, ~np.asarray(valid).any(-1), atol_o=ATOL_O,
+                              atol_lse=ATOL_LSE)
 
 
 def test_sixty_four_heads_one_block():

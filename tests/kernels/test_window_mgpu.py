@@ -17,20 +17,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deepseek41.ops.gpu.window_mgpu import window_forward_mgpu
 from deepseek41.ops.swa_attention import swa_partial
+from tests.helpers import assert_partial_close, documents
 
 ATOL_O = 3e-2    # bf16 outputs (as test_window_kernel.py)
 ATOL_LSE = 2e-3  # fp32 statistics of bf16 scores
-
-
-def documents(t, lengths_per_row):
-  """[B, T] int32: each row's documents (ids 1, 2, ...) back to back, then padding (0)."""
-  out = np.zeros((len(lengths_per_row), t), np.int32)
-  for row, lengths in enumerate(lengths_per_row):
-    start = 0
-    for k, n in enumerate(lengths):
-      out[row, start:start + n] = k + 1
-      start += n
-  return out
 
 
 def compare(h, d, window, seg, seed=0, interpret=None):
@@ -42,15 +32,8 @@ def compare(h, d, window, seg, seed=0, interpret=None):
   # interpret None: ops/launch.py's rule, the interpreter on this CPU
   o, lse = window_forward_mgpu(q, kv, seg, window=window, interpret=interpret)
   o_ref, lse_ref = swa_partial(q, kv, seg, window=window, impl='reference')
-  assert o.shape == q.shape and o.dtype == jnp.bfloat16
-  assert lse.shape == q.shape[:3] and lse.dtype == jnp.float32
-  o, lse, lse_ref = np.asarray(o, np.float32), np.asarray(lse), np.asarray(lse_ref)
-  np.testing.assert_allclose(o, np.asarray(o_ref, np.float32), atol=ATOL_O)
-  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
-  np.testing.assert_allclose(lse, lse_ref, atol=ATOL_LSE)  # -inf == -inf passes
-  padding = np.asarray(seg) == 0
-  assert padding.any() and np.all(o[padding] == 0) and np.all(np.isneginf(lse[padding]))
-  return o, lse
+  return assert_partial_close(o, lse, o_ref, lse_ref, np.asarray(seg) == 0, atol_o=ATOL_O,
+                              atol_lse=ATOL_LSE)
 
 
 def test_sixteen_heads_window_longer_than_a_key_block():

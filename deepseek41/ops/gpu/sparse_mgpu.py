@@ -265,14 +265,6 @@ def _kernel(q_ref, kv_ref, meta_ref, o_ref, lse_ref, scratch, *, d, k_rows, scal
     plgpu.wait_smem_to_gmem(0)
 
 
-def _interpret_params(interpret) -> plgpu.InterpretGPUParams | bool:
-  """The Mosaic GPU interpreter's parameters (given, or the defaults where ops/launch.py's rule
-  interprets), else False: compiled."""
-  if isinstance(interpret, plgpu.InterpretGPUParams):
-    return interpret
-  return plgpu.InterpretGPUParams() if launch.interpreted(interpret) else False
-
-
 def slot_metadata(idx_btk, valid_btk):
   """int32 [B, T, K'/32 + 1, 32]: the slots (-1 where invalid; K padded with -1 to whole
   64-slot blocks, K' slots) and, in the last row's first entry, the blocks up to the last valid
@@ -344,7 +336,7 @@ def sparse_forward_mgpu(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float | No
       plgpu.Barrier(num_arrivals=2),                           # p_ready
       plgpu.Barrier(num_arrivals=2),                           # p_free
   )
-  interpret = _interpret_params(interpret)
+  interpret = launch.mosaic_gpu_interpret(interpret)
   kernel = functools.partial(_kernel, d=d, k_rows=k_rows, scale=scale,
                              interpret=bool(interpret))
   o_brd, lse_br = plgpu.kernel(

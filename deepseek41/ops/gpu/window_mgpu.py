@@ -212,14 +212,6 @@ def _kernel(q_ref, kv_ref, segr_ref, segk_ref, o_ref, lse_ref, scratch, *, heads
   plgpu.wait_smem_to_gmem(0)
 
 
-def _interpret_params(interpret) -> plgpu.InterpretGPUParams | bool:
-  """The Mosaic GPU interpreter's parameters (given, or the defaults where ops/launch.py's rule
-  interprets), else False: compiled."""
-  if isinstance(interpret, plgpu.InterpretGPUParams):
-    return interpret
-  return plgpu.InterpretGPUParams() if launch.interpreted(interpret) else False
-
-
 @functools.partial(jax.jit, static_argnames=('window', 'scale', 'interpret', 'block_k',
                                              'stages'))
 def window_forward_mgpu(q_bthd, kv_btd, segment_ids_bt, *, window: int,
@@ -280,7 +272,7 @@ def window_forward_mgpu(q_bthd, kv_btd, segment_ids_bt, *, window: int,
       plgpu.Barrier(num_arrivals=2),
       plgpu.Barrier(num_arrivals=2),
   )
-  interpret = _interpret_params(interpret)
+  interpret = launch.mosaic_gpu_interpret(interpret)
   kernel = functools.partial(_kernel, heads=h, window=window, scale=scale, nk=nk,
                              block_k=block_k, stages=stages, interpret=bool(interpret))
   o_brd, lse_br = plgpu.kernel(
