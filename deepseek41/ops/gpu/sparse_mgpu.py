@@ -82,9 +82,9 @@ Mosaic GPU in jax 0.11.2: what is missing or broken, and what this kernel does a
   so q and o live as two [64, d/2] halves and S takes two wgmmas.
 - Interpreter (jax/_src/pallas/mosaic_gpu/interpret): no rule for `pl.run_state` with a wgmma
   accumulator (as in window_mgpu.py's docstring), so interpreted, the PV product is
-  `acc + jnp.dot(p_smem[...], v_smem[...])` (`_accumulate`); the TMAs, the barriers, the repack,
-  the score wgmmas, the exchanges and the masks are interpreted as compiled. `set_max_registers`
-  is a no-op there. Every barrier phase is waited for by some warpgroup (the interpreter checks
+  `acc + jnp.dot(p_smem[...], v_smem[...])` (mgpu_common.py `accumulate`); the TMAs, the
+  barriers, the repack, the score wgmmas, the exchanges and the masks are interpreted as
+  compiled. `set_max_registers` is a no-op there. Every barrier phase is waited for by some warpgroup (the interpreter checks
   at deallocation): hence the producer's last `kv_free` wait and the consumers' last `p_free`.
 """
 
@@ -100,29 +100,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deepseek41.ops import launch
+from deepseek41.ops.gpu.mgpu_common import LOG2E, ROWS, accumulate, softmax_start
 from deepseek41.ops.launch import pad_axis
 
-ROWS = 64          # query rows (heads of one query) per CTA: one wgmma M tile
 BLOCK_K = 64       # selected slots per step; each consumer warpgroup scores half of them
 HALF_K = BLOCK_K // 2
 META_W = 32        # the slot metadata's row width: one consumer's slots of one step
 GATHER_UNROLL = 8  # row copies issued per producer loop iteration
 CHUNK = 64         # columns repacked per register round trip (16 registers per thread)
 SWIZZLE = 64       # bytes: P's two 32-slot halves must be whole tiles (module docstring)
-LOG2E = math.log2(math.e)
-
-
-def _accumulate(acc, a_smem, b_smem, interpret: bool):
-  """acc + a_smem @ b_smem, in place in the accumulator's registers.
-
-  The interpreter has no rule for `run_state` over a wgmma accumulator (module docstring, last
-  section): there the product is a plain dot of the loaded tiles."""
-  if interpret:
-    return acc + jnp.dot(a_smem[...], b_smem[...], preferred_element_type=jnp.float32)
-
-  def body(acc_ref):
-    plgpu.wgmma(acc_ref, a_smem, b_smem)
-  return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
 def _kernel(q_ref, kv_ref, meta_ref, o_ref, lse_ref, scratch, *, d, k_rows, scale, interpret):
@@ -228,15 +214,13 @@ def _kernel(q_ref, kv_ref, meta_ref, o_ref, lse_ref, scratch, *, d, k_rows, scal
       plgpu.barrier_arrive(p_ready)
       plgpu.barrier_wait(p_ready)
       acc = acc * lax.broadcast_in_dim(alpha_r, acc.shape, [0])
-      acc = _accumulate(acc, p_smem, kv_smem.at[:, half], interpret)  # retired: slot free
+      # its wgmma retired: the slot is free
+      acc = accumulate(acc, p_smem, kv_smem.at[:, half], interpret, a_in_smem=True)
       plgpu.barrier_arrive(kv_free)
       plgpu.barrier_arrive(p_free)
       return m_new_r, l_r, acc
 
-    m_r = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
-                            plgpu.Layout.WGMMA.reduce(1))
-    l_r = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.zeros((ROWS, dh), jnp.float32), plgpu.Layout.WGMMA)
+    m_r, l_r, acc = softmax_start(dh)
     m_r, l_r, acc = lax.fori_loop(0, nblk, step, (m_r, l_r, acc))
 
     # The row sums of the two slot halves meet like the maxima (the last `p_free` phase is

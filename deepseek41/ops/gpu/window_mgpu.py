@@ -42,10 +42,11 @@ Mosaic GPU in jax 0.11.2: what this kernel works around.
   kernel "Cannot lower jaxpr with effects: {IOEffect, _WGMMAPipelineEffect}"); (2) no wgmma with
   its A operand in registers (`plgpu.wgmma(acc_ref, p_bf16, b_smem)` in a `run_scoped` ACC:
   "ValueError: Expected shape (6,) but got (64, 64)": the array is taken for a ref's key). So
-  interpreted, the PV product is `acc + jnp.dot(p, v_smem[...])` (`_accumulate`); TMA, barriers,
-  the QK^T wgmma, the score exchange and the masks are interpreted as compiled. (3) A barrier
-  phase that some warpgroup never waits for fails the kernel at deallocation ("had only observed
-  barrier up to phase ..."): hence the last `s_free` wait.
+  interpreted, the PV product is `acc + jnp.dot(p, v_smem[...])` (mgpu_common.py
+  `accumulate`); TMA, barriers, the QK^T wgmma, the score exchange and the masks are
+  interpreted as compiled. (3) A barrier phase that some warpgroup never waits for fails the
+  kernel at deallocation ("had only observed barrier up to phase ..."): hence the last `s_free`
+  wait.
 - Lowering: a TMA's dynamic start must be provably a multiple of the 8-row smem tile
   (`pl.multiple_of`). Without it this kernel's lowering dies in layout inference on a bare
   `assert len(op.indices) == len(multiple)` (layout_inference.py,
@@ -67,11 +68,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deepseek41.ops import launch
+from deepseek41.ops.gpu.mgpu_common import LOG2E, ROWS, accumulate, softmax_start
 from deepseek41.ops.launch import pad_axis
 
-ROWS = 64          # query rows (queries x heads) per block: one wgmma M tile
 KEY_ALIGN = 8      # a key walk starts at a multiple of the smem tile's 8 rows (TMA indexing)
-LOG2E = math.log2(math.e)
 
 
 def _geometry(t: int, h: int, window: int, block_k: int):
@@ -82,19 +82,6 @@ def _geometry(t: int, h: int, window: int, block_k: int):
   t_pad = -(-t // max(q_per_block, block_k)) * max(q_per_block, block_k)
   t_pad = max(t_pad, nk * block_k)
   return q_per_block, window, nk, t_pad
-
-
-def _accumulate(acc, a, b_smem, interpret: bool):
-  """acc + a @ b_smem (a in registers), in place in the accumulator's registers.
-
-  The interpreter runs neither `run_state` nor a wgmma whose A operand is in registers (module
-  docstring, last section): there the product is a plain dot of the loaded tile."""
-  if interpret:
-    return acc + jnp.dot(a, b_smem[...], preferred_element_type=jnp.float32)
-
-  def body(acc_ref):
-    plgpu.wgmma(acc_ref, a, b_smem)
-  return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
 def _kernel(q_ref, kv_ref, segr_ref, segk_ref, o_ref, lse_ref, scratch, *, heads, window,
@@ -176,17 +163,14 @@ def _kernel(q_ref, kv_ref, segr_ref, segk_ref, o_ref, lse_ref, scratch, *, heads
     p_rk = jnp.exp2(s_rk - lax.broadcast_in_dim(shift_r, s_rk.shape, [0]))
     l_r = l_r * alpha_r + p_rk.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(alpha_r, acc.shape, [0])
-    acc = _accumulate(acc, p_rk.astype(dt), k_smem, interpret)  # its wgmma retired: slot free
+    acc = accumulate(acc, p_rk.astype(dt), k_smem, interpret)  # its wgmma retired: slot free
 
     @pl.when(j + stages < nk)
     def _():
       fetch(j + stages, slot)
     return m_new_r, l_r, acc
 
-  m_r = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
-                          plgpu.Layout.WGMMA.reduce(1))
-  l_r = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-  acc = plgpu.layout_cast(jnp.zeros((ROWS, dh), jnp.float32), plgpu.Layout.WGMMA)
+  m_r, l_r, acc = softmax_start(dh)
   m_r, l_r, acc = lax.fori_loop(0, nk, step, (m_r, l_r, acc))
 
   seen_r = l_r > 0

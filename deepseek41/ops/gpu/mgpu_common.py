@@ -1,0 +1,37 @@
+"""What the Mosaic GPU attention kernels share (window_mgpu.py, sparse_mgpu.py): the wgmma tile
+of query rows, the online softmax's starting state in the WGMMA layout, and the P·V product,
+which jax 0.11.2's Mosaic GPU interpreter cannot run as compiled (its kernels' docstrings)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROWS = 64  # query rows per CTA: one wgmma M tile
+LOG2E = math.log2(math.e)  # scores kept in log2 units: exp2 is the fast path
+
+
+def softmax_start(d_half: int):
+  """(running max -inf, running sum 0, fp32 [ROWS, d_half] accumulator 0) in the WGMMA layout."""
+  rows = plgpu.Layout.WGMMA.reduce(1)
+  return (plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), rows),
+          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), rows),
+          plgpu.layout_cast(jnp.zeros((ROWS, d_half), jnp.float32), plgpu.Layout.WGMMA))
+
+
+def accumulate(acc, a, b_smem, interpret: bool, a_in_smem: bool = False):
+  """acc + a @ b_smem, in place in the accumulator's registers (a in registers, or in shared
+  memory with `a_in_smem`).
+
+  The interpreter runs neither `run_state` over a wgmma accumulator nor a wgmma whose A operand
+  is in registers: there the product is a plain dot of the loaded tiles."""
+  if interpret:
+    return acc + jnp.dot(a[...] if a_in_smem else a, b_smem[...],
+                         preferred_element_type=jnp.float32)
+
+  def body(acc_ref):
+    plgpu.wgmma(acc_ref, a, b_smem)
+  return pl.run_state(body)(plgpu.ACC.init(acc))
