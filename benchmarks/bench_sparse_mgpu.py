@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
-from timing import jsonl_emitter, time_queued  # noqa: E402  (benchmarks/timing.py)
+from timing import (agreement, jsonl_emitter, print_against_first,  # noqa: E402
+                    time_queued)  # benchmarks/timing.py
 from deepseek41.ops.gpu.sparse_kernel import sparse_partial_fused  # noqa: E402
 from deepseek41.ops.gpu.sparse_mgpu import sparse_forward_mgpu  # noqa: E402
 
@@ -93,11 +94,7 @@ def main(argv=None):
             q, kv, idx, valid, scale=scale, interpret=interpret))
         o_ref, lse_ref = jax.block_until_ready(triton(q, kv, idx, valid))
         o, lse = jax.block_until_ready(mgpu(q, kv, idx, valid))
-        finite = jnp.isfinite(lse_ref)
-        check = dict(max_abs_o=float(jnp.max(jnp.abs(o.astype(jnp.float32) -
-                                                     o_ref.astype(jnp.float32)))),
-                     max_abs_lse=float(jnp.max(jnp.where(finite, jnp.abs(lse - lse_ref), 0.0))),
-                     same_blind_rows=bool(jnp.all(finite == jnp.isfinite(lse))))
+        check = agreement(o, lse, o_ref, lse_ref)
         del o, lse, o_ref, lse_ref
         for name, fn, extra in (('triton', triton, {}), ('mosaic', mgpu, check)):
           ms = time_queued(fn, (q, kv, idx, valid), reps)
@@ -105,16 +102,7 @@ def main(argv=None):
                      **extra)
           emit(rec)
           rows.append(rec)
-  print(f"\n{'case':<5} {'BxT':>9} {'K':>5} {'kernel':<7} {'ms':>9} {'TFLOP/s':>8} "
-        f"{'vs triton':>9} {'max|do|':>8} {'max|dlse|':>9}")
-  base_ms = {}
-  for r in rows:
-    key = (r['case'], r['b'], r['t'], r['k'])
-    base_ms.setdefault(key, r['ms'])
-    print(f"{r['case']:<5} {r['b']}x{r['t']:<7} {r['k']:>5} {r['kernel']:<7} {r['ms']:>9.4f} "
-          f"{r['tflops']:>8.1f} {base_ms[key] / r['ms']:>8.2f}x "
-          f"{r.get('max_abs_o', 0.0):>8.4f} {r.get('max_abs_lse', 0.0):>9.2e}")
-
+  print_against_first(rows, ('case', 'b', 't', 'k'))  # the first of each case: Triton's
 
 if __name__ == '__main__':
   main()

@@ -45,3 +45,29 @@ def jsonl_emitter(path):
       with open(path, 'a') as f:
         f.write(json.dumps(rec) + '\n')
   return emit
+
+
+def agreement(o, lse, o_ref, lse_ref) -> dict:
+  """How an attention partial (o, lse) differs from another kernel's: the largest |o| and |lse|
+  differences (lse over the rows that see something) and whether the rows that see nothing
+  agree."""
+  import jax.numpy as jnp
+  finite = jnp.isfinite(lse_ref)
+  return dict(max_abs_o=float(jnp.max(jnp.abs(o.astype(jnp.float32) - o_ref.astype(jnp.float32)))),
+              max_abs_lse=float(jnp.max(jnp.where(finite, jnp.abs(lse - lse_ref), 0.0))),
+              same_blind_rows=bool(jnp.all(finite == jnp.isfinite(lse))))
+
+
+def print_against_first(rows, case_keys):
+  """A kernel table: one line per record (rows with ms, tflops, kernel and the `agreement`
+  fields), the speed of each against the first record of its case (the same `case_keys`)."""
+  print('\n' + ' '.join(f'{k:>9}' for k in case_keys) +
+        f" {'kernel':<10} {'ms':>9} {'TFLOP/s':>8} {'vs first':>9} {'max|do|':>8} {'max|dlse|':>9}")
+  first_ms = {}
+  for r in rows:
+    case = tuple(r[k] for k in case_keys)
+    first_ms.setdefault(case, r['ms'])
+    print(' '.join(f'{v!s:>9}' for v in case) +
+          f" {r['kernel']:<10} {r['ms']:>9.4f} {r['tflops']:>8.1f}"
+          f" {first_ms[case] / r['ms']:>8.2f}x {r.get('max_abs_o', 0.0):>8.4f}"
+          f" {r.get('max_abs_lse', 0.0):>9.2e}")
