@@ -59,16 +59,6 @@ def interpreted(requested: bool | None = None) -> bool:
   return platform() == 'cpu' if requested is None else bool(requested)
 
 
-def mosaic_gpu_interpret(requested=None):
-  """The `interpret=` of a Mosaic GPU kernel (`plgpu.kernel`): the given interpreter parameters
-  (a test's, e.g. `detect_races=True`), else the interpreter's defaults where
-  `interpreted(requested)` says, else False (compiled)."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # only Mosaic GPU kernels need it
-  if isinstance(requested, plgpu.InterpretGPUParams):
-    return requested
-  return plgpu.InterpretGPUParams() if interpreted(requested) else False
-
-
 def pallas_call(kernel, *, out_shape, interpret: bool | None = None, **kwargs):
   """`pl.pallas_call`, interpreted where `interpreted(interpret)` says; or within `shapes_only()` a
   call whose results (`out_shape`) are opaque functions of every operand: the kernel's buffers

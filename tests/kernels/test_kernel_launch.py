@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deepseek41.ops import launch
+from deepseek41.ops.gpu.mgpu_common import interpret_params
 from tests.helpers import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -174,10 +176,9 @@ def test_contracts_import_without_jax():
 
 
 def test_mosaic_gpu_kernels_follow_the_rule():
-  """plgpu.kernel's interpret= from the same rule: the interpreter here unless told otherwise,
-  a test's own interpreter parameters kept."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  assert isinstance(launch.mosaic_gpu_interpret(), plgpu.InterpretGPUParams)
-  assert launch.mosaic_gpu_interpret(False) is False
+  """plgpu.kernel's interpret= (ops/gpu/mgpu_common.py) from the same rule: the interpreter here
+  unless told otherwise, a test's own interpreter parameters kept."""
+  assert isinstance(interpret_params(None), plgpu.InterpretGPUParams)
+  assert interpret_params(False) is False
   mine = plgpu.InterpretGPUParams(detect_races=True)
-  assert launch.mosaic_gpu_interpret(mine) is mine
+  assert interpret_params(mine) is mine

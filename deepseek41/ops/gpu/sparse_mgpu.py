@@ -84,8 +84,9 @@ Mosaic GPU in jax 0.11.2: what is missing or broken, and what this kernel does a
   accumulator (as in window_mgpu.py's docstring), so interpreted, the PV product is
   `acc + jnp.dot(p_smem[...], v_smem[...])` (mgpu_common.py `accumulate`); the TMAs, the
   barriers, the repack, the score wgmmas, the exchanges and the masks are interpreted as
-  compiled. `set_max_registers` is a no-op there. Every barrier phase is waited for by some warpgroup (the interpreter checks
-  at deallocation): hence the producer's last `kv_free` wait and the consumers' last `p_free`.
+  compiled. `set_max_registers` is a no-op there. Every barrier phase is waited for by some
+  warpgroup (the interpreter checks at deallocation): hence the producer's last `kv_free` wait
+  and the consumers' last `p_free`.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from deepseek41.ops import launch
-from deepseek41.ops.gpu.mgpu_common import LOG2E, ROWS, accumulate, softmax_start
+from deepseek41.ops.gpu.mgpu_common import (LOG2E, ROWS, accumulate, interpret_params,
+                                             softmax_start, store_o_and_lse)
 from deepseek41.ops.launch import pad_axis
 
 BLOCK_K = 64       # selected slots per step; each consumer warpgroup scores half of them
@@ -236,17 +237,9 @@ def _kernel(q_ref, kv_ref, meta_ref, o_ref, lse_ref, scratch, *, d, k_rows, scal
     acc = acc * lax.broadcast_in_dim(1.0 / l_r, acc.shape, [0])
     # q is no longer read (both warpgroups passed the last `p_ready`): it stages the output.
     q_smem[w] = acc.astype(dt)
-
-    @pl.when(w == 0)
-    def _():
-      lse_smem[...] = jnp.where(seen_r, m_r / LOG2E + jnp.log(l_r), -jnp.inf)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem.at[w], o_ref.at[b, rows, half])
-
-    @pl.when(w == 0)
-    def _():
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, rows])
-    plgpu.wait_smem_to_gmem(0)
+    store_o_and_lse(w, q_smem.at[w], o_ref.at[b, rows, half],
+                    jnp.where(seen_r, m_r / LOG2E + jnp.log(l_r), -jnp.inf), lse_smem,
+                    lse_ref.at[b, rows])
 
 
 def slot_metadata(idx_btk, valid_btk):
@@ -320,7 +313,7 @@ def sparse_forward_mgpu(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float | No
       plgpu.Barrier(num_arrivals=2),                           # p_ready
       plgpu.Barrier(num_arrivals=2),                           # p_free
   )
-  interpret = launch.mosaic_gpu_interpret(interpret)
+  interpret = interpret_params(interpret)
   kernel = functools.partial(_kernel, d=d, k_rows=k_rows, scale=scale,
                              interpret=bool(interpret))
   o_brd, lse_br = plgpu.kernel(

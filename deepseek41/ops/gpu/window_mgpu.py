@@ -67,8 +67,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from deepseek41.ops import launch
-from deepseek41.ops.gpu.mgpu_common import LOG2E, ROWS, accumulate, softmax_start
+from deepseek41.ops.gpu.mgpu_common import (LOG2E, ROWS, accumulate, interpret_params,
+                                             softmax_start, store_o_and_lse)
 from deepseek41.ops.launch import pad_axis
 
 KEY_ALIGN = 8      # a key walk starts at a multiple of the smem tile's 8 rows (TMA indexing)
@@ -182,18 +182,9 @@ def _kernel(q_ref, kv_ref, segr_ref, segk_ref, o_ref, lse_ref, scratch, *, heads
   # a phase that nobody observes would outlive the kernel (the interpreter checks).
   plgpu.barrier_wait(s_free)
   lse_smem = ids_smem.at[0, 0, pl.ds(0, ROWS)]
-
-  @pl.when(w == 0)
-  def _():
-    lse_r = jnp.where(seen_r, m_r / LOG2E + jnp.log(l_r), -jnp.inf)
-    lse_smem[...] = lax.bitcast_convert_type(lse_r, jnp.int32)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(q_smem.at[w], o_ref.at[b, rows, half])
-
-  @pl.when(w == 0)
-  def _():
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, rows])
-  plgpu.wait_smem_to_gmem(0)
+  store_o_and_lse(w, q_smem.at[w], o_ref.at[b, rows, half],
+                  jnp.where(seen_r, m_r / LOG2E + jnp.log(l_r), -jnp.inf), lse_smem,
+                  lse_ref.at[b, rows], lse_as_int32=True)
 
 
 @functools.partial(jax.jit, static_argnames=('window', 'scale', 'interpret', 'block_k',
@@ -256,7 +247,7 @@ def window_forward_mgpu(q_bthd, kv_btd, segment_ids_bt, *, window: int,
       plgpu.Barrier(num_arrivals=2),
       plgpu.Barrier(num_arrivals=2),
   )
-  interpret = launch.mosaic_gpu_interpret(interpret)
+  interpret = interpret_params(interpret)
   kernel = functools.partial(_kernel, heads=h, window=window, scale=scale, nk=nk,
                              block_k=block_k, stages=stages, interpret=bool(interpret))
   o_brd, lse_br = plgpu.kernel(
