@@ -113,8 +113,8 @@ def comparison_map(reports: list[tuple[str | None, dict]], path: str, key: str =
       if not mine:
         ax.axis('off')
         continue
-      title = f'{name} ({how})' if label is None else f'{label}: {name}'
-      image = _draw_task(ax, mine, title)
+      panel = f'{name} ({how})' if label is None else f'{label}: {name}'
+      image = _draw_task(ax, mine, panel)
   if image is not None:
     fig.colorbar(image, ax=axes.ravel().tolist(), label='accuracy')
   fig.suptitle(title or f'accuracy by depth and context length ({how})', fontsize=10)

@@ -64,3 +64,15 @@ def test_runs_of_one_variant_are_pooled(summarize, reports, tmp_path, capsys):
   assert lines[1].split() == ['accuracy', 'dense', 'window']
   assert lines[2].split() == ['passkey@256', '0.500', '0.625']  # (3 + 4 + 1 + 0) / 16
   assert lines[-1].split() == ['passkey', '1.000', '0.500']  # held-out losses averaged
+
+
+def test_plot_title_is_the_figures_not_a_panels(summarize, reports, tmp_path, monkeypatch):
+  """The figure's title says what is shown; it read the last panel's ('window: passkey')."""
+  matplotlib = pytest.importorskip('matplotlib')
+  titles = []
+  save = matplotlib.figure.Figure.savefig
+  monkeypatch.setattr(matplotlib.figure.Figure, 'savefig',
+                      lambda fig, *a, **k: (titles.append(fig._suptitle.get_text()),
+                                            save(fig, *a, **k)))
+  assert summarize.main([*reports, f'--plot={tmp_path / "v.png"}']) == 0
+  assert titles == ['accuracy by depth and context length (teacher-forced)']
