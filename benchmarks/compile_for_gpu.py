@@ -41,7 +41,9 @@ import hlo_kernels  # noqa: E402  (benchmarks/hlo_kernels.py)
 from deepseek41.config import resolve  # noqa: E402
 from deepseek41.ops import launch  # noqa: E402
 from deepseek41.tools.info import CONFIG_FLAG  # noqa: E402  (--config and its overrides)
-from deepseek41.tools.memory_plan import lowered_train_step  # noqa: E402
+from deepseek41.sharding import make_mesh  # noqa: E402
+from deepseek41.tools.memory_plan import (  # noqa: E402
+    compiled_optimizer_update, lowered_train_step, program_memory)
 
 # The GPUs' descriptions for XLA's compiler (GpuTargetConfig, text format): what it reads to
 # choose fusions, tiles and launch shapes. Hopper SXM parts; the H200 differs in memory size and
@@ -94,22 +96,11 @@ def compile_step(cfg, devices):
 
 
 def compile_optimizer(cfg, devices):
-  import optax
   from flax import nnx
   from deepseek41.model.params import RouterBias
-  from deepseek41.train.optimizer import make_optimizer
   from deepseek41.train.state import build_model
-  one = jax.sharding.SingleDeviceSharding(devices[0])
   _, params, _ = nnx.split(nnx.eval_shape(lambda: build_model(cfg)), nnx.Param, RouterBias)
-  tx = make_optimizer(cfg.train)
-  place = lambda tree: jax.tree.map(  # noqa: E731
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
-
-  def update(params, opt_state, grads):
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-  return jax.jit(update, donate_argnums=(0, 1)).lower(
-      place(params), place(jax.eval_shape(tx.init, params)), place(params)).compile()
+  return compiled_optimizer_update(cfg, make_mesh(cfg.mesh, devices), params)
 
 
 def main(argv):
@@ -129,17 +120,15 @@ def main(argv):
   if _HLO_OUT.value:
     with open(_HLO_OUT.value, 'w') as f:
       f.write(text)
-  mem = compiled.memory_analysis()
+  mem = program_memory(compiled)
   rows = hlo_kernels.kernels(text)
   kinds = {}
   for k in rows:
     kinds[k.kind] = kinds.get(k.kind, 0) + 1
   summary = dict(program=_PROGRAM.value, target=_TARGET.value,
                  lower_and_compile_s=round(seconds, 1),
-                 argument_gb=mem.argument_size_in_bytes / 1e9, temp_gb=mem.temp_size_in_bytes / 1e9,
-                 output_gb=mem.output_size_in_bytes / 1e9, alias_gb=mem.alias_size_in_bytes / 1e9,
-                 peak_gb=(mem.argument_size_in_bytes + mem.temp_size_in_bytes +
-                          mem.output_size_in_bytes - mem.alias_size_in_bytes) / 1e9,
+                 **{f'{part}_gb': mem[part] / 1e9
+                    for part in ('argument', 'temp', 'output', 'alias', 'peak')},
                  kernels=len(rows), gb_moved=sum(k.bytes for k in rows) / 1e9,
                  copies=kinds.get('%copy', 0),
                  transposing=sum(n for kind, n in kinds.items() if 'transpose' in kind))

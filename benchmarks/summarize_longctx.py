@@ -28,6 +28,7 @@ from deepseek41.eval.report import comparison_map  # noqa: E402  (stdlib only at
 
 
 def _load(path: str) -> tuple[str, dict]:
+  """(name, report): the file's name without gpu_longctx.sh's `longctx_` (the variant)."""
   name = os.path.splitext(os.path.basename(path))[0]
   with open(path) as f:
     return name.removeprefix('longctx_') or name, json.load(f)
@@ -45,7 +46,7 @@ def _pool_tasks(entries: list[dict]) -> list[dict]:
     merged = {k: runs[0][k] for k in ('task', 'length', 'label', 'depth')}
     merged.update(answers=answers, correct=sum(t['correct'] for t in runs))
     merged['acc'] = merged['correct'] / answers if answers else 0.0
-    measures = {m for t in runs for m, v in t.get('selection', {}).items() if m != 'layers'}
+    measures = {m for t in runs for m in t.get('selection', {}) if m != 'layers'}
     if measures:
       merged['selection'] = {
           m: sum(t['selection'][m] * t['answers'] for t in runs) / answers

@@ -260,6 +260,14 @@ def _memory(compiled) -> dict[str, int]:
           'flops': float(cost.get('flops', 0.0))}
 
 
+def program_memory(compiled) -> dict:
+  """`_memory` of a whole program, with its peak: arguments, temporaries and outputs, less the
+  outputs that alias (donated) arguments."""
+  mem = _memory(compiled)
+  mem['peak'] = mem['argument'] + mem['temp'] + mem['output'] - mem['alias']
+  return mem
+
+
 def _is_float(x) -> bool:
   return jnp.issubdtype(x.dtype, jnp.floating)
 
@@ -328,8 +336,7 @@ def full_step_memory(cfg: RunConfig, devices=None) -> dict:
   the check of the per-layer assembly, affordable for small models only."""
   t0 = time.perf_counter()
   lowered, options = lowered_train_step(cfg, devices)
-  mem = _memory(lowered.compile(options))
-  mem['peak'] = mem['argument'] + mem['temp'] + mem['output'] - mem['alias']
+  mem = program_memory(lowered.compile(options))
   mem['compile_seconds'] = time.perf_counter() - t0
   return mem
 
@@ -481,8 +488,14 @@ def _compile_layer(cfg, mesh, block, inputs, batch, spec) -> dict:
 
 
 def _compile_optimizer(cfg, mesh, params) -> dict:
-  """The optimizer (train/optimizer.py: AdamW or muon_hybrid) on the sharded parameters, state
-  donated as the trainer does."""
+  t0 = time.perf_counter()
+  compiled = compiled_optimizer_update(cfg, mesh, params)
+  return {'update': _memory(compiled), 'compile_seconds': time.perf_counter() - t0}
+
+
+def compiled_optimizer_update(cfg: RunConfig, mesh, params):
+  """The optimizer's update (train/optimizer.py: AdamW or muon_hybrid) compiled on the sharded
+  parameters, state donated as the trainer does."""
   tx = make_optimizer(cfg.train)
   opt = jax.eval_shape(tx.init, params)
   rules = cfg.mesh.rules
@@ -493,11 +506,8 @@ def _compile_optimizer(cfg, mesh, params) -> dict:
     updates, opt = tx.update(grads, opt, params)
     return optax.apply_updates(params, updates), opt
 
-  t0 = time.perf_counter()
-  compiled = jax.jit(update, in_shardings=(p_sh, o_sh, p_sh), out_shardings=(p_sh, o_sh),
-                     donate_argnums=(0, 1)).lower(params, opt, params).compile(
-                         compile_options(p_sh))
-  return {'update': _memory(compiled), 'compile_seconds': time.perf_counter() - t0}
+  return jax.jit(update, in_shardings=(p_sh, o_sh, p_sh), out_shardings=(p_sh, o_sh),
+                 donate_argnums=(0, 1)).lower(params, opt, params).compile(compile_options(p_sh))
 
 
 class _View:
