@@ -1,8 +1,10 @@
 # Sourced by the benchmarks/gpu_*.sh scripts: $OUT, the carried wheels, and the GPU's name.
 OUT=${OUT:-/tmp/ds41-bench}; mkdir -p "$OUT"
 if [ -d .whl ]; then  # grain, array-record, ml_collections, portpicker, tensorboardX
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+  # Once a machine: a script started by another (side by side) finds them installed.
+  [ -d /tmp/site/grain ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi

@@ -39,9 +39,29 @@
 #   PATH=.venv/bin:$PATH OUT=/tmp/lc CONFIG=configs/tiny.py SHORT_LEN=256 SHORT_BATCH=4 \
 #     SHORT_TASK_LEN=128 SHORT_STEPS=6 SHORT_EVERY=6 STEPS=4 LEN=256 BATCH=2 TASK_FLAGS=" " \
 #     EXAMPLES=2 EVAL_TASKS=mqar@256,passkey@256 bash benchmarks/gpu_longctx.sh csa2
+# Side by side: `bash benchmarks/gpu_longctx.sh dense csa2` trains the variants at once on the
+# one GPU, each a process with 1/N of its memory (XLA_PYTHON_CLIENT_MEM_FRACTION), so their
+# compilations (CPU-bound, about a third of a stage) overlap and one call holds the comparison.
+# Give step counts, not only budgets, so both see the same tokens: e.g. SHORT_STEPS=200
+# STEPS=50 SHORT_S=300 TRAIN_S=210. On a GPU under 100 GB (an H100) each batch is halved and
+# each step count doubled: the same tokens in each process's share of the memory.
 set -uo pipefail
 variant=${1:-csa2}
 source benchmarks/device_env.sh
+if [ $# -gt 1 ]; then
+  gb=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  if [ -n "$gb" ] && [ "$gb" -lt 100000 ]; then
+    export SHORT_BATCH=$(( ${SHORT_BATCH:-16} / 2 )) BATCH=$(( ${BATCH:-4} / 2 ))
+    export SHORT_STEPS=$(( ${SHORT_STEPS:-300} * 2 )) STEPS=$(( ${STEPS:-70} * 2 ))
+  fi
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.92 / $#, 2))")
+  echo "side by side: $* (memory fraction $XLA_PYTHON_CLIENT_MEM_FRACTION each, GPU ${gb:-?} MiB)" \
+    | tee -a "$OUT/summary.txt"
+  for v in "$@"; do bash "$0" "$v" > "$OUT/side_$v.txt" 2>&1 & done
+  wait
+  for v in "$@"; do tail -n 30 "$OUT/side_$v.txt"; done
+  exit 0
+fi
 CONFIG=${CONFIG:-configs/ablation_longctx.py}
 VARIANT_KEY=${VARIANT_KEY:-model.attention_variant}
 SHORT_LEN=${SHORT_LEN:-4096}
