@@ -118,7 +118,7 @@ else echo \"worker \$worker: no trainer running\"; fi"
   exit
 fi
 
-# Preflight: the TPU compiler's plan of this config on this slice (tools/tpu_plan.py); a step
+# Preflight: the TPU compiler's plan of this config on this slice (tools/topology_plan.py); a step
 # that cannot fit fails here, in minutes, instead of on every worker after the sync.
 if [[ -n ${TOPOLOGY:-} ]]; then
   plan=("${PLAN_PYTHON:-$root/.venv/bin/python}" -m deepseek41.tools.plan --topology="$TOPOLOGY")

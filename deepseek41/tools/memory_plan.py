@@ -63,7 +63,7 @@ the target's dtypes.
 
 `--topology=v5p:8x8x4` (any TPU slice; the tpu extra): the TPU compiler's plan instead, the
 step compiled deviceless for that slice with the TPU's own kernels and buffers
-(tools/tpu_plan.py; `--per_layer` for the per-role assembly above with the TPU compiler).
+(tools/topology_plan.py; `--per_layer` for the per-role assembly above with the TPU compiler).
 """
 
 from __future__ import annotations
@@ -178,7 +178,8 @@ def planned_config(config, mesh_sizes: dict[str, int], *, batch: int | None = No
                    seq_len: int | None = None, backend: str = 'cpu',
                    compile_for: str = 'cpu') -> tuple[RunConfig, list]:
   """The config on this mesh at this batch and length, compile-able on the CPU for `backend`
-  (compile_for='tpu': for the TPU compiler, the auto choices the TPU's, nothing stood in)."""
+  (compile_for='tpu' or 'gpu': for that target's compiler, deviceless, the auto choices its
+  own, nothing stood in: tools/topology_plan.py)."""
   config = config.copy_and_resolve_references()
   for axis in MeshConfig.AXES:
     config.mesh[axis] = mesh_sizes.get(axis, 1)
@@ -186,8 +187,8 @@ def planned_config(config, mesh_sizes: dict[str, int], *, batch: int | None = No
     config.train.batch_size = batch
   if seq_len is not None:
     config.data.seq_len = seq_len
-  if compile_for == 'tpu':
-    return resolve(config, num_devices=math.prod(mesh_sizes.values()), backend='tpu'), []
+  if compile_for in ('tpu', 'gpu'):
+    return resolve(config, num_devices=math.prod(mesh_sizes.values()), backend=compile_for), []
   notes = cpu_stand_ins(config.model, backend)
   resolve_for = 'gpu' if backend == 'gpu' else 'cpu'   # the GPU's choices, compiled as above
   return resolve(config, num_devices=math.prod(mesh_sizes.values()), backend=resolve_for), notes
@@ -296,7 +297,7 @@ FAST_CPU_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expen
 
 
 def compile_options(shardings):
-  """FAST_CPU_COMPILE on the CPU; the TPU compiler (tools/tpu_plan.py) takes its defaults."""
+  """FAST_CPU_COMPILE on the CPU; the TPU compiler (tools/topology_plan.py) takes its defaults."""
   named = [s for s in jax.tree.leaves(shardings) if isinstance(s, NamedSharding)]
   cpu = not named or named[0].mesh.devices.flat[0].platform == 'cpu'
   return FAST_CPU_COMPILE if cpu else None
@@ -317,7 +318,7 @@ def _compile(fn, args, shardings, out_shardings=None, name=''):
 def lowered_train_step(cfg: RunConfig, devices=None):
   """(The whole train step lowered as the trainer jits it (state donated), its compile
   options) on the config's mesh of `devices` (fake CPU devices, or a TPU topology's for
-  tools/tpu_plan.py)."""
+  tools/topology_plan.py)."""
   mesh = make_mesh(cfg.mesh, devices)
   tx = make_optimizer(cfg.train)
   md = model_def(cfg, tx)

@@ -1,10 +1,10 @@
 """`python -m deepseek41.tools.plan --config=configs/v41_flash.py --devices=256 --mesh=fsdp=32,expert=8 --batch=256 --seq_len=4096 --device_kind=h200 [--search] [--json]`
 
 The command line of the memory planner (tools/memory_plan.py says what it counts and how):
-one mesh (`--mesh`), every mesh of a device count that fits (`--search`), or a TPU slice with
-the TPU compiler, deviceless (`--topology`, tools/tpu_plan.py). Planning needs as many devices
-as the mesh has: without them here the plan runs in a worker process with that many fake CPU
-devices.
+one mesh (`--mesh`), every mesh of a device count that fits (`--search`), or a TPU slice or GPU
+hosts with the target's own compiler, deviceless (`--topology`, tools/topology_plan.py).
+Planning needs as many devices as the mesh has: without them here the plan runs in a worker
+process with that many fake CPU devices.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import ml_collections
 from absl import app, flags
 
-from deepseek41.tools import info, tpu_plan
+from deepseek41.tools import info, topology_plan
 from deepseek41.tools.info import parse_mesh
 from deepseek41.tools.memory_plan import DEVICE_KINDS, GIB, candidate_meshes, plan, report
 
@@ -33,9 +33,11 @@ _KIND = flags.DEFINE_enum('device_kind', 'h200', list(DEVICE_KINDS), 'Device pre
 _HBM = flags.DEFINE_float('hbm_gib', None, 'Device memory in GiB (overrides the preset).')
 _CHECK = flags.DEFINE_bool('check_full_step', False, 'Also compile the whole train step on the '
                            'same mesh and compare (small models: it is the whole program).')
-_TOPOLOGY = flags.DEFINE_string('topology', None, 'A TPU slice, e.g. v5p:8x8x4: compile the step '
-                                'for it with the TPU compiler, deviceless (tools/tpu_plan.py; '
-                                'needs the tpu extra). --mesh defaults to the config\'s mesh.')
+_TOPOLOGY = flags.DEFINE_string('topology', None, 'A TPU slice (v5p:8x8x4; needs the tpu extra) '
+                                'or GPU hosts (h200, h200:8, h100:2x8; needs jax\'s CUDA plugin, '
+                                'tools/gpu_target.py): compile the step for it with its own '
+                                'compiler, deviceless (tools/topology_plan.py). --mesh defaults '
+                                'to the config\'s mesh.')
 _PER_LAYER = flags.DEFINE_bool('per_layer', False, 'With --topology: compile one layer of each '
                                'role and assemble, instead of the whole step (large models).')
 _SEARCH = flags.DEFINE_bool('search', False, 'Plan every fsdp x expert x tensor mesh of the '
@@ -78,7 +80,7 @@ def main(argv):
   devices = _DEVICES.value
   mesh = parse_mesh(_MESH.value)
   if _TOPOLOGY.value:
-    _main_tpu(config, mesh)
+    _main_topology(config, mesh)
     return
   if devices is None and not mesh:
     raise app.UsageError('give --devices, --mesh or both')
@@ -113,14 +115,20 @@ def main(argv):
   print(json.dumps(result, default=float) if _JSON.value else report(result))
 
 
-def _main_tpu(config, mesh: dict[str, int]):
-  """--topology: the TPU compiler's plan (tools/tpu_plan.py); exits 1 when it does not fit."""
-  # The topology is compiled for without a TPU backend: never take a TPU this host may have.
+def _main_topology(config, mesh: dict[str, int]):
+  """--topology: the target compiler's plan (tools/topology_plan.py); exits 1 when it does not
+  fit."""
+  # The topology is compiled for without its backend: never take a TPU or GPU this host has.
   jax.config.update('jax_platforms', 'cpu')
-  result = tpu_plan.tpu_plan(config, _TOPOLOGY.value, mesh or None, batch=_BATCH.value,
-                             seq_len=_SEQ_LEN.value, per_layer_programs=_PER_LAYER.value,
-                             hbm=_HBM.value * GIB if _HBM.value else None)
-  print(json.dumps(result, default=float) if _JSON.value else tpu_plan.report(result))
+  try:
+    result = topology_plan.topology_plan(
+        config, _TOPOLOGY.value, mesh or None, batch=_BATCH.value, seq_len=_SEQ_LEN.value,
+        per_layer_programs=_PER_LAYER.value, hbm=_HBM.value * GIB if _HBM.value else None)
+  except (RuntimeError, ValueError) as e:
+    if '--topology' not in str(e) and '--mesh' not in str(e):
+      raise
+    raise app.UsageError(str(e)) from None
+  print(json.dumps(result, default=float) if _JSON.value else topology_plan.report(result))
   if not result['fits']:
     sys.exit(1)
 

@@ -75,7 +75,7 @@ def test_index_scores_tpu_equals_reference_in_interpret_mode():
 @pytest.mark.parametrize('topology', ['v5p:2x2x1', 'v6e:2x2'])
 def test_kernels_compile_for_tpu_deviceless(topology):
   pytest.importorskip('libtpu', reason="libtpu is not installed: pip install -e '.[tpu]'")
-  from deepseek41.tools.tpu_plan import topology_devices
+  from deepseek41.tools.topology_plan import topology_devices
   one_chip = NamedSharding(Mesh(np.array(topology_devices(topology)[:1]), ('x',)), P())
 
   def spec(shape, dtype):
@@ -129,7 +129,7 @@ def test_the_model_dispatch_runs_the_mosaic_indexer():
   np.testing.assert_allclose(np.where(visible, got, 0), np.where(visible, want, 0), atol=1e-4,
                              rtol=1e-5)
   pytest.importorskip('libtpu', reason="libtpu is not installed: pip install -e '.[tpu]'")
-  from deepseek41.tools.tpu_plan import topology_devices
+  from deepseek41.tools.topology_plan import topology_devices
   mesh = Mesh(np.array(topology_devices('v5p:2x2x1')).reshape(4), ('data',))
   rows = NamedSharding(mesh, P('data'))
   args = [jax.ShapeDtypeStruct((4, *x.shape[1:]), x.dtype, sharding=rows) for x in (q, w, k)]
@@ -145,7 +145,7 @@ def test_a_mesh_with_more_axes_than_the_torus():
   pytest.importorskip('libtpu', reason="libtpu is not installed: pip install -e '.[tpu]'")
   from deepseek41.config import MeshConfig
   from deepseek41.sharding import make_mesh
-  from deepseek41.tools.tpu_plan import topology_devices
+  from deepseek41.tools.topology_plan import topology_devices
   mc = MeshConfig(data=2, fsdp=2, expert=2, tensor=2, context=2,
                   sequence_parallel=True, rules=())
   mesh = make_mesh(mc, topology_devices('v5p:2x4x4'))

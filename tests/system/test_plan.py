@@ -4,6 +4,8 @@ compiled full train step (8 fake CPU devices, tests/conftest.py)."""
 import dataclasses
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,7 +15,7 @@ import pytest
 
 from deepseek41.config import layer_roles, load_config_file, resolve
 from deepseek41.sharding import make_mesh
-from deepseek41.tools import memory_plan, plan
+from deepseek41.tools import gpu_target, memory_plan, plan
 from deepseek41.train import state as state_lib
 from deepseek41.train.optimizer import make_optimizer
 from tests.helpers import REPO_ROOT, jaxpr_eqns
@@ -135,6 +137,19 @@ def test_bad_mesh_is_named():
   with pytest.raises(Exception, match='mesh'):
     memory_plan.planned_config(load_config_file(os.path.join(ROOT, 'configs', 'tiny.py')),
                         {'fsdp': 3})
+
+
+@pytest.mark.skipif(gpu_target.compiler_available(), reason="jax's CUDA plugin is installed")
+def test_gpu_topology_without_the_cuda_plugin_is_a_usage_error():
+  """`--topology=h200:8` where the GPU compiler is not installed: one line that says how to get
+  it (tools/gpu_target.py), no traceback."""
+  out = subprocess.run([sys.executable, '-m', 'deepseek41.tools.plan', '--config=configs/tiny.py',
+                        '--topology=h200:8'], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+  assert out.returncode != 0
+  assert '--topology=h200:8 needs the GPU compiler: bash benchmarks/get_gpu_compiler.sh' in \
+      out.stderr
+  assert 'Traceback' not in out.stderr
 
 
 def test_activations_split_as_the_trainer_splits_the_residual():

@@ -1,7 +1,7 @@
 """The TPU lowering, on a CPU-only machine: with libtpu (the `tpu` extra) the whole train step of
 configs/tiny.py is compiled deviceless by the TPU compiler for a v5p slice of 8 chips, on a mesh
 with fsdp, expert and tensor parallelism (one mesh axis per torus dimension: jax's mesh builder
-does not split a physical axis), as the trainer jits it (tools/tpu_plan.py).
+does not split a physical axis), as the trainer jits it (tools/topology_plan.py).
 
 Skipped where libtpu is not installed (`pip install -e '.[tpu]'`; .ci/run installs it).
 """
@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 pytest.importorskip('libtpu', reason="libtpu is not installed: pip install -e '.[tpu]'")
 
 from deepseek41.config import load_config_file  # noqa: E402
-from deepseek41.tools import memory_plan, tpu_plan  # noqa: E402
+from deepseek41.tools import memory_plan, topology_plan  # noqa: E402
 from deepseek41.train.flops import flops_per_token  # noqa: E402
 from tests.helpers import REPO_ROOT
 
@@ -29,22 +29,22 @@ MESH = {'fsdp': 2, 'expert': 2, 'tensor': 2}
 @pytest.fixture(scope='module')
 def tiny_plan():
   config = load_config_file(os.path.join(ROOT, 'configs', 'tiny.py'))
-  return config, tpu_plan.tpu_plan(config, TOPOLOGY, MESH)
+  return config, topology_plan.topology_plan(config, TOPOLOGY, MESH)
 
 
 def test_topology_and_its_chip():
-  devices = tpu_plan.topology_devices(TOPOLOGY)
+  devices = topology_plan.topology_devices(TOPOLOGY)
   assert len(devices) == 8 and {d.platform for d in devices} == {'tpu'}
   assert devices[0].device_kind == 'TPU v5'
-  assert tpu_plan.hbm_bytes(devices[0].device_kind) == 95.73 * 2**30
+  assert topology_plan.hbm_bytes(devices[0].device_kind) == 95.73 * 2**30
   with pytest.raises(ValueError, match="--topology='v5p:banana'"):
-    tpu_plan.topology_devices('v5p:banana')
+    topology_plan.topology_devices('v5p:banana')
 
 
 def test_the_compilers_refusal_is_read_as_does_not_fit():
   """A program larger than the chip is refused by the TPU compiler; the plan reads how large
   (here a 16 GiB outer product on a 15.75 GiB v5e)."""
-  chip = NamedSharding(Mesh(np.array(tpu_plan.topology_devices('v5e:2x2')[:1]), ('x',)), P())
+  chip = NamedSharding(Mesh(np.array(topology_plan.topology_devices('v5e:2x2')[:1]), ('x',)), P())
   x = jax.ShapeDtypeStruct((2**16,), jnp.float32, sharding=chip)
   with pytest.raises(jax.errors.JaxRuntimeError) as refusal:
     jax.jit(lambda x: x[:, None] * x[None, :]).lower(x).compile()
@@ -84,8 +84,8 @@ def test_full_train_step_compiles_for_a_v5p_slice(tiny_plan):
   # what tensor parallelism replicates: 3.04e9 against 1.74e9 counted (1.75x) here;
   # ablation_1b's 4K step on v6e-8 came out at 1.11x.
   tokens = p['batch'] * p['seq_len']
-  m = tpu_plan.tpu_config(config, MESH).model
+  m = topology_plan.topology_config(config, MESH).model
   counted = flops_per_token(m, p['seq_len']).total * tokens / p['chips']
   assert counted < c['flops'] < 3 * counted, (c['flops'], counted)
-  text = tpu_plan.report(p)
+  text = topology_plan.report(p)
   assert 'fits, headroom' in text and 'TPU v5' in text and 'FLOPs' in text

@@ -34,7 +34,7 @@ LEVEL = {unit: level for level, units in enumerate(LAYERS) for unit in units}
 OPTIONAL = {
     'wandb': "the 'wandb' extra (log.wandb_project)",
     'matplotlib': "the 'plot' / 'test' extras (tools.compare --out, the eval command's heat map)",
-    'libtpu': "the 'tpu' extra (tools.tpu_plan compiles for TPU slices)",
+    'libtpu': "the 'tpu' extra (tools.topology_plan compiles for TPU slices)",
     'torch': "the 'hf' extra (benchmarks/hf_parity.py)",
     'transformers': "the 'hf' extra",
 }

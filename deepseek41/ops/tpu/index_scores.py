@@ -87,7 +87,7 @@ def index_scores_tpu(q_bthc, w_bth, k_bnc, limit_bt, *, block_q: int = 128, bloc
           out_specs=pl.BlockSpec((None, bq, bn), lambda bi, i, j, lim: (bi, i, j))),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=('parallel', 'parallel', 'arbitrary')),
-      # What the compiler's cost_analysis (tools/tpu_plan.py) counts for the kernel: every
+      # What the compiler's cost_analysis (tools/topology_plan.py) counts for the kernel: every
       # tile's matmuls (the causal skip is data-dependent), q and w once, k once per query tile.
       cost_estimate=pl.CostEstimate(
           flops=2 * b * tp * np_ * h * c, transcendentals=0,

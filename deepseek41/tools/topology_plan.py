@@ -1,33 +1,39 @@
 """`python -m deepseek41.tools.plan --config=configs/v41_flash.py --topology=v5p:8x8x4 --mesh=fsdp=32,expert=8 [--batch=N] [--seq_len=T] [--per_layer] [--json]`
+`python -m deepseek41.tools.plan --config=configs/ablation_1b.py --topology=h200:8 [--mesh=...]`
 
-The plan from the TPU compiler, on a machine without a TPU: `libtpu` (the `tpu` extra) compiles
-for a TPU topology deviceless (`jax.experimental.topologies`), so the train step is jitted as the
-trainer jits it (train/trainer.py: state shardings, batch sharding, state donated) on a mesh of
-the topology's devices and compiled by the real TPU compiler. Per chip:
+The plan from the target's own compiler, on a machine without the target: a TPU slice through
+`libtpu` (the `tpu` extra), or Hopper GPUs through jax's CUDA plugin (optional, outside the
+project's dependencies: tools/gpu_target.py says how to get it and what differs from the GPU's
+own compile). Either compiles for a topology deviceless (`jax.experimental.topologies`), so the
+train step is jitted as the trainer jits it (train/trainer.py: state shardings, batch sharding,
+state donated) on a mesh of the topology's devices and compiled by the real compiler. Per device:
 
   parameters, optimizer, gradients  exact: the sharded abstract state (tools/plan.state_bytes)
-  argument, output, alias, temp     the TPU compiler's `memory_analysis()` of the whole step
+  argument, output, alias, temp     the compiler's `memory_analysis()` of the whole step
                                     (temp holds the gradients, the activations and the
                                     collectives' buffers); peak = argument + temp + output - alias
-  FLOPs                             the TPU compiler's `cost_analysis()` of the per-chip program
+  FLOPs                             the compiler's `cost_analysis()` of the per-device program
 
-against the chip's HBM (`device_kind` of the topology). The auto choices resolve for backend
-'tpu' (config.py: bf16 compute, ragged_dot experts with the ragged all-to-all, the XLA paths of
-the attention ops), so nothing is stood in for as the CPU plan does.
+against the device's memory. The auto choices resolve for the target's backend (config.py: on
+the TPU bf16 compute, ragged_dot experts with the ragged all-to-all, the XLA paths of the
+attention ops; on the GPU the Pallas kernels, compiled for sm_90, and the grouped experts), so
+nothing is stood in for as the CPU plan does. GPU topologies: `h200` (one), `h200:8` (one host of
+eight), `h100:2x8` (two hosts of eight).
 
 `--per_layer`: one layer of each role, the embedding, the head + loss and the optimizer update
 are compiled apart (tools/plan.compile_programs) and assembled (tools/plan.assemble) as the CPU
-plan does, now with the TPU compiler's buffers; FLOPs are the programs' sum (each role's times
-its layer count, times 4/3 under block remat: `per_layer`). For the released model, where the
-whole 40-layer step takes too long to compile on a small machine.
+plan does, now with the target compiler's buffers; FLOPs are the programs' sum (each role's
+times its layer count, times 4/3 under block remat: `per_layer`). For the released model, where
+the whole 40-layer step takes too long to compile on a small machine.
 
-Meshes must lie on the slice's torus: jax.make_mesh (deepseek41/sharding.py) gives each mesh axis
-a product of whole physical axes (split ones only on v5e), so e.g. fsdp=16,expert=8,tensor=4 is
-v5p:4x8x16, not v5p:8x8x8.
+TPU meshes must lie on the slice's torus: jax.make_mesh (deepseek41/sharding.py) gives each mesh
+axis a product of whole physical axes (split ones only on v5e), so e.g. fsdp=16,expert=8,tensor=4
+is v5p:4x8x16, not v5p:8x8x8.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -36,8 +42,8 @@ import jax
 from jax.experimental import topologies
 
 from deepseek41.config import MeshConfig, RunConfig, remat_label, remats_layer, resolve
-from deepseek41.tools import memory_plan as cpu_plan
-from deepseek41.tools.memory_plan import over_hbm
+from deepseek41.tools import gpu_target, memory_plan as cpu_plan
+from deepseek41.tools.memory_plan import DEVICE_KINDS, over_hbm
 
 GIB = 2**30
 
@@ -62,7 +68,10 @@ def libtpu_available() -> bool:
 
 
 def topology_devices(name: str) -> list:
-  """The devices of a TPU slice, e.g. 'v5p:2x2x1', 'v5e:2x4', 'v6e:4x4'; no TPU needed."""
+  """The devices of a TPU slice ('v5p:2x2x1', 'v5e:2x4', 'v6e:4x4') or of GPU hosts ('h200:8',
+  tools/gpu_target.py); no TPU or GPU needed."""
+  if gpu_target.parse_topology(name):
+    return gpu_target.topology_devices(name)
   if not libtpu_available():
     raise RuntimeError('--topology needs the TPU compiler: pip install -e ".[tpu]"')
   # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) when it starts, meant for a host's
@@ -77,23 +86,28 @@ def topology_devices(name: str) -> list:
 
 
 def hbm_bytes(device_kind: str) -> float:
+  for chip, spec in gpu_target.TARGETS.items():  # the CPU plan's figure for the same GPU
+    if device_kind == spec['name']:
+      return DEVICE_KINDS[chip][0]
   if device_kind not in HBM_BYTES:
     raise ValueError(f'no HBM size known for TPU device kind {device_kind!r} '
                      f'(known: {sorted(HBM_BYTES)}); pass --hbm_gib')
   return HBM_BYTES[device_kind]
 
 
-def tpu_config(config, mesh_sizes: dict[str, int], *, batch: int | None = None,
-               seq_len: int | None = None) -> RunConfig:
-  """The config on this mesh at this batch and length, the auto choices resolved for the TPU."""
+def topology_config(config, mesh_sizes: dict[str, int], *, batch: int | None = None,
+                    seq_len: int | None = None, backend: str = 'tpu') -> RunConfig:
+  """The config on this mesh at this batch and length, the auto choices resolved for the
+  target's backend ('tpu' or 'gpu')."""
   return cpu_plan.planned_config(config, mesh_sizes, batch=batch, seq_len=seq_len,
-                                 backend='tpu', compile_for='tpu')[0]
+                                 backend=backend, compile_for=backend)[0]
 
 
 def _flops(compiled) -> float:
+  """The compiler's count; NaN where it gives none (the GPU compiler, deviceless)."""
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost.get('flops', 0.0))
+  return float(cost.get('flops', 0.0)) if cost else float('nan')
 
 
 def full_step(cfg: RunConfig, devices) -> dict:
@@ -153,35 +167,42 @@ def per_layer(cfg: RunConfig, devices, state: dict) -> dict:
           'roles': {l: r['layers'] for l, r in roles.items()}}
 
 
-def config_mesh(config, chips: int, *, batch: int | None = None) -> dict[str, int]:
+def config_mesh(config, chips: int, *, batch: int | None = None,
+                backend: str = 'tpu') -> dict[str, int]:
   """The mesh the trainer would build from the config on this many chips (-1 filled in)."""
   config = config.copy_and_resolve_references()
   if batch is not None:
     config.train.batch_size = batch
-  cfg = resolve(config, num_devices=chips, backend='tpu')
+  cfg = resolve(config, num_devices=chips, backend=backend)
   return {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES if getattr(cfg.mesh, a) > 1}
 
 
-def tpu_plan(config, topology: str, mesh_sizes: dict[str, int] | None = None, *,
-             batch: int | None = None, seq_len: int | None = None, per_layer_programs=False,
-             hbm: float | None = None) -> dict:
-  """The plan of one config on one TPU slice (default mesh: the config's, as the trainer
-  builds it on the slice's chips)."""
+def topology_plan(config, topology: str, mesh_sizes: dict[str, int] | None = None, *,
+                  batch: int | None = None, seq_len: int | None = None,
+                  per_layer_programs=False, hbm: float | None = None) -> dict:
+  """The plan of one config on one TPU slice or set of GPU hosts (default mesh: the config's,
+  as the trainer builds it on the topology's devices)."""
+  gpu = gpu_target.parse_topology(topology)
+  backend = 'gpu' if gpu else 'tpu'
   devices = topology_devices(topology)
-  mesh_sizes = dict(mesh_sizes or config_mesh(config, len(devices), batch=batch))
+  mesh_sizes = dict(mesh_sizes or config_mesh(config, len(devices), batch=batch,
+                                              backend=backend))
   if math.prod(mesh_sizes.values()) != len(devices):
     raise ValueError(f'--mesh {mesh_sizes} has {math.prod(mesh_sizes.values())} devices, '
                      f'topology {topology} has {len(devices)}')
   kind = devices[0].device_kind
   hbm = hbm_bytes(kind) if hbm is None else hbm
-  cfg = tpu_config(config, mesh_sizes, batch=batch, seq_len=seq_len)
+  cfg = topology_config(config, mesh_sizes, batch=batch, seq_len=seq_len, backend=backend)
   state = cpu_plan.state_bytes(cfg)
-  compiled = per_layer(cfg, devices, state) if per_layer_programs else full_step(cfg, devices)
+  kernels = gpu_target.triton_lowers_for(gpu[0]) if gpu else contextlib.nullcontext()
+  with kernels:
+    compiled = per_layer(cfg, devices, state) if per_layer_programs else full_step(cfg, devices)
   batch_shards = math.prod(getattr(cfg.mesh, a) for name, axes in cfg.mesh.rules
                            if name == 'batch' for a in axes)
   m = cfg.model
   return {
-      'topology': topology, 'device_kind': kind, 'chip': CHIP_NAMES.get(kind, kind),
+      'topology': topology, 'device_kind': kind, 'compiler': f'{backend.upper()} compiler',
+      'chip': gpu[0] if gpu else CHIP_NAMES.get(kind, kind),
       'chips': len(devices), 'hbm_bytes': hbm, 'mesh': mesh_sizes,
       'batch': cfg.train.batch_size, 'seq_len': cfg.data.seq_len,
       'per_chip_batch': cfg.train.batch_size // cfg.train.grad_accum_steps / batch_shards,
@@ -204,7 +225,8 @@ def _size(x: float) -> str:
 def report(p: dict) -> str:
   s, c = p['state'], p['compiled']
   g = _size
-  mesh = ','.join(f'{k}={v}' for k, v in p['mesh'].items())
+  comp = p.get('compiler', 'TPU compiler')
+  mesh = ','.join(f'{k}={v}' for k, v in p['mesh'].items()) or '(one device)'
   lines = [
       f"topology {p['topology']} ({p['chips']} x {p['device_kind']}, {p['hbm_bytes'] / GIB:g} "
       f"GiB HBM); mesh {mesh}; batch {p['batch']} x {p['seq_len']} tokens "
@@ -215,23 +237,24 @@ def report(p: dict) -> str:
       f"  gradients    {g(s['gradients'])}   exact (param-shaped; inside the compiled temp)",
   ]
   if 'temp' in c:
-    lines += [f"  argument     {g(c['argument'])}   TPU compiler (state + batch)",
-              f"  temp         {g(c['temp'])}   TPU compiler (gradients, activations, "
+    lines += [f"  argument     {g(c['argument'])}   {comp} (state + batch)",
+              f"  temp         {g(c['temp'])}   {comp} (gradients, activations, "
               f"collectives)",
-              f"  output       {g(c['output'])}   TPU compiler, {c['alias'] / GIB:.2f} GiB of it "
+              f"  output       {g(c['output'])}   {comp}, {c['alias'] / GIB:.2f} GiB of it "
               f"aliased to the donated state"]
   else:
-    lines += [f"  activations  {g(c['activations'])}   TPU compiler, per-layer programs: kept by "
+    lines += [f"  activations  {g(c['activations'])}   {comp}, per-layer programs: kept by "
               f"the layers below it {c['kept_by_layers'] / GIB:.2f} GiB + peak stage ({c['peak_stage']}) "
               f"{c['peak_stage_bytes'] / GIB:.2f} GiB"]
   if c.get('over_hbm'):
-    lines.append('  (the TPU compiler refused a program as larger than HBM: its sizes are those '
+    lines.append(f'  (the {comp} refused a program as larger than its memory: its sizes are those '
                  'of the refusal, a lower bound)')
   lines += [
       f"  peak         {g(c['peak'])}   of {p['hbm_bytes'] / GIB:.2f} GiB: " +
       ('fits, headroom ' if p['fits'] else 'DOES NOT FIT, short by ') +
       f"{abs(p['headroom_bytes']) / GIB:.2f} GiB",
-      f"  FLOPs        {c['flops']:.4g} per chip per step (TPU compiler cost_analysis)",
+      (f"  FLOPs        {c['flops']:.4g} per chip per step ({comp} cost_analysis)"
+       if math.isfinite(c['flops']) else f"  FLOPs        not counted by the {comp}"),
       f"  compiled ({p['method']}) in {c['compile_seconds']:.0f} s; ops: " +
       ', '.join(f'{k}={v}' for k, v in p['impls'].items()),
   ]
