@@ -13,13 +13,11 @@ Then:
         --config=configs/ablation_1b.py --config.data.seq_len=4096 --config.train.batch_size=8 \
         [--program=step|optimizer] [--target=h100|h200] [--depth=3] [--hlo_out=FILE]
 
-What differs from the GPU's own compile: no autotuning (GEMM and fusion tilings take XLA's
-defaults) and sorts without the device's CUB tables (XLA warns and uses its fallback sort), so
-kernel choices inside a fusion can differ; the fusions, layouts, copies and buffers are the
-compiler's own. Measured against the GPU (docs/performance.md section 44): the muon_hybrid
-update on the 1B model compiles to 2,010 kernels (the H100 profile: 2,117 a step), the 1B step
-at 8 x 4,096 to a 65.1 GB peak (71.2 GB measured on the H200, allocator and library workspaces
-included).
+What differs from the GPU's own compile: tools/gpu_target.py. XLA schedules for the target's
+memory, so compile for the GPU the numbers are for (the 1B step at 8 x 4,096 without remat: 65.1
+GB for an H100, 74.0 for an H200, 68.9 measured there; docs/performance.md sections 44 and 46).
+The muon_hybrid update on the 1B model compiles to 2,010 kernels (the H100 profile: 2,117 a
+step). `python -m deepseek41.tools.plan --topology=h200` gives the same peak as a plan.
 """
 
 from __future__ import annotations
