@@ -255,10 +255,11 @@ def _batch_spec(mesh, rules, x, b: int, t: int, over_tensor: bool = False):
 def _memory(compiled) -> dict[str, int]:
   m = compiled.memory_analysis()
   cost = compiled.cost_analysis()
-  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  # NaN where the compiler counts none (the GPU compiler, deviceless): not zero work.
   return {'temp': int(m.temp_size_in_bytes), 'argument': int(m.argument_size_in_bytes),
           'output': int(m.output_size_in_bytes), 'alias': int(m.alias_size_in_bytes),
-          'flops': float(cost.get('flops', 0.0))}
+          'flops': float(cost.get('flops', 0.0)) if cost else float('nan')}
 
 
 def program_memory(compiled) -> dict:

@@ -103,11 +103,7 @@ def topology_config(config, mesh_sizes: dict[str, int], *, batch: int | None = N
                                  backend=backend, compile_for=backend)[0]
 
 
-def _flops(compiled) -> float:
-  """The compiler's count; NaN where it gives none (the GPU compiler, deviceless)."""
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost.get('flops', 0.0)) if cost else float('nan')
+
 
 
 def full_step(cfg: RunConfig, devices) -> dict:
@@ -129,7 +125,7 @@ def full_step(cfg: RunConfig, devices) -> dict:
             'lower_seconds': t1 - t0, 'compile_seconds': time.perf_counter() - t1}
   mem = cpu_plan._memory(compiled)  # noqa: SLF001 - the plan's one reading of memory_analysis
   mem['peak'] = mem['argument'] + mem['temp'] + mem['output'] - mem['alias']
-  return {**mem, 'flops': _flops(compiled), 'lower_seconds': t1 - t0,
+  return {**mem, 'lower_seconds': t1 - t0,
           'compile_seconds': time.perf_counter() - t1}
 
 
