@@ -3,6 +3,8 @@
 Usage (GPU):
     python benchmarks/bench_sparse_kernel.py --out sparse.jsonl
     python benchmarks/bench_sparse_kernel.py --cases 1b --block_k 16,32,64   # tile sweep
+    python benchmarks/bench_sparse_kernel.py --cases v41 --modes fwd,fwd_mass \
+        --fwd_tiles 64:8:2:0,64:8:2:32 --no-gathered        # 64 heads in one or two programs
 
 Cases: `1b` = configs/ablation_1b.py's shapes (16 heads x 512, ratio-2 source: N = T/2) and
 `v41` = the released model's (64 heads x 512, ratio 4: N = T/4), both 64K queries, top-512.
@@ -61,7 +63,8 @@ def partial_fn(impl, with_mass, tiles=None, bwd_tiles=None):
     scale = q.shape[-1] ** -0.5
     if impl == 'fused':
       out = sparse_partial_fused(q, kv, idx, valid, scale=scale, with_mass=with_mass,
-                                 fwd_tiles=tiles, bwd_tiles=bwd_tiles or (tiles and (*tiles, 32)))
+                                 fwd_tiles=tiles,
+                                 bwd_tiles=bwd_tiles or (tiles and (*tiles[:2], 32)))
       return out if with_mass else out[:2]
     return compressed_partial(q, kv, idx, valid, impl=impl, chunk=1024, scale=scale,
                               with_mass=with_mass)
@@ -82,12 +85,12 @@ def set_atomics(mode):
     plt.atomic_add = lambda ref, idx, val, mask=None: ref.__setitem__(idx, val)
 
 
-def check(dtype, tol, h=16, bwd_tiles=None):
+def check(dtype, tol, h=16, bwd_tiles=None, fwd_tiles=None):
   t, d, ratio, k = 2048, 512, 2, 512
   q, kv, idx, valid, ct = make_inputs(7, t, h, d, ratio, k, dtype)
   res = {}
   for impl in ('reference', 'fused'):
-    fn = partial_fn(impl, True, bwd_tiles=bwd_tiles)
+    fn = partial_fn(impl, True, fwd_tiles, bwd_tiles=bwd_tiles)
 
     def loss(q, kv):
       o, lse, _ = fn(q, kv, idx, valid)
@@ -100,8 +103,8 @@ def check(dtype, tol, h=16, bwd_tiles=None):
     fin = np.isfinite(b)
     errs[name] = float(np.linalg.norm((a - b)[fin]) / max(np.linalg.norm(b[fin]), 1e-30))
   ok = all(e < tol for e in errs.values())
-  return {'check': str(jnp.dtype(dtype)), 'heads': h, 'bwd_tiles': bwd_tiles, 'rel_err': errs,
-          'ok': ok}
+  return {'check': str(jnp.dtype(dtype)), 'heads': h, 'fwd_tiles': fwd_tiles,
+          'bwd_tiles': bwd_tiles, 'rel_err': errs, 'ok': ok}
 
 
 def main(argv=None):
@@ -111,6 +114,9 @@ def main(argv=None):
   p.add_argument('--topk', type=int, default=512)
   p.add_argument('--block_k', default='64,16', help='fused tile sweep: rows per step')
   p.add_argument('--num_warps', default='4,8', help='fused tile sweep: warps per program')
+  p.add_argument('--fwd_tiles', default='',
+                 help='forward tile sweep (over --block_k/--num_warps): comma-separated '
+                      'block_k:num_warps:num_stages:head_group (head_group 0: all heads)')
   p.add_argument('--modes', default='fwd,fwd_mass,fwd_bwd')
   p.add_argument('--bwd_tiles', default='',
                  help='backward tile sweep (fwd_bwd only, default forward tiles): comma-separated '
@@ -133,24 +139,30 @@ def main(argv=None):
     emit(check(jnp.float32, 1e-3))  # Triton's fp32 dot is tf32: ~3e-4
     emit(check(jnp.bfloat16, 2e-2))
     emit(check(jnp.bfloat16, 2e-2, h=64))  # the slot mass from bf16 scores (V4.1's heads)
-    for v in filter(None, args.bwd_tiles.split(',')):  # the swept backward tiles too
+    for v in filter(None, args.bwd_tiles.split(',')):  # the swept tiles too
       emit(check(jnp.bfloat16, 2e-2, bwd_tiles=tuple(map(int, v.split(':')))))
+    for v in filter(None, args.fwd_tiles.split(',')):
+      emit(check(jnp.bfloat16, 2e-2, h=64, fwd_tiles=tuple(map(int, v.split(':')))))
   t, k = args.seq_len, args.topk
   for case in args.cases.split(','):
     h, d, ratio = CASES[case]['h'], CASES[case]['d'], CASES[case]['ratio']
     valid_slots = float(jnp.sum(make_inputs(0, t, h, d, ratio, k, jnp.bfloat16)[3]))
     fwd_flops = 4 * h * d * valid_slots
     if args.bwd_tiles:
-      variants = [('fused', None, None, tuple(map(int, v.split(':'))))
+      variants = [('fused', None, tuple(map(int, v.split(':'))))
                   for v in args.bwd_tiles.split(',')]
+    elif args.fwd_tiles:
+      variants = [('fused', tuple(map(int, v.split(':'))), None)
+                  for v in args.fwd_tiles.split(',')]
     else:
-      variants = [('fused', bk, nw, None) for bk in map(int, args.block_k.split(','))
+      variants = [('fused', (bk, nw), None) for bk in map(int, args.block_k.split(','))
                   for nw in map(int, args.num_warps.split(','))]
     if args.gathered:
-      variants.append(('gathered', None, None, None))
-    for impl, bk, nw, bwd in variants:
+      variants.append(('gathered', None, None))
+    for impl, tiles, bwd in variants:
+      bk, nw = tiles[:2] if tiles else (None, None)
       for mode in ['fwd_bwd'] if bwd else args.modes.split(','):
-        fn = partial_fn(impl, mode == 'fwd_mass', (bk, nw) if bk else None, bwd)
+        fn = partial_fn(impl, mode == 'fwd_mass', tiles, bwd)
         if mode == 'fwd_bwd':
           def step(q, kv, idx, valid, ct, fn=fn):
             def loss(q, kv):
@@ -169,8 +181,8 @@ def main(argv=None):
                 'mode': mode, 'error': f'{type(e).__name__}: {str(e)[:300]}'})
           continue
         flops = fwd_flops * (3.5 if mode == 'fwd_bwd' else 1.0)
-        emit({'case': case, 'impl': impl, 'block_k': bk, 'num_warps': nw, 'bwd_tiles': bwd,
-              'mode': mode, 't': t,
+        emit({'case': case, 'impl': impl, 'block_k': bk, 'num_warps': nw, 'fwd_tiles': tiles,
+              'bwd_tiles': bwd, 'mode': mode, 't': t,
               'atomics': args.atomics,
               'ms': round(ms, 3), 'compile_s': round(compile_s, 1),
               'useful_tflops': round(flops / ms / 1e9, 1)})

@@ -20,7 +20,7 @@ from tests.helpers import (GROUPED, packed_batch, random_selection, resolved, to
 H, D = 16, 32
 
 
-def _both(q, kv, idx, valid, block_k, dkv_chunk=sparse_kernel.FULL_WIDTH):
+def _both(q, kv, idx, valid, block_k, dkv_chunk=sparse_kernel.FULL_WIDTH, fwd_head_group=0):
   """(value, aux, grads) of a loss with nonzero cotangents on o AND lse, for both paths."""
   scale = q.shape[-1] ** -0.5
 
@@ -28,7 +28,7 @@ def _both(q, kv, idx, valid, block_k, dkv_chunk=sparse_kernel.FULL_WIDTH):
     def loss(q, kv):
       if fused:
         o, lse, mass = sparse_partial_fused(q, kv, idx, valid, scale=scale, with_mass=True,
-                                            fwd_tiles=(block_k, 4),
+                                            fwd_tiles=(block_k, 4, 1, fwd_head_group),
                                             bwd_tiles=(block_k, 4, 8, dkv_chunk),
                                             interpret=True)
       else:
@@ -49,7 +49,7 @@ def test_fused_equals_reference_in_outputs_mass_and_gradients(dtype, tol, prefix
   # dkv_chunk < D: the backward adds the key/value gradient 16 columns at a time.
   # mass_on_chip False: too many scores to keep in registers, the mass takes a second walk.
   if not mass_on_chip:
-    monkeypatch.setattr(sparse_kernel, 'MASS_SCORES_ON_CHIP', 0)
+    monkeypatch.setattr(sparse_kernel, 'MASS_SCORES_PER_WARP', 0)
   b, t, n, k = 2, 20, 10, 20  # k > n: unused slots; 20 slots = two 16-slot blocks, padded
   ks = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(ks[0], (b, t, H, D)).astype(dtype)
@@ -97,6 +97,30 @@ def test_fused_pads_any_heads_and_width_to_what_triton_multiplies():
   np.testing.assert_allclose(m_f, m_r, atol=2e-5)  # padding heads carry no mass
   for a_f, a_r in zip(g_f, g_r):
     np.testing.assert_allclose(a_f, a_r, atol=2e-5 * np.abs(a_r).max())
+
+
+@pytest.mark.parametrize('mass_on_chip', [True, False])
+def test_forward_head_groups_split_the_heads_and_their_mass(mass_on_chip, monkeypatch):
+  """ForwardTiles.head_group: a query's heads over several programs, each adding its share of
+  the slot mass (V4.1's 64 heads as two programs of 32, the mass in one pass); 24 heads pad to
+  32, so the second group holds 8 padding heads that must carry no mass."""
+  if not mass_on_chip:
+    monkeypatch.setattr(sparse_kernel, 'MASS_SCORES_PER_WARP', 0)
+  b, t, n, k, h = 1, 20, 10, 20, 24
+  ks = jax.random.split(jax.random.key(4), 3)
+  q = jax.random.normal(ks[0], (b, t, h, D))
+  kv = jax.random.normal(ks[1], (b, n, D))
+  idx, valid = random_selection(ks[2], b, t, n, k, prefix=False)
+  ((_, (o_r, lse_r, m_r)), g_r), ((_, (o_f, lse_f, m_f)), g_f) = _both(q, kv, idx, valid, 16,
+                                                                      fwd_head_group=16)
+  fin = np.isfinite(np.asarray(lse_r))
+  np.testing.assert_allclose(np.asarray(lse_f)[fin], np.asarray(lse_r)[fin], atol=2e-5)
+  np.testing.assert_allclose(o_f, o_r, atol=2e-5)
+  np.testing.assert_allclose(m_f, m_r, atol=2e-5)
+  for a_f, a_r in zip(g_f, g_r):
+    np.testing.assert_allclose(a_f, a_r, atol=2e-5 * np.abs(a_r).max())
+  with pytest.raises(ValueError, match='head_group 12 does not divide'):
+    sparse_partial_fused(q, kv, idx, valid, scale=1.0, fwd_tiles=(16, 4, 1, 12), interpret=True)
 
 
 @pytest.mark.parametrize('kv_quant', ['none', 'fp4_e4m3_16'])
@@ -227,6 +251,21 @@ def test_kernels_lower_for_triton():
           qs, kv).lower(lowering_platforms=('cuda',)).as_text()
       assert 'triton' in text and all(name in text for name in names)
       assert sorted(int(v) for v in re.findall(r'num_stages = (\d+) : i32', text)) == stages
+
+
+def test_head_grouped_forward_with_its_mass_lowers_for_triton():
+  """V4.1's 64 heads as two programs of 32 (8 warps each), the slot mass kept on chip."""
+  b, t, n, k, h, d = 1, 64, 32, 64, 64, 512
+  q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, n, d), jnp.bfloat16)
+  idx, valid = jnp.zeros((b, t, k), jnp.int32), jnp.ones((b, t, k), bool)
+
+  def forward(q, kv):
+    return sparse_partial_fused(q, kv, idx, valid, scale=0.04, with_mass=True,
+                                fwd_tiles=(64, 8, 2, 32), interpret=False)
+  with triton_lowering_for_h200():
+    text = jax.jit(forward).trace(q, kv).lower(lowering_platforms=('cuda',)).as_text()
+  assert 'csa2_sparse_fwd' in text and 'num_warps = 8' in text
 
 
 def test_too_many_tile_fields_are_refused():

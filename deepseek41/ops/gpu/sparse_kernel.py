@@ -13,9 +13,11 @@ pick overlapping entries) straight into on-chip memory, and all H heads use the 
 
 - mass: the exact per-head normalisation is only known at the end, so every head's scores of
   every slot stay in registers through the walk and become masses once the log-sum-exp is
-  known (`MASS_SCORES_ON_CHIP`: up to 16 heads x 512 slots); wider queries take a second walk
-  over the blocks that recomputes the scores (no PV product). Only where it is asked for
-  (index sources).
+  known (`MASS_SCORES_PER_WARP`: 16 heads x 512 slots at one warp group); wider programs take
+  a second walk over the blocks that recomputes the scores (no PV product). A query's heads can
+  be split over programs (`ForwardTiles.head_group`: V4.1's 64 heads as two programs of 32),
+  each with its group's share of the mass, so that the scores fit; the programs then gather
+  the same rows, mostly from L2. Only where it is asked for (index sources).
 - backward: one program per query recomputes P from the saved log-sum-exp, accumulates dq in
   registers and adds each block's key/value gradient (key = value: dS^T q + P^T dO) into an fp32
   [B, N, d] buffer with atomics; invalid slots are masked out of the atomics, so unused slots do
@@ -46,9 +48,11 @@ from deepseek41.ops.gpu.row_adds import add_rows, compiler_params, padded_rows
 from deepseek41.ops.launch import droppable, name_outputs
 
 # The slot mass needs every head's score of every slot against the final log-sum-exp. Up to
-# this many fp32 scores per query (16 heads x 512 slots: 64 registers per thread at 4 warps)
-# stay in registers through the walk, so the mass costs no second pass over the keys.
-MASS_SCORES_ON_CHIP = 16 * 512
+# this many fp32 scores per warp of a program (16 heads x 512 slots at 4 warps: 64 registers a
+# thread, beside as many for the output accumulator) stay in registers through the walk, so
+# the mass costs no second pass over the keys. 64 heads x 512 at 8 warps (twice this) spilled:
+# 132 ms against the second walk's 29.6 (docs/performance.md section 9.1).
+MASS_SCORES_PER_WARP = 16 * 512 // 4
 
 
 
@@ -64,12 +68,12 @@ def _gather(kv_ref, rows_k, d):
 
 
 def _fwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, lse_ref, *mass_ref, n, bk, scale,
-                heads):
-  h, d = q_ref.shape  # h >= heads: zero heads pad to Triton's smallest product
+                heads, num_warps):
+  h, d = q_ref.shape  # this program's heads; zero heads pad all to Triton's smallest product
   k_pad = idx_ref.shape[0]
   q_hd = q_ref[...]
   nblk = nblk_ref[0]
-  keep_scores = bool(mass_ref) and h * k_pad <= MASS_SCORES_ON_CHIP
+  keep_scores = bool(mass_ref) and h * k_pad <= MASS_SCORES_PER_WARP * num_warps
   slot_block_k = jax.lax.div(jnp.arange(k_pad, dtype=jnp.int32), jnp.int32(bk))
 
   def block(j, carry):
@@ -103,11 +107,12 @@ def _fwd_kernel(nblk_ref, q_ref, kv_ref, idx_ref, o_ref, lse_ref, *mass_ref, n, 
 
   mass_ref, = mass_ref
   lse_safe_h = jnp.where(seen_h, lse_h, 0.0)
+  # (outside the loops: the interpreter lowers no program_id inside one)
+  real_h = pl.program_id(2) * h + jnp.arange(h, dtype=jnp.int32) < heads
 
   def head_mean(s_hk):
-    p_hk = jnp.exp(s_hk - lse_safe_h[:, None])
-    if heads < h:  # padding heads carry no mass
-      p_hk = jnp.where((jnp.arange(h) < heads)[:, None], p_hk, 0.0)
+    """This program's heads' share of the mean over all `heads`."""
+    p_hk = jnp.where(real_h[:, None], jnp.exp(s_hk - lse_safe_h[:, None]), 0.0)  # padding: 0
     return jnp.sum(p_hk, axis=0) / heads
 
   if keep_scores:
@@ -275,10 +280,13 @@ def per_query_specs(h, d, rows, k_pad):
 
 
 class ForwardTiles(NamedTuple):
-  """The forward kernel's blocks: selected rows gathered per step, warps, pipeline depth."""
+  """The forward kernel's blocks: selected rows gathered per step, warps, pipeline depth, and
+  heads per program (0: all; fewer split a query's heads over programs, which lets a one-pass
+  slot mass fit, `MASS_SCORES_PER_WARP`, at the cost of gathering each row once per group)."""
   block_k: int
   num_warps: int
   num_stages: int
+  head_group: int = 0
 
 
 class BackwardTiles(NamedTuple):
@@ -306,30 +314,35 @@ class BackwardTiles(NamedTuple):
 
 
 def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_k, num_warps,
-             num_stages, interpret):
+             num_stages, head_group, interpret):
   b, t, h, d = q_bthd.shape
   k = idx_btk.shape[-1]
   n = kv_bnd.shape[1]
+  hg = min(head_group or h, h)
+  if h % hg:
+    raise ValueError(f'ForwardTiles.head_group {head_group} does not divide the kernel\'s '
+                     f'{h} heads (padded to a power of two)')
+  groups = h // hg
   kv_bmd, idx_btk, nblk_bt1, bk = prepare_rows(kv_bnd, idx_btk, valid_btk, block_k)
   rows, k_pad = kv_bmd.shape[1], idx_btk.shape[-1]
-  spec = per_query_specs(h, d, rows, k_pad)
+  spec = per_query_specs(hg, d, rows, k_pad)
   out_shape = [jax.ShapeDtypeStruct((b, t, h, d), kv_bnd.dtype),
                jax.ShapeDtypeStruct((b, t, h), jnp.float32)]
   out_specs = [spec['q'], spec['h']]
-  if with_mass:
-    out_shape.append(jax.ShapeDtypeStruct((b, t, k_pad), jnp.float32))
-    out_specs.append(spec['idx'])
+  if with_mass:  # each head group's share, summed below
+    out_shape.append(jax.ShapeDtypeStruct((b, t, groups, k_pad), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, None, k_pad), lambda i, j, g: (j, i, g, 0)))
   outs = droppable(launch.pallas_call(
-      functools.partial(_fwd_kernel, n=n, bk=bk, scale=scale, heads=heads),
+      functools.partial(_fwd_kernel, n=n, bk=bk, scale=scale, heads=heads, num_warps=num_warps),
       out_shape=out_shape,
-      grid=(t, b),  # queries fastest: neighbours share selected rows in L2
+      grid=(t, b, groups),  # queries fastest: neighbours share selected rows in L2
       in_specs=[spec['nblk'], spec['q'], spec['kv'], spec['idx']],
       out_specs=out_specs,
       compiler_params=None if interpret else compiler_params(num_warps, num_stages),
       interpret=interpret,
       name='csa2_sparse_fwd',
   ))(nblk_bt1, q_bthd, kv_bmd, idx_btk)
-  mass_btk = outs[2][..., :k] if with_mass else None
+  mass_btk = jnp.sum(outs[2], axis=2)[..., :k] if with_mass else None
   return outs[0], outs[1], mass_btk
 
 
