@@ -27,7 +27,7 @@
 # 0.36 s a step at 16 x 4,096 and 1.15 s at 4 x 16,384 (dense; CSA2 and window are faster), so
 # 215 + 185 s of training and about 160 s of evaluation fit a 10-minute call.
 # Knobs (environment): CONFIG, SHORT_LEN (0: no short stage), SHORT_BATCH, SHORT_STEPS,
-# SHORT_TASK_LEN, SHORT_S (215 s), SHORT_EVERY (0), STEPS, TRAIN_S (185 s), WARMUP2, SOURCES,
+# SHORT_TASK_LEN, SHORT_S (215 s), SHORT_EVERY (0), STEPS, TRAIN_S (185 s), EVAL_S, WARMUP2, SOURCES,
 # EXAMPLES (documents per task, length and depth; default 6), EVAL_TASKS, VARIANT_KEY (the
 # config key that picks the attention: csa2 | dense | window), GENERATE=1 (also decode each
 # answer greedily: slower), LEN (the long stage's tokens a row; default 16384), BATCH (4) and
@@ -115,7 +115,10 @@ if [ "$SHORT_LEN" != 0 ]; then
     --config.train.warmup_steps=${WARMUP2:-10}"
 fi
 stage train $WORKDIR ${TRAIN_S:-185} $STEPS 0 $LEN --config.train.batch_size=${BATCH:-4} $INIT
-python3 -m deepseek41.eval --workdir=$WORKDIR --tasks=$EVAL_TASKS --examples=$EXAMPLES \
+# EVAL_S: the evaluation's own limit (SIGTERM), so that a call's end keeps the cells it finished
+# (the report is written after each one, "complete": false until the end).
+timeout --signal=TERM -k 15 "${EVAL_S:-900}" python3 -m deepseek41.eval --workdir=$WORKDIR \
+  --tasks=$EVAL_TASKS --examples=$EXAMPLES \
   --depths=0,0.25,0.5,0.75,1 --heldout_batches=2 ${GENERATE:+--generate} \
   --out="$OUT/longctx_$variant" > "$OUT/eval_$variant.log" 2>&1
 echo "eval $variant exit $?" | tee -a "$OUT/summary.txt"

@@ -31,7 +31,11 @@ def _load(path: str) -> tuple[str, dict]:
   """(name, report): the file's name without gpu_longctx.sh's `longctx_` (the variant)."""
   name = os.path.splitext(os.path.basename(path))[0]
   with open(path) as f:
-    return name.removeprefix('longctx_') or name, json.load(f)
+    report = json.load(f)
+  name = name.removeprefix('longctx_') or name
+  if report.get('complete') is False:  # an interrupted evaluation's cells so far
+    name += ' (partial)'
+  return name, report
 
 
 def _pool_tasks(entries: list[dict]) -> list[dict]:

@@ -12,11 +12,16 @@ among the dense top-k, selected, in the sliding window; --noselection skips it).
 tables and writes PREFIX.json (default WORKDIR/eval/step<N>; the selection per layer too) and,
 where matplotlib is installed (the `plot` extra), the heat map PREFIX.png (PREFIX_decoded.png
 for --generate). Exit status 2 on bad input, naming it.
+
+PREFIX.json is written as the evaluation goes, after each task, length and depth, with
+"complete": false until the end: a SIGTERM or Ctrl-C (a preemption, a job's time limit) stops
+it with the cells it finished kept there and listed (exit status 143 or 130).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -46,9 +51,30 @@ _OUT = flags.DEFINE_string('out', None, 'Output path prefix (default: WORKDIR/ev
 _PLOT = flags.DEFINE_bool('plot', True, 'Write the heat map (needs matplotlib).')
 
 
+class Interrupted(Exception):
+  """SIGTERM or SIGINT during the evaluation."""
+
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+  del frame
+  raise Interrupted(signum)
+
+
 def main(argv) -> int:
   del argv
   logging.set_verbosity(logging.WARNING)  # the checkpoint library's per-read lines
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, _raise_interrupted)
+  partial: dict = {}  # the report as last written, and where
+
+  def progress(report: dict):
+    report_lib.write_json(report, partial.setdefault('path', prefix + '.json'))
+    partial['report'] = report
+
   try:
     if not _WORKDIR.value:
       raise EvalError('--workdir is required')
@@ -57,6 +83,7 @@ def main(argv) -> int:
     except ValueError:
       raise EvalError(f'--depths: {",".join(_DEPTHS.value)} are not numbers') from None
     ck = open_checkpoint(_WORKDIR.value, _STEP.value)
+    prefix = _OUT.value or os.path.join(ck.workdir, 'eval', f'step{ck.step}')
     spec = ck.cfg.train.eval_tasks if _TASKS.value is None else _TASKS.value
     specs = parse_task_specs(spec, '--tasks')
     if not specs:
@@ -64,12 +91,23 @@ def main(argv) -> int:
                       'no train.eval_tasks')
     report = evaluate(ck, Options(specs=specs, examples=_EXAMPLES.value, depths=depths,
                                   rows=_BATCH.value, heldout_batches=_HELDOUT.value,
-                                  generate=_GENERATE.value, selection=_SELECTION.value))
+                                  generate=_GENERATE.value, selection=_SELECTION.value),
+                      progress=progress)
   except (EvalError, ConfigError, DataError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  prefix = _OUT.value or os.path.join(ck.workdir, 'eval', f'step{ck.step}')
-  print(report_lib.table(report))
+  except Interrupted as e:
+    report = partial.get('report')
+    if report is None:
+      print(f'interrupted ({e}) before anything was written', file=sys.stderr)
+    else:
+      done = len(report['tasks']) + len(report.get('generated', []))
+      print(report_lib.table(report))
+      print(f'interrupted ({e}): {partial["path"]} holds the {done} of {report["cells"]} task '
+            'cells that finished ("complete": false)', file=sys.stderr)
+    return 128 + e.signum
+  for signum in (signal.SIGTERM, signal.SIGINT):  # the last write is atomic either way
+    signal.signal(signum, signal.SIG_DFL)
   report_lib.write_json(report, prefix + '.json')
   written = [prefix + '.json']
   if _PLOT.value:

@@ -25,6 +25,9 @@ def table(report: dict) -> str:
   lines = [f'{report["workdir"]} step {report["step"]} (model positions: '
            f'{report["max_positions"]}; {report["examples"]} documents per task, length and '
            'depth)']
+  if report.get('complete') is False:
+    done = len(report.get('tasks', [])) + len(report.get('generated', []))
+    lines.append(f'INTERRUPTED: {done} of {report.get("cells", "?")} task cells finished')
   if report.get('heldout_loss'):
     lines.append('held-out loss: ' + ', '.join(
         f'{name} {_cell(v)}' for name, v in report['heldout_loss'].items()) +

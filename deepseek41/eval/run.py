@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -63,11 +65,16 @@ def check_options(ck: Checkpoint, opts: Options) -> None:
     raise EvalError(f'--depths must be one or more depths in [0, 1], got {opts.depths}')
 
 
-def evaluate(ck: Checkpoint, opts: Options) -> dict:
+def evaluate(ck: Checkpoint, opts: Options, progress: Callable[[dict], None] | None = None
+             ) -> dict:
   """The report: held-out loss per source, each task's scores (teacher-forced, and decoded with
   --generate; with the selection measured, each teacher-forced row's 'selection': the
   measures averaged over the CSA2 layers and per layer, 'layers'), the checkpoint and its
-  config; 'selection_note' says why there is no selection."""
+  config; 'selection_note' says why there is no selection.
+
+  progress: called with the report so far ('complete' False, 'cells' the task cells due)
+  after the held-out losses and after each task, length and depth; the returned report is
+  'complete'."""
   check_options(ck, opts)
   cfg = ck.cfg
   sharding = batch_sharding(ck.mesh, cfg.mesh.rules)
@@ -77,17 +84,29 @@ def evaluate(ck: Checkpoint, opts: Options) -> dict:
   rows = (lambda length: opts.rows) if opts.rows else (lambda length: task_rows(cfg, length))
   tasks = TaskEvaluator(cfg, opts.specs, predict, rows, tokenizer=ck.tokenizer,
                         examples=opts.examples, depths=opts.depths, selection=opts.selection)
+  cells = sum(len(tasks.depths) if s.has_depth else 1 for s in tasks.specs)
   report = {'workdir': ck.workdir, 'step': ck.step,
             'max_positions': max_positions(cfg.model, cfg.data.seq_len),
-            'examples': tasks.examples, 'depths': list(tasks.depths)}
+            'examples': tasks.examples, 'depths': list(tasks.depths), 'complete': False,
+            'cells': cells * (2 if opts.generate else 1), 'tasks': []}
   note = selection_note(cfg) or (None if opts.selection else 'not measured (--noselection)')
   if note:
     report['selection_note'] = note
-  report.update(held_out(ck, opts, tasks, predict, rows))
-  report['tasks'] = [s.to_dict() for s in tasks(ck.weights)]
-  if opts.generate:
-    report['generated'] = [s.to_dict() for s in generated(ck, tasks, rows)]
   report['config'] = cfg.to_dict()
+  report.update(held_out(ck, opts, tasks, predict, rows))
+
+  def adder(key):
+    def add(score: TaskScore):
+      report.setdefault(key, []).append(score.to_dict())
+      if progress is not None:
+        progress(report)
+    return add
+  if progress is not None:
+    progress(report)
+  tasks(ck.weights, on_score=adder('tasks'))
+  if opts.generate:
+    generated(ck, tasks, rows, on_score=adder('generated'))
+  report['complete'] = True
   return report
 
 
@@ -130,7 +149,8 @@ def held_out(ck: Checkpoint, opts: Options, tasks: TaskEvaluator, predict, rows)
   return {'heldout_loss': out}
 
 
-def generated(ck: Checkpoint, tasks: TaskEvaluator, rows) -> list[TaskScore]:
+def generated(ck: Checkpoint, tasks: TaskEvaluator, rows,
+              on_score: Callable[[TaskScore], None] | None = None) -> list[TaskScore]:
   """Each answer decoded greedily after its prompt (the document up to it), through the
   generator (its prefill and caches): right when the decoded tokens are the answer's."""
   try:
@@ -160,4 +180,6 @@ def generated(ck: Checkpoint, tasks: TaskEvaluator, rows) -> list[TaskScore]:
           score.correct_tokens += int(right_t.sum())
       score.ce_sum = float('nan')  # decoding has no teacher-forced loss
       scores.append(score)
+      if on_score is not None:
+        on_score(score)
   return scores

@@ -235,7 +235,10 @@ class TaskEvaluator:
                                                 self.examples)
     return self._documents[key]
 
-  def __call__(self, weights) -> list[TaskScore]:
+  def __call__(self, weights, on_score: Callable[[TaskScore], None] | None = None
+               ) -> list[TaskScore]:
+    """Every task, length and depth's score; `on_score` gets each as it is finished (the
+    eval command writes its report as it goes, so an interrupted evaluation keeps them)."""
     scores = []
     for spec in self.specs:
       rows = self.rows(spec.length)
@@ -250,6 +253,8 @@ class TaskEvaluator:
           out = self.predict(weights, batch)
           score.add(chunk, out['pred'], out['ce'], out.get('selection'))
         scores.append(score)
+        if on_score is not None:
+          on_score(score)
     return scores
 
 

@@ -7,6 +7,7 @@ model says it has none."""
 import json
 import os
 import shutil
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -128,9 +129,16 @@ def test_the_trainer_logs_the_tasks(run):
 def test_eval_reports_a_checkpoint(run, tmp_path):
   ck = open_checkpoint(run)
   assert ck.step == 2
+  snapshots = []  # the report as the eval command writes it, after each cell
   report = evaluate(ck, Options(specs=(TaskSpec('mqar', 64), TaskSpec('passkey', 128)),
                                 examples=8, depths=(0.0, 0.5), heldout_batches=1,
-                                generate=True))
+                                generate=True),
+                    progress=lambda r: snapshots.append(json.loads(json.dumps(r))))
+  assert report['complete'] and report['cells'] == 6  # (mqar, passkey x 2 depths) x 2 ways
+  assert [(len(r['tasks']), len(r.get('generated', []))) for r in snapshots] == [
+      (0, 0), (1, 0), (2, 0), (3, 0), (3, 1), (3, 2), (3, 3)]
+  assert not any(r['complete'] for r in snapshots) and snapshots[0]['heldout_loss']
+  assert snapshots[-1]['tasks'] == report['tasks'] and 'config' in snapshots[0]
   assert set(report['heldout_loss']) == {'mqar', ck.cfg.data.sources[1][0]}
   assert not [t for t in report['tasks'] if 'selection' in t]
   assert "model.attention_variant='window': no layer selects entries" in report['selection_note']
@@ -179,6 +187,40 @@ def test_an_imports_tokenizer_is_found(run, tmp_path):
   shutil.copy(f'{run}/tokenizer.json', tmp_path / 'tokenizer' / 'tokenizer.json')
   tok, path = run_tokenizer(str(tmp_path), None)
   assert path == str(tmp_path / 'tokenizer' / 'tokenizer.json') and tok.vocab_size > 256
+
+
+def test_a_terminated_eval_keeps_the_cells_it_finished(run, tmp_path, monkeypatch, capsys):
+  """SIGTERM (a preemption, a job's limit) once the first cell is written: exit 143, and the
+  JSON holds the held-out losses and that cell, marked incomplete; the table says so."""
+  from absl import flags
+  from deepseek41.eval import __main__ as cli
+  writes = []
+  write_json = report_lib.write_json
+
+  def write_then_signal(report, path):
+    write_json(report, path)
+    writes.append(path)
+    if len(report['tasks']) == 1:
+      os.kill(os.getpid(), signal.SIGTERM)
+  monkeypatch.setattr(report_lib, 'write_json', write_then_signal)
+  prefix = str(tmp_path / 'cut')
+  flags.FLAGS([
+      'eval', f'--workdir={run}', '--tasks=mqar@64,passkey@128', '--examples=8',
+      '--depths=0,0.5', '--heldout_batches=1', f'--out={prefix}', '--noplot'])
+  try:
+    assert cli.main([]) == 128 + signal.SIGTERM
+  finally:
+    flags.FLAGS.unparse_flags()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
+                    else signal.SIG_DFL)
+  cut = json.load(open(prefix + '.json'))
+  assert writes == [prefix + '.json'] * 2
+  assert cut['complete'] is False and cut['cells'] == 3 and cut['heldout_loss']
+  assert [t['label'] for t in cut['tasks']] == ['mqar@64']
+  out, err = capsys.readouterr()
+  assert 'INTERRUPTED: 1 of 3 task cells finished' in out
+  assert f'interrupted (SIGTERM): {prefix}.json holds the 1 of 3 task cells' in err
 
 
 def test_bad_input_is_named(run, tmp_path):

@@ -76,3 +76,15 @@ def test_plot_title_is_the_figures_not_a_panels(summarize, reports, tmp_path, mo
                                             save(fig, *a, **k)))
   assert summarize.main([*reports, f'--plot={tmp_path / "v.png"}']) == 0
   assert titles == ['accuracy by depth and context length (teacher-forced)']
+
+
+def test_an_interrupted_evaluation_is_named_partial(summarize, reports, capsys):
+  """A report the eval command wrote before it was stopped ("complete": false) says so."""
+  with open(reports[0]) as f:
+    cut = json.load(f)
+  cut['complete'] = False
+  with open(reports[0], 'w') as f:
+    json.dump(cut, f)
+  assert summarize.main(reports) == 0
+  header = capsys.readouterr().out.splitlines()[0]
+  assert 'dense (partial)' in header and 'window (partial)' not in header
