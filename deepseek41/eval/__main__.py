@@ -109,6 +109,7 @@ def main(argv) -> int:
   for signum in (signal.SIGTERM, signal.SIGINT):  # the last write is atomic either way
     signal.signal(signum, signal.SIG_DFL)
   report_lib.write_json(report, prefix + '.json')
+  print(report_lib.table(report))
   written = [prefix + '.json']
   if _PLOT.value:
     try:
