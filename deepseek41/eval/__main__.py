@@ -15,11 +15,15 @@ for --generate). Exit status 2 on bad input, naming it.
 
 PREFIX.json is written as the evaluation goes, after each task, length and depth, with
 "complete": false until the end: a SIGTERM or Ctrl-C (a preemption, a job's time limit) stops
-it with the cells it finished kept there and listed (exit status 143 or 130).
+it with the cells it finished kept there and listed (exit status 143 or 130). Run the same
+command again and it resumes: the held-out losses and finished cells of an interrupted
+PREFIX.json of the same checkpoint and options are kept, the rest evaluated (--noresume
+starts over).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -30,7 +34,7 @@ from deepseek41.config import ConfigError, parse_task_specs
 from deepseek41.data.shards import DataError
 from deepseek41.eval import report as report_lib
 from deepseek41.eval.restore import EvalError, open_checkpoint
-from deepseek41.eval.run import Options, evaluate
+from deepseek41.eval.run import Options, evaluate, resumable
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Work directory of a run (or an HF import).')
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: the newest).')
@@ -49,6 +53,8 @@ _SELECTION = flags.DEFINE_bool('selection', True, 'CSA2 models: also measure eac
                                'and window variants select nothing).')
 _OUT = flags.DEFINE_string('out', None, 'Output path prefix (default: WORKDIR/eval/step<N>).')
 _PLOT = flags.DEFINE_bool('plot', True, 'Write the heat map (needs matplotlib).')
+_RESUME = flags.DEFINE_bool('resume', True, 'Keep the finished cells of an interrupted '
+                            'PREFIX.json of the same checkpoint and options.')
 
 
 class Interrupted(Exception):
@@ -62,6 +68,17 @@ class Interrupted(Exception):
 def _raise_interrupted(signum, frame):
   del frame
   raise Interrupted(signum)
+
+
+def _previous_report(path: str) -> dict | None:
+  """The report at `path`, if there is a readable one (the eval command writes it atomically;
+  anything else there is left to be overwritten)."""
+  try:
+    with open(path) as f:
+      report = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return report if isinstance(report, dict) else None
 
 
 def main(argv) -> int:
@@ -89,10 +106,11 @@ def main(argv) -> int:
     if not specs:
       raise EvalError('--tasks: give at least one task@length (e.g. passkey@4k); the run has '
                       'no train.eval_tasks')
+    previous = _previous_report(prefix + '.json') if _RESUME.value else None
     report = evaluate(ck, Options(specs=specs, examples=_EXAMPLES.value, depths=depths,
                                   rows=_BATCH.value, heldout_batches=_HELDOUT.value,
                                   generate=_GENERATE.value, selection=_SELECTION.value),
-                      progress=progress)
+                      progress=progress, previous=previous if resumable(previous, ck) else None)
   except (EvalError, ConfigError, DataError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
@@ -110,6 +128,9 @@ def main(argv) -> int:
     signal.signal(signum, signal.SIG_DFL)
   report_lib.write_json(report, prefix + '.json')
   print(report_lib.table(report))
+  if report.get('resumed'):
+    print(f'resumed: {report["resumed"]} of the {report["cells"]} task cells were kept from '
+          f'the interrupted {prefix}.json')
   written = [prefix + '.json']
   if _PLOT.value:
     try:

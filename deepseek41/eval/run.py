@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import jax
 import numpy as np
@@ -65,8 +65,22 @@ def check_options(ck: Checkpoint, opts: Options) -> None:
     raise EvalError(f'--depths must be one or more depths in [0, 1], got {opts.depths}')
 
 
-def evaluate(ck: Checkpoint, opts: Options, progress: Callable[[dict], None] | None = None
-             ) -> dict:
+def _options_key(ck: Checkpoint, opts: Options, tasks: TaskEvaluator) -> dict:
+  """What a report's cells depend on: an interrupted report with the same key resumes."""
+  return {'step': ck.step, 'tasks': [s.label for s in opts.specs], 'examples': tasks.examples,
+          'depths': list(tasks.depths), 'rows': opts.rows, 'generate': opts.generate,
+          'selection': tasks.selection, 'heldout_batches': opts.heldout_batches}
+
+
+def resumable(report: dict | None, ck: Checkpoint) -> bool:
+  """Whether `report` is an interrupted evaluation of this checkpoint (its options are checked
+  against the new ones by `evaluate`)."""
+  return bool(report) and report.get('complete') is False and report.get('workdir') == \
+      ck.workdir and report.get('step') == ck.step and 'options' in report
+
+
+def evaluate(ck: Checkpoint, opts: Options, progress: Callable[[dict], None] | None = None,
+             previous: dict | None = None) -> dict:
   """The report: held-out loss per source, each task's scores (teacher-forced, and decoded with
   --generate; with the selection measured, each teacher-forced row's 'selection': the
   measures averaged over the CSA2 layers and per layer, 'layers'), the checkpoint and its
@@ -74,7 +88,9 @@ def evaluate(ck: Checkpoint, opts: Options, progress: Callable[[dict], None] | N
 
   progress: called with the report so far ('complete' False, 'cells' the task cells due)
   after the held-out losses and after each task, length and depth; the returned report is
-  'complete'."""
+  'complete'. previous: an interrupted report (`resumable`); where its options are these, its
+  held-out losses and finished cells are kept and only the rest is evaluated ('resumed': how
+  many cells were kept)."""
   check_options(ck, opts)
   cfg = ck.cfg
   sharding = batch_sharding(ck.mesh, cfg.mesh.rules)
@@ -85,15 +101,22 @@ def evaluate(ck: Checkpoint, opts: Options, progress: Callable[[dict], None] | N
   tasks = TaskEvaluator(cfg, opts.specs, predict, rows, tokenizer=ck.tokenizer,
                         examples=opts.examples, depths=opts.depths, selection=opts.selection)
   cells = sum(len(tasks.depths) if s.has_depth else 1 for s in tasks.specs)
+  key = _options_key(ck, opts, tasks)
   report = {'workdir': ck.workdir, 'step': ck.step,
             'max_positions': max_positions(cfg.model, cfg.data.seq_len),
             'examples': tasks.examples, 'depths': list(tasks.depths), 'complete': False,
-            'cells': cells * (2 if opts.generate else 1), 'tasks': []}
+            'cells': cells * (2 if opts.generate else 1), 'options': key, 'tasks': []}
   note = selection_note(cfg) or (None if opts.selection else 'not measured (--noselection)')
   if note:
     report['selection_note'] = note
   report['config'] = cfg.to_dict()
-  report.update(held_out(ck, opts, tasks, predict, rows))
+  if resumable(previous, ck) and previous['options'] == key:
+    for name in ('heldout_loss', 'heldout_note', 'tasks', 'generated'):
+      if name in previous:
+        report[name] = previous[name]
+    report['resumed'] = len(report['tasks']) + len(report.get('generated', []))
+  else:
+    report.update(held_out(ck, opts, tasks, predict, rows))
 
   def adder(key):
     def add(score: TaskScore):
@@ -101,11 +124,14 @@ def evaluate(ck: Checkpoint, opts: Options, progress: Callable[[dict], None] | N
       if progress is not None:
         progress(report)
     return add
+
+  def finished(key):
+    return {(t['label'], t['depth']) for t in report.get(key, [])}
   if progress is not None:
     progress(report)
-  tasks(ck.weights, on_score=adder('tasks'))
+  tasks(ck.weights, on_score=adder('tasks'), skip=finished('tasks'))
   if opts.generate:
-    generated(ck, tasks, rows, on_score=adder('generated'))
+    generated(ck, tasks, rows, on_score=adder('generated'), skip=finished('generated'))
   report['complete'] = True
   return report
 
@@ -150,7 +176,8 @@ def held_out(ck: Checkpoint, opts: Options, tasks: TaskEvaluator, predict, rows)
 
 
 def generated(ck: Checkpoint, tasks: TaskEvaluator, rows,
-              on_score: Callable[[TaskScore], None] | None = None) -> list[TaskScore]:
+              on_score: Callable[[TaskScore], None] | None = None,
+              skip: Collection[tuple[str, float | None]] = ()) -> list[TaskScore]:
   """Each answer decoded greedily after its prompt (the document up to it), through the
   generator (its prefill and caches): right when the decoded tokens are the answer's."""
   try:
@@ -160,6 +187,8 @@ def generated(ck: Checkpoint, tasks: TaskEvaluator, rows,
   scores = []
   for spec in tasks.specs:
     for depth in tasks.depths if spec.has_depth else (None,):
+      if (spec.label, depth) in skip:
+        continue
       score = TaskScore(spec, depth)
       asked = [(doc.tokens[:s], doc.tokens[s:e]) for doc in tasks.documents(spec, depth)
                for s, e in doc.answers]

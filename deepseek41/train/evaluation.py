@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -235,14 +235,17 @@ class TaskEvaluator:
                                                 self.examples)
     return self._documents[key]
 
-  def __call__(self, weights, on_score: Callable[[TaskScore], None] | None = None
-               ) -> list[TaskScore]:
-    """Every task, length and depth's score; `on_score` gets each as it is finished (the
-    eval command writes its report as it goes, so an interrupted evaluation keeps them)."""
+  def __call__(self, weights, on_score: Callable[[TaskScore], None] | None = None,
+               skip: Collection[tuple[str, float | None]] = ()) -> list[TaskScore]:
+    """Every task, length and depth's score but the (label, depth) cells in `skip`;
+    `on_score` gets each as it is finished (the eval command writes its report as it goes,
+    so an interrupted evaluation keeps them and a rerun skips them)."""
     scores = []
     for spec in self.specs:
       rows = self.rows(spec.length)
       for depth in self.depths if spec.has_depth else (None,):
+        if (spec.label, depth) in skip:
+          continue
         score = TaskScore(spec, depth)
         docs = self.documents(spec, depth)
         for i in range(0, len(docs), rows):

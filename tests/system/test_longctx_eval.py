@@ -189,9 +189,9 @@ def test_an_imports_tokenizer_is_found(run, tmp_path):
   assert path == str(tmp_path / 'tokenizer' / 'tokenizer.json') and tok.vocab_size > 256
 
 
-def test_a_terminated_eval_keeps_the_cells_it_finished(run, tmp_path, monkeypatch, capsys):
-  """SIGTERM (a preemption, a job's limit) once the first cell is written: exit 143, and the
-  JSON holds the held-out losses and that cell, marked incomplete; the table says so."""
+def _eval_cli(args, signal_at=None):
+  """`python -m deepseek41.eval ARGS` in this process: (exit status, the task cells of each
+  report write); signal_at=N sends SIGTERM once a write holds N cells."""
   from absl import flags
   from deepseek41.eval import __main__ as cli
   writes = []
@@ -199,28 +199,51 @@ def test_a_terminated_eval_keeps_the_cells_it_finished(run, tmp_path, monkeypatc
 
   def write_then_signal(report, path):
     write_json(report, path)
-    writes.append(path)
-    if len(report['tasks']) == 1:
+    writes.append(len(report['tasks']))
+    if len(report['tasks']) == signal_at:
       os.kill(os.getpid(), signal.SIGTERM)
-  monkeypatch.setattr(report_lib, 'write_json', write_then_signal)
-  prefix = str(tmp_path / 'cut')
-  flags.FLAGS([
-      'eval', f'--workdir={run}', '--tasks=mqar@64,passkey@128', '--examples=8',
-      '--depths=0,0.5', '--heldout_batches=1', f'--out={prefix}', '--noplot'])
+  report_lib.write_json = write_then_signal
+  flags.FLAGS(['eval', *args])
   try:
-    assert cli.main([]) == 128 + signal.SIGTERM
+    return cli.main([]), writes
   finally:
+    report_lib.write_json = write_json
     flags.FLAGS.unparse_flags()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-      signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
-                    else signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_a_terminated_eval_keeps_its_cells_and_resumes(run, tmp_path, capsys):
+  """SIGTERM (a preemption, a job's limit) once the first cell is written: exit 143, and the
+  JSON holds the held-out losses and that cell, marked incomplete; the table says so. The same
+  command again evaluates only the other cells, to the report an uninterrupted run writes;
+  other options start over."""
+  prefix = str(tmp_path / 'cut')
+  args = [f'--workdir={run}', '--tasks=mqar@64,passkey@128', '--examples=8', '--depths=0,0.5',
+          '--heldout_batches=1', f'--out={prefix}', '--noplot']
+  status, writes = _eval_cli(args, signal_at=1)
+  assert status == 128 + signal.SIGTERM and writes == [0, 1]
   cut = json.load(open(prefix + '.json'))
-  assert writes == [prefix + '.json'] * 2
   assert cut['complete'] is False and cut['cells'] == 3 and cut['heldout_loss']
   assert [t['label'] for t in cut['tasks']] == ['mqar@64']
   out, err = capsys.readouterr()
   assert 'INTERRUPTED: 1 of 3 task cells finished' in out
   assert f'interrupted (SIGTERM): {prefix}.json holds the 1 of 3 task cells' in err
+
+  status, writes = _eval_cli(args)
+  assert status == 0 and writes == [1, 2, 3, 3]  # resumed at 1; the last write: complete
+  assert 'resumed: 1 of the 3 task cells were kept' in capsys.readouterr().out
+  resumed = json.load(open(prefix + '.json'))
+  whole = evaluate(open_checkpoint(run), Options(
+      specs=(TaskSpec('mqar', 64), TaskSpec('passkey', 128)), examples=8, depths=(0.0, 0.5),
+      heldout_batches=1))
+  assert resumed['complete'] and resumed['tasks'] == whole['tasks']
+  assert resumed['heldout_loss'] == pytest.approx(whole['heldout_loss'])
+
+  cut['complete'] = False  # an interrupted report, but of other options: evaluated anew
+  report_lib.write_json(cut, prefix + '.json')
+  status, writes = _eval_cli([*args[:2], '--examples=4', *args[3:]])
+  assert status == 0 and writes == [0, 1, 2, 3, 3]
 
 
 def test_bad_input_is_named(run, tmp_path):
