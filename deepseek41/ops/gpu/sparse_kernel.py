@@ -329,7 +329,10 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_
   out_shape = [jax.ShapeDtypeStruct((b, t, h, d), kv_bnd.dtype),
                jax.ShapeDtypeStruct((b, t, h), jnp.float32)]
   out_specs = [spec['q'], spec['h']]
-  if with_mass:  # each head group's share, summed below
+  if with_mass and groups == 1:
+    out_shape.append(jax.ShapeDtypeStruct((b, t, k_pad), jnp.float32))
+    out_specs.append(spec['idx'])
+  elif with_mass:  # each head group's share, summed below
     out_shape.append(jax.ShapeDtypeStruct((b, t, groups, k_pad), jnp.float32))
     out_specs.append(pl.BlockSpec((None, None, None, k_pad), lambda i, j, g: (j, i, g, 0)))
   outs = droppable(launch.pallas_call(
@@ -342,7 +345,9 @@ def _forward(q_bthd, kv_bnd, idx_btk, valid_btk, scale, with_mass, heads, block_
       interpret=interpret,
       name='csa2_sparse_fwd',
   ))(nblk_bt1, q_bthd, kv_bmd, idx_btk)
-  mass_btk = jnp.sum(outs[2], axis=2)[..., :k] if with_mass else None
+  mass_btk = None
+  if with_mass:
+    mass_btk = (outs[2] if groups == 1 else jnp.sum(outs[2], axis=2))[..., :k]
   return outs[0], outs[1], mass_btk
 
 
