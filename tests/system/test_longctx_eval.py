@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +27,7 @@ from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.train.evaluation import (SELECTION_MEASURES, TaskEvaluator, make_task_step,
                                          model_predictor, task_metrics, task_rows)
 from deepseek41.train.trainer import train
-from tests.helpers import prepare_sentences, small_config
+from tests.helpers import REPO_ROOT, prepare_sentences, small_config
 
 VOCAB = 416
 
@@ -189,31 +191,35 @@ def test_an_imports_tokenizer_is_found(run, tmp_path):
   assert path == str(tmp_path / 'tokenizer' / 'tokenizer.json') and tok.vocab_size > 256
 
 
-def _eval_cli(args, signal_at=None):
-  """`python -m deepseek41.eval ARGS` in this process: (exit status, the task cells of each
-  report write); signal_at=N sends SIGTERM once a write holds N cells."""
-  from absl import flags
-  from deepseek41.eval import __main__ as cli
-  writes = []
-  write_json = report_lib.write_json
-
-  def write_then_signal(report, path):
-    write_json(report, path)
-    writes.append(len(report['tasks']))
-    if len(report['tasks']) == signal_at:
-      os.kill(os.getpid(), signal.SIGTERM)
-  report_lib.write_json = write_then_signal
-  flags.FLAGS(['eval', *args])
-  try:
-    return cli.main([]), writes
-  finally:
-    report_lib.write_json = write_json
-    flags.FLAGS.unparse_flags()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+# `python -m deepseek41.eval` as a program (its flags are global: imported here they would clash
+# with other commands' in the same test process), with the report's writes counted on stderr
+# and, given N, a SIGTERM to itself once a write holds N task cells.
+_EVAL_PROGRAM = """
+import os, signal, sys
+from deepseek41.eval import report
+write_json, signal_at = report.write_json, int(sys.argv.pop(1))
+def counted(r, path):
+  write_json(r, path)
+  print('write', len(r['tasks']), file=sys.stderr, flush=True)
+  if len(r['tasks']) == signal_at:
+    os.kill(os.getpid(), signal.SIGTERM)
+report.write_json = counted
+from deepseek41.eval.__main__ import run
+run()
+"""
 
 
-def test_a_terminated_eval_keeps_its_cells_and_resumes(run, tmp_path, capsys):
+def _eval_cli(args, signal_at=-1):
+  """(exit status, stdout, stderr, the task cells of each report write)."""
+  env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS='cpu')
+  done = subprocess.run([sys.executable, '-c', _EVAL_PROGRAM, str(signal_at), *args],
+                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+  writes = [int(line.split()[1]) for line in done.stderr.splitlines()
+            if line.startswith('write ')]
+  return done.returncode, done.stdout, done.stderr, writes
+
+
+def test_a_terminated_eval_keeps_its_cells_and_resumes(run, tmp_path):
   """SIGTERM (a preemption, a job's limit) once the first cell is written: exit 143, and the
   JSON holds the held-out losses and that cell, marked incomplete; the table says so. The same
   command again evaluates only the other cells, to the report an uninterrupted run writes;
@@ -221,29 +227,32 @@ def test_a_terminated_eval_keeps_its_cells_and_resumes(run, tmp_path, capsys):
   prefix = str(tmp_path / 'cut')
   args = [f'--workdir={run}', '--tasks=mqar@64,passkey@128', '--examples=8', '--depths=0,0.5',
           '--heldout_batches=1', f'--out={prefix}', '--noplot']
-  status, writes = _eval_cli(args, signal_at=1)
-  assert status == 128 + signal.SIGTERM and writes == [0, 1]
+  status, out, err, writes = _eval_cli(args, signal_at=1)
+  assert status == 128 + signal.SIGTERM and writes == [0, 1], err[-2000:]
   cut = json.load(open(prefix + '.json'))
   assert cut['complete'] is False and cut['cells'] == 3 and cut['heldout_loss']
   assert [t['label'] for t in cut['tasks']] == ['mqar@64']
-  out, err = capsys.readouterr()
   assert 'INTERRUPTED: 1 of 3 task cells finished' in out
   assert f'interrupted (SIGTERM): {prefix}.json holds the 1 of 3 task cells' in err
 
-  status, writes = _eval_cli(args)
-  assert status == 0 and writes == [1, 2, 3, 3]  # resumed at 1; the last write: complete
-  assert 'resumed: 1 of the 3 task cells were kept' in capsys.readouterr().out
+  status, out, err, writes = _eval_cli(args)
+  assert status == 0 and writes == [1, 2, 3, 3], err[-2000:]  # from 1; the last: complete
+  assert 'resumed: 1 of the 3 task cells were kept' in out
   resumed = json.load(open(prefix + '.json'))
   whole = evaluate(open_checkpoint(run), Options(
       specs=(TaskSpec('mqar', 64), TaskSpec('passkey', 128)), examples=8, depths=(0.0, 0.5),
       heldout_batches=1))
-  assert resumed['complete'] and resumed['tasks'] == whole['tasks']
-  assert resumed['heldout_loss'] == pytest.approx(whole['heldout_loss'])
+  assert resumed['complete']
+  for got, want in zip(resumed['tasks'], whole['tasks'], strict=True):
+    assert {k: got[k] for k in ('label', 'depth', 'answers', 'correct', 'token_acc')} == \
+        {k: want[k] for k in ('label', 'depth', 'answers', 'correct', 'token_acc')}
+    assert got['answer_loss'] == pytest.approx(want['answer_loss'], rel=1e-4)
+  assert resumed['heldout_loss'] == pytest.approx(whole['heldout_loss'], rel=1e-4)
 
   cut['complete'] = False  # an interrupted report, but of other options: evaluated anew
   report_lib.write_json(cut, prefix + '.json')
-  status, writes = _eval_cli([*args[:2], '--examples=4', *args[3:]])
-  assert status == 0 and writes == [0, 1, 2, 3, 3]
+  status, out, err, writes = _eval_cli([*args[:2], '--examples=4', *args[3:]])
+  assert status == 0 and writes == [0, 1, 2, 3, 3] and 'resumed' not in out, err[-2000:]
 
 
 def test_bad_input_is_named(run, tmp_path):
