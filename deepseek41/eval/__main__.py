@@ -34,7 +34,7 @@ from deepseek41.config import ConfigError, parse_task_specs
 from deepseek41.data.shards import DataError
 from deepseek41.eval import report as report_lib
 from deepseek41.eval.restore import EvalError, open_checkpoint
-from deepseek41.eval.run import Options, evaluate, resumable
+from deepseek41.eval.run import Options, evaluate
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Work directory of a run (or an HF import).')
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: the newest).')
@@ -86,10 +86,10 @@ def main(argv) -> int:
   logging.set_verbosity(logging.WARNING)  # the checkpoint library's per-read lines
   for signum in (signal.SIGTERM, signal.SIGINT):
     signal.signal(signum, _raise_interrupted)
-  partial: dict = {}  # the report as last written, and where
+  partial: dict = {}  # the report as last written
 
   def progress(report: dict):
-    report_lib.write_json(report, partial.setdefault('path', prefix + '.json'))
+    report_lib.write_json(report, prefix + '.json')
     partial['report'] = report
 
   try:
@@ -110,7 +110,7 @@ def main(argv) -> int:
     report = evaluate(ck, Options(specs=specs, examples=_EXAMPLES.value, depths=depths,
                                   rows=_BATCH.value, heldout_batches=_HELDOUT.value,
                                   generate=_GENERATE.value, selection=_SELECTION.value),
-                      progress=progress, previous=previous if resumable(previous, ck) else None)
+                      progress=progress, previous=previous)
   except (EvalError, ConfigError, DataError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
@@ -121,7 +121,7 @@ def main(argv) -> int:
     else:
       done = len(report['tasks']) + len(report.get('generated', []))
       print(report_lib.table(report))
-      print(f'interrupted ({e}): {partial["path"]} holds the {done} of {report["cells"]} task '
+      print(f'interrupted ({e}): {prefix}.json holds the {done} of {report["cells"]} task '
             'cells that finished ("complete": false)', file=sys.stderr)
     return 128 + e.signum
   for signum in (signal.SIGTERM, signal.SIGINT):  # the last write is atomic either way

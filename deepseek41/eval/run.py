@@ -100,7 +100,7 @@ def evaluate(ck: Checkpoint, opts: Options, progress: Callable[[dict], None] | N
   rows = (lambda length: opts.rows) if opts.rows else (lambda length: task_rows(cfg, length))
   tasks = TaskEvaluator(cfg, opts.specs, predict, rows, tokenizer=ck.tokenizer,
                         examples=opts.examples, depths=opts.depths, selection=opts.selection)
-  cells = sum(len(tasks.depths) if s.has_depth else 1 for s in tasks.specs)
+  cells = len(tasks.cells())
   key = _options_key(ck, opts, tasks)
   report = {'workdir': ck.workdir, 'step': ck.step,
             'max_positions': max_positions(cfg.model, cfg.data.seq_len),
@@ -118,15 +118,15 @@ def evaluate(ck: Checkpoint, opts: Options, progress: Callable[[dict], None] | N
   else:
     report.update(held_out(ck, opts, tasks, predict, rows))
 
-  def adder(key):
+  def adder(name):
     def add(score: TaskScore):
-      report.setdefault(key, []).append(score.to_dict())
+      report.setdefault(name, []).append(score.to_dict())
       if progress is not None:
         progress(report)
     return add
 
-  def finished(key):
-    return {(t['label'], t['depth']) for t in report.get(key, [])}
+  def finished(name):
+    return {(t['label'], t['depth']) for t in report.get(name, [])}
   if progress is not None:
     progress(report)
   tasks(ck.weights, on_score=adder('tasks'), skip=finished('tasks'))
@@ -185,30 +185,27 @@ def generated(ck: Checkpoint, tasks: TaskEvaluator, rows,
   except GenerateError as e:
     raise EvalError(f'--generate: {e}') from None
   scores = []
-  for spec in tasks.specs:
-    for depth in tasks.depths if spec.has_depth else (None,):
-      if (spec.label, depth) in skip:
-        continue
-      score = TaskScore(spec, depth)
-      asked = [(doc.tokens[:s], doc.tokens[s:e]) for doc in tasks.documents(spec, depth)
-               for s, e in doc.answers]
-      n = rows(spec.length)
-      for i in range(0, len(asked), n):
-        chunk = asked[i:i + n]
-        try:
-          results = gen.generate_tokens([p for p, _ in chunk], temperature=0.0,
-                                        max_new_tokens=max(len(a) for _, a in chunk))
-        except GenerateError as e:
-          raise EvalError(f'--generate: {spec.label}: {e}') from None
-        for (_, answer), r in zip(chunk, results):
-          got = r.tokens[:len(answer)]  # short where the model ended the document early
-          right_t = np.asarray(got + [-1] * (len(answer) - len(got))) == answer
-          score.answers += 1
-          score.correct += int(right_t.all())
-          score.answer_tokens += len(answer)
-          score.correct_tokens += int(right_t.sum())
-      score.ce_sum = float('nan')  # decoding has no teacher-forced loss
-      scores.append(score)
-      if on_score is not None:
-        on_score(score)
+  for spec, depth in tasks.cells(skip):
+    score = TaskScore(spec, depth)
+    asked = [(doc.tokens[:s], doc.tokens[s:e]) for doc in tasks.documents(spec, depth)
+             for s, e in doc.answers]
+    n = rows(spec.length)
+    for i in range(0, len(asked), n):
+      chunk = asked[i:i + n]
+      try:
+        results = gen.generate_tokens([p for p, _ in chunk], temperature=0.0,
+                                      max_new_tokens=max(len(a) for _, a in chunk))
+      except GenerateError as e:
+        raise EvalError(f'--generate: {spec.label}: {e}') from None
+      for (_, answer), r in zip(chunk, results):
+        got = r.tokens[:len(answer)]  # short where the model ended the document early
+        right_t = np.asarray(got + [-1] * (len(answer) - len(got))) == answer
+        score.answers += 1
+        score.correct += int(right_t.all())
+        score.answer_tokens += len(answer)
+        score.correct_tokens += int(right_t.sum())
+    score.ce_sum = float('nan')  # decoding has no teacher-forced loss
+    scores.append(score)
+    if on_score is not None:
+      on_score(score)
   return scores

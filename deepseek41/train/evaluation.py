@@ -235,29 +235,34 @@ class TaskEvaluator:
                                                 self.examples)
     return self._documents[key]
 
+  def cells(self, skip: Collection[tuple[str, float | None]] = ()
+            ) -> list[tuple[TaskSpec, float | None]]:
+    """(spec, depth) of every task, length and depth in order (depth None for a task without
+    one), but those whose (label, depth) is in `skip`."""
+    return [(spec, depth) for spec in self.specs
+            for depth in (self.depths if spec.has_depth else (None,))
+            if (spec.label, depth) not in skip]
+
   def __call__(self, weights, on_score: Callable[[TaskScore], None] | None = None,
                skip: Collection[tuple[str, float | None]] = ()) -> list[TaskScore]:
-    """Every task, length and depth's score but the (label, depth) cells in `skip`;
-    `on_score` gets each as it is finished (the eval command writes its report as it goes,
-    so an interrupted evaluation keeps them and a rerun skips them)."""
+    """The score of each of `cells(skip)`; `on_score` gets each as it is finished (the eval
+    command writes its report as it goes, so an interrupted evaluation keeps them and a rerun
+    skips them)."""
     scores = []
-    for spec in self.specs:
+    for spec, depth in self.cells(skip):
       rows = self.rows(spec.length)
-      for depth in self.depths if spec.has_depth else (None,):
-        if (spec.label, depth) in skip:
-          continue
-        score = TaskScore(spec, depth)
-        docs = self.documents(spec, depth)
-        for i in range(0, len(docs), rows):
-          chunk = docs[i:i + rows]
-          batch = document_batch(chunk, rows, spec.length, self.cfg.data.images)
-          if self.selection:
-            batch['answer_rows'] = document_answer_rows(chunk, rows, spec.length)
-          out = self.predict(weights, batch)
-          score.add(chunk, out['pred'], out['ce'], out.get('selection'))
-        scores.append(score)
-        if on_score is not None:
-          on_score(score)
+      score = TaskScore(spec, depth)
+      docs = self.documents(spec, depth)
+      for i in range(0, len(docs), rows):
+        chunk = docs[i:i + rows]
+        batch = document_batch(chunk, rows, spec.length, self.cfg.data.images)
+        if self.selection:
+          batch['answer_rows'] = document_answer_rows(chunk, rows, spec.length)
+        out = self.predict(weights, batch)
+        score.add(chunk, out['pred'], out['ce'], out.get('selection'))
+      scores.append(score)
+      if on_score is not None:
+        on_score(score)
     return scores
 
 
