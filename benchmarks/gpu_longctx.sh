@@ -39,6 +39,10 @@
 #   PATH=.venv/bin:$PATH OUT=/tmp/lc CONFIG=configs/tiny.py SHORT_LEN=256 SHORT_BATCH=4 \
 #     SHORT_TASK_LEN=128 SHORT_STEPS=6 SHORT_EVERY=6 STEPS=4 LEN=256 BATCH=2 TASK_FLAGS=" " \
 #     EXAMPLES=2 EVAL_TASKS=mqar@256,passkey@256 bash benchmarks/gpu_longctx.sh csa2
+# A call that ends during the evaluation (its report is written cell by cell) leaves the
+# checkpoint on the machine: while the machine is warm, `EVAL_ONLY=1 PARTIAL=<the returned
+# longctx_VARIANT.json, carried> bash benchmarks/gpu_longctx.sh VARIANT` evaluates the missing
+# cells only (section 49 did this by hand).
 # Side by side: `bash benchmarks/gpu_longctx.sh dense csa2` trains the variants at once on the
 # one GPU, each a process with 1/N of its memory (XLA_PYTHON_CLIENT_MEM_FRACTION), so their
 # compilations (CPU-bound, about a third of a stage) overlap and one call holds the comparison.
@@ -79,7 +83,19 @@ case "$variant" in
 esac
 WORKDIR=/tmp/longctx_$variant
 SHORT_WORKDIR=/tmp/longctx_short_$variant
-rm -rf $WORKDIR $SHORT_WORKDIR
+if [ -n "${EVAL_ONLY:-}" ]; then
+  # A call that ended during the evaluation leaves the checkpoint on the machine: evaluate again,
+  # from the report it returned (PARTIAL, carried) when given, so only the missing cells run.
+  ls $WORKDIR/checkpoints 2>/dev/null | grep -qE '^[0-9]+$' || {
+    echo "EVAL_ONLY: no checkpoint in $WORKDIR/checkpoints (a fresh machine: train again)" \
+      | tee -a "$OUT/summary.txt"; exit 1; }
+  if [ -n "${PARTIAL:-}" ]; then
+    [ -f "$PARTIAL" ] || { echo "PARTIAL=$PARTIAL: no such file" >&2; exit 2; }
+    cp "$PARTIAL" "$OUT/longctx_$variant.json"
+  fi
+else
+  rm -rf $WORKDIR $SHORT_WORKDIR
+fi
 # 64 key:value pairs, all asked; four needles, one asked, three distractors; every task document
 # fills its row; only answers supervised.
 TASK_FLAGS=${TASK_FLAGS:---config.tasks.mqar_pairs=64 --config.tasks.mqar_queries=64 \
@@ -105,7 +121,7 @@ stage() {  # name, workdir, seconds, steps, eval every, length, flags...
   grep -E "took|eval_acc|rror" "$OUT/${name}_$variant.log" | tail -4 | cut -c1-300
 }
 INIT=""
-if [ "$SHORT_LEN" != 0 ]; then
+if [ -z "${EVAL_ONLY:-}" ] && [ "$SHORT_LEN" != 0 ]; then
   stage short $SHORT_WORKDIR ${SHORT_S:-215} ${SHORT_STEPS:-300} ${SHORT_EVERY:-0} $SHORT_LEN \
     --config.train.batch_size=${SHORT_BATCH:-16} --config.tasks.length=${SHORT_TASK_LEN:-1024} \
     ${SHORT_EXTRA:-}
@@ -114,13 +130,16 @@ if [ "$SHORT_LEN" != 0 ]; then
   INIT="--config.checkpoint.init_from=$SHORT_WORKDIR/checkpoints/$last \
     --config.train.warmup_steps=${WARMUP2:-10}"
 fi
-stage train $WORKDIR ${TRAIN_S:-185} $STEPS 0 $LEN --config.train.batch_size=${BATCH:-4} $INIT
+[ -n "${EVAL_ONLY:-}" ] || \
+  stage train $WORKDIR ${TRAIN_S:-185} $STEPS 0 $LEN --config.train.batch_size=${BATCH:-4} $INIT
 # EVAL_S: the evaluation's own limit (SIGTERM), so that a call's end keeps the cells it finished
 # (the report is written after each one, "complete": false until the end).
 timeout --signal=TERM -k 15 "${EVAL_S:-900}" python3 -m deepseek41.eval --workdir=$WORKDIR \
   --tasks=$EVAL_TASKS --examples=$EXAMPLES \
   --depths=0,0.25,0.5,0.75,1 --heldout_batches=2 ${GENERATE:+--generate} \
-  --out="$OUT/longctx_$variant" > "$OUT/eval_$variant.log" 2>&1
-echo "eval $variant exit $?" | tee -a "$OUT/summary.txt"
-tail -25 "$OUT/eval_$variant.log"
-rm -rf $WORKDIR/checkpoints $SHORT_WORKDIR/checkpoints
+  --out="$OUT/longctx_$variant" > "$OUT/eval_$variant${EVAL_ONLY:+_resumed}.log" 2>&1
+rc=$?
+echo "eval $variant exit $rc" | tee -a "$OUT/summary.txt"
+tail -25 "$OUT/eval_$variant${EVAL_ONLY:+_resumed}.log"
+# An unfinished evaluation keeps the checkpoint for EVAL_ONLY=1 on the same (warm) machine.
+[ $rc != 0 ] || rm -rf $WORKDIR/checkpoints $SHORT_WORKDIR/checkpoints
