@@ -15,8 +15,9 @@ where `slot_i(u)` is the slot of query i that selected entry u (none: no term). 
 from `T x K` rows to the unions' total size, `T x K / overlap`. The price: each query's
 coefficients are read once per union block (gathered by slot) instead of once, and the union
 costs a sort of each tile's `tile x K` picks. Which is faster depends on the overlap, so it is
-an option (`model.sparse_dkv_tile`, 0 = off) measured against the atomics per query
-(docs/performance.md part K).
+an option (`model.sparse_dkv_tile`, 0 = off). Measured against the atomics per query on an
+H100 (docs/performance.md section 49) it lost at every overlap trained selections show and
+barely tied where every query picks the same recent entries, so it stays off by default.
 
 The union (`query_tile_union`) is plain jnp; the kernel is Pallas on Triton like its neighbours.
 `dkv_reference` is the plain jnp sum both versions are held to.
