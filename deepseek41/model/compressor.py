@@ -137,10 +137,15 @@ def visible_btn(segment_ids_bt, comp: CompressedKV, row_offset=0):
   Build it per query chunk in the scalable path, never for a whole long sequence.
   """
   seg_q_bt = jnp.asarray(segment_ids_bt, jnp.int32)
-  t_q = query_rows(row_offset, seg_q_bt.shape[1])
-  same_doc_btn = (comp.seg_bn[:, None, :] == seg_q_bt[:, :, None]) & (seg_q_bt[:, :, None] != 0)
-  complete_btn = comp.last_bn[:, None, :] <= t_q[:, :, None]
-  return same_doc_btn & complete_btn
+  return visible_at_rows_btn(seg_q_bt, query_rows(row_offset, seg_q_bt.shape[1]), comp)
+
+
+def visible_at_rows_btn(segment_ids_bq, rows_bq, comp: CompressedKV):
+  """bool [B, Q, N]: `visible_btn` for queries at any rows (`rows_bq` int [1 or B, Q], their
+  segment ids `segment_ids_bq`), not only a contiguous run of them."""
+  same_doc_bqn = (comp.seg_bn[:, None, :] == segment_ids_bq[:, :, None]) & \
+      (segment_ids_bq[:, :, None] != 0)
+  return same_doc_bqn & (comp.last_bn[:, None, :] <= rows_bq[:, :, None])
 
 
 def visible_entries_btp(segment_ids_bt, comp: CompressedKV, entry_btp, row_offset=0):

@@ -299,7 +299,8 @@ class CSA2(nnx.Module):
     if shared.probe is not None:  # diagnostics: the selection against dense attention
       shared = shared.with_probe_stats(role.layer, diagnostics.selection_stats(
           q_bthd, comp, sel_idx, sel_valid, seg, shared.probe.answer_rows_bt,
-          topk=cfg.index_topk, window=cfg.sliding_window, chunk=shared.probe.chunk))
+          topk=cfg.index_topk, window=cfg.sliding_window, chunk=shared.probe.chunk,
+          rows_bm=shared.probe.rows_bm))
     # Only an index source in training needs the per-slot mass (its indexer's distillation
     # target); generation computes no indexer loss.
     distill = self.owns_index and not decoding

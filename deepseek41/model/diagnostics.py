@@ -20,7 +20,9 @@ share of a query's picks its predecessor in the document also picked. The tile-m
 gradient (model.sparse_dkv_tile, ops/gpu/merged_dkv.py) pays only where it is high: a tile of
 tau queries sharing s with each neighbour holds about K (1 + (tau - 1)(1 - s)) distinct entries.
 
-Plain jnp, `chunk` queries at a time: one chunk's [B, chunk, H, N] scores exist, never [T, N].
+Plain jnp, `chunk` queries at a time: one chunk's [B, chunk, H, N] scores exist, never [T, N];
+given `rows_bm` (`Probe.rows_bm`: the task evaluation passes its answer rows, `probe_rows`)
+only those query rows are scored, O(M N) a layer rather than O(T N).
 The API (the eval command and the trainer's evaluation call these):
 
     stats = selection_diagnostics(model, batch, answer_rows_bt=None, chunk=256)
@@ -47,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepseek41.model.compressor import CompressedKV, query_rows, visible_btn
+from deepseek41.model.compressor import CompressedKV, query_rows, visible_at_rows_btn
 from deepseek41.model.shared import Probe, Shared
 from deepseek41.ops.chunking import map_query_chunks
 
@@ -68,14 +70,16 @@ class SelectionStats(NamedTuple):
 
 
 def selection_stats(q_bthd, comp: CompressedKV, sel_idx_btk, sel_valid_btk, segment_ids_bt,
-                    answer_rows_bt=None, *, topk: int, window: int,
-                    chunk: int = 256) -> SelectionStats:
+                    answer_rows_bt=None, *, topk: int, window: int, chunk: int = 256,
+                    rows_bm=None) -> SelectionStats:
   """The module docstring's quantities for one layer.
 
   q_bthd [B, T, H, d]: the layer's RoPE'd queries; comp: its KV source's entries (row layout,
   entry j = rows j*r .. j*r + r - 1); sel_*: the selection it attends to; answer_rows_bt int
   [B, T] (row index, -1 = none; None: no answers). The queries are the whole rows (the
-  training layout, not CED's tail).
+  training layout, not CED's tail). rows_bm int [B, M] (-1: padding): measure only these query
+  rows, the stats [B, M] (padding counts nowhere); the dense scores cost O(M N) a layer instead
+  of O(T N), which is what makes a 64K evaluation at its answer rows cheap (probe_rows).
   """
   b, t = q_bthd.shape[:2]
   n = comp.num_entries
@@ -92,8 +96,9 @@ def selection_stats(q_bthd, comp: CompressedKV, sel_idx_btk, sel_valid_btk, segm
   prev_seg_bt = jnp.pad(seg_full_bt[:, :-1], before[:2])
 
   def per_chunk(c, offset):
-    rows_bc = query_rows(offset, c['seg'].shape[1])
-    vis_bcn = visible_btn(c['seg'], comp, offset)
+    del offset  # the rows are c['rows']: contiguous or probe rows alike
+    rows_bc = c['rows']
+    vis_bcn = visible_at_rows_btn(c['seg'], rows_bc, comp)
     s_bchn = jnp.einsum('bchd,bnd->bchn', c['q'].astype(jnp.float32), kv_bnd) * scale
     s_bchn = jnp.where(vis_bcn[:, :, None, :], s_bchn, -jnp.inf)
     shift = jnp.max(s_bchn, axis=-1, keepdims=True)
@@ -136,8 +141,29 @@ def selection_stats(q_bthd, comp: CompressedKV, sel_idx_btk, sel_valid_btk, segm
 
   xs = {'q': q_bthd, 'seg': seg_full_bt, 'sel': sel_idx_btk, 'sel_valid': sel_valid_btk,
         'answer': answers, 'prev_sel': prev_sel_btk, 'prev_valid': prev_valid_btk,
-        'prev_seg': prev_seg_bt}
+        'prev_seg': prev_seg_bt, 'rows': jnp.broadcast_to(query_rows(0, t), (b, t))}
+  if rows_bm is not None:
+    measured_bm = jnp.asarray(rows_bm, jnp.int32) >= 0
+    at_bm = jnp.clip(jnp.asarray(rows_bm, jnp.int32), 0, t - 1)
+    xs = {k: jnp.take_along_axis(v, at_bm.reshape(at_bm.shape + (1,) * (v.ndim - 2)), axis=1)
+          for k, v in xs.items()}
+    # Padding rows: no document (nothing visible, no neighbour) and no answer.
+    xs['seg'] = jnp.where(measured_bm, xs['seg'], 0)
+    xs['answer'] = jnp.where(measured_bm, xs['answer'], -1)
   return map_query_chunks(per_chunk, xs, chunk)
+
+
+def probe_rows(answer_rows_bt: np.ndarray, at_least: int = 256) -> np.ndarray:
+  """int32 [B, M]: each batch row's query rows that have an answer (answer_rows_bt >= 0), -1
+  after them; M the next power of two of the most any row has, at least `at_least` (one
+  query chunk), so that one length's tasks share one compiled evaluation."""
+  has_bt = np.asarray(answer_rows_bt) >= 0
+  m = max(at_least, 1 << max(int(has_bt.sum(1).max(initial=0)) - 1, 0).bit_length())
+  out = np.full((has_bt.shape[0], m), -1, np.int32)
+  for i, row in enumerate(has_bt):
+    rows = np.flatnonzero(row)
+    out[i, :len(rows)] = rows
+  return out
 
 
 def selection_diagnostics(model, batch, answer_rows_bt=None, chunk: int = 256

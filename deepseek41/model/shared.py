@@ -56,6 +56,7 @@ class Probe:
   """Diagnostics of a forward (model/diagnostics.py `selection_diagnostics`): the CSA2 layers
   measure their selection against the dense attention over every visible entry."""
   answer_rows_bt: Any = None   # int32 [B, T]: the row each query should retrieve; -1 none
+  rows_bm: Any = None          # int32 [B, M]: measure only these query rows (-1 padding)
   stats: dict = struct.field(default_factory=dict)  # {layer: diagnostics.SelectionStats}
   chunk: int = struct.field(pytree_node=False, default=256)  # queries per chunk
 

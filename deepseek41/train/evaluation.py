@@ -258,6 +258,7 @@ class TaskEvaluator:
         batch = document_batch(chunk, rows, spec.length, self.cfg.data.images)
         if self.selection:
           batch['answer_rows'] = document_answer_rows(chunk, rows, spec.length)
+          batch['probe_rows'] = diagnostics.probe_rows(batch['answer_rows'])
         out = self.predict(weights, batch)
         score.add(chunk, out['pred'], out['ce'], out.get('selection'))
       scores.append(score)
@@ -292,21 +293,26 @@ def make_task_step(objective: Objective, graphdef):
   backbone's forward at the batch's shape (`objective.reader_models`: any stage's backbone);
   `weights` holds the objective's model entries (a train state, or a checkpoint's weights).
   A batch holding 'answer_rows' (int [B, T], TaskEvaluator) is also probed in the same forward:
-  'selection' = {layer: diagnostics.selection_totals over the rows that predict an answer}."""
+  'selection' = {layer: diagnostics.selection_totals over the rows that predict an answer},
+  measured at those rows only when the batch also holds them as 'probe_rows' (int [B, M],
+  diagnostics.probe_rows)."""
   def task_step(weights, batch):
     backbone, _ = objective.reader_models(graphdef, weights)
     batch = dict(batch)
     answer_rows_bt = batch.pop('answer_rows', None)
+    rows_bm = batch.pop('probe_rows', None)
     if answer_rows_bt is None:
       logits_btv, _ = backbone(batch)
     else:
-      logits_btv, aux = backbone(batch, probe=Probe(answer_rows_bt=answer_rows_bt))
+      logits_btv, aux = backbone(batch, probe=Probe(answer_rows_bt=answer_rows_bt,
+                                                    rows_bm=rows_bm))
     logits_btv = logits_btv.astype(jnp.float32)
     target_bt = jnp.take_along_axis(logits_btv, batch['targets'][..., None], axis=-1)[..., 0]
     ce_bt = (jax.nn.logsumexp(logits_btv, axis=-1) - target_bt) * batch['loss_mask']
     out = {'pred': jnp.argmax(logits_btv, axis=-1).astype(jnp.int32), 'ce': ce_bt}
     if answer_rows_bt is not None:
-      out['selection'] = diagnostics.selection_totals(aux['selection'], answer_rows_bt >= 0)
+      measured = answer_rows_bt >= 0 if rows_bm is None else rows_bm >= 0
+      out['selection'] = diagnostics.selection_totals(aux['selection'], measured)
     return out
   return task_step
 
@@ -319,9 +325,9 @@ def model_predictor(task_step, mesh, sharding, engram_map, vision: bool) -> Pred
     rows = len(batch['tokens']) // n
     local = {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()}
     inputs = global_batch(local, sharding, engram_map, vision=vision)
-    if 'answer_rows' in local:
-      inputs['answer_rows'] = jax.make_array_from_process_local_data(sharding,
-                                                                     local['answer_rows'])
+    for name in ('answer_rows', 'probe_rows'):
+      if name in local:
+        inputs[name] = jax.make_array_from_process_local_data(sharding, local[name])
     with jax.set_mesh(mesh):
       out = jax.device_get(task_step(weights, inputs))
     return out

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from deepseek41.model.compressor import CompressedKV
-from deepseek41.model.diagnostics import (selection_diagnostics, selection_stats,
+from deepseek41.model.diagnostics import (probe_rows, selection_diagnostics, selection_stats,
                                           selection_totals, summarize, summarize_totals)
 from deepseek41.model.shared import Probe
 from deepseek41.model.transformer import Transformer
@@ -90,6 +90,33 @@ def test_stats_equal_a_numpy_reference():
   np.testing.assert_array_equal(np.asarray(got.neighbour_counted), want['neighbour'] == 1)
   np.testing.assert_allclose(np.asarray(got.neighbour_shared), want['shared'], atol=1e-6)
   assert 0 < want['shared'].mean() < want['neighbour'].mean()  # some shared, not all
+  # Measured at some rows only (probe rows, padded with -1): each field equals the full
+  # stats' at its row, and the padding counts nowhere (at ratio 1 row 0 sees an entry).
+  rows = jnp.asarray([[0, 5, 11, 12, 23, -1, -1], [3, 4, 17, -1, -1, -1, -1]], jnp.int32)
+  for r, kv_r in ((ratio, kv), (1, rng.standard_normal((b, t, d)).astype(np.float32))):
+    def stats(**at):
+      return selection_stats(jnp.asarray(q), entries(kv_r, seg, r), jnp.asarray(sel),
+                             jnp.asarray(sel_valid), jnp.asarray(seg), jnp.asarray(answers),
+                             topk=k, window=5, **at)
+    full, at = stats(chunk=7), stats(chunk=4, rows_bm=rows)
+    assert np.asarray(full.counted)[:, 0].any() == (r == 1)
+    for name, full_bt in full._asdict().items():
+      want_bm = np.take_along_axis(np.asarray(full_bt), np.maximum(np.asarray(rows), 0), 1)
+      got_bm, measured = np.asarray(getattr(at, name)), np.asarray(rows) >= 0
+      np.testing.assert_allclose(got_bm[measured], want_bm[measured], atol=1e-6, err_msg=name)
+      assert not got_bm[~measured].any(), name
+
+
+def test_probe_rows_lists_each_rows_answers_in_a_shared_bucket():
+  answers = np.full((3, 40), -1, np.int32)
+  answers[0, [4, 9, 30]] = [1, 2, 3]
+  answers[2, 39] = 0
+  got = probe_rows(answers, at_least=2)
+  assert got.shape == (3, 4)      # three rows at most, the next power of two
+  assert got.tolist() == [[4, 9, 30, -1], [-1] * 4, [39, -1, -1, -1]]
+  assert probe_rows(answers).shape == (3, 256)   # one query chunk: one compiled shape
+  many = np.zeros((1, 600), np.int32)
+  assert probe_rows(many).shape == (1, 1024)
 
 
 def test_needles_at_16k_recall_drops_when_the_selection_misses_them():
@@ -197,6 +224,17 @@ def test_the_forward_with_a_probe_measures_the_same_and_totals_add_up_over_batch
       for got in (aux, remat):
         np.testing.assert_allclose(np.asarray(getattr(got['selection'][layer], name)),
                                    np.asarray(want), atol=1e-6, err_msg=f'{name} L{layer}')
+  # Probed at the answer rows only (the task evaluation's way): the same totals.
+  some = np.where(np.arange(48) % 3 == 0, answers, -1).astype(np.int32)  # 16 of the 48 rows
+  rows = probe_rows(some, at_least=8)
+  assert rows.shape == (1, 16)
+  _, probed = nnx.jit(lambda m, b, a, r: m(b, probe=Probe(answer_rows_bt=a, rows_bm=r)))(
+      model, batch, some, rows)
+  whole_at_answers = jax.device_get(selection_totals(
+      nnx.jit(lambda m, b, a: selection_diagnostics(m, b, a))(model, batch, some), some >= 0))
+  for layer, st in probed['selection'].items():
+    np.testing.assert_allclose(np.asarray(jax.device_get(selection_totals({0: st}, rows >= 0))[0]),
+                               whole_at_answers[layer], atol=1e-5, err_msg=f'L{layer}')
   first = np.arange(48)[None] < 31
   halves = [jax.device_get(selection_totals(alone, m)) for m in (first, ~first)]
   summed = summarize_totals({layer: halves[0][layer] + halves[1][layer] for layer in alone})
