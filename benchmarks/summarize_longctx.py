@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -147,4 +148,5 @@ def main(args: list[str]) -> int:
 
 
 if __name__ == '__main__':
+  signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the tables quietly
   sys.exit(main(sys.argv[1:]))
