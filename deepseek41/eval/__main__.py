@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 from absl import app, flags, logging
 
@@ -87,10 +88,20 @@ def main(argv) -> int:
   for signum in (signal.SIGTERM, signal.SIGINT):
     signal.signal(signum, _raise_interrupted)
   partial: dict = {}  # the report as last written
+  shown = {'cells': None, 'since': time.monotonic()}  # progress lines printed so far
 
   def progress(report: dict):
     report_lib.write_json(report, prefix + '.json')
     partial['report'] = report
+    done = len(report['tasks']) + len(report.get('generated', []))
+    if shown['cells'] is None:  # after the held-out losses (or the cells a resume keeps)
+      print(f'{report["cells"] - done} of {report["cells"]} task cells to evaluate '
+            f'({prefix}.json after each)', file=sys.stderr, flush=True)
+    else:
+      for line in report_lib.progress_lines(report, shown['cells'],
+                                            time.monotonic() - shown['since']):
+        print(line, file=sys.stderr, flush=True)
+    shown.update(cells=done, since=time.monotonic())
 
   try:
     if not _WORKDIR.value:

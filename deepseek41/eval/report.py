@@ -59,6 +59,19 @@ def table(report: dict) -> str:
   return '\n'.join(lines)
 
 
+def progress_lines(report: dict, shown: int, seconds: float) -> list[str]:
+  """One line for each task cell of `report` past the first `shown` (teacher-forced, then
+  decoded), numbered against the cells due; `seconds` is how long the new ones took."""
+  cells = [('', t) for t in report.get('tasks', [])] + \
+      [('decoded ', g) for g in report.get('generated', [])]
+  new = cells[shown:]
+  return [f'[{shown + i + 1}/{report.get("cells", "?")}] {kind}{c["label"]}'
+          + ('' if c['depth'] is None else f' depth {c["depth"]:g}')
+          + f': acc {_cell(c["acc"])} ({c.get("correct", "?")} of {c["answers"]})'
+          + ('' if i < len(new) - 1 else f', {seconds:.1f} s')
+          for i, (kind, c) in enumerate(new)]
+
+
 def write_json(report: dict, path: str) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path + '.tmp', 'w') as f:

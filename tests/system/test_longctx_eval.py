@@ -239,6 +239,11 @@ def test_a_terminated_eval_keeps_its_cells_and_resumes(run, tmp_path):
   assert status == 0 and writes == [1, 2, 3, 3], err[-2000:]  # from 1; the last: complete
   assert 'resumed: 1 of the 3 task cells were kept' in out
   resumed = json.load(open(prefix + '.json'))
+  # progress on stderr: the cells still due, then a line per cell as it finishes
+  assert f'2 of 3 task cells to evaluate ({prefix}.json after each)' in err
+  for i, t in enumerate(resumed['tasks'][1:], start=2):
+    assert f'[{i}/3] passkey@128 depth {t["depth"]:g}: acc {t["acc"]:.3f} ' \
+        f'({t["correct"]} of {t["answers"]})' in err, err[-2000:]
   whole = evaluate(open_checkpoint(run), Options(
       specs=(TaskSpec('mqar', 64), TaskSpec('passkey', 128)), examples=8, depths=(0.0, 0.5),
       heldout_batches=1))
