@@ -58,8 +58,9 @@ def verify(key, p_bjv, q_bkv, drafts_bk, admit_b, greedy: bool):
   p_bjv [B, J, V]: the target's distributions at the chunk's positions (p_0 follows the anchor);
   q_bkv [B, J-1, V] and drafts_bk [B, J-1]: the drafts' distributions and tokens; admit_b <= J-1.
   Slot i's uniform depends on the key and i only, not on J: a verification of more drafts than
-  a row admits accepts what a shorter one would (generator.py's device loop verifies every
-  drafted slot, its host loop only as many as some row admits).
+  a row admits accepts what a shorter one would (the device loop, programs.py's
+  `Programs.speculate`, verifies every drafted slot; the host loop only as many as some row
+  admits).
   """
   if greedy:
     return verify_greedy(p_bjv, drafts_bk, admit_b)

@@ -10,10 +10,11 @@ import pytest
 from flax import nnx
 
 from deepseek41.config import load_config_file, resolve
-from deepseek41.generate import generator, sampling
+from deepseek41.generate import programs, sampling
 from deepseek41.generate.cache import empty_cache, global_bytes_per_token
 from deepseek41.generate.decode import ced_prefill, forward_chunk, replay_windows
-from deepseek41.generate.generator import GenerateError, Programs, decode_loop, exact_n_win
+from deepseek41.generate.generator import GenerateError, decode_loop, exact_n_win
+from deepseek41.generate.programs import Programs
 from deepseek41.model.ced import exact_tail_rows
 from deepseek41.model.dspark import DSpark
 from deepseek41.model.layer_cache import CacheSpec
@@ -308,10 +309,10 @@ def drafting():
 
 
 def _oracle_drafter(table_bl, vocab):
-  """`generator.draft_block` as an oracle reading the true continuation table_bl [B, L] (the
+  """`programs.draft_block` as an oracle reading the true continuation table_bl [B, L] (the
   prompt, then plain greedy's tokens): right but for slot length % 4 (none when that is 3),
   so that verifications accept 0, 1, 2 or all 3 drafts. Traceable, for both loops."""
-  real_draft = generator.draft_block
+  real_draft = programs.draft_block
   table = jnp.asarray(table_bl)
 
   def oracle(model, dspark, cache, anchor_b, key, temperature, top_p, k):
@@ -363,7 +364,7 @@ def test_greedy_speculative_decoding_returns_plain_greedy_tokens(drafting, monke
   table = np.zeros((3, 40), np.int32)
   for b, (p, t) in enumerate(zip(prompts, longer)):
     table[b, :len(p) + len(t)] = list(p) + t
-  monkeypatch.setattr(generator, 'draft_block', _oracle_drafter(table, 96))
+  monkeypatch.setattr(programs, 'draft_block', _oracle_drafter(table, 96))
   oracle = Programs(*nnx.merge(progs.graph, progs.state), None)  # traced with the oracle
   runs, streamed = {}, {}
   for n in (1, 4, 32):

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from deepseek41.generate import sampling
-from deepseek41.generate.generator import (HOST_VERIFY_COST, NO_TOKEN, GenerateError, Rows,
-                                           TextStream, decode_loop, default_verify_cost,
-                                           length_bucket, max_positions, row_budgets, stop_rows,
-                                           stop_run)
+from deepseek41.generate.generator import (HOST_VERIFY_COST, GenerateError, Rows, TextStream,
+                                           decode_loop, default_verify_cost, length_bucket,
+                                           max_positions, row_budgets)
+from deepseek41.generate.programs import NO_TOKEN, stop_rows, stop_run
 from tests.helpers import resolved
 
 
