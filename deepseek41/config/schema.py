@@ -472,9 +472,9 @@ class TrainConfig:
   eval_tasks: str = key('')
   # With eval_tasks on a CSA2 model, also each CSA2 layer's selection against dense attention at
   # the rows that predict an answer (model/diagnostics.py), logged as
-  # eval_sel/<measure>/<task>@<length>: dense scores over every visible entry in each CSA2 layer
-  # of the evaluation forward (chunked, a query chunk's at a time). The dense and window variants
-  # select nothing: no eval_sel there.
+  # eval_sel/<measure>/<task>@<length>: dense scores of those rows (a few hundred a document)
+  # over every visible entry in each CSA2 layer of the evaluation forward. The dense and window
+  # variants select nothing: no eval_sel there.
   eval_selection: bool = key(True)
   peak_tflops: float = key(0.0)         # per-device peak for MFU; 0 = look up by device kind
   # JAX's persistent compilation cache: compiled programs are written here and loaded by any
