@@ -93,7 +93,7 @@ def main(argv) -> int:
   def progress(report: dict):
     report_lib.write_json(report, prefix + '.json')
     partial['report'] = report
-    done = len(report['tasks']) + len(report.get('generated', []))
+    done = report_lib.finished_cells(report)
     if shown['cells'] is None:  # after the held-out losses (or the cells a resume keeps)
       print(f'{report["cells"] - done} of {report["cells"]} task cells to evaluate '
             f'({prefix}.json after each)', file=sys.stderr, flush=True)
@@ -130,10 +130,9 @@ def main(argv) -> int:
     if report is None:
       print(f'interrupted ({e}) before anything was written', file=sys.stderr)
     else:
-      done = len(report['tasks']) + len(report.get('generated', []))
       print(report_lib.table(report))
-      print(f'interrupted ({e}): {prefix}.json holds the {done} of {report["cells"]} task '
-            'cells that finished ("complete": false)', file=sys.stderr)
+      print(f'interrupted ({e}): {prefix}.json holds the {report_lib.finished_cells(report)} '
+            f'of {report["cells"]} task cells that finished ("complete": false)', file=sys.stderr)
     return 128 + e.signum
   for signum in (signal.SIGTERM, signal.SIGINT):  # the last write is atomic either way
     signal.signal(signum, signal.SIG_DFL)

@@ -19,6 +19,11 @@ SELECTION_COLUMNS = (('dense_recall', 'dense recall'), ('answer_visible', 'visib
                      ('neighbour_shared', 'neighbour shared'))
 
 
+def finished_cells(report: dict) -> int:
+  """How many task cells the report holds, teacher-forced and decoded."""
+  return len(report.get('tasks', [])) + len(report.get('generated', []))
+
+
 def table(report: dict) -> str:
   """The report as text: the held-out losses, then one line per task, length and depth; then
   the selection's measures per task, length and depth (or why there are none)."""
@@ -26,8 +31,8 @@ def table(report: dict) -> str:
            f'{report["max_positions"]}; {report["examples"]} documents per task, length and '
            'depth)']
   if report.get('complete') is False:
-    done = len(report.get('tasks', [])) + len(report.get('generated', []))
-    lines.append(f'INTERRUPTED: {done} of {report.get("cells", "?")} task cells finished')
+    lines.append(f'INTERRUPTED: {finished_cells(report)} of {report.get("cells", "?")} task '
+                 'cells finished')
   if report.get('heldout_loss'):
     lines.append('held-out loss: ' + ', '.join(
         f'{name} {_cell(v)}' for name, v in report['heldout_loss'].items()) +

@@ -19,6 +19,7 @@ from deepseek41.data.pipeline import tokenizer_path_of
 from deepseek41.data.shards import DataError
 from deepseek41.data.tokenizer import load_tokenizer
 from deepseek41.eval.restore import Checkpoint, EvalError
+from deepseek41.eval.report import finished_cells
 from deepseek41.generate.generator import GenerateError, Generator
 from deepseek41.sharding import batch_sharding
 from deepseek41.train.evaluation import (Evaluator, TaskEvaluator, TaskScore, batch_shards,
@@ -114,7 +115,7 @@ def evaluate(ck: Checkpoint, opts: Options, progress: Callable[[dict], None] | N
     for name in ('heldout_loss', 'heldout_note', 'tasks', 'generated'):
       if name in previous:
         report[name] = previous[name]
-    report['resumed'] = len(report['tasks']) + len(report.get('generated', []))
+    report['resumed'] = finished_cells(report)
   else:
     report.update(held_out(ck, opts, tasks, predict, rows))
 
