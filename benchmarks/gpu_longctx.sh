@@ -83,9 +83,7 @@ case "$variant" in
 esac
 WORKDIR=/tmp/longctx_$variant
 SHORT_WORKDIR=/tmp/longctx_short_$variant
-if [ -n "${EVAL_ONLY:-}" ]; then
-  # A call that ended during the evaluation leaves the checkpoint on the machine: evaluate again,
-  # from the report it returned (PARTIAL, carried) when given, so only the missing cells run.
+if [ -n "${EVAL_ONLY:-}" ]; then  # the header's resume: no training, PARTIAL's cells kept
   ls $WORKDIR/checkpoints 2>/dev/null | grep -qE '^[0-9]+$' || {
     echo "EVAL_ONLY: no checkpoint in $WORKDIR/checkpoints (a fresh machine: train again)" \
       | tee -a "$OUT/summary.txt"; exit 1; }
@@ -120,18 +118,20 @@ stage() {  # name, workdir, seconds, steps, eval every, length, flags...
   cp $wd/metrics.jsonl "$OUT/${name}_$variant.jsonl" 2>/dev/null
   grep -E "took|eval_acc|rror" "$OUT/${name}_$variant.log" | tail -4 | cut -c1-300
 }
-INIT=""
-if [ -z "${EVAL_ONLY:-}" ] && [ "$SHORT_LEN" != 0 ]; then
-  stage short $SHORT_WORKDIR ${SHORT_S:-215} ${SHORT_STEPS:-300} ${SHORT_EVERY:-0} $SHORT_LEN \
-    --config.train.batch_size=${SHORT_BATCH:-16} --config.tasks.length=${SHORT_TASK_LEN:-1024} \
-    ${SHORT_EXTRA:-}
-  last=$(ls $SHORT_WORKDIR/checkpoints 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
-  [ -n "$last" ] || { echo "short $variant saved no checkpoint" | tee -a "$OUT/summary.txt"; exit 1; }
-  INIT="--config.checkpoint.init_from=$SHORT_WORKDIR/checkpoints/$last \
-    --config.train.warmup_steps=${WARMUP2:-10}"
-fi
-[ -n "${EVAL_ONLY:-}" ] || \
+if [ -z "${EVAL_ONLY:-}" ]; then
+  INIT=""
+  if [ "$SHORT_LEN" != 0 ]; then
+    stage short $SHORT_WORKDIR ${SHORT_S:-215} ${SHORT_STEPS:-300} ${SHORT_EVERY:-0} $SHORT_LEN \
+      --config.train.batch_size=${SHORT_BATCH:-16} --config.tasks.length=${SHORT_TASK_LEN:-1024} \
+      ${SHORT_EXTRA:-}
+    last=$(ls $SHORT_WORKDIR/checkpoints 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
+    [ -n "$last" ] || {
+      echo "short $variant saved no checkpoint" | tee -a "$OUT/summary.txt"; exit 1; }
+    INIT="--config.checkpoint.init_from=$SHORT_WORKDIR/checkpoints/$last \
+      --config.train.warmup_steps=${WARMUP2:-10}"
+  fi
   stage train $WORKDIR ${TRAIN_S:-185} $STEPS 0 $LEN --config.train.batch_size=${BATCH:-4} $INIT
+fi
 # EVAL_S: the evaluation's own limit (SIGTERM), so that a call's end keeps the cells it finished
 # (the report is written after each one, "complete": false until the end).
 timeout --signal=TERM -k 15 "${EVAL_S:-900}" python3 -m deepseek41.eval --workdir=$WORKDIR \
