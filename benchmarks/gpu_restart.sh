@@ -14,10 +14,13 @@ COMMON="--config.data.synthetic=True --config.log.every_steps=1 --config.log.pro
   --config.train.eval_every_steps=0 --config.checkpoint.every_steps=2 \
   --config.train.compilation_cache_dir=$CACHE $EXTRA"
 
-run() {  # name workdir steps
+# Every run has the same train.steps (4): the learning-rate schedule is compiled into the update
+# step, so a restart with another step count is a new program (section 51: the first version
+# of this script restarted a 2-step run as a 4-step one and compiled its update step again).
+run() {  # name workdir [--stop_at_step=N]
   local t0; t0=$(date +%s.%N)
   python3 -m deepseek41.train --config="$CONFIG" --workdir="$2" $COMMON \
-    --config.train.steps="$3" > "$OUT/restart_$1.log" 2>&1
+    --config.train.steps=4 ${3:-} > "$OUT/restart_$1.log" 2>&1
   local rc=$? t1; t1=$(date +%s.%N)
   # the log's clock has whole seconds: the first step's line against the launch
   local first; first=$(grep -m1 -E "INFO step [0-9]+:" "$OUT/restart_$1.log" | cut -c1-8)
@@ -27,6 +30,6 @@ run() {  # name workdir steps
   grep -E "initialised|restored|first step|compil" "$OUT/restart_$1.log" | cut -c1-240 \
     | tee -a "$OUT/restart_summary.txt"
 }
-run cold /tmp/restart_a 2        # empty cache: compiles and writes every program
-run restart /tmp/restart_a 4     # the same run from its step-2 checkpoint
-run fresh_warm /tmp/restart_b 2  # a new run, same config, the cache warm
+run cold /tmp/restart_a --stop_at_step=2        # empty cache: compiles and writes every program
+run restart /tmp/restart_a                      # the same run from its step-2 checkpoint
+run fresh_warm /tmp/restart_b --stop_at_step=2  # a new run, same config, the cache warm

@@ -58,3 +58,21 @@ def test_empty_dir_turns_the_cache_off():
     jax.jit(lambda x: x + 1)(1)
   assert cache.describe() == 'persistent compilation cache off'
   assert jax.config.jax_compilation_cache_dir == before
+
+
+def test_a_restart_loads_the_update_step_it_compiled_before(tmp_path, caplog, monkeypatch):
+  # A resumed run (same config, restored state) must hit the cache: a preempted job's restart is
+  # where start-up time matters most.
+  monkeypatch.setattr(CompilationCache, 'MIN_COMPILE_SECS', 0.0)
+  cache = tmp_path / 'cache'
+  overrides = {**ONE_LAYER, 'train.steps': 4, 'train.compilation_cache_dir': str(cache),
+               'checkpoint.every_steps': 2}
+  with caplog.at_level(logging.INFO, logger='deepseek41'):
+    train(small_config(**overrides), str(tmp_path / 'a'), stop_at_step=2)
+    written = _entries(cache)
+    caplog.clear()
+    train(small_config(**overrides), str(tmp_path / 'a'))
+  first_step = [r.getMessage() for r in caplog.records if 'first step' in r.getMessage()]
+  assert any('resumed' in r.getMessage() for r in caplog.records)
+  assert '0 compiled and written' in first_step[0], first_step[0]
+  assert _entries(cache) == written
