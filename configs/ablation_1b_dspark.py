@@ -29,6 +29,10 @@ def get_config():
   d.num_experts_per_tok = 3
   d.anchors_per_sequence = 256
 
+  # The drafter's recipe as measured (docs/performance.md section 15): AdamW at the 1B config's
+  # former rate; the backbone it drafts for may have trained under either optimizer.
+  c.train.optimizer = 'adamw'
+  c.train.lr = 6e-4
   c.train.steps = 1000
   c.train.warmup_steps = 100
   c.train.eval_every_steps = 200

@@ -31,7 +31,8 @@ def get_config():
 
   c.data.seq_len = 4096
   c.train.batch_size = 8
-  c.train.lr = 4.5e-4
+  # [I] Not swept at 3B: the 1B config's rate scaled as AdamW's was (6e-4 -> 4.5e-4 there).
+  c.train.lr = 1.8e-3
   c.train.remat = 'block_keep_attention'
   c.train.remat_layers = 0
   c.checkpoint.max_to_keep = 2

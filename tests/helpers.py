@@ -61,6 +61,9 @@ def small_config(**overrides):
   m.residual = 'plain'
   m.engram = False
   m.capacity_factor = 4.0  # = E / K: nothing can drop
+  # AdamW: its update is a few element-wise passes, Newton-Schulz twice the toy model's FLOPs.
+  # The hybrid optimizer's own tests (test_optimizer, test_muon_hybrid) choose it explicitly.
+  c.train.optimizer = 'adamw'
   c.data.seq_len = T
   c.data.synthetic = True
   c.train.batch_size = B

@@ -418,7 +418,11 @@ class TrainConfig:
   # token tables (embedding, LM head, Engram and DSpark Markov tables), AdamW (b1, b2, eps) for
   # the rest (norms, biases, sinks, scales, mHC's static parameters), one schedule for all
   # (train/optimizer.py). A checkpoint resumes only under the optimizer that wrote it.
-  optimizer: str = key('adamw', choices=('adamw', 'muon_hybrid'))
+  # muon_hybrid is the default since it trained better at every size measured: held-out 2.37
+  # against the tuned AdamW's 2.96 after 600 steps of the 1B model, 1.84-1.93 against 2.39-2.94
+  # on configs/tiny.py (docs/performance.md sections 33, 36, 41, 51). Its best rate is not
+  # AdamW's (1B: 2.4e-3 against 3e-4), so each shipped config sets train.lr for its optimizer.
+  optimizer: str = key('muon_hybrid', choices=('adamw', 'muon_hybrid'))
   # Muon: heavy-ball momentum with the Nesterov look-ahead [S: 0.95, NANO], then Newton-Schulz.
   muon_momentum: float = key(0.95)
   # The Newton-Schulz phases [S: NANO]: (a, b, c) of X -> aX + b(XX^T)X + c(XX^T)^2 X and how many

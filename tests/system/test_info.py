@@ -32,11 +32,18 @@ def test_released_numbers():
   by = info['params']['by_component']
   assert by['mhc'] == 40 * 983_094 and by['engram.projections'] == 2 * 157_327_360
   assert by['vision.encoder'] + by['vision.aligner'] == 485_273_600
-  # Sharded state on 512 devices: fp32 parameters, Adam's two moments and two int32 counts.
+  # Sharded state on 512 devices under muon_hybrid (the default): fp32 parameters, one moment
+  # per matrix and token table, and the vectors' AdamW second moment (3 MB a device) + counts.
   per_device = info['bytes_per_device']
   assert per_device['params'] == 20_353_382_400
-  assert per_device['optimizer'] == 2 * per_device['params'] + 2 * 4
+  assert per_device['optimizer'] == 20_356_500_240
+  assert 0 < per_device['optimizer'] - per_device['params'] < 4e6
   assert per_device['router_bias'] == 40 * 2 * 384 * 4
+  # Under AdamW: two moments of everything and two int32 counts.
+  config = load_config_file(os.path.join(ROOT, 'configs', 'v41_flash.py'))
+  config.train.optimizer = 'adamw'
+  adamw = describe(config, {'fsdp': 64, 'expert': 8})['bytes_per_device']
+  assert adamw['optimizer'] == 2 * per_device['params'] + 2 * 4
 
 
 def test_released_dspark_numbers():
