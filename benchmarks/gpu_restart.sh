@@ -27,7 +27,7 @@ run() {  # name workdir [--stop_at_step=N]
   local launch; launch=$(date -d "@${t0%.*}" +%H:%M:%S)
   echo "$1: exit $rc, process $(python3 -c "print(round($t1 - $t0, 1))") s, launch $launch," \
     "first step line $first" | tee -a "$OUT/restart_summary.txt"
-  grep -E "initialised|restored|first step|compil" "$OUT/restart_$1.log" | cut -c1-240 \
+  grep -E "initialised|restored|first step|compil" "$OUT/restart_$1.log" | cut -c1-400 \
     | tee -a "$OUT/restart_summary.txt"
 }
 run cold /tmp/restart_a --stop_at_step=2        # empty cache: compiles and writes every program

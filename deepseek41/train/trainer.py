@@ -172,11 +172,19 @@ class CompilationCache:
   _EVENTS = {'/jax/compilation_cache/compile_requests_use_cache': 'requests',
              '/jax/compilation_cache/cache_hits': 'loaded',
              '/jax/compilation_cache/cache_misses': 'written'}
+  # Where a first step's time goes before it runs (every program of the process so far): with
+  # the cache warm, tracing and lowering are still paid, and the backend's part includes the
+  # cache key (a hash of the serialized module) and the read.
+  _PHASES = {'/jax/core/compile/jaxpr_trace_duration': 'tracing',
+             '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lowering',
+             '/jax/core/compile/backend_compile_duration': 'compiling or loading',
+             '/jax/compilation_cache/cache_retrieval_time_sec': 'cache reads'}
 
   def __init__(self, directory: str):
     self.directory = os.path.abspath(os.path.expanduser(directory)) if directory else ''
     self.counts = dict.fromkeys(self._EVENTS.values(), 0)
     self.saved_s = 0.0
+    self.phase_s = dict.fromkeys(self._PHASES.values(), 0.0)
     self._before = {}
 
   def __enter__(self):
@@ -213,14 +221,17 @@ class CompilationCache:
     del kwargs
     if event == '/jax/compilation_cache/compile_time_saved_sec':
       self.saved_s += duration
+    elif event in self._PHASES:
+      self.phase_s[self._PHASES[event]] += duration
 
   def describe(self) -> str:
-    """What the cache did so far, for the log."""
+    """What the cache did so far and where the compilations' time went, for the log."""
+    phases = ', '.join(f'{name} {secs:.1f} s' for name, secs in self.phase_s.items())
     if not self.directory:
-      return 'persistent compilation cache off'
+      return f'persistent compilation cache off; {phases}'
     return (f"persistent compilation cache: {self.counts['loaded']} program(s) loaded "
             f'(~{self.saved_s:.1f} s of compilation saved), {self.counts["written"]} compiled '
-            f'and written, of {self.counts["requests"]} compilations')
+            f'and written, of {self.counts["requests"]} compilations; {phases}')
 
 
 def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool,

@@ -27,6 +27,10 @@ def _run(workdir, cache_dir, caplog):
   return first_step, losses
 
 
+def _phase(text, name):
+  return float(re.search(rf'{name} ([0-9.]+) s', text).group(1))
+
+
 def _entries(cache_dir):
   return {f for f in os.listdir(cache_dir) if f.endswith('-cache')}
 
@@ -56,7 +60,13 @@ def test_empty_dir_turns_the_cache_off():
   with CompilationCache('') as cache:
     assert jax.config.jax_compilation_cache_dir is None
     jax.jit(lambda x: x + 1)(1)
-  assert cache.describe() == 'persistent compilation cache off'
+  text = cache.describe()
+  assert text.startswith('persistent compilation cache off; tracing ')
+  # the jit above was traced, lowered and compiled (milliseconds: the log rounds them to 0.0),
+  # and nothing was read from a cache
+  phases = cache.phase_s
+  assert phases['tracing'] > 0 and phases['lowering'] > 0 and phases['compiling or loading'] > 0
+  assert phases['cache reads'] == 0 and _phase(text, 'cache reads') == 0
   assert jax.config.jax_compilation_cache_dir == before
 
 
@@ -76,3 +86,5 @@ def test_a_restart_loads_the_update_step_it_compiled_before(tmp_path, caplog, mo
   assert any('resumed' in r.getMessage() for r in caplog.records)
   assert '0 compiled and written' in first_step[0], first_step[0]
   assert _entries(cache) == written
+  # the update step was read from the cache, and its tracing and lowering still paid
+  assert _phase(first_step[0], 'cache reads') > 0 and _phase(first_step[0], 'tracing') > 0

@@ -28,9 +28,12 @@ CONFIG_PARAMS = {'ablation_1b.py': 1_261_912_776, 'ablation_3b.py': 3_046_162_12
 FROZEN_BACKBONE = {'ablation_1b_dspark.py': 'ablation_1b.py', 'tiny_dspark.py': 'tiny.py'}
 
 
+@pytest.mark.parametrize('optimizer', ['as_shipped', 'adamw', 'muon_hybrid'])
 @pytest.mark.parametrize('path', CONFIGS, ids=os.path.basename)
-def test_every_config_builds(path):
+def test_every_config_builds(path, optimizer):
   config = load_config_file(path)
+  if optimizer != 'as_shipped':
+    config.train.optimizer = optimizer
   sharded = any(config.mesh[a] > 1 for a in ('fsdp', 'expert', 'tensor', 'context'))
   cfg = resolve(config, num_devices=8 if sharded else 1, backend='cpu')
   abstract = abstract_state(cfg, make_optimizer(cfg.train))  # jax.eval_shape: no arrays
