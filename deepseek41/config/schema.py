@@ -428,7 +428,7 @@ class TrainConfig:
   # The Newton-Schulz phases [S: NANO]: (a, b, c) of X -> aX + b(XX^T)X + c(XX^T)^2 X: fast ones
   # (Keller Jordan's coefficients, singular values pushed into ~[0.7, 1.2]), then ones that
   # settle them at 1. [I] 4 + 1 iterations, not the source's 8 + 2: the update is then 9.4% of
-  # the 1B step on an H200 against 13.7% (issue 45's bound is 10%), the step 4-5% faster, and
+  # the 1B step on an H200 against 13.7% (issue 45's bound is 10%), the step 5-6% faster, and
   # the held-out loss 0.05 behind at step 100 and 0.025 at 200, about what two runs of one
   # schedule differ by (docs/performance.md sections 47 and 51): no slower to a given loss. It
   # leaves directions far below the largest partly lifted (docs/architecture.md section 4.2).

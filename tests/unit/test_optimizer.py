@@ -65,7 +65,7 @@ def test_newton_schulz_is_the_polar_factor(shape):
 
 def test_the_default_schedule_orthogonalises_a_rectangular_matrix_to_5_percent():
   # 4 + 1 iterations (train.muon_ns_steps' default, [I]): a random 96 x 384 matrix (singular
-  # values from Frobenius scaling about 0.05) comes out within 4%; what the schedule gives up
+  # values about 0.1 after the Frobenius scaling) comes out within 4%; what the schedule gives up
   # against 8 + 2 is the directions that start far smaller (docs/architecture.md section 4.2).
   t = small_config(**{'train.optimizer': 'muon_hybrid'}).train
   assert t.muon_ns_steps == (4, 1)
