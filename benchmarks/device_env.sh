@@ -9,6 +9,9 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
+latest_checkpoint() {  # workdir: its newest complete checkpoint's step, or nothing
+  ls "$1/checkpoints" 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 # Only 8 files of $OUT come back from a device call (16 MiB each), the first by name: everything
 # the call wrote goes back as 00_all.tgz too, whatever else is left out.

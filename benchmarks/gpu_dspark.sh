@@ -46,7 +46,7 @@ run() {  # name, config, flags...
     --workdir=/tmp/$name "${@:2}" >> "$OUT/$name.log" 2>&1
   local rc=$?
   local reached
-  reached=$(ls /tmp/$name/checkpoints 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
+  reached=$(latest_checkpoint /tmp/$name)
   echo "$name exit $rc wall $(($(date +%s) - t0)) s, last checkpoint ${reached:-none}" \
     | tee -a "$OUT/summary.txt"
   cp /tmp/$name/metrics.jsonl "$OUT/$name.jsonl" 2>/dev/null

@@ -84,7 +84,7 @@ esac
 WORKDIR=/tmp/longctx_$variant
 SHORT_WORKDIR=/tmp/longctx_short_$variant
 if [ -n "${EVAL_ONLY:-}" ]; then  # the header's resume: no training, PARTIAL's cells kept
-  ls $WORKDIR/checkpoints 2>/dev/null | grep -qE '^[0-9]+$' || {
+  [ -n "$(latest_checkpoint $WORKDIR)" ] || {
     echo "EVAL_ONLY: no checkpoint in $WORKDIR/checkpoints (a fresh machine: train again)" \
       | tee -a "$OUT/summary.txt"; exit 1; }
   if [ -n "${PARTIAL:-}" ]; then
@@ -124,7 +124,7 @@ if [ -z "${EVAL_ONLY:-}" ]; then
     stage short $SHORT_WORKDIR ${SHORT_S:-215} ${SHORT_STEPS:-300} ${SHORT_EVERY:-0} $SHORT_LEN \
       --config.train.batch_size=${SHORT_BATCH:-16} --config.tasks.length=${SHORT_TASK_LEN:-1024} \
       ${SHORT_EXTRA:-}
-    last=$(ls $SHORT_WORKDIR/checkpoints 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
+    last=$(latest_checkpoint $SHORT_WORKDIR)
     [ -n "$last" ] || {
       echo "short $variant saved no checkpoint" | tee -a "$OUT/summary.txt"; exit 1; }
     INIT="--config.checkpoint.init_from=$SHORT_WORKDIR/checkpoints/$last \
