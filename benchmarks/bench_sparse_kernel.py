@@ -58,13 +58,19 @@ def make_inputs(seed, t, h, d, ratio, k, dtype):
   return q, kv, idx, valid, ct
 
 
+def _bwd_of_sweep(tiles):
+  """The backward tiles of the (block_k, num_warps) sweep; a forward-only spec (its four fields)
+  leaves the backward at its defaults (its block_k at 64 heads would not fit shared memory)."""
+  return (*tiles, 32) if tiles and len(tiles) == 2 else None
+
+
 def partial_fn(impl, with_mass, tiles=None, bwd_tiles=None):
   def fn(q, kv, idx, valid):
     scale = q.shape[-1] ** -0.5
     if impl == 'fused':
       out = sparse_partial_fused(q, kv, idx, valid, scale=scale, with_mass=with_mass,
                                  fwd_tiles=tiles,
-                                 bwd_tiles=bwd_tiles or (tiles and (*tiles[:2], 32)))
+                                 bwd_tiles=bwd_tiles or _bwd_of_sweep(tiles))
       return out if with_mass else out[:2]
     return compressed_partial(q, kv, idx, valid, impl=impl, chunk=1024, scale=scale,
                               with_mass=with_mass)

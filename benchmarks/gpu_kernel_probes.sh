@@ -29,7 +29,7 @@ for p in ${PROBES:-fwd_groups mgpu}; do
         --modes fwd,fwd_mass --fwd_tiles 64:8:2:0,64:8:2:32 --no-gathered \
         --out "$OUT/fwd_groups.jsonl" ;;
     mgpu)
-      JAX_PLATFORMS=cuda probe mgpu_tests "${MGPU_TEST_S:-90}" python3 -m pytest --noconftest -q \
+      JAX_PLATFORMS=cuda,cpu probe mgpu_tests "${MGPU_TEST_S:-90}" python3 -m pytest --noconftest -q \
         tests/kernels/test_window_mgpu.py tests/kernels/test_sparse_mgpu.py
       probe window_mgpu "${MGPU_S:-90}" python3 benchmarks/bench_window_mgpu.py \
         --out "$OUT/window_mgpu.jsonl"

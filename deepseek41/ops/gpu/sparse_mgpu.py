@@ -321,8 +321,10 @@ def sparse_forward_mgpu(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float | No
       out_type=[jax.ShapeDtypeStruct((b, t * heads_pad, d), dt),
                 jax.ShapeDtypeStruct((b, t * heads_pad), jnp.float32)],
       scratch_types=scratch,
-      grid=(t, heads_pad // ROWS, b),
-      grid_names=('t', 'g', 'b'),
+      # Mosaic reverses the grid into CUDA's (x, y, z): T last lands on x, the one dimension not
+      # capped at 65,535 (as z, 65,536 queries failed to launch, CUDA_ERROR_INVALID_VALUE).
+      grid=(b, heads_pad // ROWS, t),
+      grid_names=('b', 'g', 't'),
       num_threads=3,
       thread_name='wg',
       compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -255,8 +255,12 @@ def window_forward_mgpu(q_bthd, kv_btd, segment_ids_bt, *, window: int,
       out_type=[jax.ShapeDtypeStruct((b, t_pad * h, d), dt),
                 jax.ShapeDtypeStruct((b, t_pad * h), jnp.int32)],  # lse's fp32 bits
       scratch_types=scratch,
-      grid=(n_blocks, b),
-      grid_names=('q', 'b'),
+      # Mosaic reverses the grid into CUDA's (x, y, z): the query blocks last, so they land on x,
+      # the one dimension not capped at 65,535 (V4.1 at 64K has 65,536 blocks a row; as y that
+      # launch failed with CUDA_ERROR_INVALID_VALUE), and neighbouring blocks, which share most
+      # of their keys, run side by side.
+      grid=(b, n_blocks),
+      grid_names=('b', 'q'),
       num_threads=2,
       thread_name='wg',
       # Row reductions of the WGMMA layout stay within a warp: no cross-warp scratch needed,
