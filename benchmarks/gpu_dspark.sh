@@ -28,7 +28,7 @@ if [[ -n ${SMOKE:-} ]]; then
   export JAX_PLATFORMS=cpu
 else
   BB_CONFIG=configs/ablation_1b.py; DS_CONFIG=configs/ablation_1b_dspark.py
-  SHAPE="--config.data.seq_len=4096 --config.train.batch_size=8 --config.train.remat=none"
+  SHAPE="--config.data.seq_len=4096 --config.train.batch_size=8 $(no_remat_if_it_fits)"
   ANCHORS=128  # per 4K row: 1,024 anchors x 5 slots a step
   BENCH_FLAGS="--batch_sizes=1,32 --prompt_tokens=512 --new_tokens=128 --replay_context=2048 \
     --replay_n_win=128,512 --replay_sequences=32 --flop_contexts=4096,65536"

@@ -20,7 +20,7 @@ if [[ -n ${SMOKE:-} ]]; then
   export JAX_PLATFORMS=cpu
 else
   CONFIG=configs/ablation_1b_dspark.py
-  SHAPE="--config.data.seq_len=4096 --config.train.batch_size=8 --config.train.remat=none"
+  SHAPE="--config.data.seq_len=4096 --config.train.batch_size=8 $(no_remat_if_it_fits)"
   ANCHORS=128
   BENCH="--batch_sizes=1,32 --prompt_tokens=512 --new_tokens=128 --replay_context=2048 \
     --replay_n_win=128,512 --replay_sequences=32 --flop_contexts=4096,65536"
