@@ -9,7 +9,7 @@ from typing import Any
 
 from deepseek41.ops.contracts import (attention_kernel_supported, default_expert_exchange,
                                       index_scores_supported, mhc_kernel_supported,
-                                      mosaic_index_supported)
+                                      mosaic_index_supported, mosaic_window_supported)
 
 Values = dict[str, Any]
 
@@ -59,6 +59,13 @@ def selected_scores_impl(m: Values, backend: str) -> str:
 def attention_impl(m: Values, backend: str) -> str:
   fused_ok = attention_kernel_supported(m['num_heads'], m['head_dim'])
   return 'fused' if backend == 'gpu' and fused_ok else 'chunked'
+
+
+def window_forward(m: Values, backend: str) -> str:
+  # The Mosaic GPU forward ran 1.32-1.63x the Triton forward's speed at the 1B and V4.1 shapes,
+  # 4K and 64K, on an H100 (docs/performance.md section 52).
+  mosaic_ok = mosaic_window_supported(m['num_heads'], m['head_dim'])
+  return 'mosaic' if m['attention_impl'] == 'fused' and mosaic_ok else 'triton'
 
 
 def mhc_impl(m: Values, backend: str) -> str:

@@ -17,7 +17,8 @@ from deepseek41.config.schema import (CheckpointConfig, DataConfig, DSparkConfig
                                       engram_compresses, max_positions)
 from deepseek41.config.tasks import TASK_NAMES, parse_task_specs
 from deepseek41.ops.contracts import (attention_kernel_supported, index_scores_supported,
-                                      mhc_kernel_supported, mosaic_index_supported)
+                                      mhc_kernel_supported, mosaic_index_supported,
+                                      mosaic_window_supported)
 
 
 
@@ -176,6 +177,12 @@ def check_index_impl(m: ModelConfig, backend: str):
   require(m.attention_impl != 'fused' or attention_kernel_supported(m.num_heads, m.head_dim),
           'model.attention_impl', f"'fused' needs power-of-two num_heads and head_dim, both >= 16 "
           f'(got {m.num_heads} x {m.head_dim})')
+  require(m.window_forward != 'mosaic' or m.attention_impl == 'fused', 'model.window_forward',
+          f"'mosaic' replaces the fused window kernel's forward: it needs "
+          f"model.attention_impl='fused' (got {m.attention_impl!r})")
+  require(m.window_forward != 'mosaic' or mosaic_window_supported(m.num_heads, m.head_dim),
+          'model.window_forward', f"'mosaic' needs num_heads a power of two dividing 64 and "
+          f'head_dim a multiple of 128 (got {m.num_heads} x {m.head_dim})')
   require(m.select_impl != 'threshold' or backend == 'gpu', 'model.select_impl',
           f"'threshold' is a GPU kernel (Pallas on the Triton backend); this backend is {backend}")
 

@@ -174,6 +174,12 @@ class ModelConfig:
   # kernel where attention_kernel_supported() takes the shapes; docs/performance.md section 9).
   attention_impl: str = key('auto', choices=('reference', 'chunked', 'fused'),
                             auto=auto.attention_impl, execution_only=True)
+  # The window kernel's forward where the backward comes from the merged softmax (training and
+  # evaluation with model.merged_backward): the Mosaic GPU kernel (TMA, wgmma; Hopper, sm_90 and
+  # up) or the Triton one. auto: mosaic wherever attention_impl is fused and the shapes fit
+  # (ops/contracts.py). Image spans, fp32 latents and the unmerged path always use Triton's.
+  window_forward: str = key('auto', choices=('triton', 'mosaic'), auto=auto.window_forward,
+                            execution_only=True)
   sparse_impl: str = key('auto', choices=('reference', 'gathered', 'fused'),
                          auto=auto.sparse_impl, execution_only=True)
   # How the indexer picks its top-k: XLA's top_k (sorts whole rows on the GPU) or the exact

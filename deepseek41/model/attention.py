@@ -202,7 +202,7 @@ class Attention(nnx.Module):
                             chunk=cfg.sparse_chunk, span_ids_bt=span_ids_bt)
       elif branch:
         own = window_branch(q_bthd, kv_btd, seg_bt, window=cfg.sliding_window,
-                            span_ids_bt=span_ids_bt)
+                            span_ids_bt=span_ids_bt, fused_forward=cfg.window_forward)
       else:
         own = swa_partial(q_bthd, kv_btd, seg_bt, window=cfg.sliding_window,
                           impl=cfg.attention_impl, span_ids_bt=span_ids_bt)

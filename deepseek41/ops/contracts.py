@@ -26,6 +26,12 @@ def attention_kernel_supported(heads: int, dim: int) -> bool:
   return index_scores_supported(heads, dim) and heads >= MIN_DOT
 
 
+def mosaic_window_supported(heads: int, dim: int) -> bool:
+  """Shapes the Mosaic GPU window forward takes (ops/gpu/window_mgpu.py): a power of two of heads
+  dividing its 64-row tile, and a head width of whole 128-column halves."""
+  return _pow2(heads) and 64 % heads == 0 and dim % 128 == 0
+
+
 def mosaic_index_supported(dim: int) -> bool:
   """The TPU indexer kernel (ops/tpu/index_scores.py) takes head widths of whole lanes."""
   return dim % 128 == 0

@@ -16,7 +16,10 @@ Three implementations of the window branch, same signature, same results:
 - `chunked`: queries in blocks of `chunk`, each block against its own block and just enough
   previous blocks to cover the window; memory and FLOPs linear in T, no loop over blocks.
 - `fused`: the Pallas (Triton) kernels of ops/gpu/window_kernel.py, masks computed on chip, with
-  their own backward; run by the Pallas interpreter on the CPU (ops/launch.py; the tests).
+  their own backward; run by the Pallas interpreter on the CPU (ops/launch.py; the tests). Where
+  no gradient flows through the forward (`window_branch`: the backward comes from the merged
+  softmax), `fused_forward='mosaic'` runs the Mosaic GPU forward (ops/gpu/window_mgpu.py)
+  instead.
 
 Image spans: with `span_ids_bt` given, keys in the query's own image span are left out of the
 window; `span_attention.span_partial` supplies all of them (both directions) as another partial.
@@ -32,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from deepseek41.ops.gpu.window_kernel import window_backward_fused, window_partial_fused
+from deepseek41.ops.gpu.window_mgpu import window_forward_mgpu
 from deepseek41.ops.parallel.per_device import batch_local
 from deepseek41.ops.softmax_merge import Branch, merge_stats
 
@@ -197,19 +201,30 @@ def _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk, s
 # Public entry points
 
 
-def _window_fused(q_bthd, kv_btd, segment_ids_bt, span_ids_bt, *, window, context_axis, **kw):
+def _window_fused(q_bthd, kv_btd, segment_ids_bt, span_ids_bt, *, window, context_axis,
+                  fused_forward='triton', **kw):
   """The window kernel on this device's tokens. With the sequence split over `context_axis`,
   the window - 1 keys before the first local query live on the previous shard: they arrive as a
   halo (a ppermute; shard 0 gets padding, segment 0) and the kernel runs on halo + local
   queries, the halo's outputs discarded."""
+  kernel = _forward_kernel(fused_forward, kv_btd, span_ids_bt)
   if context_axis is None:
-    return window_partial_fused(q_bthd, kv_btd, segment_ids_bt, span_ids_bt=span_ids_bt,
-                                window=window, **kw)
+    return kernel(q_bthd, kv_btd, segment_ids_bt, span_ids_bt=span_ids_bt, window=window, **kw)
   halo, with_halo = _halo(context_axis, q_bthd.shape[1], window)
-  o_bthd, lse_bth = window_partial_fused(_zero_rows(q_bthd, halo), with_halo(kv_btd),
-                                         with_halo(segment_ids_bt),
-                                         span_ids_bt=with_halo(span_ids_bt), window=window, **kw)
+  o_bthd, lse_bth = kernel(_zero_rows(q_bthd, halo), with_halo(kv_btd), with_halo(segment_ids_bt),
+                           span_ids_bt=with_halo(span_ids_bt), window=window, **kw)
   return o_bthd[:, halo:], lse_bth[:, halo:]
+
+
+def _forward_kernel(fused_forward: str, kv_btd, span_ids_bt):
+  """The fused forward to run: the Mosaic GPU kernel where asked and where it applies (no image
+  spans, a 16-bit latent), else the Triton kernel (differentiable, every case)."""
+  if fused_forward not in ('triton', 'mosaic'):
+    raise ValueError(f"fused_forward must be 'triton' or 'mosaic', got {fused_forward!r}")
+  if (fused_forward == 'mosaic' and span_ids_bt is None
+      and kv_btd.dtype in (jnp.bfloat16, jnp.float16)):
+    return window_forward_mgpu
+  return window_partial_fused
 
 
 def _halo(context_axis, t_local: int, window: int):
@@ -256,13 +271,15 @@ def _window_backward_local(q_bthd, kv_btd, segment_ids_bt, span_ids_bt, delta_bt
 
 
 def window_branch(q_bthd, kv_btd, segment_ids_bt, *, window: int, scale: float | None = None,
-                  span_ids_bt=None) -> Branch:
-  """The fused window partial as a `softmax_merge.Branch`: its forward now, its backward from the
-  merged softmax's statistics (no per-branch cotangents)."""
+                  span_ids_bt=None, fused_forward: str = 'triton') -> Branch:
+  """The fused window partial as a `softmax_merge.Branch`: its forward now (`fused_forward`:
+  model.window_forward's kernel), its backward from the merged softmax's statistics (no
+  per-branch cotangents)."""
   scale = 1.0 / math.sqrt(q_bthd.shape[-1]) if scale is None else scale
   sg = jax.lax.stop_gradient
   o_bthd, lse_bth = swa_partial(sg(q_bthd), sg(kv_btd), segment_ids_bt, window=window,
-                                impl='fused', scale=scale, span_ids_bt=span_ids_bt)
+                                impl='fused', scale=scale, span_ids_bt=span_ids_bt,
+                                fused_forward=fused_forward)
   return Branch(o_bthd, lse_bth, (q_bthd, kv_btd, segment_ids_bt, span_ids_bt),
                 functools.partial(_window_backward, window=window, scale=scale))
 
@@ -278,13 +295,15 @@ def _window_backward(args, merged, d_handoffs, *, window, scale):
 
 
 def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chunked',
-                chunk: int | None = None, scale: float | None = None, span_ids_bt=None):
+                chunk: int | None = None, scale: float | None = None, span_ids_bt=None,
+                fused_forward: str = 'triton'):
   """The window branch as a partial: (o_bthd normalised over the window, lse_bth fp32).
 
   q_bthd [B, T, H, d]; kv_btd [B, T, d], the shared K=V latent; segment_ids_bt [B, T] int, 0 =
   padding, documents contiguous within a row. scale defaults to 1/sqrt(d). The chunked output is
   in kv's dtype (bf16 in training: fp32 [T, H, d] partials dominated memory at 128K tokens);
-  `combine_with_sink` merges branches in fp32.
+  `combine_with_sink` merges branches in fp32. fused_forward (impl='fused'): 'mosaic' runs the
+  Mosaic GPU forward, which has no gradient (`window_branch` only; `_forward_kernel`'s cases).
   """
   if q_bthd.ndim != 4 or kv_btd.ndim != 3 or q_bthd.shape[-1] != kv_btd.shape[-1]:
     raise ValueError(f'expected q [B,T,H,d] and kv [B,T,d], got {q_bthd.shape} and {kv_btd.shape}')
@@ -300,7 +319,8 @@ def swa_partial(q_bthd, kv_btd, segment_ids_bt, *, window: int, impl: str = 'chu
     return _swa_partial_chunked(q_bthd, kv_btd, segment_ids_bt, window, scale, chunk,
                                 span_ids_bt)
   if impl == 'fused':  # `chunk` is the chunked impl's; the kernel picks its own blocks
-    kernel = functools.partial(_window_fused, window=window, scale=scale)
+    kernel = functools.partial(_window_fused, window=window, scale=scale,
+                               fused_forward=fused_forward)
     return batch_local(kernel, q_bthd, kv_btd, segment_ids_bt, span_ids_bt,
                        context_kw='context_axis', heads={0: 2}, out_heads=(2, 2))
   raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')

@@ -7,6 +7,7 @@ Kernels interpreted on the CPU, f32.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -91,3 +92,46 @@ def test_window_backward_alone_equals_the_kernels_vjp_of_its_output():
   dq, dkv = window_backward_fused(q, kv, seg, delta, lse, do, window=WINDOW, interpret=True)
   np.testing.assert_allclose(dq, dq_ref, rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(dkv, dkv_ref, rtol=1e-4, atol=1e-5)
+
+
+def _forward_kernels(jaxpr):
+  """The window forward kernels a program launches, by their kernel names."""
+  return set(re.findall(r'name=(swa_window_fwd\w*)', str(jaxpr)))
+
+
+def test_the_mosaic_window_forward_joins_the_merge_as_the_triton_one_does():
+  # model.window_forward=mosaic: the branch's forward from the Mosaic GPU kernel (interpreted),
+  # its backward from the merged softmax as before. bf16 (the Mosaic kernel's dtypes), d = 128
+  # (its smallest); against the same branch on the Triton forward.
+  q, kv, _, _, _, seg, sink = _inputs(2)
+  q = jnp.concatenate([q] * 4, -1).astype(jnp.bfloat16)  # D 32 -> 128
+  kv = jnp.concatenate([kv] * 4, -1).astype(jnp.bfloat16)
+
+  def merged(q, kv, sink, fused_forward):
+    branch = window_branch(q, kv, seg, window=WINDOW, fused_forward=fused_forward)
+    o_bthd, _ = merge([branch], sink, dtype=jnp.float32)
+    return _loss(o_bthd)
+
+  grads = {}
+  for kernel in ('triton', 'mosaic'):
+    fn = jax.jit(jax.value_and_grad(functools.partial(merged, fused_forward=kernel),
+                                    argnums=range(3)))
+    forwards = _forward_kernels(jax.make_jaxpr(fn)(q, kv, sink))
+    assert forwards == {'triton': {'swa_window_fwd'}, 'mosaic': {'swa_window_fwd_mgpu'}}[kernel]
+    grads[kernel] = fn(q, kv, sink)
+  (l_t, g_t), (l_m, g_m) = grads['triton'], grads['mosaic']
+  np.testing.assert_allclose(l_m, l_t, rtol=2e-2)
+  for name, a, b in zip(('q', 'kv', 'sink'), g_m, g_t):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.abs(b).max() > 0
+    assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b), name
+
+
+def test_the_mosaic_window_forward_leaves_image_spans_and_fp32_to_triton():
+  q, kv, _, _, _, seg, _ = _inputs(3)
+  spans = jnp.zeros_like(seg).at[:, 8:16].set(1)
+  for args, kw in (((q, kv), {}),  # fp32: the Mosaic kernel takes 16-bit latents only
+                   ((q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16)), {'span_ids_bt': spans})):
+    jaxpr = jax.make_jaxpr(lambda q, kv: window_branch(
+        q, kv, seg, window=WINDOW, fused_forward='mosaic', **kw).o_bthd)(*args)
+    assert _forward_kernels(jaxpr) == {'swa_window_fwd'}

@@ -92,3 +92,20 @@ def test_lowers_for_the_gpu_without_one(h):
   fn = jax.jit(lambda q, kv, seg: window_forward_mgpu(q, kv, seg, window=128, interpret=False))
   text = fn.trace(q, kv, seg).lower(lowering_platforms=('cuda',)).as_text()
   assert re.search(r'custom_call @mosaic_gpu', text)
+
+
+def test_shapes_only_holds_the_kernels_buffers_and_never_runs():
+  """tools.plan's stand-in (ops/launch.py): within shapes_only the kernel is an opaque call of
+  its results, and raises if what was traced there runs."""
+  from deepseek41.ops import launch  # noqa: PLC0415
+  q, kv = jnp.ones((1, 24, 4, 128), jnp.bfloat16), jnp.ones((1, 24, 128), jnp.bfloat16)
+  seg = jnp.ones((1, 24), jnp.int32)
+  fn = lambda q, kv: window_forward_mgpu(q, kv, seg, window=8)
+  with launch.shapes_only():
+    jaxpr = str(jax.make_jaxpr(fn)(q, kv))
+    out = jax.eval_shape(fn, q, kv)
+    assert 'pure_callback' in jaxpr and 'swa_window_fwd_mgpu' not in jaxpr
+    assert [(x.shape, x.dtype) for x in out] == [((1, 24, 4, 128), jnp.bfloat16),
+                                                 ((1, 24, 4), jnp.float32)]
+    with pytest.raises(Exception, match='stand-in of a kernel ran'):
+      jax.block_until_ready(fn(q, kv))

@@ -261,6 +261,28 @@ def test_auto_picks_the_window_kernel_on_the_gpu_where_it_tiles(backend):
   assert model.attention_impl == ('fused' if backend == 'gpu' else 'chunked')
 
 
+@pytest.mark.parametrize('heads,head_dim,backend,want', [
+    (16, 512, 'gpu', 'mosaic'), (64, 512, 'gpu', 'mosaic'),  # the 1B and V4.1 shapes
+    (16, 64, 'gpu', 'triton'),    # half a 128-column tile per warpgroup
+    (128, 128, 'gpu', 'triton'),  # more heads than the 64-row tile
+    (16, 512, 'cpu', 'triton')])  # no fused window kernel there
+def test_auto_runs_the_mosaic_window_forward_where_it_takes_the_shapes(heads, head_dim,
+                                                                       backend, want):
+  c = base_config()
+  c.model.num_heads, c.model.head_dim = heads, head_dim
+  assert resolve(c, num_devices=1, backend=backend).model.window_forward == want
+
+
+@pytest.mark.parametrize('override,match', [
+    ({'attention_impl': 'chunked'}, "needs model.attention_impl='fused'"),
+    ({'num_heads': 16, 'head_dim': 64, 'attention_impl': 'fused'}, 'multiple of 128')])
+def test_the_mosaic_window_forward_is_refused_where_it_cannot_run(override, match):
+  c = base_config()
+  c.model.update(override, window_forward='mosaic')
+  with pytest.raises(ConfigError, match=f'model.window_forward.*{match}'):
+    resolve(c, num_devices=1, backend='gpu')
+
+
 def test_the_window_kernel_refuses_shapes_it_cannot_tile():
   c = base_config()
   c.model.attention_impl = 'fused'  # base_config has 4 heads

@@ -27,6 +27,15 @@ def interpret_params(requested=None):
   return plgpu.InterpretGPUParams() if launch.interpreted(requested) else False
 
 
+def launch_kernel(body, *, out_type, interpret, **kwargs):
+  """`plgpu.kernel(body, ...)` with `interpret` (already `interpret_params`'s); within
+  `launch.shapes_only()` a call whose results are opaque functions of its operands (tools.plan:
+  the kernel's buffers and nothing more, as `launch.pallas_call` does for Pallas kernels)."""
+  if launch.active():
+    return lambda *operands: [launch.opaque(s.shape, s.dtype, *operands) for s in out_type]
+  return plgpu.kernel(body, out_type=out_type, interpret=interpret, **kwargs)
+
+
 def softmax_start(d_half: int):
   """(running max -inf, running sum 0, fp32 [ROWS, d_half] accumulator 0) in the WGMMA layout."""
   rows = plgpu.Layout.WGMMA.reduce(1)

@@ -101,7 +101,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deepseek41.ops.gpu.mgpu_common import (LOG2E, ROWS, accumulate, interpret_params,
-                                             softmax_start, store_o_and_lse)
+                                             launch_kernel, softmax_start, store_o_and_lse)
 from deepseek41.ops.launch import pad_axis
 
 BLOCK_K = 64       # selected slots per step; each consumer warpgroup scores half of them
@@ -316,7 +316,7 @@ def sparse_forward_mgpu(q_bthd, kv_bnd, idx_btk, valid_btk, *, scale: float | No
   interpret = interpret_params(interpret)
   kernel = functools.partial(_kernel, d=d, k_rows=k_rows, scale=scale,
                              interpret=bool(interpret))
-  o_brd, lse_br = plgpu.kernel(
+  o_brd, lse_br = launch_kernel(
       lambda *refs: kernel(*refs[:5], refs[5:]),
       out_type=[jax.ShapeDtypeStruct((b, t * heads_pad, d), dt),
                 jax.ShapeDtypeStruct((b, t * heads_pad), jnp.float32)],

@@ -68,8 +68,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deepseek41.ops.gpu.mgpu_common import (LOG2E, ROWS, accumulate, interpret_params,
-                                             softmax_start, store_o_and_lse)
-from deepseek41.ops.launch import pad_axis
+                                             launch_kernel, softmax_start, store_o_and_lse)
+from deepseek41.ops.launch import name_outputs, pad_axis
 
 KEY_ALIGN = 8      # a key walk starts at a multiple of the smem tile's 8 rows (TMA indexing)
 
@@ -250,7 +250,7 @@ def window_forward_mgpu(q_bthd, kv_btd, segment_ids_bt, *, window: int,
   interpret = interpret_params(interpret)
   kernel = functools.partial(_kernel, heads=h, window=window, scale=scale, nk=nk,
                              block_k=block_k, stages=stages, interpret=bool(interpret))
-  o_brd, lse_br = plgpu.kernel(
+  o_brd, lse_br = launch_kernel(
       lambda *refs: kernel(*refs[:6], refs[6:]),
       out_type=[jax.ShapeDtypeStruct((b, t_pad * h, d), dt),
                 jax.ShapeDtypeStruct((b, t_pad * h), jnp.int32)],  # lse's fp32 bits
@@ -269,5 +269,6 @@ def window_forward_mgpu(q_bthd, kv_btd, segment_ids_bt, *, window: int,
       interpret=interpret,
       kernel_name='swa_window_fwd_mgpu',
   )(q_brd, kv_btd, segr_br, segk_bt)
-  lse_br = lax.bitcast_convert_type(lse_br, jnp.float32)
+  # named as the Triton forward's (train.remat=block_keep_attention keeps them)
+  o_brd, lse_br = name_outputs(o_brd, lax.bitcast_convert_type(lse_br, jnp.float32))
   return o_brd.reshape(b, t_pad, h, d)[:, :t], lse_br.reshape(b, t_pad, h)[:, :t]
