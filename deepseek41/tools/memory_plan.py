@@ -81,7 +81,6 @@ from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from deepseek41.batch import batch_keys
 from deepseek41.config import (MeshConfig, RunConfig, layer_roles, remat_label, remats_layer,
                                resolve)
 from deepseek41.model.params import RouterBias
@@ -90,6 +89,7 @@ from deepseek41.ops import launch
 from deepseek41.ops.parallel.per_device import constrain_tokens, gather_tensor_split, residual_spec
 from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.tools.info import bytes_per_device
+from deepseek41.train import feed
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.objectives import objective_for
 from deepseek41.train.state import abstract_state, build_model, model_def, state_shardings
@@ -211,14 +211,8 @@ def state_bytes(cfg: RunConfig) -> dict[str, float]:
 
 
 def abstract_batch(cfg: RunConfig) -> dict[str, jax.ShapeDtypeStruct]:
-  """The training batch's global shapes (deepseek41/batch.py)."""
-  m, b, t = cfg.model, cfg.train.batch_size // cfg.train.grad_accum_steps, cfg.data.seq_len
-  out = {k: jax.ShapeDtypeStruct((b, t), jnp.int32) for k in batch_keys(m.vision)}
-  if m.vision:
-    n, p = cfg.data.max_images_per_row, m.vision_merge**2 * m.vision_max_image_tokens
-    out['image_patches'] = jax.ShapeDtypeStruct((b, n, p, m.vision_patch**2 * 3), jnp.uint8)
-    out['image_grid'] = jax.ShapeDtypeStruct((b, n, 2), jnp.int32)
-  return out
+  """A microbatch's global shapes (deepseek41/batch.py)."""
+  return feed.abstract_batch(cfg, cfg.train.batch_size // cfg.train.grad_accum_steps)
 
 
 def layer_signature(role) -> tuple:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -25,3 +26,21 @@ def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding,
   return {k: jax.make_array_from_process_local_data(
               sharding, np.asarray(local[k], np.uint8 if k == 'image_patches' else np.int32))
           for k in keys}
+
+
+def abstract_batch(cfg, rows: int | None = None, *, sharding: NamedSharding | None = None,
+                   engram: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
+  """What `global_batch` makes, as shapes (deepseek41/batch.py): `rows` rows (default the global
+  train.batch_size), each array with `sharding`, and `engram_tokens` where an Engram compression
+  map is in use. Lets a step compile before its first batch exists."""
+  m, t = cfg.model, cfg.data.seq_len
+  b = cfg.train.batch_size if rows is None else rows
+  shapes = {k: ((b, t), jnp.int32) for k in batch_keys(m.vision)}
+  if m.vision:
+    n, p = cfg.data.max_images_per_row, m.vision_merge**2 * m.vision_max_image_tokens
+    shapes['image_patches'] = ((b, n, p, m.vision_patch**2 * 3), jnp.uint8)
+    shapes['image_grid'] = ((b, n, 2), jnp.int32)
+  if engram:
+    shapes['engram_tokens'] = ((b, t), jnp.int32)
+  return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+          for k, (shape, dtype) in shapes.items()}

@@ -26,7 +26,6 @@ import time
 
 import jax
 import numpy as np
-from jax._src import distributed  # the coordination client's barrier (_CompiledTogether)
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -38,6 +37,8 @@ from deepseek41.train import state as state_lib
 from deepseek41.train.checkpoint import (CheckpointError, Checkpointer, complete_steps,
                                          saved_stream_count)
 from deepseek41.train.evaluation import Evaluator, eval_config, make_task_step
+from deepseek41.train import feed
+from deepseek41.train.compiled import CompiledStep
 from deepseek41.train.feed import global_batch
 from deepseek41.train.flops import device_peak_tflops
 from deepseek41.train.metrics import MetricsWriteError, MetricsWriter, check_writable
@@ -285,33 +286,43 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     if streams != n_proc:
       log.info('input: %d data streams, %d per process (streams %d-%d here)', streams,
                streams // n_proc, train_iter.first, train_iter.first + streams // n_proc - 1)
-    _stop_before_start(stop, workdir)
-    state, start = initial_state(cfg, ckpt, tx, mesh, abstract, shardings, layout, train_iter)
-    _stop_before_start(stop, workdir)  # the initialisation or restore may have taken minutes
-    if primary:  # only now: a start rejected by the checkpoint leaves the old config.json
-      with open(os.path.join(workdir, 'config.json'), 'w') as f:
-        f.write(cfg.to_json())
-      _keep_tokenizer(cfg, workdir)
-
     # ---- update step -----------------------------------------------------------------------
+    # Compiled in the background from the abstract state and batch while the checkpoint restores
+    # or the parameters initialise (train/compiled.py).
     replicated = NamedSharding(mesh, P())
+    together = n_proc > 1
     with jax.set_mesh(mesh):
-      train_step = jax.jit(objective.make_train_step(md), in_shardings=(shardings, bsharding),
-                           out_shardings=(shardings, replicated), donate_argnums=(0,))
+      train_step = CompiledStep(
+          jax.jit(objective.make_train_step(md), in_shardings=(shardings, bsharding),
+                  out_shardings=(shardings, replicated), donate_argnums=(0,)),
+          'train_step', mesh=mesh, together=together)
       # Evaluation never drops expert assignments, whatever the training backend.
       eval_md = state_lib.model_def(eval_config(cfg), tx)
       if cfg.model.eval_moe_backend != cfg.model.moe_backend:
         log.info('routed experts: %s in training, %s (dropless) in evaluation',
                  cfg.model.moe_backend, cfg.model.eval_moe_backend)
-      eval_step = jax.jit(objective.make_eval_step(eval_md), in_shardings=(shardings, bsharding),
-                          out_shardings=replicated)
+      eval_step = CompiledStep(
+          jax.jit(objective.make_eval_step(eval_md), in_shardings=(shardings, bsharding),
+                  out_shardings=replicated), 'eval_step', mesh=mesh, together=together)
       # train.eval_tasks: the backbone's argmax and answer CE on the tasks' documents
-      task_step = jax.jit(make_task_step(objective, eval_md.graphdef),
-                          in_shardings=(shardings, bsharding), out_shardings=replicated)
-    if n_proc > 1:
-      train_step = _CompiledTogether(train_step, 'train_step')
-      eval_step = _CompiledTogether(eval_step, 'eval_step')
-      task_step = _CompiledTogether(task_step, 'task_step')
+      task_step = CompiledStep(
+          jax.jit(make_task_step(objective, eval_md.graphdef), in_shardings=(shardings, bsharding),
+                  out_shardings=replicated), 'task_step', mesh=mesh, together=together)
+      # Last: nothing else may trace until it has lowered (CompiledStep.wait_lowered).
+      train_step.compile_ahead(state_lib.with_shardings(abstract, shardings),
+                               feed.abstract_batch(cfg, sharding=bsharding,
+                                                   engram=engram_map is not None))
+
+    _stop_before_start(stop, workdir)
+    if ckpt.latest_step() is None:  # the initialisation traces: only once the step has
+      train_step.wait_lowered()
+    state, start = initial_state(cfg, ckpt, tx, mesh, abstract, shardings, layout, train_iter)
+    train_step.wait_lowered()  # what follows may trace (the evaluation's set-up)
+    _stop_before_start(stop, workdir)  # the initialisation or restore may have taken minutes
+    if primary:  # only now: a start rejected by the checkpoint leaves the old config.json
+      with open(os.path.join(workdir, 'config.json'), 'w') as f:
+        f.write(cfg.to_json())
+      _keep_tokenizer(cfg, workdir)
 
     # ---- metrics, evaluation, checkpoints ----------------------------------------------------
     writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard,
@@ -396,39 +407,6 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
   return TrainResult(step=step, last_loss=step_log.last_loss,
                      last_eval_loss=step_log.last_eval_loss,
                      stopped_by_signal=stopped)
-
-
-class _CompiledTogether:
-  """A jitted step of a multi-process run: compiled at its first call, then run once every
-  process has compiled it (a barrier of the jax.distributed coordination service).
-
-  Process 0 may load a program from the persistent compilation cache in seconds that another
-  process compiles for a minute (JAX writes the cache from process 0 only, and the others do not
-  find their programs there), and on the CPU a gloo collective gives its peers 30 s to join:
-  run at once, the first step failed with 'Gloo context initialization failed:
-  DEADLINE_EXCEEDED'.
-  """
-
-  BARRIER_TIMEOUT_S = 3600  # one process compiling a large model while the others wait
-  _count = 0
-
-  def __init__(self, fn, name: str):
-    self.fn, self.name, self.compiled = fn, name, {}
-
-  def __call__(self, *args):
-    # One executable per argument signature, as jit keeps (every process sees the same ones).
-    leaves, treedef = jax.tree.flatten(args)
-    key = (treedef, tuple((np.shape(x), getattr(x, 'dtype', type(x))) for x in leaves))
-    if key not in self.compiled:
-      self.compiled[key] = self.fn.lower(*args).compile()
-      _CompiledTogether._count += 1
-      t0 = time.perf_counter()
-      distributed.global_state.client.wait_at_barrier(
-          f'deepseek41-compiled-{self.name}-{_CompiledTogether._count}',
-          self.BARRIER_TIMEOUT_S * 1000)
-      log.info('%s compiled; waited %.1f s for the other processes', self.name,
-               time.perf_counter() - t0)
-    return self.compiled[key](*args)
 
 
 class _Saver:

@@ -88,3 +88,44 @@ def test_a_restart_loads_the_update_step_it_compiled_before(tmp_path, caplog, mo
   assert _entries(cache) == written
   # the update step was read from the cache, and its tracing and lowering still paid
   assert _phase(first_step[0], 'cache reads') > 0 and _phase(first_step[0], 'tracing') > 0
+  # ... ahead of its first call, from the abstract state and batch (train/compiled.py)
+  messages = [r.getMessage() for r in caplog.records]
+  assert any('train_step compiled ahead' in m for m in messages), messages
+  assert not any('differ from those compiled ahead' in m for m in messages)
+
+
+def test_nothing_else_traces_while_the_update_step_traces_ahead(tmp_path, monkeypatch):
+  """Two threads tracing at once can each trace the same inner jit and lower a module of other
+  bytes, so another persistent-cache key (train/compiled.py): a fresh run of configs/tiny.py
+  wrote an update step that its restart did not find. So the initialisation (fresh) and what
+  follows the restore start only once the compile ahead has lowered its program."""
+  from deepseek41.train import trainer  # noqa: PLC0415
+  steps, seen = [], []
+  compile_ahead = trainer.CompiledStep.compile_ahead
+
+  def recording(self, *args):
+    steps.append(self)
+    compile_ahead(self, *args)
+
+  def lowered():
+    return all(a.lowered.is_set() for s in steps for a in s._ahead.values())
+
+  def initial_state(*args, **kwargs):
+    seen.append(('initial_state', lowered()))
+    return original(*args, **kwargs)
+
+  def evaluator(*args, **kwargs):
+    seen.append(('evaluator', lowered()))
+    return original_evaluator(*args, **kwargs)
+  original, original_evaluator = trainer.initial_state, trainer.Evaluator
+  monkeypatch.setattr(trainer.CompiledStep, 'compile_ahead', recording)
+  monkeypatch.setattr(trainer, 'initial_state', initial_state)
+  monkeypatch.setattr(trainer, 'Evaluator', evaluator)
+  overrides = {**ONE_LAYER, 'train.steps': 2, 'checkpoint.every_steps': 1}
+  train(small_config(**overrides), str(tmp_path), stop_at_step=1)  # fresh
+  train(small_config(**overrides), str(tmp_path))                   # restored
+  assert [s.name for s in steps] == ['train_step', 'train_step']
+  # fresh: initialised after it lowered; restored: beside it, nothing traced after
+  assert [seen[i] for i in (0, 1, 3)] == [('initial_state', True), ('evaluator', True),
+                                          ('evaluator', True)]
+  assert seen[2][0] == 'initial_state'

@@ -1,0 +1,131 @@
+"""A jitted step run as an executable compiled once per argument signature: ahead of time where
+the arguments' shapes are known before they exist, and in step with the other processes.
+
+Ahead of time: a restart spends seconds restoring the checkpoint and as many tracing, lowering
+and loading the update step from the persistent cache (docs/performance.md section 52: 8 s and
+15.7 s of a 29 s restart of configs/ablation_1b.py on an H100). `compile_ahead` does the second
+from the state's and the batch's abstract values in a background thread while the first runs;
+the first call with arguments of that signature waits for it and runs its executable. Arguments
+of another signature (or a failed compile ahead, logged) compile where they are called, as jit
+would.
+
+Together: with several processes, a step runs only once every process has compiled it (a
+barrier of the jax.distributed coordination service). Process 0 may load a program from the
+persistent cache in seconds that another process compiles for a minute (JAX writes the cache
+from process 0 only, and the others do not find their programs there), and on the CPU a gloo
+collective gives its peers 30 s to join: run at once, the first step failed with 'Gloo context
+initialization failed: DEADLINE_EXCEEDED'.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import jax
+from jax._src import distributed  # the coordination client's barrier
+
+log = logging.getLogger(__name__)
+
+
+def signature(args) -> tuple:
+  """What an executable is compiled for: the tree, and each leaf's shape, dtype, weak type and
+  sharding (arrays and ShapeDtypeStructs alike)."""
+  leaves, treedef = jax.tree.flatten(args)
+  return treedef, tuple((tuple(x.shape), jax.numpy.dtype(x.dtype), bool(getattr(x, 'weak_type',
+                                                                              False)),
+                         getattr(x, 'sharding', None)) for x in leaves)
+
+
+class _Ahead:
+  """One compile in a daemon thread: a process that fails before its first step (a corrupt
+  checkpoint, a signal) exits with its own error instead of waiting for it."""
+
+  def __init__(self, jitted, args, mesh, name: str):
+    self.result, self.error, self.seconds = None, None, 0.0
+    self.lowered = threading.Event()
+    self._thread = threading.Thread(target=self._compile, args=(jitted, args, mesh),
+                                     name=f'compile-ahead-{name}', daemon=True)
+    self._thread.start()
+
+  def _compile(self, jitted, args, mesh):
+    t0 = time.perf_counter()
+    try:
+      with jax.set_mesh(mesh):  # the mesh context is the thread's own
+        lowered = jitted.trace(*args).lower()
+        self.lowered.set()
+        self.result = lowered.compile()
+    except Exception as e:  # noqa: BLE001 - reported where the step is first called
+      self.error = e
+    finally:
+      self.lowered.set()
+    self.seconds = time.perf_counter() - t0
+
+  def wait(self) -> float:
+    """Seconds spent waiting for the compile to finish."""
+    t0 = time.perf_counter()
+    self._thread.join()
+    return time.perf_counter() - t0
+
+
+class CompiledStep:
+  """`jitted` (a jax.jit) called as its compiled executables (module docstring)."""
+
+  BARRIER_TIMEOUT_S = 3600  # one process compiling a large model while the others wait
+  _barriers = 0
+
+  def __init__(self, jitted, name: str, *, mesh, together: bool = False):
+    self.jitted, self.name, self.mesh, self.together = jitted, name, mesh, together
+    self.compiled: dict[tuple, object] = {}
+    self._ahead: dict[tuple, _Ahead] = {}
+
+  def compile_ahead(self, *abstract_args) -> None:
+    """Start compiling for arguments like `abstract_args` (ShapeDtypeStructs with shardings)."""
+    key = signature(abstract_args)
+    if key not in self.compiled and key not in self._ahead:
+      self._ahead[key] = _Ahead(self.jitted, abstract_args, self.mesh, self.name)
+
+  def wait_lowered(self) -> None:
+    """Wait until every compile ahead has traced and lowered its program: from then on the caller
+    may trace programs of its own. Two threads tracing at once can each trace the same inner jit
+    (jnp.clip's, say) and so lower a module of other bytes, whose persistent-cache key differs:
+    a fresh run's update step traced beside the initialisation was not the program its restarts
+    looked up (on this CPU, every restart compiled it again)."""
+    for ahead in self._ahead.values():
+      ahead.lowered.wait()
+
+  def __call__(self, *args):
+    key = signature(args)
+    executable = self.compiled.get(key)
+    if executable is None:
+      executable = self.compiled[key] = self._compile(key, args)
+    return executable(*args)
+
+  def _compile(self, key, args):
+    ahead = self._ahead.pop(key, None)
+    if ahead is not None:
+      waited = ahead.wait()
+      if ahead.error is None:
+        log.info('%s compiled ahead in %.1f s, beside the start-up; its first call waited %.1f s '
+                 'for it', self.name, ahead.seconds, waited)
+        return self._together(ahead.result)
+      log.warning('%s: the compile ahead failed (%s: %s); compiling at its first call',
+                  self.name, type(ahead.error).__name__, ahead.error)
+    elif self._ahead:
+      log.warning('%s: the first arguments differ from those compiled ahead; compiling for them',
+                  self.name)
+    with jax.set_mesh(self.mesh):
+      return self._together(self.jitted.lower(*args).compile())
+
+  def _together(self, executable):
+    if not self.together:
+      return executable
+    CompiledStep._barriers += 1
+    t0 = time.perf_counter()
+    distributed.global_state.client.wait_at_barrier(
+        f'deepseek41-compiled-{self.name}-{CompiledStep._barriers}',
+        self.BARRIER_TIMEOUT_S * 1000)
+    log.info('%s compiled; waited %.1f s for the other processes', self.name,
+             time.perf_counter() - t0)
+    return executable
