@@ -50,7 +50,10 @@ one CTA per SM. The lowering checks it (tests/kernels/test_sparse_mgpu.py, K = 5
 Limits: bf16 / fp16 (q is cast to kv's dtype); d a multiple of 128 up to 512 (halves of whole
 64-column chunks; a row is one TMA box, at most 256 elements a dimension); H at most 64 (padded)
 or a multiple of 64; any K (padded to 64 with invalid slots), N, T.
-Costs, the next steps once timed (nothing here has run on a GPU): (1) the repack: 64 KB read and
+On an H100 (docs/performance.md section 52) the compiled kernel's outputs were WRONG (o off by up
+to 5.4, lse by 4.3, against the Triton forward) while every interpreter test passes, and it ran at
+0.93x the Triton forward's speed at 64 heads, 0.29x at 16: no model path or config selects it.
+Costs, the next steps: (1) the repack: 64 KB read and
 64 KB written in shared memory per block, beside the ~270 KB that the wgmmas read (q is read
 again for every 32 slots), so shared memory bandwidth, not the tensor cores, may bound it; a
 gather straight into the swizzled tile removes it (next section); (2) the gather is 64 TMAs
