@@ -1,5 +1,5 @@
-"""Compile the training step (or the optimizer update alone) for an H100 or H200 on a machine
-without a GPU, and report what the GPU program is: its memory analysis, and its kernels by scope
+"""Compile the training step (or the optimizer update alone, or one decode step of generation) for
+an H100 or H200 on a machine without a GPU, and report what the GPU program is: its memory analysis, and its kernels by scope
 with the bytes each moves (benchmarks/hlo_kernels.py). XLA's GPU compiler runs here, deviceless,
 through jax's topology API; the Pallas kernels are lowered and compiled for sm_90 as on the GPU.
 No kernel runs, so nothing is timed: use it to see what a change does to the program (kernel
@@ -11,7 +11,10 @@ the installed jax, outside the venv):
 Then:
     PYTHONPATH=/tmp/gpu-compiler .venv/bin/python benchmarks/compile_for_gpu.py \
         --config=configs/ablation_1b.py --config.data.seq_len=4096 --config.train.batch_size=8 \
-        [--program=step|optimizer] [--target=h100|h200] [--depth=3] [--hlo_out=FILE]
+        [--program=step|optimizer|decode] [--target=h100|h200] [--depth=3] [--hlo_out=FILE]
+    --program=decode [--decode_batch=1] [--decode_context=4096]: one plain decode step as
+        generation runs it (generate/generator.py `generation_config`'s paths, the cache sized
+        to the context, greedy): its kernel count is what a token costs in launches.
 
 What differs from the GPU's own compile: tools/gpu_target.py. XLA schedules for the target's
 memory, so compile for the GPU the numbers are for (the 1B step at 8 x 4,096 without remat: 65.1
@@ -41,8 +44,12 @@ from deepseek41.sharding import make_mesh  # noqa: E402
 from deepseek41.tools.memory_plan import (  # noqa: E402
     compiled_optimizer_update, lowered_train_step, program_memory)
 
-_PROGRAM = flags.DEFINE_enum('program', 'step', ['step', 'optimizer'],
-                             'The whole train step, or the optimizer update alone.')
+_PROGRAM = flags.DEFINE_enum('program', 'step', ['step', 'optimizer', 'decode'],
+                             'The whole train step, the optimizer update alone, or one decode '
+                             'step.')
+_DECODE_BATCH = flags.DEFINE_integer('decode_batch', 1, '--program=decode: rows.')
+_DECODE_CONTEXT = flags.DEFINE_integer('decode_context', 4096,
+                                       '--program=decode: the cache length.')
 _TARGET = flags.DEFINE_enum('target', 'h100', sorted(gpu_target.TARGETS),
                             'The GPU to compile for.')
 _DEPTH = flags.DEFINE_integer('depth', 3, 'Scope components in the kernel table.')
@@ -63,6 +70,35 @@ def compile_optimizer(cfg, devices):
   return compiled_optimizer_update(cfg, make_mesh(cfg.mesh, devices), params)
 
 
+def compile_decode(cfg, devices):
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  from deepseek41.generate.cache import empty_cache
+  from deepseek41.generate.decode import forward_chunk
+  from deepseek41.generate.generator import generation_config
+  from deepseek41.generate.programs import routed_experts_in_compute_dtype
+  from deepseek41.model.layer_cache import CacheSpec
+  from deepseek41.model.transformer import Transformer
+  cfg = generation_config(cfg.to_dict(), backend='gpu')
+  model = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(params=0)))
+  graph, state = nnx.split((model, None))  # as Programs holds it: (model, drafter)
+  state = routed_experts_in_compute_dtype(state, cfg.model.compute_dtype)
+  spec = CacheSpec(batch=_DECODE_BATCH.value, max_len=_DECODE_CONTEXT.value, max_chunk=1)
+  cache = jax.eval_shape(lambda: empty_cache(model, spec))
+  tok_b = jax.ShapeDtypeStruct((_DECODE_BATCH.value,), jnp.int32)
+
+  def step(state, cache, tok_b):  # Programs.plain, greedy, without DSpark's features
+    logits, _, cache = forward_chunk(nnx.merge(graph, state)[0], cache, tok_b[:, None],
+                                     jnp.ones((tok_b.shape[0], 1), bool))
+    return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), cache
+  mesh = Mesh(devices[:1], ('one',))
+  one = NamedSharding(mesh, PartitionSpec())
+  with jax.set_mesh(mesh):  # the kernels compile for the mesh's platform (ops/launch.py)
+    return jax.jit(step, in_shardings=one, out_shardings=one, donate_argnums=(1,)).lower(
+        state, cache, tok_b).compile()
+
+
 def main(argv):
   del argv
   try:
@@ -72,7 +108,8 @@ def main(argv):
   cfg = resolve(CONFIG_FLAG.value, num_devices=1, backend='gpu')
   t0 = time.perf_counter()
   with gpu_target.triton_lowers_for(_TARGET.value):  # compiled, not interpreted, for sm_90
-    compiled = (compile_step if _PROGRAM.value == 'step' else compile_optimizer)(cfg, devices)
+    compiled = {'step': compile_step, 'optimizer': compile_optimizer,
+                'decode': compile_decode}[_PROGRAM.value](cfg, devices)
   seconds = time.perf_counter() - t0
   text = compiled.as_text()
   if _HLO_OUT.value:

@@ -41,7 +41,7 @@ class Leaf:
     return int(self.keys[1]) if self.keys[0] == 'blocks' else None
 
 
-def _path_keys(path) -> tuple[str, ...]:
+def path_keys(path) -> tuple[str, ...]:
   return tuple(str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))) for k in path)
 
 
@@ -77,7 +77,7 @@ def param_leaves(params) -> list[Leaf]:
   flat = jax.tree_util.tree_flatten_with_path(params,
                                              is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
   for path, var in flat:
-    keys = _path_keys(path)
+    keys = path_keys(path)
     comp = component(keys, var)
     value = var.get_value()
     lookup = comp in LOOKUPS or keys[-1] == 'delimiters'  # delimiters: vectors placed, not mixed

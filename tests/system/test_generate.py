@@ -554,3 +554,26 @@ def test_image_prompts_decode_like_the_full_forward():
     for pos in range(n, n + 3):
       logits, cache = _chunk(model, cache, jnp.asarray(seq[:, pos:pos + 1]), jnp.ones((1, 1), bool))
       np.testing.assert_allclose(np.asarray(logits)[0, 0], full[pos], rtol=2e-4, atol=2e-4)
+
+
+def test_the_routed_experts_are_cast_once_and_decode_the_same(monkeypatch):
+  """bf16 compute: Programs holds the routed experts' weights in bf16 (cast at load, not at
+  every step) and every other parameter as trained; greedy decoding returns the tokens of the
+  state left as it was (the MoE reads those weights only cast to bf16)."""
+  cfg, model = _model(**{'model.compute_dtype': 'bfloat16'})
+  progs = Programs(model, None, None)
+  leaves = jax.tree_util.tree_flatten_with_path(
+      progs.state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+  routed = {p: v for p, v in leaves if str(p[-1]).strip("[]'.") in ('w_gate', 'w_up', 'w_down')
+            and 'moe' in str(p)}
+  assert routed and all(v.get_value().dtype == jnp.bfloat16 for v in routed.values())
+  assert all(v.get_value().dtype == jnp.float32 for p, v in leaves if p not in routed)
+  monkeypatch.setattr(programs, 'routed_experts_in_compute_dtype', lambda state, _: state)
+  as_trained = Programs(model, None, None)
+  assert all(v.get_value().dtype == jnp.float32 for v in jax.tree.leaves(
+      as_trained.state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(3, 96, n).astype(np.int32) for n in (6, 11)]
+  kw = dict(max_new_tokens=8, seed=2, eos_id=None, tokens_per_dispatch=4)
+  assert _tokens(decode_loop(progs, cfg, prompts, **kw)) == \
+      _tokens(decode_loop(as_trained, cfg, prompts, **kw))
