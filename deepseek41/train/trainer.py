@@ -270,6 +270,33 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
   log.info('peak: %s', f'{peak:g} TFLOP/s per device (bf16 dense)' if peak else
            'unknown for this device: MFU not reported (set train.peak_tflops)')
 
+  # ---- update step -----------------------------------------------------------------------
+  # Compiled in the background from the abstract state and batch from here on, while the input
+  # opens and the checkpoint restores (train/compiled.py).
+  replicated = NamedSharding(mesh, P())
+  together = n_proc > 1
+  with jax.set_mesh(mesh):
+    train_step = CompiledStep(
+        jax.jit(objective.make_train_step(md), in_shardings=(shardings, bsharding),
+                out_shardings=(shardings, replicated), donate_argnums=(0,)),
+        'train_step', mesh=mesh, together=together)
+    # Evaluation never drops expert assignments, whatever the training backend.
+    eval_md = state_lib.model_def(eval_config(cfg), tx)
+    if cfg.model.eval_moe_backend != cfg.model.moe_backend:
+      log.info('routed experts: %s in training, %s (dropless) in evaluation',
+               cfg.model.moe_backend, cfg.model.eval_moe_backend)
+    eval_step = CompiledStep(
+        jax.jit(objective.make_eval_step(eval_md), in_shardings=(shardings, bsharding),
+                out_shardings=replicated), 'eval_step', mesh=mesh, together=together)
+    # train.eval_tasks: the backbone's argmax and answer CE on the tasks' documents
+    task_step = CompiledStep(
+        jax.jit(make_task_step(objective, eval_md.graphdef), in_shardings=(shardings, bsharding),
+                out_shardings=replicated), 'task_step', mesh=mesh, together=together)
+    # Last: nothing else may trace until it has lowered (CompiledStep.wait_lowered).
+    train_step.compile_ahead(state_lib.with_shardings(abstract, shardings),
+                             feed.abstract_batch(cfg, sharding=bsharding,
+                                                 engram=engram_map is not None))
+
   # Closed in reverse order however the run ends: profiler, writer, checkpoints, input.
   with contextlib.ExitStack() as cleanup:
     inputs = cleanup.enter_context(contextlib.ExitStack())  # closed last, after a pending save
@@ -286,33 +313,6 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     if streams != n_proc:
       log.info('input: %d data streams, %d per process (streams %d-%d here)', streams,
                streams // n_proc, train_iter.first, train_iter.first + streams // n_proc - 1)
-    # ---- update step -----------------------------------------------------------------------
-    # Compiled in the background from the abstract state and batch while the checkpoint restores
-    # or the parameters initialise (train/compiled.py).
-    replicated = NamedSharding(mesh, P())
-    together = n_proc > 1
-    with jax.set_mesh(mesh):
-      train_step = CompiledStep(
-          jax.jit(objective.make_train_step(md), in_shardings=(shardings, bsharding),
-                  out_shardings=(shardings, replicated), donate_argnums=(0,)),
-          'train_step', mesh=mesh, together=together)
-      # Evaluation never drops expert assignments, whatever the training backend.
-      eval_md = state_lib.model_def(eval_config(cfg), tx)
-      if cfg.model.eval_moe_backend != cfg.model.moe_backend:
-        log.info('routed experts: %s in training, %s (dropless) in evaluation',
-                 cfg.model.moe_backend, cfg.model.eval_moe_backend)
-      eval_step = CompiledStep(
-          jax.jit(objective.make_eval_step(eval_md), in_shardings=(shardings, bsharding),
-                  out_shardings=replicated), 'eval_step', mesh=mesh, together=together)
-      # train.eval_tasks: the backbone's argmax and answer CE on the tasks' documents
-      task_step = CompiledStep(
-          jax.jit(make_task_step(objective, eval_md.graphdef), in_shardings=(shardings, bsharding),
-                  out_shardings=replicated), 'task_step', mesh=mesh, together=together)
-      # Last: nothing else may trace until it has lowered (CompiledStep.wait_lowered).
-      train_step.compile_ahead(state_lib.with_shardings(abstract, shardings),
-                               feed.abstract_batch(cfg, sharding=bsharding,
-                                                   engram=engram_map is not None))
-
     _stop_before_start(stop, workdir)
     if ckpt.latest_step() is None:  # the initialisation traces: only once the step has
       train_step.wait_lowered()
