@@ -54,6 +54,9 @@ _REPLAY_SEQS = flags.DEFINE_integer('replay_sequences', 32, 'Held-out sequences.
 _FLOP_CONTEXTS = flags.DEFINE_list('flop_contexts', ['4096', '65536'], 'Decode FLOPs at these.')
 _DEADLINE = flags.DEFINE_float('deadline_s', 1e9, 'Skip phases that start later than this.')
 _OUT = flags.DEFINE_string('out', '/tmp/bench_generate.json', 'Result JSON.')
+_PROFILE = flags.DEFINE_string(
+    'profile_dir', '', 'After each timed mode at the first batch size, one more run under '
+    'jax.profiler.trace(DIR/b<B>_<mode>) (benchmarks/trace_summary.py reads it).')
 _CONTEXTS = flags.DEFINE_list('contexts', [], 'Long-context phase only: prompt lengths.')
 _CONTEXT_PREFILLS = flags.DEFINE_list('context_prefills', ['ced', 'full'],
                                       'Long-context phase: the prefill paths.')
@@ -121,6 +124,9 @@ def main(argv):
         decode_loop(gen._programs, cfg, prompts, **kw)  # compiles
         compile_s = time.perf_counter() - t1
         runs = decode_loop(gen._programs, cfg, prompts, **kw)
+        if _PROFILE.value and b == int(_BATCHES.value[0]):
+          with jax.profiler.trace(os.path.join(_PROFILE.value, f'b{b}_{mode}')):
+            decode_loop(gen._programs, cfg, prompts, **kw)
       decode_s = runs[0].decode_s
       row = {'tokens_per_s': sum(r.timed_tokens for r in runs) / decode_s,
              'decode_s': decode_s, 'forwards': runs[0].forwards,

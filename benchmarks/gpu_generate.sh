@@ -7,7 +7,9 @@
 # rounds on the device (32 tokens a row per dispatch; its --speculative_per_dispatch), at batch
 # 1 and 32, the cache's bytes per token, the bounded-replay KL, decode FLOPs by context.
 # Everything still going DEADLINE_S (default 570) seconds after the start is skipped or killed.
-# SMOKE=1 runs the same on this CPU with configs/tiny_dspark.py.
+# SMOKE=1 runs the same on this CPU with configs/tiny_dspark.py. PROFILE=1 also traces one more
+# run of each mode at the first batch size and leaves trace_summary.py's tables as
+# $OUT/trace_b<B>_<mode>.txt. REUSE=1 on a warm machine reuses /tmp/gen's trained checkpoint.
 set -uo pipefail
 source benchmarks/device_env.sh
 export TF_CPP_MIN_LOG_LEVEL=2
@@ -41,6 +43,14 @@ cp /tmp/gen/metrics.jsonl "$OUT/train.jsonl" 2>/dev/null
 grep -E "initiali|first step|finished|rror" "$OUT/train.log" | cut -c1-300 | tail -5
 fi
 timeout -s KILL "$(left)" python3 benchmarks/bench_generate.py --workdir=/tmp/gen $BENCH \
+  ${PROFILE:+--profile_dir=$OUT/trace} \
   --deadline_s=$(($(left) - 60)) --out="$OUT/generate.json" > "$OUT/generate.log" 2>&1
 echo "bench exit $? wall $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
 grep -vE "^[IW][0-9]{4}" "$OUT/generate.log" | grep -E "^(plain|speculative|replay|flops)|rror" | cut -c1-400
+if [[ -n ${PROFILE:-} ]]; then  # where a batch-1 token's time goes, per mode traced
+  for t in "$OUT"/trace/*/; do
+    python3 benchmarks/trace_summary.py "$t" --top 25 --depth 2 --merge-layers \
+      > "$OUT/trace_$(basename "$t").txt" 2>&1
+  done
+  rm -rf "$OUT/trace"  # summarised: the raw traces do not all come back
+fi
