@@ -94,7 +94,10 @@ def make_layout(expert_idx_nk, valid, n_experts: int, block_m: int,
 
   # Tile t belongs to the first expert whose groups end past it; E (no such expert) is unused.
   tile_t = jnp.arange(m_pad // block_m, dtype=jnp.int32)
-  expert_t = jnp.searchsorted(tile_end_e, tile_t, side='right').astype(jnp.int32)
+  # All comparisons at once (E per tile): the default binary search is an XLA while loop of
+  # log2(E) steps, a few launches each, in every MoE layer of every decode step.
+  expert_t = jnp.searchsorted(tile_end_e, tile_t, side='right',
+                              method='compare_all').astype(jnp.int32)
   tile_expert_t = jnp.where(expert_t < n_experts, expert_t, -1)
   e_m = jnp.minimum(jnp.repeat(expert_t, block_m), n_experts - 1)
   j_m = jnp.arange(m_pad, dtype=jnp.int32) - row_start_e[e_m]

@@ -17,7 +17,7 @@ import pytest
 
 from deepseek41.ops import grouped_gemm
 from deepseek41.ops.gpu import grouped_gemm as gg
-from tests.helpers import triton_lowering_for_h200
+from tests.helpers import jaxpr_eqns, triton_lowering_for_h200
 
 N, K, E, D, F = 64, 2, 8, 24, 40  # D, F not multiples of 16: the kernels pad them
 BM = gg.INTERPRET_TILES.block_m  # 32: tgmm takes two 16-row steps per tile
@@ -76,6 +76,15 @@ def test_layout_matches_definition():
   for e in range(E):
     r = row_a[valid_a & (e_a == e)]
     np.testing.assert_array_equal(r, g[e] * BM + np.arange(len(r)))
+
+
+def test_the_layout_launches_no_loop():
+  """The tile -> expert search is one comparison of every tile with every group end, not XLA's
+  binary-search while loop (a few launches per step, in every MoE layer of a decode step)."""
+  idx, valid = routing(0)
+  jaxpr = jax.make_jaxpr(grouped_gemm.make_layout, static_argnums=(2, 3))(idx, valid, E, BM)
+  assert not {'while', 'scan'} & {e.primitive.name for e in jaxpr_eqns(jaxpr.jaxpr)}
+
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
