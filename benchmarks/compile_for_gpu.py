@@ -1,5 +1,5 @@
-"""Compile the training step (or the optimizer update alone, or one decode step of generation) for
-an H100 or H200 on a machine without a GPU, and report what the GPU program is: its memory analysis, and its kernels by scope
+"""Compile the training step (or the optimizer update alone, or one decode step of generation)
+for an H100 or H200 on a machine without a GPU, and report what the GPU program is: its memory analysis, and its kernels by scope
 with the bytes each moves (benchmarks/hlo_kernels.py). XLA's GPU compiler runs here, deviceless,
 through jax's topology API; the Pallas kernels are lowered and compiled for sm_90 as on the GPU.
 No kernel runs, so nothing is timed: use it to see what a change does to the program (kernel

@@ -121,9 +121,10 @@ def verify_block(model, dspark, engram_map, cache, anchor_b, drafts_bj, q_bjv, a
 
 def routed_experts_in_compute_dtype(state, compute_dtype: str):
   """`state` (of `nnx.split((model, dspark))`, concrete or abstract) with the routed experts'
-  weights cast once to the compute dtype. The MoE reads them only as `w.astype(compute dtype)` (model/moe.py), so every
-  product is the same; cast at each step, a 1B decode step converted all of them, 3.7 GB of fp32
-  read and 1.8 GB of bf16 written a token (docs/performance.md section 53)."""
+  weights cast once to the compute dtype. The MoE reads them only as `w.astype(compute dtype)`
+  (model/moe.py), so every product is the same; cast at each step, a 1B decode step converted
+  all of them, 3.7 GB of fp32 read and 1.8 GB of bf16 written a token (docs/performance.md
+  section 53)."""
   dt = dtype_of(compute_dtype)
 
   def cast(path, var):

@@ -32,7 +32,8 @@ Limits: bf16 / fp16 (q is cast to kv's dtype); H a power of two dividing 64; d a
 (halves of whole 64-column tiles); no image spans (ValueError); T padded with segment 0.
 Measured on an H100 (docs/performance.md section 52): 1.32-1.35x the Triton forward at 16 heads,
 1.61-1.63x at 64, at 4K and 64K; the default forward of the merged window branch
-(`model.window_forward`). Costs, the next steps: 192 keys walked for <= 131 visible (a 16-key tail block would
+(`model.window_forward`).
+Costs, the next steps: 192 keys walked for <= 131 visible (a 16-key tail block would
 make it 144); the two warpgroups meet every step; no overlap across query blocks (one CTA per SM
 and each CTA loads q and its first keys cold: a persistent kernel keeping a ring of key blocks,
 which neighbouring query blocks share, is the bigger win, above all at H = 64).
