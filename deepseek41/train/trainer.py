@@ -313,9 +313,9 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     if streams != n_proc:
       log.info('input: %d data streams, %d per process (streams %d-%d here)', streams,
                streams // n_proc, train_iter.first, train_iter.first + streams // n_proc - 1)
-    _stop_before_start(stop, workdir)
     if ckpt.latest_step() is None:  # the initialisation traces: only once the step has
       train_step.wait_lowered()
+    _stop_before_start(stop, workdir)
     state, start = initial_state(cfg, ckpt, tx, mesh, abstract, shardings, layout, train_iter)
     train_step.wait_lowered()  # what follows may trace (the evaluation's set-up)
     _stop_before_start(stop, workdir)  # the initialisation or restore may have taken minutes
