@@ -1,7 +1,8 @@
 """Compile the training step (or the optimizer update alone, or one decode step of generation)
-for an H100 or H200 on a machine without a GPU, and report what the GPU program is: its memory analysis, and its kernels by scope
-with the bytes each moves (benchmarks/hlo_kernels.py). XLA's GPU compiler runs here, deviceless,
-through jax's topology API; the Pallas kernels are lowered and compiled for sm_90 as on the GPU.
+for an H100 or H200 on a machine without a GPU, and report what the GPU program is: its memory
+analysis, and its kernels by scope with the bytes each moves (benchmarks/hlo_kernels.py). XLA's
+GPU compiler runs here, deviceless, through jax's topology API; the Pallas kernels are lowered
+and compiled for sm_90 as on the GPU.
 No kernel runs, so nothing is timed: use it to see what a change does to the program (kernel
 counts, layout copies, bytes, peak memory) before spending device time on it.
 
@@ -83,7 +84,8 @@ def compile_decode(cfg, devices):
   cfg = generation_config(cfg.to_dict(), backend='gpu')
   model = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(params=0)))
   graph, state = nnx.split((model, None))  # as Programs holds it: (model, drafter)
-  state = routed_experts_in_compute_dtype(state, cfg.model.compute_dtype)
+  state = jax.eval_shape(lambda s: routed_experts_in_compute_dtype(s, cfg.model.compute_dtype),
+                         state)
   spec = CacheSpec(batch=_DECODE_BATCH.value, max_len=_DECODE_CONTEXT.value, max_chunk=1)
   cache = jax.eval_shape(lambda: empty_cache(model, spec))
   tok_b = jax.ShapeDtypeStruct((_DECODE_BATCH.value,), jnp.int32)

@@ -120,20 +120,17 @@ def verify_block(model, dspark, engram_map, cache, anchor_b, drafts_bj, q_bjv, a
 
 
 def routed_experts_in_compute_dtype(state, compute_dtype: str):
-  """`state` (of `nnx.split((model, dspark))`, concrete or abstract) with the routed experts'
-  weights cast once to the compute dtype. The MoE reads them only as `w.astype(compute dtype)`
-  (model/moe.py), so every product is the same; cast at each step, a 1B decode step converted
-  all of them, 3.7 GB of fp32 read and 1.8 GB of bf16 written a token (docs/performance.md
-  section 53)."""
+  """`state` (of `nnx.split((model, dspark))`) with the routed experts' weights cast once to the
+  compute dtype. The MoE reads them only as `w.astype(compute dtype)` (model/moe.py), so every
+  product is the same; cast at each step, a 1B decode step converted all of them, 3.7 GB of fp32
+  read and 1.8 GB of bf16 written a token (docs/performance.md section 53)."""
   dt = dtype_of(compute_dtype)
 
   def cast(path, var):
     keys = path_keys(path)
     if keys[0] == '0' and isinstance(var, nnx.Param) and \
         component(keys[1:], var) == 'experts.routed':
-      value = var.get_value()
-      return var.replace(jax.ShapeDtypeStruct(value.shape, dt, sharding=value.sharding)
-                         if isinstance(value, jax.ShapeDtypeStruct) else value.astype(dt))
+      return var.replace(var[...].astype(dt))
     return var
   return jax.tree_util.tree_map_with_path(cast, state,
                                           is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -147,6 +144,7 @@ class Programs:
     self.model = model  # its layers build the caches (`empty_cache`)
     self.graph, state = nnx.split((model, dspark))
     self.state = routed_experts_in_compute_dtype(state, model.cfg.compute_dtype)
+    nnx.update((model, dspark), self.state)  # the caller's model shares them: one copy, not two
     self.engram_map = engram_map
     self.traces = collections.Counter()
     self._jit = {}

@@ -24,6 +24,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 from jax._src import distributed  # the coordination client's barrier
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,7 @@ def signature(args) -> tuple:
   """What an executable is compiled for: the tree, and each leaf's shape, dtype, weak type and
   sharding (arrays and ShapeDtypeStructs alike)."""
   leaves, treedef = jax.tree.flatten(args)
-  return treedef, tuple((tuple(x.shape), jax.numpy.dtype(x.dtype), bool(getattr(x, 'weak_type',
-                                                                              False)),
+  return treedef, tuple((tuple(x.shape), np.dtype(x.dtype), bool(getattr(x, 'weak_type', False)),
                          getattr(x, 'sharding', None)) for x in leaves)
 
 

@@ -36,10 +36,9 @@ from deepseek41.sharding import batch_sharding, make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.checkpoint import (CheckpointError, Checkpointer, complete_steps,
                                          saved_stream_count)
-from deepseek41.train.evaluation import Evaluator, eval_config, make_task_step
-from deepseek41.train import feed
 from deepseek41.train.compiled import CompiledStep
-from deepseek41.train.feed import global_batch
+from deepseek41.train.evaluation import Evaluator, eval_config, make_task_step
+from deepseek41.train.feed import abstract_batch, global_batch
 from deepseek41.train.flops import device_peak_tflops
 from deepseek41.train.metrics import MetricsWriteError, MetricsWriter, check_writable
 from deepseek41.train.objectives import objective_for
@@ -294,8 +293,8 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
                 out_shardings=replicated), 'task_step', mesh=mesh, together=together)
     # Last: nothing else may trace until it has lowered (CompiledStep.wait_lowered).
     train_step.compile_ahead(state_lib.with_shardings(abstract, shardings),
-                             feed.abstract_batch(cfg, sharding=bsharding,
-                                                 engram=engram_map is not None))
+                             abstract_batch(cfg, sharding=bsharding,
+                                            engram=engram_map is not None))
 
   # Closed in reverse order however the run ends: profiler, writer, checkpoints, input.
   with contextlib.ExitStack() as cleanup:

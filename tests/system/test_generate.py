@@ -568,7 +568,11 @@ def test_the_routed_experts_are_cast_once_and_decode_the_same(monkeypatch):
             and 'moe' in str(p)}
   assert routed and all(v.get_value().dtype == jnp.bfloat16 for v in routed.values())
   assert all(v.get_value().dtype == jnp.float32 for p, v in leaves if p not in routed)
+  # the caller's model holds the same cast arrays: one copy on the device, not two
+  assert all(x.dtype == jnp.bfloat16 for x in (model.blocks[0].moe.w_gate[...],
+                                                model.blocks[0].moe.w_down[...]))
   monkeypatch.setattr(programs, 'routed_experts_in_compute_dtype', lambda state, _: state)
+  _, model = _model(**{'model.compute_dtype': 'bfloat16'})  # the same weights, uncast
   as_trained = Programs(model, None, None)
   assert all(v.get_value().dtype == jnp.float32 for v in jax.tree.leaves(
       as_trained.state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
