@@ -68,10 +68,12 @@ def test_runs_of_one_variant_are_pooled(summarize, reports, tmp_path, capsys):
 
 def test_plot_title_is_the_figures_not_a_panels(summarize, reports, tmp_path, monkeypatch):
   """The figure's title says what is shown; it read the last panel's ('window: passkey')."""
-  matplotlib = pytest.importorskip('matplotlib')
+  # the submodule itself: `matplotlib.figure` exists only once something imported it, which an
+  # earlier test of the same worker may or may not have done
+  figure = pytest.importorskip('matplotlib.figure')
   titles = []
-  save = matplotlib.figure.Figure.savefig
-  monkeypatch.setattr(matplotlib.figure.Figure, 'savefig',
+  save = figure.Figure.savefig
+  monkeypatch.setattr(figure.Figure, 'savefig',
                       lambda fig, *a, **k: (titles.append(fig._suptitle.get_text()),
                                             save(fig, *a, **k)))
   assert summarize.main([*reports, f'--plot={tmp_path / "v.png"}']) == 0
