@@ -50,7 +50,7 @@ _SPEC_PER_DISPATCH = flags.DEFINE_list(
     'Speculative decoding\'s tokens per dispatch (1: the host loop), one run each.')
 _REPLAY_CONTEXT = flags.DEFINE_integer('replay_context', 2048, 'Held-out sequence length.')
 _REPLAY_WINS = flags.DEFINE_list('replay_n_win', ['128', '512'], 'Replay lengths (+ the exact one).')
-_REPLAY_SEQS = flags.DEFINE_integer('replay_sequences', 32, 'Held-out sequences.')
+_REPLAY_SEQS = flags.DEFINE_integer('replay_sequences', 32, 'Held-out sequences (0: no replay).')
 _FLOP_CONTEXTS = flags.DEFINE_list('flop_contexts', ['4096', '65536'], 'Decode FLOPs at these.')
 _DEADLINE = flags.DEFINE_float('deadline_s', 1e9, 'Skip phases that start later than this.')
 _OUT = flags.DEFINE_string('out', '/tmp/bench_generate.json', 'Result JSON.')
@@ -58,6 +58,8 @@ _PROFILE = flags.DEFINE_string(
     'profile_dir', '', 'After each timed mode at the first batch size, one more run under '
     'jax.profiler.trace(DIR/b<B>_<mode>) (benchmarks/trace_summary.py reads it).')
 _CONTEXTS = flags.DEFINE_list('contexts', [], 'Long-context phase only: prompt lengths.')
+_EXECUTION = flags.DEFINE_list('execution', [], 'Execution-only model keys to override, '
+                               'KEY=VALUE,... (python -m deepseek41.generate --execution).')
 _CONTEXT_PREFILLS = flags.DEFINE_list('context_prefills', ['ced', 'full'],
                                       'Long-context phase: the prefill paths.')
 _CONTEXT_CHUNK = flags.DEFINE_integer('context_prefill_chunk', 65536,
@@ -82,7 +84,7 @@ def stdlib_prompts(tokenizer, count: int, mean_len: int) -> list[np.ndarray]:
 def main(argv):
   del argv
   from deepseek41.generate.cache import empty_cache, global_bytes_per_token
-  from deepseek41.generate.generator import Generator, decode_loop
+  from deepseek41.generate.generator import Generator, decode_loop, execution_overrides
   from deepseek41.generate.replay import exact_replay_window, held_out_sequences, next_token_kl
   from deepseek41.model.layer_cache import CacheSpec
   from deepseek41.tools.info import kv_cache_bytes
@@ -101,7 +103,8 @@ def main(argv):
     return True
 
   t0 = time.perf_counter()
-  gen = Generator(_WORKDIR.value)
+  gen = Generator(_WORKDIR.value, execution=execution_overrides(_EXECUTION.value))
+  result['execution'] = _EXECUTION.value
   result['restore_s'] = time.perf_counter() - t0
   result['step'] = gen.step
   cfg = gen.cfg
@@ -154,7 +157,7 @@ def main(argv):
   result['info_global_bytes_per_token'] = kv_cache_bytes(cfg)['global_bytes_per_token']
   save()
 
-  if time_left('replay'):
+  if _REPLAY_SEQS.value and time_left('replay'):
     wins = sorted({int(w) for w in _REPLAY_WINS.value} | {exact_replay_window(cfg.model)})
     wins = [w for w in wins if w <= _REPLAY_CONTEXT.value]
     tokens = held_out_sequences(gen.data_cfg, gen.tokenizer, _REPLAY_CONTEXT.value,

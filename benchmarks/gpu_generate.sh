@@ -10,6 +10,8 @@
 # SMOKE=1 runs the same on this CPU with configs/tiny_dspark.py. PROFILE=1 also traces one more
 # run of each mode at the first batch size and leaves trace_summary.py's tables as
 # $OUT/trace_b<B>_<mode>.txt. REUSE=1 on a warm machine reuses /tmp/gen's trained checkpoint.
+# BENCH_EXTRA: more bench_generate.py flags (e.g. `--speculative_per_dispatch= --replay_sequences=0
+# --flop_contexts=` for plain decoding only).
 set -uo pipefail
 source benchmarks/device_env.sh
 export TF_CPP_MIN_LOG_LEVEL=2
@@ -42,7 +44,7 @@ echo "train exit $? wall $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
 cp /tmp/gen/metrics.jsonl "$OUT/train.jsonl" 2>/dev/null
 grep -E "initiali|first step|finished|rror" "$OUT/train.log" | cut -c1-300 | tail -5
 fi
-timeout -s KILL "$(left)" python3 benchmarks/bench_generate.py --workdir=/tmp/gen $BENCH \
+timeout -s KILL "$(left)" python3 benchmarks/bench_generate.py --workdir=/tmp/gen $BENCH ${BENCH_EXTRA:-} \
   ${PROFILE:+--profile_dir=$OUT/trace} \
   --deadline_s=$(($(left) - 60)) --out="$OUT/generate.json" > "$OUT/generate.log" 2>&1
 echo "bench exit $? wall $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"

@@ -82,6 +82,8 @@ def check_residual(m: ModelConfig):
           mhc_kernel_supported(m.hc_mult, m.d_model),
           'model.mhc_impl', f"'fused' needs a power-of-two hc_mult and d_model a multiple of 16 "
           f'(got {m.hc_mult} and {m.d_model})')
+  require(m.mhc_fused_min_tokens >= 0, 'model.mhc_fused_min_tokens',
+          f'must be >= 0 (0: the fused sites at every size), got {m.mhc_fused_min_tokens}')
   require(m.hc_sinkhorn_iters >= 1, 'model.hc_sinkhorn_iters', 'must be >= 1')
   require(m.hc_eps >= 0, 'model.hc_eps', 'must be >= 0')
 

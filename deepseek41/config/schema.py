@@ -59,6 +59,12 @@ class ModelConfig:
   # it tiles (docs/performance.md section 10.2: one layer's mHC 8.3 -> 5.2 ms, 18 GB less).
   mhc_impl: str = key('auto', choices=('reference', 'fused'), auto=auto.mhc_impl,
                       execution_only=True)
+  # Calls of fewer tokens (B x T) than this run the `fused` sites as the jnp reference: the
+  # kernels' grid is one program per 128 tokens, each walking d_model in order, so a decode step
+  # of 1-32 tokens keeps one SM busy for 18-60 us a site where XLA's fusions take a few
+  # (docs/performance.md section 54). [I] our threshold: below 32 programs the grid leaves most
+  # of an H100's 132 SMs idle.
+  mhc_fused_min_tokens: int = key(4096, execution_only=True)
   hc_sinkhorn_iters: int = key(20)      # [hc_sinkhorn_iters]
   hc_eps: float = key(1e-6)             # [hc_eps]
   hc_init_std: float = key(0.02)        # std of the coefficient projections [S: HF's init]
@@ -164,6 +170,12 @@ class ModelConfig:
   # shard's partial is rounded once and the shards' sum is taken in bf16). The ragged and padded
   # exchanges return each assignment's row in the compute dtype already.
   expert_partials: str = key('float32', choices=('float32', 'compute'), execution_only=True)
+  # A dropless backend's call of at most E (token, expert) assignments on a device holding every
+  # expert (a decode step of a few rows) gathers each assignment's expert weights instead of
+  # building the expert-sorted layout, which pads every expert's group to a whole tile: 8,192
+  # rows and three grouped GEMM launches for one token of 64 experts
+  # (docs/performance.md section 54). Off: the backend at every size.
+  moe_gather_small_calls: bool = key(True, execution_only=True)
   # The routed experts of held-out evaluation, dropless: auto keeps a dropless moe_backend and
   # replaces capacity_einsum (grouped on the GPU, ragged_dot on the TPU, reference on the CPU).
   eval_moe_backend: str = key('auto', auto=auto.eval_moe_backend,

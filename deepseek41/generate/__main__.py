@@ -24,7 +24,7 @@ import sys
 from absl import app, flags, logging
 
 from deepseek41.generate.generator import (PREFILL_CHUNK, TOKENS_PER_DISPATCH, GenerateError,
-                                           Generator)
+                                           Generator, execution_overrides)
 from deepseek41.generate.prompts import IMAGE_MARKER, read_prompts, with_images
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Work directory of a training run.')
@@ -57,6 +57,10 @@ _STREAM = flags.DEFINE_bool('stream', None, 'Print the text as it is generated (
 _JSON = flags.DEFINE_bool('json', False, 'One JSON object per prompt.')
 _IMAGES = flags.DEFINE_list('images', [], 'Images of --prompt, in the order of its <image> '
                             'markers (without markers: before the text). Needs model.vision.')
+_EXECUTION = flags.DEFINE_list(
+    'execution', [], 'Execution-only model keys to override, KEY=VALUE,... (e.g. '
+    'model.mhc_fused_min_tokens=0,model.moe_gather_small_calls=false): how the model is '
+    'computed, never what.')
 
 
 def shown_prompt(prompt) -> str:
@@ -95,7 +99,7 @@ def main(argv):
       raise GenerateError('give exactly one of --prompt and --prompts')
     prompts = [with_images(_PROMPT.value, _IMAGES.value, '--prompt')] \
         if _PROMPT.value is not None else read_prompts(_PROMPTS.value)
-    gen = Generator(_WORKDIR.value, _STEP.value)
+    gen = Generator(_WORKDIR.value, _STEP.value, execution_overrides(_EXECUTION.value))
     shown = [shown_prompt(p) for p in prompts]
     stream = _STREAM.value if _STREAM.value is not None else \
         _PROMPT.value is not None and not _JSON.value

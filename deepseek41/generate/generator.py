@@ -32,14 +32,14 @@ import collections
 import dataclasses
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from deepseek41.batch import ROLE_PATCH
-from deepseek41.config import RunConfig, resolve
+from deepseek41.config import ConfigError, RunConfig, resolve
 from deepseek41.config import max_positions as config_max_positions
 from deepseek41.data.engram_vocab import compression_map
 from deepseek41.data.multimodal import build_document
@@ -51,7 +51,7 @@ from deepseek41.model.ced import tail_reach
 from deepseek41.model.layer_cache import CacheSpec
 from deepseek41.sharding import make_mesh
 from deepseek41.train import state as state_lib
-from deepseek41.train.checkpoint import CheckpointError
+from deepseek41.train.checkpoint import EXECUTION_ONLY_MODEL_KEYS, CheckpointError
 from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.reading import checkpoint_step, portable_config, run_tokenizer
 from deepseek41.train.warm_start import restore_weights
@@ -93,18 +93,59 @@ def exact_n_win(cfg: RunConfig) -> int:
   return tail_reach(cfg.model) + cfg.model.sliding_window
 
 
-def generation_config(saved: dict, backend: str | None = None) -> RunConfig:
+def generation_config(saved: dict, backend: str | None = None,
+                      execution: Mapping[str, str] | None = None) -> RunConfig:
   """The checkpoint's config with its execution choices resolved for this backend and the
-  decode-friendly XLA paths (one query row at a time tiles no kernel)."""
+  decode-friendly XLA paths (one query row at a time tiles no kernel).
+
+  execution: execution-only model keys to set on top ('model.<key>' -> its value as text, as
+  on a command line), e.g. {'model.mhc_fused_min_tokens': '0'}; they change how the model is
+  computed, never what it computes. Raises GenerateError naming a key that is not one.
+  """
   c = portable_config(saved)
   c.model.attention_impl = 'chunked'
   c.model.index_impl = 'reference'
   c.model.sparse_impl = 'gathered'
   c.data.synthetic = True  # nothing is read: resolve checks no data
   c.train.remat = 'none'
-  cfg = resolve(c, backend=backend)
+  for name, text in (execution or {}).items():
+    key = name.removeprefix('model.')
+    if key not in EXECUTION_ONLY_MODEL_KEYS:
+      raise GenerateError(f'execution override {name!r}: not an execution-only model key '
+                          f'(one of {", ".join("model." + k for k in EXECUTION_ONLY_MODEL_KEYS)})')
+    c.model[key] = _parsed(name, text, c.model[key])
+  try:
+    cfg = resolve(c, backend=backend)
+  except ConfigError as e:
+    raise GenerateError(str(e)) from None
   return dataclasses.replace(cfg, model=dataclasses.replace(
       cfg.model, moe_backend=cfg.model.eval_moe_backend))
+
+
+def execution_overrides(items: Sequence[str]) -> dict[str, str]:
+  """--execution's KEY=VALUE items as a dict; raises GenerateError naming a malformed one."""
+  out = {}
+  for item in items:
+    key, sep, value = item.partition('=')
+    if not sep or not key.strip():
+      raise GenerateError(f'--execution: {item!r} is not KEY=VALUE')
+    out[key.strip()] = value.strip()
+  return out
+
+
+def _parsed(name: str, text: str, default):
+  """`text` as the type of the key's default (bool, int, float or str)."""
+  if not isinstance(text, str):
+    return text
+  try:
+    if isinstance(default, bool):
+      if text.lower() not in ('true', 'false', '1', '0'):
+        raise ValueError(text)
+      return text.lower() in ('true', '1')
+    return type(default)(text)
+  except ValueError:
+    raise GenerateError(f'execution override {name}={text!r}: expected a '
+                        f'{type(default).__name__}') from None
 
 
 def saved_data_config(saved: dict):
@@ -115,11 +156,13 @@ def saved_data_config(saved: dict):
 class Generator:
   """A restored checkpoint ready to generate."""
 
-  def __init__(self, workdir: str, step: int | None = None):
+  def __init__(self, workdir: str, step: int | None = None,
+               execution: Mapping[str, str] | None = None):
+    """execution: execution-only model keys to override (`generation_config`)."""
     workdir = os.path.abspath(workdir)
     try:
       step, step_dir, saved = checkpoint_step(workdir, step)
-      self.cfg = cfg = generation_config(saved)
+      self.cfg = cfg = generation_config(saved, execution=execution)
       self.data_cfg = saved_data_config(saved)
       self.tokenizer, _ = run_tokenizer(workdir, self.data_cfg)
     except (CheckpointError, DataError) as e:

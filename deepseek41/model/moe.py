@@ -113,7 +113,7 @@ class MoE(nnx.Module):
         swiglu_limit=cfg.swiglu_limit, backend=cfg.moe_backend,
         capacity_factor=cfg.capacity_factor, fp8=cfg.fp8,
         buffer_factor=cfg.expert_buffer_factor, exchange=cfg.expert_exchange,
-        partials=cfg.expert_partials,
+        partials=cfg.expert_partials, gather_small=cfg.moe_gather_small_calls,
         grouped_tiles=(default_tiles(cfg.grouped_wgrad)
                        if cfg.moe_backend in GROUPED_BACKENDS else None))
     if cfg.n_shared_experts:

@@ -44,6 +44,7 @@ class Block(nnx.Module):
                attention: type[Attention] = Attention):
     self.residual = cfg.residual
     self.mhc_impl = cfg.mhc_impl
+    self.mhc_fused_min_tokens = cfg.mhc_fused_min_tokens
     self.layer = role.layer
     self.engram = Engram(cfg, engram_rows, rngs) if engram_rows else None
     self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
@@ -79,7 +80,8 @@ class Block(nnx.Module):
       return (h_btd + y_btd).astype(x.dtype), None, aux, shared
     mhc = jax.named_scope('mhc')  # the residual mixing: sites, reads and writes
     single = self.residual == 'mhc_single_pass'
-    if self.mhc_impl == 'fused':  # the same sites, each one pass over the streams
+    fused = self.mhc_impl == 'fused' and x.shape[0] * x.shape[1] >= self.mhc_fused_min_tokens
+    if fused:  # the same sites, each one pass over the streams
       u_btd, pre_a, post_a, comb_a = mhc(fused_site_collapse)(
           self.attn_site, x, pre_prev if single else None)
       attn_btd, shared = attention(u_btd, shared)

@@ -61,7 +61,8 @@ from deepseek41.ops.grouped_gemm import make_layout, per_assignment
 from deepseek41.ops.grouped_gemm import sort_by_expert as _sort_by_expert
 from deepseek41.ops.swiglu import clipped_swiglu
 
-BACKENDS = ('reference', 'capacity_einsum', 'ragged_dot', 'grouped', 'grouped_fused')
+BACKENDS = ('reference', 'capacity_einsum', 'ragged_dot', 'grouped', 'grouped_fused', 'gathered')
+DROPLESS_BACKENDS = ('ragged_dot', 'grouped', 'grouped_fused', 'gathered')
 # The backends that compute on the padded expert-sorted layout with the Pallas kernels, and so
 # take kernel tiles (grouped_tiles).
 GROUPED_BACKENDS = ('grouped', 'grouped_fused')
@@ -103,6 +104,20 @@ def _reference(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w
     out_ned = jnp.swapaxes(batched_fp8_matmul(h_enf, w_down_efd), 0, 1)
   y_nd = jnp.einsum('ne,ned->nd', combine_ne, out_ned.astype(jnp.float32))
   return y_nd.astype(out_dtype or x_nd.dtype), jnp.zeros((), jnp.int32)
+
+
+def _gathered(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_down_efd,
+              limit, out_dtype=None):
+  """Each assignment's expert weights gathered and applied to its token: N*K experts' weights
+  read, no expert-sorted layout. For calls of a few tokens (decoding), where the grouped layout
+  would pad every expert's group to a whole tile (8,192 rows for one token of 64 experts)."""
+  h_gate_nkf = jnp.einsum('nd,nkdf->nkf', x_nd, w_gate_edf[expert_idx_nk])
+  h_up_nkf = jnp.einsum('nd,nkdf->nkf', x_nd, w_up_edf[expert_idx_nk])
+  y_nkd = jnp.einsum('nkf,nkfd->nkd', clipped_swiglu(h_gate_nkf, h_up_nkf, limit),
+                     w_down_efd[expert_idx_nk])
+  weight_nk = jnp.where(valid_nk, weight_nk.astype(jnp.float32), 0.0)
+  y_nkd = jnp.where(valid_nk[..., None], y_nkd, 0)  # an invalid row's expert index may be junk
+  return combine(y_nkd, weight_nk, out_dtype or x_nd.dtype), jnp.zeros((), jnp.int32)
 
 
 # ---- capacity_einsum ---------------------------------------------------------------------------
@@ -404,6 +419,10 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_do
     return _capacity_einsum(*args, capacity_factor, fp8=fp8, out_dtype=out_dtype)
   if backend == 'ragged_dot':
     return _ragged_dot(*args, fp8=fp8, out_dtype=out_dtype)
+  if backend == 'gathered':
+    if fp8 != 'off':
+      raise ValueError(f"the gathered expert backend has no FP8 path (fp8={fp8!r})")
+    return _gathered(*args, out_dtype=out_dtype)
   if backend == 'grouped_fused':
     return _grouped_fused(*args, grouped_tiles, out_dtype=out_dtype, max_valid=max_valid,
                           combine=fused_combine, recompute=fused_recompute)
@@ -424,7 +443,7 @@ def expert_ffn_batched(x_bnd, expert_idx_bnk, weight_bnk, valid_bn, w_gate_edf, 
   kw = dict(swiglu_limit=swiglu_limit, backend=backend, capacity_factor=capacity_factor,
             grouped_tiles=grouped_tiles, fp8=fp8, fused_combine=fused_combine,
             fused_recompute=fused_recompute)
-  if backend in ('ragged_dot', *GROUPED_BACKENDS):
+  if backend in DROPLESS_BACKENDS:
     b, n, d = x_bnd.shape
     k = expert_idx_bnk.shape[-1]
     y_nd, dropped = expert_ffn(x_bnd.reshape(b * n, d), expert_idx_bnk.reshape(b * n, k),

@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 from deepseek41.model.transformer import Transformer
-from tests.helpers import (KERNEL_SHAPES, RELEASED_QUANT, VISION, image_batch, packed_batch,
-                           resolved, token_ce)
+from tests.helpers import (KERNEL_SHAPES, RELEASED_QUANT, VISION, image_batch,
+                           kernels_outside_shard_map, packed_batch, resolved, token_ce)
 
 JNP = dict(sparse_impl='gathered', attention_impl='chunked', select_impl='top_k')
 KERNELS = dict(sparse_impl='fused', attention_impl='fused', select_impl='threshold')
@@ -60,9 +60,29 @@ def test_fused_mhc_equals_the_jnp_sites(residual):
   cfg = resolved(**{'model.residual': residual, 'model.engram': True}).model
   batch = {k: jnp.asarray(v)[:2] for k, v in packed_batch(seed=3, docs_per_row=2, pad=4).items()}
   l_ref, g_ref = _loss_and_grads(cfg, dict(mhc_impl='reference'), batch)
-  l_k, g_k = _loss_and_grads(cfg, dict(mhc_impl='fused'), batch)
+  l_k, g_k = _loss_and_grads(cfg, dict(mhc_impl='fused', mhc_fused_min_tokens=0), batch)
   np.testing.assert_allclose(l_k, l_ref, rtol=1e-5)
   leaves_ref, leaves_k = jax.tree.leaves(g_ref), jax.tree.leaves(g_k)
   assert len(leaves_ref) == len(leaves_k)
   for a, b in zip(leaves_k, leaves_ref):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
+
+
+def test_calls_of_few_tokens_run_the_jnp_mhc_sites():
+  # model.mhc_fused_min_tokens: a call of fewer tokens (a decode step) runs the jnp sites, with
+  # no mHC kernel in its program; at the threshold the kernels run; the loss is the same.
+  cfg = resolved(**{'model.residual': 'mhc_single_pass'}).model
+  batch = {k: jnp.asarray(v)[:2] for k, v in packed_batch(seed=3, docs_per_row=2, pad=4).items()}
+  tokens = batch['tokens'].size
+
+  def mhc_kernels_and_loss(min_tokens):
+    model = Transformer(dataclasses.replace(cfg, mhc_impl='fused',
+                                            mhc_fused_min_tokens=min_tokens), nnx.Rngs(params=0))
+    loss = lambda: jnp.sum(token_ce(model, batch))  # noqa: E731
+    names = kernels_outside_shard_map(jax.make_jaxpr(loss)().jaxpr)
+    return sum('mhc' in str(n) for n in names), loss()
+
+  at, loss_at = mhc_kernels_and_loss(tokens)
+  below, loss_below = mhc_kernels_and_loss(tokens + 1)
+  assert at > 0 and below == 0
+  np.testing.assert_allclose(loss_below, loss_at, rtol=1e-5)

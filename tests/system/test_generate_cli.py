@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from deepseek41.generate.prompts import with_images
-from deepseek41.generate.generator import GenerateError, Generator
+from deepseek41.generate.generator import GenerateError, Generator, execution_overrides
 from tests.helpers import CORPUS_STEPS
 
 @pytest.fixture
@@ -63,6 +63,29 @@ def test_bad_input_is_named(workdir, tmp_path):
   shutil.copytree(workdir, bare)
   os.remove(os.path.join(bare, 'tokenizer.json'))
   assert Generator(bare).tokenizer.source.endswith('tokenizer.json')
+
+
+def test_execution_overrides(workdir):
+  # Execution-only model keys set at generation: they reach the model's config; anything else,
+  # or a value of the wrong type or range, is refused naming the key.
+  base = Generator(workdir)
+  gen = Generator(workdir, execution={'model.mhc_fused_min_tokens': '0',
+                                      'moe_gather_small_calls': 'false'})
+  assert gen.cfg.model.mhc_fused_min_tokens == 0 and not gen.cfg.model.moe_gather_small_calls
+  assert base.cfg.model.moe_gather_small_calls
+  assert gen.generate(['def main'], max_new_tokens=4)[0].tokens == \
+      base.generate(['def main'], max_new_tokens=4)[0].tokens
+  with pytest.raises(GenerateError, match=r"'model.d_model': not an execution-only model key"):
+    Generator(workdir, execution={'model.d_model': '64'})
+  with pytest.raises(GenerateError, match=r"model.mhc_fused_min_tokens='many': expected a int"):
+    Generator(workdir, execution={'model.mhc_fused_min_tokens': 'many'})
+  with pytest.raises(GenerateError, match=r'model.mhc_fused_min_tokens: must be >= 0'):
+    Generator(workdir, execution={'model.mhc_fused_min_tokens': '-1'})
+  with pytest.raises(GenerateError, match=r"model.moe_gather_small_calls='maybe': expected a bool"):
+    Generator(workdir, execution={'model.moe_gather_small_calls': 'maybe'})
+  with pytest.raises(GenerateError, match=r"--execution: 'model.hc_eps' is not KEY=VALUE"):
+    execution_overrides(['model.hc_eps'])
+  assert execution_overrides(['a=1', ' b = x ']) == {'a': '1', 'b': 'x'}
 
 
 def test_cli(workdir, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -101,7 +102,7 @@ def test_expert_capacity():
 
 
 @pytest.mark.parametrize('seed', SEEDS)
-@pytest.mark.parametrize('backend', ['capacity_einsum', 'ragged_dot', 'grouped'])
+@pytest.mark.parametrize('backend', ['capacity_einsum', 'ragged_dot', 'grouped', 'gathered'])
 def test_matches_reference_outputs_and_grads(backend, seed):
   inputs = make_inputs(seed)
   ct = jax.random.normal(jax.random.key(100 + seed), (N, D))
@@ -250,7 +251,7 @@ def test_batched_equals_loop_over_groups(backend):
     assert total > 0  # capacity is per group, and the groups do overflow
 
 
-@pytest.mark.parametrize('backend', ['capacity_einsum', 'ragged_dot', 'grouped'])
+@pytest.mark.parametrize('backend', ['capacity_einsum', 'ragged_dot', 'grouped', 'gathered'])
 def test_bf16_keeps_dtype_and_accuracy(backend):
   x, idx, weight, valid, wg, wu, wd = make_inputs(5)
   y, _ = run(x.astype(jnp.bfloat16), idx, weight, valid, wg, wu, wd, backend=backend)
@@ -267,3 +268,32 @@ def test_unknown_backend():
 def test_unknown_fp8_mode():
   with pytest.raises(ValueError, match='unknown fp8 mode'):
     expert_ffn(*make_inputs(0), swiglu_limit=LIMIT, backend='capacity_einsum', fp8='e5m2')
+
+
+@pytest.mark.parametrize('tokens,gathers', [(1, True), (E // K, True), (E // K + 1, False)])
+def test_small_calls_gather_their_experts(tokens, gathers):
+  """routed_experts' gather_small: a call of at most E assignments (a decode step) runs the
+  'gathered' backend instead of the dropless one asked for (no expert-sorted layout: no sort,
+  no ragged dot), with the same outputs; larger calls, or gather_small off, keep the backend."""
+  from deepseek41.ops.parallel.expert_parallel import routed_experts
+  x, idx, weight, valid, wg, wu, wd = make_inputs(6, n=tokens, pad_frac=0.0)
+
+  def primitives(jaxpr):
+    for eqn in jaxpr.eqns:
+      yield eqn.primitive.name
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        yield from primitives(sub)
+
+  def call(gather_small):
+    def f(x, weight):
+      return routed_experts(x[None], idx[None], weight[None], valid[None], wg, wu, wd,
+                            swiglu_limit=LIMIT, backend='ragged_dot', capacity_factor=NO_DROP,
+                            gather_small=gather_small)[0][0]
+    return set(primitives(jax.make_jaxpr(f)(x, weight).jaxpr)), jax.jit(f)(x, weight)
+
+  prims_on, y_on = call(True)
+  prims_off, y_off = call(False)
+  assert {'ragged_dot_general', 'sort'} <= prims_off
+  assert (not {'ragged_dot_general', 'sort'} & prims_on) == gathers
+  assert_close(y_on, y_off, what='gathered vs ragged_dot')
+  assert_close(y_on, numpy_moe(x, idx, weight, valid, wg, wu, wd, LIMIT), what='vs numpy')

@@ -63,18 +63,21 @@ PARTIALS = ('float32', 'compute')
 def routed_experts(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf,
                    w_down_efd, *, swiglu_limit, backend: str, capacity_factor: float,
                    fp8: str = 'off', buffer_factor: float = 0.0, exchange: str = 'auto',
-                   grouped_tiles=None, partials: str = 'float32'):
+                   grouped_tiles=None, partials: str = 'float32', gather_small: bool = False):
   """The routed experts' output [B, T, D] and the count of dropped assignments (int32 []).
 
   partials (model.expert_partials): the dtype of the allgather exchange's reduce-scattered
   partial outputs, 'float32' or 'compute' (x's dtype).
+  gather_small (model.moe_gather_small_calls): a device holding every expert computes a call of
+  at most E (token, expert) assignments with a dropless backend by gathering each assignment's
+  expert weights (expert_gemm's 'gathered'): the same products without the expert-sorted layout.
   """
   if partials not in PARTIALS:
     raise ValueError(f'unknown expert partials {partials!r}; expected one of {PARTIALS}')
   mesh = jax.sharding.get_abstract_mesh()
   kw = dict(swiglu_limit=swiglu_limit, backend=backend, capacity_factor=capacity_factor, fp8=fp8,
             buffer_factor=buffer_factor, exchange=exchange, grouped_tiles=grouped_tiles,
-            partials=partials)
+            partials=partials, gather_small=gather_small)
   if mesh.empty:
     return _local(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd,
                   experts_axis=None, width_axis=None, **kw)
@@ -111,12 +114,16 @@ def routed_experts(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up
 
 def _local(x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd, *,
            experts_axis, width_axis, swiglu_limit, backend, capacity_factor, fp8, buffer_factor,
-           exchange, grouped_tiles, partials):
+           exchange, grouped_tiles, partials, gather_small):
   """One device's tokens against its experts (all of them when experts_axis is None)."""
   dtype = x_btd.dtype
   w_gate_edf, w_up_edf, w_down_efd = (w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
   shards = 1 if experts_axis is None else jax.lax.axis_size(experts_axis)
   if shards == 1:  # the exchange would be the identity
+    assignments = expert_idx_btk.size
+    if (gather_small and fp8 == 'off' and backend in expert_gemm.DROPLESS_BACKENDS
+        and assignments <= w_gate_edf.shape[0]):
+      backend = 'gathered'
     y_btd, dropped = expert_gemm.expert_ffn_batched(
         x_btd, expert_idx_btk, weight_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd,
         swiglu_limit=swiglu_limit, backend=backend, capacity_factor=capacity_factor, fp8=fp8,
