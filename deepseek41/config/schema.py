@@ -62,8 +62,9 @@ class ModelConfig:
   # Calls of fewer tokens (B x T) than this run the `fused` sites as the jnp reference: the
   # kernels' grid is one program per 128 tokens, each walking d_model in order, so a decode step
   # of 1-32 tokens keeps one SM busy for 18-60 us a site where XLA's fusions take a few
-  # (docs/performance.md section 54). [I] our threshold: below 32 programs the grid leaves most
-  # of an H100's 132 SMs idle.
+  # (docs/performance.md section 54). The jnp sites of such calls also unroll their Sinkhorn
+  # rounds (a loop's round is a host round trip on the GPU). [I] our threshold: below 32
+  # programs the grid leaves most of an H100's 132 SMs idle.
   mhc_fused_min_tokens: int = key(4096, execution_only=True)
   hc_sinkhorn_iters: int = key(20)      # [hc_sinkhorn_iters]
   hc_eps: float = key(1e-6)             # [hc_eps]

@@ -9,13 +9,13 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from deepseek41.ops.expert_gemm import (BACKENDS, expert_capacity, expert_ffn,
                                         expert_ffn_batched)
+from tests.helpers import jaxpr_eqns
 
 N, D, F, E, K = 64, 32, 48, 8, 2
 LIMIT = 1.0  # low enough that some pre-activations clip, so clip gradients are compared too
@@ -278,18 +278,13 @@ def test_small_calls_gather_their_experts(tokens, gathers):
   from deepseek41.ops.parallel.expert_parallel import routed_experts
   x, idx, weight, valid, wg, wu, wd = make_inputs(6, n=tokens, pad_frac=0.0)
 
-  def primitives(jaxpr):
-    for eqn in jaxpr.eqns:
-      yield eqn.primitive.name
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        yield from primitives(sub)
-
   def call(gather_small):
     def f(x, weight):
       return routed_experts(x[None], idx[None], weight[None], valid[None], wg, wu, wd,
                             swiglu_limit=LIMIT, backend='ragged_dot', capacity_factor=NO_DROP,
                             gather_small=gather_small)[0][0]
-    return set(primitives(jax.make_jaxpr(f)(x, weight).jaxpr)), jax.jit(f)(x, weight)
+    prims = {e.primitive.name for e in jaxpr_eqns(jax.make_jaxpr(f)(x, weight).jaxpr)}
+    return prims, jax.jit(f)(x, weight)
 
   prims_on, y_on = call(True)
   prims_off, y_off = call(False)
