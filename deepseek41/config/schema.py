@@ -63,9 +63,12 @@ class ModelConfig:
   # kernels' grid is one program per 128 tokens, each walking d_model in order, so a decode step
   # of 1-32 tokens keeps one SM busy for 18-60 us a site where XLA's fusions take a few
   # (docs/performance.md section 54). The jnp sites of such calls also unroll their Sinkhorn
-  # rounds (a loop's round is a host round trip on the GPU). [I] our threshold: below 32
-  # programs the grid leaves most of an H100's 132 SMs idle.
-  mhc_fused_min_tokens: int = key(4096, execution_only=True)
+  # rounds (a loop's round is a host round trip on the GPU). 0: the fused sites at every size,
+  # the default until a side-by-side on the GPU shows the decode speed pays for the longer
+  # compile (section 54: +60% on the CPU for the tiny model; its first H100 run did not finish
+  # in two minutes). 4096 is the value to try: below 32 programs the grid leaves most of an
+  # H100's 132 SMs idle. [I] our threshold.
+  mhc_fused_min_tokens: int = key(0, execution_only=True)
   hc_sinkhorn_iters: int = key(20)      # [hc_sinkhorn_iters]
   hc_eps: float = key(1e-6)             # [hc_eps]
   hc_init_std: float = key(0.02)        # std of the coefficient projections [S: HF's init]
@@ -175,8 +178,8 @@ class ModelConfig:
   # expert (a decode step of a few rows) gathers each assignment's expert weights instead of
   # building the expert-sorted layout, which pads every expert's group to a whole tile: 8,192
   # rows and three grouped GEMM launches for one token of 64 experts
-  # (docs/performance.md section 54). Off: the backend at every size.
-  moe_gather_small_calls: bool = key(True, execution_only=True)
+  # (docs/performance.md section 54). Off (the backend at every size) until measured on the GPU.
+  moe_gather_small_calls: bool = key(False, execution_only=True)
   # The routed experts of held-out evaluation, dropless: auto keeps a dropless moe_backend and
   # replaces capacity_einsum (grouped on the GPU, ragged_dot on the TPU, reference on the CPU).
   eval_moe_backend: str = key('auto', auto=auto.eval_moe_backend,

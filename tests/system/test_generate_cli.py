@@ -69,10 +69,10 @@ def test_execution_overrides(workdir):
   # Execution-only model keys set at generation: they reach the model's config; anything else,
   # or a value of the wrong type or range, is refused naming the key.
   base = Generator(workdir)
-  gen = Generator(workdir, execution={'model.mhc_fused_min_tokens': '0',
-                                      'moe_gather_small_calls': 'false'})
-  assert gen.cfg.model.mhc_fused_min_tokens == 0 and not gen.cfg.model.moe_gather_small_calls
-  assert base.cfg.model.moe_gather_small_calls
+  gen = Generator(workdir, execution={'model.mhc_fused_min_tokens': '4096',
+                                      'moe_gather_small_calls': 'true'})
+  assert gen.cfg.model.mhc_fused_min_tokens == 4096 and gen.cfg.model.moe_gather_small_calls
+  assert base.cfg.model.mhc_fused_min_tokens == 0 and not base.cfg.model.moe_gather_small_calls
   assert gen.generate(['def main'], max_new_tokens=4)[0].tokens == \
       base.generate(['def main'], max_new_tokens=4)[0].tokens
   with pytest.raises(GenerateError, match=r"'model.d_model': not an execution-only model key"):
