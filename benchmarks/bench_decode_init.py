@@ -3,7 +3,7 @@ not depend on what the weights learned), through generation's own programs and p
 (`generation_config`, `Programs`, `decode_loop`), each --execution set in one process:
 
     python benchmarks/bench_decode_init.py --config=configs/ablation_1b.py \
-        --execution_sets='|model.moe_gather_small_calls=true|model.mhc_fused_min_tokens=4096'
+        --execution_sets='|model.moe_gather_small_calls=true|model.mhc_decode_block_d=256'
 
 Sets are separated by '|' (an empty set: the defaults). For each set and batch size: the first
 run's seconds (compilation included) and the second run's decode tokens/s. Saves the minutes a

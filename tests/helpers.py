@@ -374,7 +374,7 @@ RELEASED_QUANT = {'model.kv_quant': 'fp4_e4m3_16', 'model.index_quant': 'fp4_ue8
 MESH_KERNEL_SHAPES = {**KERNEL_SHAPES, 'model.residual': 'mhc_single_pass', 'model.engram': True}
 # GPU-only choices for the config, so set past its checks (as tests/kernels/test_fused_model.py does).
 EVERY_KERNEL = dict(sparse_impl='fused', attention_impl='fused', select_impl='threshold',
-                    mhc_impl='fused', mhc_fused_min_tokens=0, moe_backend='grouped')
+                    mhc_impl='fused', moe_backend='grouped')
 
 
 def model_loss_fn(cfg, tx):

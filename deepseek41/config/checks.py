@@ -82,8 +82,9 @@ def check_residual(m: ModelConfig):
           mhc_kernel_supported(m.hc_mult, m.d_model),
           'model.mhc_impl', f"'fused' needs a power-of-two hc_mult and d_model a multiple of 16 "
           f'(got {m.hc_mult} and {m.d_model})')
-  require(m.mhc_fused_min_tokens >= 0, 'model.mhc_fused_min_tokens',
-          f'must be >= 0 (0: the fused sites at every size), got {m.mhc_fused_min_tokens}')
+  bd = m.mhc_decode_block_d
+  require(bd == 0 or (bd >= 16 and not bd & (bd - 1)), 'model.mhc_decode_block_d',
+          f'must be 0 (the training chunks) or a power of two >= 16, got {bd}')
   require(m.hc_sinkhorn_iters >= 1, 'model.hc_sinkhorn_iters', 'must be >= 1')
   require(m.hc_eps >= 0, 'model.hc_eps', 'must be >= 0')
 

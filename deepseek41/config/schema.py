@@ -59,16 +59,12 @@ class ModelConfig:
   # it tiles (docs/performance.md section 10.2: one layer's mHC 8.3 -> 5.2 ms, 18 GB less).
   mhc_impl: str = key('auto', choices=('reference', 'fused'), auto=auto.mhc_impl,
                       execution_only=True)
-  # Calls of fewer tokens (B x T) than this run the `fused` sites as the jnp reference: the
-  # kernels' grid is one program per 128 tokens, each walking d_model in order, so a decode step
-  # of 1-32 tokens keeps one SM busy for 18-60 us a site where XLA's fusions take a few
-  # (docs/performance.md section 54). The jnp sites of such calls also unroll their Sinkhorn
-  # rounds (a loop's round is a host round trip on the GPU). 0: the fused sites at every size,
-  # the default until a side-by-side on the GPU shows the decode speed pays for the longer
-  # compile (section 54: +60% on the CPU for the tiny model; its first H100 run did not finish
-  # in two minutes). 4096 is the value to try: below 32 programs the grid leaves most of an
-  # H100's 132 SMs idle. [I] our threshold.
-  mhc_fused_min_tokens: int = key(0, execution_only=True)
+  # The fused sites of a call of less than one token block (fewer than 128 tokens: a decode
+  # step) walk d_model in chunks this wide (0: the training chunks, 32). One token is one
+  # program, so its serial walk is the kernel's time: 32 chunks of 32 columns took 18-60 us a
+  # site on an H100, 1.47 ms of a 1B decode token's 4.4 (docs/performance.md section 54); 4-8
+  # chunks should take a fraction of that. [I] ours; 0 until measured on the GPU.
+  mhc_decode_block_d: int = key(0, execution_only=True)
   hc_sinkhorn_iters: int = key(20)      # [hc_sinkhorn_iters]
   hc_eps: float = key(1e-6)             # [hc_eps]
   hc_init_std: float = key(0.02)        # std of the coefficient projections [S: HF's init]

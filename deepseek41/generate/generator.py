@@ -99,7 +99,7 @@ def generation_config(saved: dict, backend: str | None = None,
   decode-friendly XLA paths (one query row at a time tiles no kernel).
 
   execution: execution-only model keys to set on top ('model.<key>' -> its value as text, as
-  on a command line), e.g. {'model.mhc_fused_min_tokens': '4096'}; they change how the model is
+  on a command line), e.g. {'model.mhc_decode_block_d': '256'}; they change how the model is
   computed, never what it computes. Raises GenerateError naming a key that is not one.
   """
   c = portable_config(saved)

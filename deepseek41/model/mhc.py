@@ -26,12 +26,11 @@ from deepseek41.model.params import const_param, normal_param
 from deepseek41.ops.gpu.mhc_kernel import expand_site_collapse, site_collapse
 
 
-def sinkhorn(logits_bjk, iters: int, eps: float, unroll: bool = False):
+def sinkhorn(logits_bjk, iters: int, eps: float):
   """Doubly stochastic [.., n, n] from logits: softmax over k, then alternate normalisations.
 
   Released recipe [C]: softmax along the last axis + eps, divide columns by (sum + eps), then
   iters - 1 rounds of rows-then-columns, `iters` column normalisations in all.
-  unroll: the rounds unrolled (the same arithmetic) rather than a loop.
   """
   c = jax.nn.softmax(logits_bjk, axis=-1) + eps
   c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
@@ -39,11 +38,11 @@ def sinkhorn(logits_bjk, iters: int, eps: float, unroll: bool = False):
   def round_(_, c):
     c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
     return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-  # A loop by default, not 19 unrolled rounds: unrolled, the 2 sites x layers x (forward +
-  # backward) copies tripled the 1B model's HLO and its GPU compile time. A decode step unrolls
-  # (MHCSite): on the GPU each round of a loop is a host round trip for its predicate, 456 a
-  # token for the 1B model's 24 sites.
-  return jax.lax.fori_loop(0, iters - 1, round_, c, unroll=unroll)
+  # A loop, not 19 unrolled rounds: unrolled, the 2 sites x layers x (forward + backward) copies
+  # tripled the 1B model's HLO and its GPU compile time; XLA's GPU compiler fuses 24 unrolled
+  # sites of a decode step into one kernel and takes 162 s over it, against 2 s for the loops
+  # (docs/performance.md section 54).
+  return jax.lax.fori_loop(0, iters - 1, round_, c)
 
 
 def collapse(x_btnd, pre_btn):
@@ -70,7 +69,6 @@ class MHCSite(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     n = cfg.hc_mult
     self.n, self.eps, self.norm_eps, self.iters = n, cfg.hc_eps, cfg.rms_norm_eps, cfg.hc_sinkhorn_iters
-    self.small_call_tokens = cfg.mhc_fused_min_tokens
     self.fn = normal_param(rngs, ((2 + n) * n, n * cfg.d_model), ('hc_coef', 'hc_embed'),
                            cfg.hc_init_std)
     self.base = const_param(0.0, ((2 + n) * n,), ('hc_coef',))
@@ -84,9 +82,7 @@ class MHCSite(nnx.Module):
     pre = jax.nn.sigmoid(scale[0] * m[..., :n] + base[:n]) + self.eps
     post = 2.0 * jax.nn.sigmoid(scale[1] * m[..., n:2 * n] + base[n:2 * n])
     comb_logits = scale[2] * m[..., 2 * n:] + base[2 * n:]
-    small = x_btnd.shape[0] * x_btnd.shape[1] < self.small_call_tokens  # a decode step
-    comb = sinkhorn(comb_logits.reshape(comb_logits.shape[:-1] + (n, n)), self.iters, self.eps,
-                    unroll=small)
+    comb = sinkhorn(comb_logits.reshape(comb_logits.shape[:-1] + (n, n)), self.iters, self.eps)
     return pre, post, comb
 
 

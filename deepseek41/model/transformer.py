@@ -31,7 +31,7 @@ from deepseek41.model.params import TokenTable, dtype_of, normal_param
 from deepseek41.model.shared import Probe, Shared
 from deepseek41.model.vision import VisionEncoder
 from deepseek41.ops.cross_entropy import head_logits
-from deepseek41.ops.gpu.mhc_kernel import expand_fused
+from deepseek41.ops.gpu.mhc_kernel import MHC_TOKEN_BLOCK, expand_fused
 from deepseek41.ops.launch import KERNEL_OUTPUTS
 from deepseek41.ops.parallel.per_device import constrain_tokens, gather_tensor_split
 
@@ -44,7 +44,7 @@ class Block(nnx.Module):
                attention: type[Attention] = Attention):
     self.residual = cfg.residual
     self.mhc_impl = cfg.mhc_impl
-    self.mhc_fused_min_tokens = cfg.mhc_fused_min_tokens
+    self.mhc_decode_block_d = cfg.mhc_decode_block_d
     self.layer = role.layer
     self.engram = Engram(cfg, engram_rows, rngs) if engram_rows else None
     self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
@@ -80,15 +80,16 @@ class Block(nnx.Module):
       return (h_btd + y_btd).astype(x.dtype), None, aux, shared
     mhc = jax.named_scope('mhc')  # the residual mixing: sites, reads and writes
     single = self.residual == 'mhc_single_pass'
-    fused = self.mhc_impl == 'fused' and x.shape[0] * x.shape[1] >= self.mhc_fused_min_tokens
-    if fused:  # the same sites, each one pass over the streams
+    if self.mhc_impl == 'fused':  # the same sites, each one pass over the streams
+      decode = x.shape[0] * x.shape[1] < MHC_TOKEN_BLOCK and self.mhc_decode_block_d
+      knobs = dict(block_d=self.mhc_decode_block_d) if decode else {}
       u_btd, pre_a, post_a, comb_a = mhc(fused_site_collapse)(
-          self.attn_site, x, pre_prev if single else None)
+          self.attn_site, x, pre_prev if single else None, **knobs)
       attn_btd, shared = attention(u_btd, shared)
       x, u_btd, pre_f, post_f, comb_f = mhc(fused_expand_site_collapse)(
-          self.ffn_site, x, attn_btd, post_a, comb_a, pre_a if single else None)
+          self.ffn_site, x, attn_btd, post_a, comb_a, pre_a if single else None, **knobs)
       y_btd, aux = ffn(u_btd)
-      x = mhc(expand_fused)(x, y_btd, post_f, comb_f)
+      x = mhc(expand_fused)(x, y_btd, post_f, comb_f, **knobs)
       return x, (pre_f if single else None), aux, shared
     pre_a, post_a, comb_a = mhc(self.attn_site)(x)
     attn_btd, shared = attention(mhc(collapse)(x, pre_prev if self.residual == 'mhc_single_pass'

@@ -61,7 +61,10 @@ from deepseek41.ops.grouped_gemm import make_layout, per_assignment
 from deepseek41.ops.grouped_gemm import sort_by_expert as _sort_by_expert
 from deepseek41.ops.swiglu import clipped_swiglu
 
-BACKENDS = ('reference', 'capacity_einsum', 'ragged_dot', 'grouped', 'grouped_fused', 'gathered')
+BACKENDS = ('reference', 'capacity_einsum', 'ragged_dot', 'grouped', 'grouped_fused')
+# 'gathered' is no config choice (model.moe_backend): the small-call path of the dropless ones
+# (ops/parallel/expert_parallel.py `routed_experts`, model.moe_gather_small_calls).
+ALL_BACKENDS = (*BACKENDS, 'gathered')
 DROPLESS_BACKENDS = ('ragged_dot', 'grouped', 'grouped_fused', 'gathered')
 # The backends that compute on the padded expert-sorted layout with the Pallas kernels, and so
 # take kernel tiles (grouped_tiles).
@@ -381,7 +384,7 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_do
       per assignment (an invalid assignment is neither computed nor counted as dropped).
     w_gate_edf, w_up_edf: [E, D, F]; w_down_efd: [E, F, D].
     swiglu_limit: the clamp L of the SwiGLU (None: no clamp).
-    backend: one of BACKENDS; a Python string, static under jit.
+    backend: one of ALL_BACKENDS; a Python string, static under jit.
     capacity_factor: capacity_einsum only; C = expert_capacity(N, K, E, capacity_factor).
     grouped_tiles: grouped and grouped_fused only; kernel tiling (None: grouped_gemm's default
       for the platform).
@@ -400,8 +403,8 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, valid, w_gate_edf, w_up_edf, w_do
     (y_nd in out_dtype, dropped): dropped is the int32 count of (valid token, expert) assignments
     left uncomputed, always 0 except for capacity_einsum.
   """
-  if backend not in BACKENDS:
-    raise ValueError(f'unknown expert backend {backend!r}; expected one of {BACKENDS}')
+  if backend not in ALL_BACKENDS:
+    raise ValueError(f'unknown expert backend {backend!r}; expected one of {ALL_BACKENDS}')
   check_fp8(fp8)
   if backend == 'grouped_fused' and fp8 != 'off':
     raise ValueError(f"the grouped_fused expert backend has no FP8 path (fp8={fp8!r}); use "

@@ -15,8 +15,9 @@ import pytest
 from flax import nnx
 
 from deepseek41.model.transformer import Transformer
-from tests.helpers import (KERNEL_SHAPES, RELEASED_QUANT, VISION, image_batch,
-                           kernels_outside_shard_map, packed_batch, resolved, token_ce)
+from deepseek41.ops.gpu import mhc_kernel
+from tests.helpers import (KERNEL_SHAPES, RELEASED_QUANT, VISION, image_batch, packed_batch,
+                           resolved, token_ce)
 
 JNP = dict(sparse_impl='gathered', attention_impl='chunked', select_impl='top_k')
 KERNELS = dict(sparse_impl='fused', attention_impl='fused', select_impl='threshold')
@@ -60,7 +61,7 @@ def test_fused_mhc_equals_the_jnp_sites(residual):
   cfg = resolved(**{'model.residual': residual, 'model.engram': True}).model
   batch = {k: jnp.asarray(v)[:2] for k, v in packed_batch(seed=3, docs_per_row=2, pad=4).items()}
   l_ref, g_ref = _loss_and_grads(cfg, dict(mhc_impl='reference'), batch)
-  l_k, g_k = _loss_and_grads(cfg, dict(mhc_impl='fused', mhc_fused_min_tokens=0), batch)
+  l_k, g_k = _loss_and_grads(cfg, dict(mhc_impl='fused'), batch)
   np.testing.assert_allclose(l_k, l_ref, rtol=1e-5)
   leaves_ref, leaves_k = jax.tree.leaves(g_ref), jax.tree.leaves(g_k)
   assert len(leaves_ref) == len(leaves_k)
@@ -68,21 +69,33 @@ def test_fused_mhc_equals_the_jnp_sites(residual):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
 
 
-def test_calls_of_few_tokens_run_the_jnp_mhc_sites():
-  # model.mhc_fused_min_tokens: a call of fewer tokens (a decode step) runs the jnp sites, with
-  # no mHC kernel in its program; at the threshold the kernels run; the loss is the same.
+def test_decode_sized_calls_walk_wider_chunks(monkeypatch):
+  # model.mhc_decode_block_d: a call of less than one token block (a decode step) runs the fused
+  # sites with D chunks that wide; larger calls keep the training chunks; the loss is the same.
   cfg = resolved(**{'model.residual': 'mhc_single_pass'}).model
-  batch = {k: jnp.asarray(v)[:2] for k, v in packed_batch(seed=3, docs_per_row=2, pad=4).items()}
-  tokens = batch['tokens'].size
+  batch = {k: jnp.asarray(v)[:1, :48]
+           for k, v in packed_batch(seed=3, docs_per_row=2, pad=4).items()}
+  chunks = []
+  run_local = mhc_kernel._run_local
 
-  def mhc_kernels_and_loss(min_tokens):
+  def recording(*args, **kw):
+    chunks.append(kw['block_d'])
+    return run_local(*args, **kw)
+  monkeypatch.setattr(mhc_kernel, '_run_local', recording)
+
+  def loss(decode_block_d, batch):
     model = Transformer(dataclasses.replace(cfg, mhc_impl='fused',
-                                            mhc_fused_min_tokens=min_tokens), nnx.Rngs(params=0))
-    loss = lambda: jnp.sum(token_ce(model, batch))  # noqa: E731
-    names = kernels_outside_shard_map(jax.make_jaxpr(loss)().jaxpr)
-    return sum('mhc' in str(n) for n in names), loss()
+                                            mhc_decode_block_d=decode_block_d),
+                        nnx.Rngs(params=0))
+    return jnp.sum(token_ce(model, batch))
 
-  at, loss_at = mhc_kernels_and_loss(tokens)
-  below, loss_below = mhc_kernels_and_loss(tokens + 1)
-  assert at > 0 and below == 0
-  np.testing.assert_allclose(loss_below, loss_at, rtol=1e-5)
+  wide = loss(64, batch)
+  assert chunks and set(chunks) == {64}
+  chunks.clear()
+  default = loss(0, batch)
+  assert set(chunks) == {32}
+  np.testing.assert_allclose(wide, default, rtol=1e-5)
+  chunks.clear()
+  long = {k: jnp.concatenate([v] * 3, axis=1) for k, v in batch.items()}  # 144 tokens
+  loss(64, long)
+  assert set(chunks) == {32}

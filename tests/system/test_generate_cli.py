@@ -69,18 +69,18 @@ def test_execution_overrides(workdir):
   # Execution-only model keys set at generation: they reach the model's config; anything else,
   # or a value of the wrong type or range, is refused naming the key.
   base = Generator(workdir)
-  gen = Generator(workdir, execution={'model.mhc_fused_min_tokens': '4096',
+  gen = Generator(workdir, execution={'model.mhc_decode_block_d': '256',
                                       'moe_gather_small_calls': 'true'})
-  assert gen.cfg.model.mhc_fused_min_tokens == 4096 and gen.cfg.model.moe_gather_small_calls
-  assert base.cfg.model.mhc_fused_min_tokens == 0 and not base.cfg.model.moe_gather_small_calls
+  assert gen.cfg.model.mhc_decode_block_d == 256 and gen.cfg.model.moe_gather_small_calls
+  assert base.cfg.model.mhc_decode_block_d == 0 and not base.cfg.model.moe_gather_small_calls
   assert gen.generate(['def main'], max_new_tokens=4)[0].tokens == \
       base.generate(['def main'], max_new_tokens=4)[0].tokens
   with pytest.raises(GenerateError, match=r"'model.d_model': not an execution-only model key"):
     Generator(workdir, execution={'model.d_model': '64'})
-  with pytest.raises(GenerateError, match=r"model.mhc_fused_min_tokens='many': expected a int"):
-    Generator(workdir, execution={'model.mhc_fused_min_tokens': 'many'})
-  with pytest.raises(GenerateError, match=r'model.mhc_fused_min_tokens: must be >= 0'):
-    Generator(workdir, execution={'model.mhc_fused_min_tokens': '-1'})
+  with pytest.raises(GenerateError, match=r"model.mhc_decode_block_d='many': expected a int"):
+    Generator(workdir, execution={'model.mhc_decode_block_d': 'many'})
+  with pytest.raises(GenerateError, match=r'model.mhc_decode_block_d: must be 0 .* power of two'):
+    Generator(workdir, execution={'model.mhc_decode_block_d': '48'})
   with pytest.raises(GenerateError, match=r"model.moe_gather_small_calls='maybe': expected a bool"):
     Generator(workdir, execution={'model.moe_gather_small_calls': 'maybe'})
   with pytest.raises(GenerateError, match=r"--execution: 'model.hc_eps' is not KEY=VALUE"):

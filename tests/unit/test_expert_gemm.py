@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepseek41.ops.expert_gemm import (BACKENDS, expert_capacity, expert_ffn,
+from deepseek41.ops.expert_gemm import (ALL_BACKENDS, expert_capacity, expert_ffn,
                                         expert_ffn_batched)
 from tests.helpers import jaxpr_eqns
 
@@ -153,7 +153,7 @@ def test_capacity_drops_latest_assignments(seed):
   assert np.all(np.asarray(g[1])[~kept] == 0)
 
 
-@pytest.mark.parametrize('backend', BACKENDS)
+@pytest.mark.parametrize('backend', ALL_BACKENDS)
 def test_padding_takes_no_capacity_and_outputs_zero(backend):
   x, idx, weight, valid, wg, wu, wd = make_inputs(3, hot_experts=1.0, pad_frac=0.0)
   # The first 16 tokens are padding, all routed to expert 0 and 1 that would fill their capacity.
@@ -188,7 +188,7 @@ def test_padding_takes_no_capacity_and_outputs_zero(backend):
   assert np.all(np.asarray(y0) == 0) and int(d0) == 0
 
 
-@pytest.mark.parametrize('backend', BACKENDS)
+@pytest.mark.parametrize('backend', ALL_BACKENDS)
 def test_invalid_assignments_are_not_computed(backend):
   """valid per assignment [N, K] (an expert shard's view of gathered tokens): an invalid
   assignment adds nothing, whatever its expert, takes no capacity and is never counted as
@@ -206,7 +206,7 @@ def test_invalid_assignments_are_not_computed(backend):
   np.testing.assert_allclose(np.asarray(y2), np.asarray(y), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize('backend', BACKENDS)
+@pytest.mark.parametrize('backend', ALL_BACKENDS)
 def test_clipping_is_effective(backend):
   # Large gate weights push x @ w_gate far past the limit; x @ w_up also saturates.
   inputs = make_inputs(4, gate_scale=8.0, pad_frac=0.0)
@@ -225,7 +225,7 @@ def test_clipping_is_effective(backend):
   assert_close(y_none, y_unclipped, what='no limit')
 
 
-@pytest.mark.parametrize('backend', BACKENDS)
+@pytest.mark.parametrize('backend', ALL_BACKENDS)
 def test_batched_equals_loop_over_groups(backend):
   groups = [make_inputs(10 + b, hot_experts=1.0, pad_frac=0.2) for b in range(3)]
   wg, wu, wd = groups[0][4:]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deepseek41.model.mhc import MHCSite, collapse, expand, sinkhorn
+from deepseek41.model.mhc import collapse, expand, sinkhorn
 from deepseek41.model.shared import Shared
 from deepseek41.model.transformer import Transformer
 from tests.helpers import packed_batch, resolved
@@ -20,22 +20,6 @@ def test_sinkhorn_is_doubly_stochastic():
   np.testing.assert_allclose(c.sum(-1), 1.0, atol=1e-4)
   one_round = np.asarray(sinkhorn(logits, 1, 1e-6))
   assert np.abs(one_round.sum(-1) - 1).max() > 1e-2       # the iterations do the work
-
-
-@pytest.mark.parametrize('tokens,loops', [(1, False), (63, False), (64, True)])
-def test_a_decode_steps_site_unrolls_its_sinkhorn(tokens, loops):
-  # A site call of fewer than model.mhc_fused_min_tokens tokens (a decode step) runs Sinkhorn's
-  # rounds unrolled (on the GPU a loop's round is a host round trip); larger calls keep the loop
-  # (compile time); the coefficients are the same.
-  cfg = resolved(**{'model.mhc_fused_min_tokens': 64}).model
-  site = MHCSite(cfg, nnx.Rngs(params=0))
-  x = jax.random.normal(jax.random.key(1), (1, tokens, cfg.hc_mult, cfg.d_model))
-  assert ('stablehlo.while' in nnx.jit(lambda s, x: s(x)).lower(site, x).as_text()) == loops
-  _, _, comb = site(x)
-  logits = jax.random.normal(jax.random.key(2), (tokens, 4, 4))
-  np.testing.assert_allclose(sinkhorn(logits, 20, 1e-6, unroll=True),
-                             sinkhorn(logits, 20, 1e-6), rtol=1e-6)
-  np.testing.assert_allclose(comb.sum(-2), 1.0, atol=1e-5)
 
 
 def test_expand_mixes_with_the_first_index_of_c():

@@ -662,7 +662,8 @@ def _run_local(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, 
 # [32 cols, block_d] is re-read by every token block, so block_t also sets its L2 traffic
 # relative to X's (fp32 W in the forward at 128 tokens: 0.5x). Nsight Compute: the forward
 # kernels hold one 8-warp block per SM (registers), the backward two; DRAM at 21-44% of peak.
-_KNOBS = dict(iters=20, eps=1e-6, norm_eps=1e-6, block_t=128, block_d=32, num_warps=8,
+MHC_TOKEN_BLOCK = 128  # the forward's tokens a program (block_t)
+_KNOBS = dict(iters=20, eps=1e-6, norm_eps=1e-6, block_t=MHC_TOKEN_BLOCK, block_d=32, num_warps=8,
               block_t_bwd=64, block_d_bwd=32, num_warps_bwd=8, num_stages=1, prefetch=True,
               interpret=None)
 
