@@ -39,9 +39,9 @@ def sinkhorn(logits_bjk, iters: int, eps: float):
     c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
     return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
   # A loop, not 19 unrolled rounds: unrolled, the 2 sites x layers x (forward + backward) copies
-  # tripled the 1B model's HLO and its GPU compile time; XLA's GPU compiler fuses 24 unrolled
-  # sites of a decode step into one kernel and takes 162 s over it, against 2 s for the loops
-  # (docs/performance.md section 54).
+  # tripled the 1B model's HLO and its GPU compile time; XLA's GPU compiler fuses 24 chained
+  # unrolled Sinkhorns of one token into one kernel and takes 162 s over it, against 2 s for
+  # the loops (docs/performance.md section 54).
   return jax.lax.fori_loop(0, iters - 1, round_, c)
 
 
