@@ -5,7 +5,8 @@ not depend on what the weights learned), through generation's own programs and p
     python benchmarks/bench_decode_init.py --config=configs/ablation_1b.py \
         --execution_sets='|model.moe_gather_small_calls=true|model.mhc_decode_block_d=256'
 
-Sets are separated by '|' (an empty set: the defaults). For each set and batch size: the first
+Sets are separated by '|' (an empty set: the defaults); the item `uncast` keeps every weight as
+trained (`Programs(cast_weights=False)`: the baseline of generate/weight_reads.py). For each set and batch size: the first
 run's seconds (compilation included) and the second run's decode tokens/s. Saves the minutes a
 trained checkpoint costs on the device (gpu_generate.sh trains one first).
 """
@@ -45,12 +46,12 @@ def main(argv):
   result = {'device': str(jax.devices()[0].device_kind), 'config': _CONFIG.value}
   rng = np.random.default_rng(0)
   for spec in _SETS.value.split('|'):
-    items = [s for s in spec.split(',') if s]
+    items = [s for s in spec.split(',') if s and s != 'uncast']
     cfg = generation_config(saved, execution=execution_overrides(items))
     mesh = make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
       model = Transformer(cfg.model, nnx.Rngs(params=0))
-      progs = Programs(model, None, None)
+      progs = Programs(model, None, None, cast_weights='uncast' not in spec.split(','))
       for b in (int(x) for x in _BATCHES.value):
         prompts = [rng.integers(3, cfg.model.vocab_size, _PROMPT.value).astype(np.int32)
                    for _ in range(b)]

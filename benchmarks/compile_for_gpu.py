@@ -78,14 +78,13 @@ def compile_decode(cfg, devices):
   from deepseek41.generate.cache import empty_cache
   from deepseek41.generate.decode import forward_chunk
   from deepseek41.generate.generator import generation_config
-  from deepseek41.generate.programs import routed_experts_in_compute_dtype
+  from deepseek41.generate.programs import weights_in_compute_dtype
   from deepseek41.model.layer_cache import CacheSpec
   from deepseek41.model.transformer import Transformer
   cfg = generation_config(cfg.to_dict(), backend='gpu')
   model = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(params=0)))
   graph, state = nnx.split((model, None))  # as Programs holds it: (model, drafter)
-  state = jax.eval_shape(lambda s: routed_experts_in_compute_dtype(s, cfg.model.compute_dtype),
-                         state)
+  state = weights_in_compute_dtype(graph, state, None)
   spec = CacheSpec(batch=_DECODE_BATCH.value, max_len=_DECODE_CONTEXT.value, max_chunk=1)
   cache = jax.eval_shape(lambda: empty_cache(model, spec))
   tok_b = jax.ShapeDtypeStruct((_DECODE_BATCH.value,), jnp.int32)

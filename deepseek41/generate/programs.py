@@ -15,10 +15,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from deepseek41.generate import sampling
+from deepseek41.generate.cache import empty_cache
 from deepseek41.generate.decode import (ced_decoder_tail, ced_encoder_chunk, ced_prefill,
                                         empty_tail, forward_chunk)
-from deepseek41.model.inventory import component, path_keys
-from deepseek41.model.layer_cache import ring_slots, scatter_rows
+from deepseek41.generate.weight_reads import cast_where, read_only_as_mask, wider_float
+from deepseek41.model.layer_cache import CacheSpec, ring_slots, scatter_rows
 from deepseek41.model.params import dtype_of
 
 NO_TOKEN = -1  # a decode step's output where its row emitted nothing (finished, or its EOS)
@@ -119,31 +120,57 @@ def verify_block(model, dspark, engram_map, cache, anchor_b, drafts_bj, q_bjv, a
   return acc, nxt, logits, {**cache, 'length': start + acc + 1}
 
 
-def routed_experts_in_compute_dtype(state, compute_dtype: str):
-  """`state` (of `nnx.split((model, dspark))`) with the routed experts' weights cast once to the
-  compute dtype. The MoE reads them only as `w.astype(compute dtype)` (model/moe.py), so every
-  product is the same; cast at each step, a 1B decode step converted all of them, 3.7 GB of fp32
-  read and 1.8 GB of bf16 written a token (docs/performance.md section 53)."""
-  dt = dtype_of(compute_dtype)
+PROBE_CHUNK = 128  # a prefill chunk's tokens in the probes: past every decode-sized path
+# (model/transformer.py's MHC_TOKEN_BLOCK, expert_parallel's small calls)
 
-  def cast(path, var):
-    keys = path_keys(path)
-    if keys[0] == '0' and isinstance(var, nnx.Param) and \
-        component(keys[1:], var) == 'experts.routed':
-      return var.replace(var[...].astype(dt))
-    return var
-  return jax.tree_util.tree_map_with_path(cast, state,
-                                          is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+def weights_in_compute_dtype(graph, state, engram_map):
+  """`state` (of `nnx.split((model, dspark))`, concrete or abstract) with every weight that
+  generation reads only as a cast to the compute dtype cast once (weight_reads.py). Decided by
+  tracing the programs' pieces at decode size (one token, with DSpark's features and drafts
+  when there is a drafter) and at a prefill chunk; a weight no probe reads (e.g. the vision
+  tower's) stays as trained. A 1B decode step read about 70 MB of fp32 weights a layer per
+  token and cast them (docs/performance.md section 53)."""
+  model, dspark = nnx.merge(graph, state)
+  dt = dtype_of(model.cfg.compute_dtype)
+  if not any(wider_float(x, dt) for x in jax.tree.leaves(state)):
+    return state  # fp32 compute: nothing to cast, nothing to trace
+  targets = dspark.targets if dspark is not None else ()
+
+  def forward(t: int):
+    def probe(state):
+      model, dspark = nnx.merge(graph, state)
+      spec = CacheSpec(batch=1, max_len=2 * PROBE_CHUNK, max_chunk=t)
+      cache = empty_cache(model, spec, model.cfg.d_model if targets else 0)
+      valid = jnp.ones((1, t), bool)
+      logits, captured, cache = forward_chunk(model, cache, jnp.zeros((1, t), jnp.int32),
+                                              valid, engram_map=engram_map,
+                                              capture_layers=targets)
+      if targets:
+        cache = _write_features(dspark, cache, captured, valid, jnp.zeros((1,), jnp.int32))
+      return logits, cache
+    return probe
+
+  def draft(state):
+    model, dspark = nnx.merge(graph, state)
+    spec = CacheSpec(batch=1, max_len=2 * PROBE_CHUNK, max_chunk=2)
+    cache = empty_cache(model, spec, model.cfg.d_model)
+    return draft_block(model, dspark, cache, jnp.zeros((1,), jnp.int32),
+                       jax.random.key(0), 1.0, 1.0, 2)
+  probes = [forward(1), forward(PROBE_CHUNK)] + ([draft] if targets else [])
+  return cast_where(state, read_only_as_mask(state, probes, dt), dt)
 
 
 class Programs:
   """The jitted pieces of generation over the split model state (merged inside each program).
   `traces` counts how often each program was traced: once per shape of its inputs."""
 
-  def __init__(self, model, dspark, engram_map):
+  def __init__(self, model, dspark, engram_map, cast_weights: bool = True):
+    """cast_weights=False keeps every weight as trained (a baseline for the benchmarks)."""
     self.model = model  # its layers build the caches (`empty_cache`)
     self.graph, state = nnx.split((model, dspark))
-    self.state = routed_experts_in_compute_dtype(state, model.cfg.compute_dtype)
+    self.state = weights_in_compute_dtype(self.graph, state, engram_map) if cast_weights \
+        else state
     nnx.update((model, dspark), self.state)  # the caller's model shares them: one copy, not two
     self.engram_map = engram_map
     self.traces = collections.Counter()

@@ -556,28 +556,74 @@ def test_image_prompts_decode_like_the_full_forward():
       np.testing.assert_allclose(np.asarray(logits)[0, 0], full[pos], rtol=2e-4, atol=2e-4)
 
 
-def test_the_routed_experts_are_cast_once_and_decode_the_same(monkeypatch):
-  """bf16 compute: Programs holds the routed experts' weights in bf16 (cast at load, not at
-  every step) and every other parameter as trained; greedy decoding returns the tokens of the
-  state left as it was (the MoE reads those weights only cast to bf16)."""
+def _dtypes(state):
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  return {jax.tree_util.keystr(p): x.dtype for p, x in leaves}
+
+
+def _uncast(monkeypatch):
+  monkeypatch.setattr(programs, 'weights_in_compute_dtype', lambda graph, state, _: state)
+
+
+def test_weights_read_only_in_bf16_are_cast_once_and_decode_the_same(monkeypatch):
+  """bf16 compute: Programs holds in bf16 every weight that generation reads only cast to bf16
+  (cast at load, not at every step; weight_reads.py) and every other parameter as trained. The
+  logits are those of the state as trained, bit for bit, and so are the decoded tokens."""
   cfg, model = _model(**{'model.compute_dtype': 'bfloat16'})
   progs = Programs(model, None, None)
-  leaves = jax.tree_util.tree_flatten_with_path(
-      progs.state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
-  routed = {p: v for p, v in leaves if str(p[-1]).strip("[]'.") in ('w_gate', 'w_up', 'w_down')
-            and 'moe' in str(p)}
-  assert routed and all(v.get_value().dtype == jnp.bfloat16 for v in routed.values())
-  assert all(v.get_value().dtype == jnp.float32 for p, v in leaves if p not in routed)
+  dtypes = _dtypes(progs.state)
+  cast = {k for k, d in dtypes.items() if d == jnp.bfloat16}
+  for layer in range(cfg.model.num_layers):
+    for name in ("['attn']['wq_a']", "['attn']['wo_b']", "['moe']['w_gate']", "['moe']['w_down']",
+                 "['moe']['shared_up']"):
+      assert f"[0]['blocks'][{layer}]{name}.value" in cast
+  assert "[0]['head'].value" in cast
+  kept = [k for k in dtypes if any(s in k for s in ('norm', 'router', '_site', "['embed']"))]
+  assert kept and not cast & set(kept)  # fp32 reads: RMSNorm scales, the router, mHC, a gather
+  assert all(d == jnp.float32 for k, d in dtypes.items() if k not in cast)
   # the caller's model holds the same cast arrays: one copy on the device, not two
-  assert all(x.dtype == jnp.bfloat16 for x in (model.blocks[0].moe.w_gate[...],
-                                                model.blocks[0].moe.w_down[...]))
-  monkeypatch.setattr(programs, 'routed_experts_in_compute_dtype', lambda state, _: state)
+  assert model.blocks[0].moe.w_gate[...].dtype == jnp.bfloat16
+  assert model.blocks[0].attn.wq_a[...].dtype == jnp.bfloat16
+
+  _uncast(monkeypatch)
   _, model = _model(**{'model.compute_dtype': 'bfloat16'})  # the same weights, uncast
   as_trained = Programs(model, None, None)
-  assert all(v.get_value().dtype == jnp.float32 for v in jax.tree.leaves(
-      as_trained.state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  assert set(_dtypes(as_trained.state).values()) == {jnp.dtype(jnp.float32)}
   rng = np.random.default_rng(5)
+  tokens = jnp.asarray(rng.integers(3, 96, (2, 9)), jnp.int32)
+
+  @jax.jit
+  def logits(state):
+    model, _ = nnx.merge(progs.graph, state)
+    return forward_chunk(model, empty_cache(model, dataclasses.replace(SPEC, max_chunk=9)), tokens,
+                         jnp.ones(tokens.shape, bool))[0]
+  np.testing.assert_array_equal(np.asarray(logits(progs.state)),
+                                np.asarray(logits(as_trained.state)))
   prompts = [rng.integers(3, 96, n).astype(np.int32) for n in (6, 11)]
   kw = dict(max_new_tokens=8, seed=2, eos_id=None, tokens_per_dispatch=4)
   assert _tokens(decode_loop(progs, cfg, prompts, **kw)) == \
       _tokens(decode_loop(as_trained, cfg, prompts, **kw))
+
+
+def test_a_drafter_in_bf16_drafts_the_same_with_its_weights_cast(monkeypatch):
+  """With DSpark, the probes cover its features and drafts: speculative decoding of the cast
+  state returns the uncast state's tokens and acceptances."""
+  extra = {'model.compute_dtype': 'bfloat16', 'dspark.num_blocks': 1, 'dspark.block_size': 3,
+           'dspark.target_layer_ids': (2, 3), 'dspark.markov_rank': 8,
+           'dspark.n_routed_experts': 4, 'dspark.num_experts_per_tok': 2}
+
+  def build():
+    cfg, model = _model(**extra)
+    return cfg, Programs(model, DSpark(cfg.model, cfg.dspark, nnx.Rngs(params=1)), None)
+  cfg, progs = build()
+  drafter_cast = [k for k, d in _dtypes(progs.state).items()
+                  if k.startswith('[1]') and d == jnp.bfloat16]
+  assert drafter_cast
+  _uncast(monkeypatch)
+  _, as_trained = build()
+  prompts = [np.arange(3, 3 + n, dtype=np.int32) for n in (7, 12)]
+  kw = dict(max_new_tokens=9, seed=3, eos_id=None, tokens_per_dispatch=6, speculative=True,
+            temperature=0.0)
+  runs, plain = decode_loop(progs, cfg, prompts, **kw), decode_loop(as_trained, cfg, prompts, **kw)
+  assert _tokens(runs) == _tokens(plain)
+  assert [r.accepted_drafts for r in runs] == [r.accepted_drafts for r in plain]
