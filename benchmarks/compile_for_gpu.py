@@ -56,6 +56,8 @@ _TARGET = flags.DEFINE_enum('target', 'h100', sorted(gpu_target.TARGETS),
 _DEPTH = flags.DEFINE_integer('depth', 3, 'Scope components in the kernel table.')
 _TOP = flags.DEFINE_integer('top', 30, 'Rows of the kernel table.')
 _HLO_OUT = flags.DEFINE_string('hlo_out', '', 'Write the optimized HLO text here.')
+_XLA = flags.DEFINE_list('xla_option', [], '--program=decode: XLA debug options for its '
+                         'compile, NAME=VALUE (e.g. xla_gpu_enable_dot_strength_reduction=false).')
 
 
 def compile_step(cfg, devices):
@@ -97,7 +99,14 @@ def compile_decode(cfg, devices):
   one = NamedSharding(mesh, PartitionSpec())
   with jax.set_mesh(mesh):  # the kernels compile for the mesh's platform (ops/launch.py)
     return jax.jit(step, in_shardings=one, out_shardings=one, donate_argnums=(1,)).lower(
-        state, cache, tok_b).compile()
+        state, cache, tok_b).compile(xla_options(_XLA.value) or None)
+
+
+def xla_options(items) -> dict:
+  """NAME=VALUE strings as typed compile options (true/false: bool, digits: int)."""
+  def typed(v):
+    return {'true': True, 'false': False}.get(v.lower(), int(v) if v.lstrip('-').isdigit() else v)
+  return {k: typed(v) for k, v in (o.split('=', 1) for o in items)}
 
 
 def main(argv):
