@@ -3,9 +3,9 @@
 # device call, no training: one layer's mHC at one token by D chunk width
 # (benchmarks/bench_mhc.py), then benchmarks/bench_decode_init.py on the 1B config as
 # initialised: each SETS entry ('|'-separated execution sets; the default: every weight as
-# trained (`uncast`, before generate/weight_reads.py), the defaults, the gathered experts, then
-# both paths with CHUNK-wide mHC chunks), at BATCHES
-# (default 1; `BATCHES=32` in a second call: each set and size compiles for about 75 s).
+# trained (`uncast`, before generate/weight_reads.py), the defaults, the grouped experts at
+# every size, then both paths with CHUNK-wide mHC chunks), at BATCHES (default 1;
+# `BATCHES=32` in a second call: each set and size compiles for about 75 s).
 # Then, in the time left, THEN_SETS at THEN_BATCHES (default: both paths at batch 2; a step of
 # two rows runs its products as GEMMs where one row's become a multiply and a reduction that
 # write and read every [K, N] product: docs/performance.md section 55).
@@ -18,8 +18,9 @@ export TF_CPP_MIN_LOG_LEVEL=2
 START=$(date +%s)
 left() { echo $((${DEADLINE_S:-570} - ($(date +%s) - START))); }
 CHUNK=${CHUNK:-256}
+# (Section 56 on an H100: the gathered experts became the default; CHUNK=256 was slower.)
 BOTH="model.mhc_decode_block_d=$CHUNK,model.moe_gather_small_calls=true"
-SETS=${SETS:-"uncast||model.moe_gather_small_calls=true|$BOTH"}
+SETS=${SETS:-"uncast||model.moe_gather_small_calls=false|$BOTH"}
 THEN_SETS=${THEN_SETS-$BOTH}
 if [[ -n ${SMOKE:-} ]]; then
   export JAX_PLATFORMS=cpu

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Decoding at 4K-1M tokens of context on one GPU (issue 48 item 3), one device call: the 1B
-# config with YaRN stretched to 1,048,576 positions (yarn_factor 256 over its 4,096), its
-# parameters as initialised (one training step on the default corpus writes the checkpoint and
-# its tokenizer: speed and memory do not depend on what the weights learned), then benchmarks/bench_generate.py's long-context phase:
-# at each context one prompt prefilled through CED and through every layer, PREFILL_CHUNK
-# positions a dispatch, then NEW greedy tokens 32 a dispatch; prefill and decode tokens/s and
-# the memory in use after each (JSON keys ctx<L>_<ced|full>).
+# config with YaRN stretched to 2,097,152 positions (yarn_factor 512 over its 4,096: a
+# 1,048,576-token prompt and its new tokens), its parameters as initialised (one training step
+# on the default corpus writes the checkpoint and its tokenizer: speed and memory do not depend
+# on what the weights learned), then benchmarks/bench_generate.py's long-context phase: at each
+# context one prompt prefilled through CED and through every layer, PREFILL_CHUNK positions a
+# dispatch, then NEW greedy tokens 32 a dispatch; prefill and decode tokens/s and the memory in
+# use after each (JSON keys ctx<L>_<ced|full>).
 #   bash benchmarks/gpu_longctx_decode.sh
-#   CONTEXTS=4096,65536 bash benchmarks/gpu_longctx_decode.sh
+#   CONTEXTS=1048576 PREFILL_CHUNK=16384 bash benchmarks/gpu_longctx_decode.sh
+# A prefill chunk's index scores against every stored entry are fp32 [chunk, context / 2]:
+# 34 GB at 65,536 x 262,144 (the peaks of docs/performance.md section 56), 137 GB at a
+# million, so the million-token context needs PREFILL_CHUNK=16384.
 # SMOKE=1 runs the same on this CPU with configs/tiny.py at 256 and 1,024 tokens.
 set -uo pipefail
 source benchmarks/device_env.sh
@@ -22,7 +26,7 @@ if [[ -n ${SMOKE:-} ]]; then
 else
   CONFIG=configs/ablation_1b.py
   SHAPE="--config.data.seq_len=4096 --config.train.batch_size=1 --config.train.remat=none"
-  YARN="--config.model.yarn_factor=256"; CONTEXTS=${CONTEXTS:-4096,65536,262144,1048576}
+  YARN="--config.model.yarn_factor=512"; CONTEXTS=${CONTEXTS:-4096,65536,262144,1048576}
   CHUNK=${PREFILL_CHUNK:-65536}; NEW=${NEW:-128}
 fi
 WD=/tmp/longdecode; rm -rf $WD

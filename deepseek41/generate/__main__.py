@@ -59,7 +59,7 @@ _IMAGES = flags.DEFINE_list('images', [], 'Images of --prompt, in the order of i
                             'markers (without markers: before the text). Needs model.vision.')
 _EXECUTION = flags.DEFINE_list(
     'execution', [], 'Execution-only model keys to override, KEY=VALUE,... (e.g. '
-    'model.mhc_decode_block_d=256,model.moe_gather_small_calls=true): how the model is '
+    'model.mhc_decode_block_d=256,model.moe_gather_small_calls=false): how the model is '
     'computed, never what.')
 
 

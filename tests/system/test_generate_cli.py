@@ -70,9 +70,9 @@ def test_execution_overrides(workdir):
   # or a value of the wrong type or range, is refused naming the key.
   base = Generator(workdir)
   gen = Generator(workdir, execution={'model.mhc_decode_block_d': '256',
-                                      'moe_gather_small_calls': 'true'})
-  assert gen.cfg.model.mhc_decode_block_d == 256 and gen.cfg.model.moe_gather_small_calls
-  assert base.cfg.model.mhc_decode_block_d == 0 and not base.cfg.model.moe_gather_small_calls
+                                      'moe_gather_small_calls': 'false'})
+  assert gen.cfg.model.mhc_decode_block_d == 256 and not gen.cfg.model.moe_gather_small_calls
+  assert base.cfg.model.mhc_decode_block_d == 0 and base.cfg.model.moe_gather_small_calls
   assert gen.generate(['def main'], max_new_tokens=4)[0].tokens == \
       base.generate(['def main'], max_new_tokens=4)[0].tokens
   with pytest.raises(GenerateError, match=r"'model.d_model': not an execution-only model key"):
