@@ -13,7 +13,8 @@ Then:
     PYTHONPATH=/tmp/gpu-compiler .venv/bin/python benchmarks/compile_for_gpu.py \
         --config=configs/ablation_1b.py --config.data.seq_len=4096 --config.train.batch_size=8 \
         [--program=step|optimizer|decode] [--target=h100|h200] [--depth=3] [--hlo_out=FILE]
-    --program=decode [--decode_batch=1] [--decode_context=4096]: one plain decode step as
+    --program=decode [--decode_batch=1] [--decode_context=4096] [--decode_chunk=1]: one plain
+        decode step (or, --decode_chunk > 1, one chunk of a chunked prefill) as
         generation runs it (generate/generator.py `generation_config`'s paths, the cache sized
         to the context, greedy): its kernel count is what a token costs in launches.
 
@@ -49,6 +50,9 @@ _PROGRAM = flags.DEFINE_enum('program', 'step', ['step', 'optimizer', 'decode'],
                              'The whole train step, the optimizer update alone, or one decode '
                              'step.')
 _DECODE_BATCH = flags.DEFINE_integer('decode_batch', 1, '--program=decode: rows.')
+_DECODE_CHUNK = flags.DEFINE_integer('decode_chunk', 1, '--program=decode: positions per row '
+                                     'in the step (> 1: a chunked prefill\'s program, the '
+                                     'logits of its last position only).')
 _DECODE_CONTEXT = flags.DEFINE_integer('decode_context', 4096,
                                        '--program=decode: the cache length.')
 _TARGET = flags.DEFINE_enum('target', 'h100', sorted(gpu_target.TARGETS),
@@ -87,13 +91,15 @@ def compile_decode(cfg, devices):
   model = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(params=0)))
   graph, state = nnx.split((model, None))  # as Programs holds it: (model, drafter)
   state = weights_in_compute_dtype(graph, state, None)
-  spec = CacheSpec(batch=_DECODE_BATCH.value, max_len=_DECODE_CONTEXT.value, max_chunk=1)
+  q = _DECODE_CHUNK.value
+  spec = CacheSpec(batch=_DECODE_BATCH.value, max_len=_DECODE_CONTEXT.value, max_chunk=q)
   cache = jax.eval_shape(lambda: empty_cache(model, spec))
-  tok_b = jax.ShapeDtypeStruct((_DECODE_BATCH.value,), jnp.int32)
+  tok_b = jax.ShapeDtypeStruct((_DECODE_BATCH.value, q), jnp.int32)
 
-  def step(state, cache, tok_b):  # Programs.plain, greedy, without DSpark's features
-    logits, _, cache = forward_chunk(nnx.merge(graph, state)[0], cache, tok_b[:, None],
-                                     jnp.ones((tok_b.shape[0], 1), bool))
+  def step(state, cache, tok_bq):  # Programs.plain (greedy, no DSpark) or prefill_full_chunk
+    last = None if q == 1 else jnp.full((tok_bq.shape[0],), q - 1, jnp.int32)
+    logits, _, cache = forward_chunk(nnx.merge(graph, state)[0], cache, tok_bq,
+                                     jnp.ones(tok_bq.shape, bool), logits_row_b=last)
     return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), cache
   mesh = Mesh(devices[:1], ('one',))
   one = NamedSharding(mesh, PartitionSpec())

@@ -8,10 +8,7 @@
 # dispatch, then NEW greedy tokens 32 a dispatch; prefill and decode tokens/s and the memory in
 # use after each (JSON keys ctx<L>_<ced|full>).
 #   bash benchmarks/gpu_longctx_decode.sh
-#   CONTEXTS=1048576 PREFILL_CHUNK=16384 bash benchmarks/gpu_longctx_decode.sh
-# A prefill chunk's index scores against every stored entry are fp32 [chunk, context / 2]:
-# 34 GB at 65,536 x 262,144 (the peaks of docs/performance.md section 56), 137 GB at a
-# million, so the million-token context needs PREFILL_CHUNK=16384.
+#   CONTEXTS=262144,1048576 bash benchmarks/gpu_longctx_decode.sh
 # SMOKE=1 runs the same on this CPU with configs/tiny.py at 256 and 1,024 tokens.
 set -uo pipefail
 source benchmarks/device_env.sh

@@ -68,6 +68,21 @@ def ring_partial(q_bthd, ring_kv_bcd, ring_pos_bc, pos_bt, valid_bt, start_b, wi
   return keyset_partial(q_bthd, ring_kv_bcd, sees_btc)
 
 
+def seen_ring_slots(ring, ring_pos_bc, start_b, window: int):
+  """(the ring's rows, their positions) at the slots of positions [start - window + 1, start):
+  all that `ring_partial`'s mask admits for a chunk's queries (at start or later), each in its
+  own slot (pos % C, C >= window). A window layer's ring has C = window + max_chunk - 1 slots,
+  and a prefill chunk's dense [T, C] scores over all of it were quadratic in the chunk
+  (docs/performance.md section 57)."""
+  w = window - 1
+  slot_bw = jnp.mod(start_b[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None, :],
+                    ring_pos_bc.shape[1])
+
+  def take(a):
+    return jnp.take_along_axis(a, slot_bw.reshape(slot_bw.shape + (1,) * (a.ndim - 2)), axis=1)
+  return jax.tree.map(take, ring), take(ring_pos_bc)
+
+
 class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, role: LayerRole, rngs: nnx.Rngs):
@@ -142,7 +157,10 @@ class Attention(nnx.Module):
     new_ring = store(cfg.swa_quant, raw_btd)
     kv_btd = load(cfg.swa_quant, new_ring, x_btd.dtype)  # = the fake quantization, bit for bit
     reach = cache.ring_pos.shape[1] if self.dense else cfg.sliding_window
-    cached = ring_partial(q_bthd, load(cfg.swa_quant, cache.ring, x_btd.dtype), cache.ring_pos,
+    ring, ring_pos = cache.ring, cache.ring_pos
+    if not self.dense and 1 < reach < ring_pos.shape[1]:  # a chunk program's longer ring
+      ring, ring_pos = seen_ring_slots(ring, ring_pos, decoding.start_b, reach)
+    cached = ring_partial(q_bthd, load(cfg.swa_quant, ring, x_btd.dtype), ring_pos,
                           pos_bt, valid_bt, decoding.start_b, reach)
     if self.owns_kv and self.role.layer not in shared.kv:
       cache, shared = self._append_entries(x_btd, batch, cache, shared)
