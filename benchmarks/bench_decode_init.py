@@ -6,9 +6,10 @@ not depend on what the weights learned), through generation's own programs and p
         --execution_sets='|model.moe_gather_small_calls=true|model.mhc_decode_block_d=256'
 
 Sets are separated by '|' (an empty set: the defaults); the item `uncast` keeps every weight as
-trained (`Programs(cast_weights=False)`: the baseline of generate/weight_reads.py). For each set and batch size: the first
-run's seconds (compilation included) and the second run's decode tokens/s. Saves the minutes a
-trained checkpoint costs on the device (gpu_generate.sh trains one first).
+trained (`Programs(cast_weights=False)`: the baseline of generate/weight_reads.py). For each set
+and batch size: the first run's seconds (compilation included) and the second run's decode
+tokens/s. Saves the minutes a trained checkpoint costs on the device (gpu_generate.sh trains
+one first).
 """
 
 from __future__ import annotations

@@ -129,8 +129,8 @@ def weights_in_compute_dtype(graph, state, engram_map):
   generation reads only as a cast to the compute dtype cast once (weight_reads.py). Decided by
   tracing the programs' pieces at decode size (one token, with DSpark's features and drafts
   when there is a drafter) and at a prefill chunk; a weight no probe reads (e.g. the vision
-  tower's) stays as trained. A 1B decode step read about 70 MB of fp32 weights a layer per
-  token and cast them (docs/performance.md section 53)."""
+  tower's) stays as trained. A 1B decode step read 0.36 GB of such fp32 weights a token
+  beyond the routed experts (docs/performance.md sections 53 and 55)."""
   model, dspark = nnx.merge(graph, state)
   dt = dtype_of(model.cfg.compute_dtype)
   if not any(wider_float(x, dt) for x in jax.tree.leaves(state)):

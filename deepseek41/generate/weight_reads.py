@@ -1,10 +1,11 @@
 """Which weights a program reads only in the compute dtype: a walk over the program's jaxpr.
 
 A decode step reads every weight once per token, and at batch 1 that read is its whole cost. A
-weight stored in fp32 whose every use is a cast to bf16 costs XLA a 4-byte read (and a convert
-kernel) each token where a 2-byte read would give the same products. Casting such a weight once,
-when generation loads the model, changes no value anywhere: after the cast the program's own
-cast is a no-op, and reshapes, transposes and slices commute with a cast elementwise.
+weight stored in fp32 whose every use is a cast to bf16 costs XLA a 4-byte read each token (the
+convert fused into its consumer) where a 2-byte read would give the same products. Casting such
+a weight once, when generation loads the model, changes no value anywhere: after the cast the
+program's own cast is a no-op, and reshapes, transposes and slices commute with a cast
+elementwise.
 
 `read_only_as` decides this from the jaxpr, not from names, so that it stays exact as the model's
 code changes: a weight is cast only if the traced programs read it, and each read, followed
@@ -145,7 +146,8 @@ def read_only_as_mask(state, probes, dtype):
   leaves, treedef = jax.tree.flatten(state)
   verdicts = [read_only_as(lambda ls, probe=probe: probe(jax.tree.unflatten(treedef, ls)),
                            leaves, (), dt) for probe in probes]
-  mask = [wider_float(x, dt) and _merge(v[i] for v in verdicts) == CAST_ONLY for i, x in enumerate(leaves)]
+  mask = [wider_float(x, dt) and _merge(v[i] for v in verdicts) == CAST_ONLY
+          for i, x in enumerate(leaves)]
   return jax.tree.unflatten(treedef, mask)
 
 
