@@ -3,7 +3,7 @@ not depend on what the weights learned), through generation's own programs and p
 (`generation_config`, `Programs`, `decode_loop`), each --execution set in one process:
 
     python benchmarks/bench_decode_init.py --config=configs/ablation_1b.py \
-        --execution_sets='|model.moe_gather_small_calls=true|model.mhc_decode_block_d=256'
+        --execution_sets='|model.moe_gather_small_calls=false|model.mhc_decode_block_d=256'
 
 Sets are separated by '|' (an empty set: the defaults); the item `uncast` keeps every weight as
 trained (`Programs(cast_weights=False)`: the baseline of generate/weight_reads.py). For each set

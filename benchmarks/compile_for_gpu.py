@@ -61,7 +61,7 @@ _DEPTH = flags.DEFINE_integer('depth', 3, 'Scope components in the kernel table.
 _TOP = flags.DEFINE_integer('top', 30, 'Rows of the kernel table.')
 _HLO_OUT = flags.DEFINE_string('hlo_out', '', 'Write the optimized HLO text here.')
 _XLA = flags.DEFINE_list('xla_option', [], '--program=decode: XLA debug options for its '
-                         'compile, NAME=VALUE (e.g. xla_gpu_enable_dot_strength_reduction=false).')
+                         'compile, NAME=VALUE (e.g. xla_gpu_triton_gemm_any=true).')
 
 
 def compile_step(cfg, devices):

@@ -25,12 +25,12 @@ THEN_SETS=${THEN_SETS-$BOTH}
 if [[ -n ${SMOKE:-} ]]; then
   export JAX_PLATFORMS=cpu
   CONFIG=configs/tiny.py; D=64; MHC_CONFIGS=16x32x8,16x64x8
-  SIZES="--prompt_tokens=48 --new_tokens=16"; BATCHES=${BATCHES:-1,4}; THEN_BATCHES=${THEN_BATCHES:-2}
+  SIZES="--prompt_tokens=48 --new_tokens=16"; BATCHES=${BATCHES:-1,4}
 else
   CONFIG=configs/ablation_1b.py; D=1024; MHC_CONFIGS=16x32x8,16x64x8,16x128x8,16x256x8,16x128x4
   SIZES=""; BATCHES=${BATCHES:-1}  # each set and batch size compiles for ~75 s: 32 in a second call
-  THEN_BATCHES=${THEN_BATCHES:-2}
 fi
+THEN_BATCHES=${THEN_BATCHES:-2}
 timeout -s KILL 120 python3 benchmarks/bench_mhc.py --d $D --batch 1 --seq 1 --modes fwd \
   --cases layer --configs $MHC_CONFIGS --check --out "$OUT/mhc_decode.jsonl" \
   > "$OUT/mhc_decode.log" 2>&1

@@ -561,11 +561,7 @@ def _dtypes(state):
   return {jax.tree_util.keystr(p): x.dtype for p, x in leaves}
 
 
-def _uncast(monkeypatch):
-  monkeypatch.setattr(programs, 'weights_in_compute_dtype', lambda graph, state, _: state)
-
-
-def test_weights_read_only_in_bf16_are_cast_once_and_decode_the_same(monkeypatch):
+def test_weights_read_only_in_bf16_are_cast_once_and_decode_the_same():
   """bf16 compute: Programs holds in bf16 every weight that generation reads only cast to bf16
   (cast at load, not at every step; weight_reads.py) and every other parameter as trained. The
   logits are those of the state as trained, bit for bit, and so are the decoded tokens."""
@@ -585,9 +581,8 @@ def test_weights_read_only_in_bf16_are_cast_once_and_decode_the_same(monkeypatch
   assert model.blocks[0].moe.w_gate[...].dtype == jnp.bfloat16
   assert model.blocks[0].attn.wq_a[...].dtype == jnp.bfloat16
 
-  _uncast(monkeypatch)
   _, model = _model(**{'model.compute_dtype': 'bfloat16'})  # the same weights, uncast
-  as_trained = Programs(model, None, None)
+  as_trained = Programs(model, None, None, cast_weights=False)
   assert set(_dtypes(as_trained.state).values()) == {jnp.dtype(jnp.float32)}
   rng = np.random.default_rng(5)
   tokens = jnp.asarray(rng.integers(3, 96, (2, 9)), jnp.int32)
@@ -605,22 +600,22 @@ def test_weights_read_only_in_bf16_are_cast_once_and_decode_the_same(monkeypatch
       _tokens(decode_loop(as_trained, cfg, prompts, **kw))
 
 
-def test_a_drafter_in_bf16_drafts_the_same_with_its_weights_cast(monkeypatch):
+def test_a_drafter_in_bf16_drafts_the_same_with_its_weights_cast():
   """With DSpark, the probes cover its features and drafts: speculative decoding of the cast
   state returns the uncast state's tokens and acceptances."""
   extra = {'model.compute_dtype': 'bfloat16', 'dspark.num_blocks': 1, 'dspark.block_size': 3,
            'dspark.target_layer_ids': (2, 3), 'dspark.markov_rank': 8,
            'dspark.n_routed_experts': 4, 'dspark.num_experts_per_tok': 2}
 
-  def build():
+  def build(cast_weights):
     cfg, model = _model(**extra)
-    return cfg, Programs(model, DSpark(cfg.model, cfg.dspark, nnx.Rngs(params=1)), None)
-  cfg, progs = build()
+    return cfg, Programs(model, DSpark(cfg.model, cfg.dspark, nnx.Rngs(params=1)), None,
+                         cast_weights=cast_weights)
+  cfg, progs = build(True)
   drafter_cast = [k for k, d in _dtypes(progs.state).items()
                   if k.startswith('[1]') and d == jnp.bfloat16]
   assert drafter_cast
-  _uncast(monkeypatch)
-  _, as_trained = build()
+  _, as_trained = build(False)
   prompts = [np.arange(3, 3 + n, dtype=np.int32) for n in (7, 12)]
   kw = dict(max_new_tokens=9, seed=3, eos_id=None, tokens_per_dispatch=6, speculative=True,
             temperature=0.0)
