@@ -112,6 +112,9 @@ def xla_options(items) -> dict:
   """NAME=VALUE strings as typed compile options (true/false: bool, digits: int)."""
   def typed(v):
     return {'true': True, 'false': False}.get(v.lower(), int(v) if v.lstrip('-').isdigit() else v)
+  bad = [o for o in items if '=' not in o]
+  if bad:
+    raise SystemExit(f'--xla_option: {bad[0]!r} is not NAME=VALUE')
   return {k: typed(v) for k, v in (o.split('=', 1) for o in items)}
 
 
