@@ -88,8 +88,8 @@ USES = {'expand': ('x', 'f', 'post', 'comb'), 'collapse': ('x', 'pre'),
         'expand_site_collapse': ('x', 'f', 'post', 'comb', 'fn', 'base', 'scale')}
 
 
-def _check(kind, given, dtype, iters=5, eps=1e-6, norm_eps=1e-6, d=64, **knobs):
-  p, key = _inputs(dtype, d=d)
+def _check(kind, given, dtype, iters=5, eps=1e-6, norm_eps=1e-6, d=64, b=2, t=20, **knobs):
+  p, key = _inputs(dtype, d=d, b=b, t=t)
   names = USES[kind] + (('pre',) if given and 'site' in kind else ())
   p = {k: p[k] for k in names}
   ref, fused = _reference(kind, given, iters, eps, norm_eps), _fused(kind, given, iters, eps,
@@ -144,6 +144,14 @@ def test_prefetched_walks(kind):
     _check(kind, given, jnp.bfloat16, prefetch=True)
 
 
+@pytest.mark.parametrize('kind', ['site_collapse', 'expand_site_collapse', 'expand'])
+def test_decode_rows(kind):
+  """One token (a decode step) and three: fewer rows than one block, nothing padded, with
+  gradients. (Every other case has 40 rows in blocks of 16: a partial last block.)"""
+  for b, t in ((1, 1), (3, 1)):
+    _check(kind, True, jnp.bfloat16, b=b, t=t)
+
+
 def test_block_d_narrows_to_divide_d_model():
   """d_model 48 with the default 32-wide chunks (and a 64-wide backward) walks 16 at a time."""
   _check('expand_site_collapse', True, jnp.float32, d=48, block_d=32, block_d_bwd=64)
@@ -176,7 +184,12 @@ def test_kernels_lower_for_triton():
   The interpreter runs jnp semantics, so it cannot see what the Triton lowering refuses (slices
   of register arrays, say); lowering needs no GPU once the GPU query is answered for it.
   """
-  p, _ = _inputs(jnp.bfloat16, d=64, b=1, t=64)
+  for t in (64, 5):  # whole blocks, and one partial block (masked loads and stores)
+    _lower_every_kernel(t)
+
+
+def _lower_every_kernel(t):
+  p, _ = _inputs(jnp.bfloat16, d=64, b=1, t=t)
   kw = dict(block_t=32, block_d=16, block_t_bwd=16, block_d_bwd=32, interpret=False, iters=3)
   s = (p['fn'], p['base'], p['scale'])
   ops = [lambda x, f: K.site_collapse(x, *s, p['pre'], **kw),

@@ -179,6 +179,12 @@ class _Spec(NamedTuple):
   num_stages: int          # Triton software pipelining of the walks' loads (1 = none)
   prefetch: bool           # issue the next D chunk's loads before this chunk's work (`_walk`)
   interpret: bool
+  rows: int = 0            # the call's token rows (the forward's last block may be partial)
+
+  @property
+  def ragged(self):
+    """Whether the forward's last block reaches past the rows (its loads and stores masked)."""
+    return self.rows % self.block_t != 0
 
   def backward(self):
     """The spec the backward kernel runs with (its own block sizes)."""
@@ -210,7 +216,38 @@ def _matrix(vecs, width):
   return out
 
 
-def _cols_of(ref, count, loads=False):
+def _row_mask(spec):
+  """[tb, 1]: which of this program's token rows exist, or None when every one does.
+
+  A decode step has one token a row: padding its arrays to a whole block cost a pad kernel per
+  operand and call (about 12 a layer), so the forward takes the rows as they are and masks.
+  """
+  if not spec.ragged:
+    return None
+  tb = spec.block_t
+  row = pl.program_id(0) * tb + jax.lax.broadcasted_iota(jnp.int32, (tb, 1), 0)
+  return row < spec.rows
+
+
+def _at(ref, idx):
+  # Integer indices as arrays: the interpreter's masked loads take no Python ints.
+  idx = idx if isinstance(idx, tuple) else (idx,)
+  return ref.at[tuple(jnp.int32(i) if isinstance(i, int) else i for i in idx)]
+
+
+def _get(ref, idx, rows):
+  """ref[idx] for a row-blocked ref, rows past the array read as zeros."""
+  return ref[idx] if rows is None else plt.load(_at(ref, idx), mask=rows, other=0)
+
+
+def _put(ref, idx, val, rows):
+  if rows is None:
+    ref[idx] = val
+  else:
+    plt.store(_at(ref, idx), val, mask=rows)
+
+
+def _cols_of(ref, count, loads=False, rows=None):
   """[tb, 1] columns of a small per-token ref. The backward loads them inside its D loop
   (L1 hits) rather than keeping 20+ per-token vectors live across it (fewer registers: ptxas
   for sm_90); the forward loads them once before its loop (there that used fewer)."""
@@ -218,20 +255,20 @@ def _cols_of(ref, count, loads=False):
     return None
   if loads:
     return [ref[:, pl.ds(i, 1)].astype(jnp.float32) for i in range(count)]
-  return [v[:, None] for v in _columns(ref[...].astype(jnp.float32), count)]
+  return [v[:, None] for v in _columns(_get(ref, slice(None), rows).astype(jnp.float32), count)]
 
 
 def _pop(refs, count):
   return tuple(refs.pop(0) for _ in range(count))
 
 
-def _load(spec, x_ref, f_ref, d0, *extra):
+def _load(spec, x_ref, f_ref, d0, *extra, rows=None):
   """One D chunk's tiles as stored: the n X tiles, F's (expand), then `extra` refs' tiles
-  ([tb, n, D] refs give n tiles, [tb, D] refs one)."""
+  ([tb, n, D] refs give n tiles, [tb, D] refs one); `rows`: `_row_mask`'s."""
   bd = spec.block_d
-  tiles = [x_ref[:, k, pl.ds(d0, bd)] for k in range(spec.n)]
+  tiles = [_get(x_ref, (slice(None), k, pl.ds(d0, bd)), rows) for k in range(spec.n)]
   if spec.expand:
-    tiles.append(f_ref[:, pl.ds(d0, bd)])
+    tiles.append(_get(f_ref, (slice(None), pl.ds(d0, bd)), rows))
   for ref in extra:
     tiles += ([ref[:, k, pl.ds(d0, bd)] for k in range(spec.n)] if len(ref.shape) == 3
               else [ref[:, pl.ds(d0, bd)]])
@@ -278,24 +315,40 @@ def _chunk(spec, tiles, post, comb, dtype):
   return xs, xq, xp, f
 
 
+def _site_rows(spec, base_ref, scale_ref):
+  """[1, cols] scale and base of each coefficient column (scale_pre, _post, _comb by group),
+  read from the site's own parameters: zeros past the (2+n)n columns."""
+  n, nc, cols = spec.n, spec.nc, spec.cols
+  col = jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+  brow = plt.load(base_ref.at[pl.ds(0, cols)], mask=col[0] < nc, other=0)
+  s = [scale_ref[pl.ds(i, 1)].astype(jnp.float32)[None, :] for i in range(3)]
+  srow = jnp.where(col < n, s[0], jnp.where(col < 2 * n, s[1], jnp.where(col < nc, s[2], 0.0)))
+  return srow, brow.astype(jnp.float32)[None, :]
+
+
 def _fwd_kernel(*refs, spec: _Spec):
-  n, bd, nc = spec.n, spec.block_d, spec.nc
+  n, bd, nc, d = spec.n, spec.block_d, spec.nc, spec.d
   refs = list(refs)
   x_ref = refs.pop(0)
   f_ref, post_ref, comb_ref = _pop(refs, 3) if spec.expand else (None,) * 3
   pin_ref = refs.pop(0) if spec.collapse == 'given' else None
-  wt_ref, sb_ref = (refs.pop(0), refs.pop(0)) if spec.site else (None, None)
+  fn_ref, base_ref, scale_ref = _pop(refs, 3) if spec.site else (None,) * 3
   xo_ref = refs.pop(0) if spec.expand else None
   u_ref = refs.pop(0) if spec.collapse != 'none' else None
   pre_ref, posto_ref, combo_ref, m_ref = refs if spec.site else (None,) * 4
   tb = x_ref.shape[0]
-  post, comb = _cols_of(post_ref, n), _cols_of(comb_ref, n * n)
-  pin = _cols_of(pin_ref, n)
+  rows = _row_mask(spec)
+  post, comb = _cols_of(post_ref, n, rows=rows), _cols_of(comb_ref, n * n, rows=rows)
+  pin = _cols_of(pin_ref, n, rows=rows)
+  # fn [(2+n)n, n*D] as the site holds it, read in [cols, block_d] tiles (rows past (2+n)n as
+  # zeros): no per-call copy into the kernel's layout, which a decode step paid every token.
+  fn_rows = jax.lax.broadcasted_iota(jnp.int32, (spec.cols, 1), 0) < nc
 
   def load(d0):
-    tiles = _load(spec, x_ref, f_ref, d0)
+    tiles = _load(spec, x_ref, f_ref, d0, rows=rows)
     if spec.site:
-      tiles += tuple(wt_ref[k, pl.ds(d0, bd), :] for k in range(n))
+      tiles += tuple(plt.load(fn_ref.at[:, pl.ds(k * d + d0, bd)], mask=fn_rows, other=0)
+                     for k in range(n))
     return tiles
 
   def walk1(d0, tiles, carry):
@@ -304,14 +357,16 @@ def _fwd_kernel(*refs, spec: _Spec):
     w = tiles[n + spec.expand:]
     if spec.expand:
       for k in range(n):
-        xo_ref[:, k, pl.ds(d0, bd)] = xp[k].astype(xo_ref.dtype)
+        _put(xo_ref, (slice(None), k, pl.ds(d0, bd)), xp[k].astype(xo_ref.dtype), rows)
     if spec.site:
       for k in range(n):
         sumsq = sumsq + jnp.sum(xq[k] * xq[k], axis=1)
-        proj = proj + jnp.dot(xq[k], w[k], preferred_element_type=jnp.float32)
+        proj = proj + jax.lax.dot_general(  # X'_k [tb, bd] . fn_k [cols, bd]^T
+            xq[k], w[k].astype(jnp.float32), (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32)
     if spec.collapse == 'given':
       u = functools.reduce(jnp.add, [pin[k] * xq[k] for k in range(n)])
-      u_ref[:, pl.ds(d0, bd)] = u.astype(u_ref.dtype)
+      _put(u_ref, (slice(None), pl.ds(d0, bd)), u.astype(u_ref.dtype), rows)
     return sumsq, proj
   init = (jnp.zeros((tb,), jnp.float32), jnp.zeros((tb, spec.cols), jnp.float32))
   sumsq, proj = _walk(spec, load, walk1, init)
@@ -320,20 +375,21 @@ def _fwd_kernel(*refs, spec: _Spec):
   r = 1.0 / jnp.sqrt(sumsq / (n * spec.d) + spec.norm_eps)
   m_mat = proj * r[:, None]
   col = jax.lax.broadcasted_iota(jnp.int32, m_mat.shape, 1)
-  m_ref[...] = jnp.where(col == nc, r[:, None], m_mat)
-  srow, brow = sb_ref[pl.ds(0, 1), :], sb_ref[pl.ds(1, 1), :]  # [1, cols] (no register slices)
+  every = slice(None)
+  _put(m_ref, every, jnp.where(col == nc, r[:, None], m_mat), rows)
+  srow, brow = _site_rows(spec, base_ref, scale_ref)
   a = _columns(m_mat * srow + brow, nc)
   pre, post_o, comb_o = coefficients_flat(a, n, spec.iters, spec.eps)
-  pre_ref[...] = _matrix(pre, n)
-  posto_ref[...] = _matrix(post_o, n)
-  combo_ref[...] = _matrix(comb_o, n * n)
+  _put(pre_ref, every, _matrix(pre, n), rows)
+  _put(posto_ref, every, _matrix(post_o, n), rows)
+  _put(combo_ref, every, _matrix(comb_o, n * n), rows)
   if spec.collapse == 'own':
     def walk2(d0, tiles, carry):
       _, xq, _, _ = _chunk(spec, tiles, post, comb, x_ref.dtype)
       u = functools.reduce(jnp.add, [pre[k][:, None] * xq[k] for k in range(n)])
-      u_ref[:, pl.ds(d0, bd)] = u.astype(u_ref.dtype)
+      _put(u_ref, (slice(None), pl.ds(d0, bd)), u.astype(u_ref.dtype), rows)
       return carry
-    _walk(spec, lambda d0: _load(spec, x_ref, f_ref, d0), walk2, 0)
+    _walk(spec, lambda d0: _load(spec, x_ref, f_ref, d0, rows=rows), walk2, 0)
 
 
 def _coef_bwd_kernel(m_ref, sb_ref, dpre_ref, dpost_ref, dcomb_ref, da_ref, *, spec: _Spec):
@@ -447,7 +503,8 @@ def _bwd_kernel(*refs, spec: _Spec):
 
 
 # ---------------------------------------------------------------------------------------------
-# pallas_call plumbing and the custom VJP (arrays here: tokens flattened and padded to block_t)
+# pallas_call plumbing and the custom VJP (arrays here: tokens flattened; the backward pads them
+# to whole blocks)
 
 
 def _params(spec):
@@ -473,16 +530,15 @@ def _whole(shape):
 
 
 def _site_tables(spec, fn, base, scale):
-  """fn as [n, D, cols] (forward dot) and [n, cols, D] (backward), and [2, cols] scale/base."""
+  """The backward's fn as [n, cols, D] and [2, cols] scale/base rows."""
   n, d, nc, cols = spec.n, spec.d, spec.nc, spec.cols
   w_cnd = jnp.pad(fn.astype(jnp.float32).reshape(nc, n, d), ((0, cols - nc), (0, 0), (0, 0)))
   w_ncd = jnp.transpose(w_cnd, (1, 0, 2))
-  wt_ndc = jnp.transpose(w_cnd, (1, 2, 0))
   scale32 = scale.astype(jnp.float32)
   srow = jnp.concatenate([jnp.full((n,), scale32[0]), jnp.full((n,), scale32[1]),
                           jnp.full((n * n,), scale32[2]), jnp.zeros((cols - nc,), jnp.float32)])
   brow = jnp.pad(base.astype(jnp.float32), (0, cols - nc))
-  return wt_ndc, w_ncd, jnp.stack([srow, brow])
+  return w_ncd, jnp.stack([srow, brow])
 
 
 def _forward(spec, x, f, post, comb, pin, fn, base, scale):
@@ -497,10 +553,9 @@ def _forward(spec, x, f, post, comb, pin, fn, base, scale):
   if spec.collapse == 'given':
     args.append(pin)
     in_specs.append(_row_spec(tb, n))
-  if spec.site:
-    wt_ndc, _, sb = _site_tables(spec, fn, base, scale)
-    args += [wt_ndc, sb]
-    in_specs += [_whole((n, d, cols)), _whole((2, cols))]
+  if spec.site:  # as the site holds them; blocks past their ends read masked (`_fwd_kernel`)
+    args += [fn, base, scale]
+    in_specs += [_whole((cols, n * d)), _whole((cols,)), _whole((4,))]
   if spec.collapse != 'none':
     out_shape.append(jax.ShapeDtypeStruct((rows, d), x.dtype))
     out_specs.append(_row_spec(tb, d))
@@ -508,7 +563,7 @@ def _forward(spec, x, f, post, comb, pin, fn, base, scale):
     for w in (n, n, n * n, cols):  # pre, post, comb, m (+ r)
       out_shape.append(jax.ShapeDtypeStruct((rows, w), jnp.float32))
       out_specs.append(_row_spec(tb, w))
-  outs = _launch_rows(_fwd_kernel, spec, rows // tb, in_specs, out_shape, out_specs,
+  outs = _launch_rows(_fwd_kernel, spec, pl.cdiv(rows, tb), in_specs, out_shape, out_specs,
                       'mhc_fused_fwd', args)
   xo = outs.pop(0) if spec.expand else None
   u = outs.pop(0) if spec.collapse != 'none' else None
@@ -529,7 +584,19 @@ def _fused_fwd(spec, x, f, post, comb, pin, fn, base, scale):
 
 
 def _fused_bwd(spec, res, cts):
+  """The backward on the rows padded to whole blocks (zero cotangents there: zero gradients),
+  sliced back to the call's rows."""
   spec = spec.backward()
+  rows = spec.rows
+  pad_to = max(spec.block_t, min(_COEF_BLOCK, max(MIN_DOT, pl.next_power_of_2(rows))))
+  pad = lambda a: None if a is None else pad_axis(a, 0, pad_to)  # noqa: E731
+  res, cts = jax.tree.map(pad, res[:5]) + res[5:8] + jax.tree.map(pad, res[8:]), \
+      jax.tree.map(pad, cts)
+  grads = _padded_bwd(spec, res, cts)
+  return tuple(g[:rows] if i < 5 and g is not None else g for i, g in enumerate(grads))
+
+
+def _padded_bwd(spec, res, cts):
   x, f, post, comb, pin, fn, base, scale, m, site_in = res
   dxo, du, dpre, dpost, dcomb = cts
   n, d, tb, cols, nc = spec.n, spec.d, spec.block_t, spec.cols, spec.nc
@@ -540,7 +607,7 @@ def _fused_bwd(spec, res, cts):
     stream_specs += [_row_spec(tb, d), _row_spec(tb, n), _row_spec(tb, n * n)]
   da = None
   if spec.site:
-    _, w_ncd, sb = _site_tables(spec, fn, base, scale)
+    w_ncd, sb = _site_tables(spec, fn, base, scale)
     if spec.collapse == 'own':  # fold the collapse's d pre in before the coefficient backward
       dpre = dpre + launch.pallas_call(
           functools.partial(_own_kernel, spec=spec),
@@ -645,14 +712,13 @@ def _run_local(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, 
   expand = f_btd is not None
   spec = _Spec(n, d, expand, site, collapse, iters, float(eps), float(norm_eps), tb, bd,
                num_warps, tb_b, bd_b, num_warps_bwd or num_warps, num_stages, bool(prefetch),
-               bool(interpret))
-  pad_to = max(tb, tb_b, min(_COEF_BLOCK, cap))
+               bool(interpret), rows)
   def flat(a, *tail):
-    return None if a is None else pad_axis(a.reshape((rows,) + tail), 0, pad_to)
+    return None if a is None else a.reshape((rows,) + tail)
   outs = _fused(spec, flat(x_btnd, n, d), flat(f_btd, d), flat(post_btn, n),
                 flat(comb_btjk, n * n), flat(pre_btn, n), fn, base, scale)
   xo, u, pre, post, comb = outs
-  unflat = lambda a, *tail: None if a is None else a[:rows].reshape((b, t) + tail)  # noqa: E731
+  unflat = lambda a, *tail: None if a is None else a.reshape((b, t) + tail)  # noqa: E731
   return (unflat(xo, n, d), unflat(u, d), unflat(pre, n), unflat(post, n), unflat(comb, n, n))
 
 
