@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -63,14 +66,57 @@ def pallas_call(kernel, *, out_shape, interpret: bool | None = None, **kwargs):
   """`pl.pallas_call`, interpreted where `interpreted(interpret)` says; or within `shapes_only()` a
   call whose results (`out_shape`) are opaque functions of every operand: the kernel's buffers
   and nothing more, wherever it sits (inside a custom VJP, a shard_map), so a program keeps
-  exactly the residuals the GPU's would."""
+  exactly the residuals the GPU's would.
+
+  A launch that equals an earlier one (`_launch_key`) reuses its `pl.pallas_call`, whose jit
+  keeps the kernel's trace per operand type: a fresh one would trace the kernel body again at
+  every call site (each layer's mHC sites, each layer's attention), half of the 1B step's
+  tracing time, which a restart pays before its first step (docs/performance.md section 58).
+  """
   if not active():
-    return pl.pallas_call(kernel, out_shape=out_shape, interpret=interpreted(interpret), **kwargs)
+    interpret = interpreted(interpret)
+    try:
+      key = _launch_key((kernel, out_shape, interpret, sorted(kwargs.items())))
+    except TypeError:  # an operand-like value in the launch: build it afresh
+      return pl.pallas_call(kernel, out_shape=out_shape, interpret=interpret, **kwargs)
+    if key not in _LAUNCHES:
+      if len(_LAUNCHES) >= _MAX_LAUNCHES:
+        _LAUNCHES.clear()
+      _LAUNCHES[key] = pl.pallas_call(kernel, out_shape=out_shape, interpret=interpret, **kwargs)
+    return _LAUNCHES[key]
 
   def call(*operands):
     leaves, treedef = jax.tree.flatten(out_shape)
     return treedef.unflatten([opaque(s.shape, s.dtype, *operands) for s in leaves])
   return call
+
+
+_LAUNCHES: dict = {}
+_MAX_LAUNCHES = 4096
+
+
+def _launch_key(v):
+  """A hashable value equal for launches that build the same kernel: functions by their code,
+  closure and defaults (the block specs' index maps are new lambdas at every call), wrappers by
+  what they wrap, partials, dataclasses (block specs, compiler params) and containers by their parts, anything else by
+  its own hash. TypeError for what has none (arrays, tracers): that launch is not shared."""
+  if isinstance(v, functools.partial):
+    return ('partial', _launch_key(v.func), _launch_key(v.args),
+            _launch_key(sorted(v.keywords.items())))
+  if isinstance(v, types.FunctionType):
+    cells = tuple(c.cell_contents for c in v.__closure__ or ())
+    return ('function', v.__code__, id(v.__globals__), _launch_key(cells),
+            _launch_key(v.__defaults__), _launch_key(sorted((v.__kwdefaults__ or {}).items())))
+  if callable(v) and hasattr(v, '__wrapped__'):  # e.g. Pallas's wrapper of an index map
+    return ('wrapped', type(v), _launch_key(v.__wrapped__))
+  if isinstance(v, (list, tuple)):
+    return (type(v).__name__,) + tuple(_launch_key(x) for x in v)
+  if isinstance(v, dict):
+    return ('dict', _launch_key(sorted(v.items())))
+  if dataclasses.is_dataclass(v) and not isinstance(v, type):
+    return (type(v),) + tuple(_launch_key(getattr(v, f.name)) for f in dataclasses.fields(v))
+  hash(v)
+  return v
 
 
 # ---- shapes only (tools.plan) --------------------------------------------------------------------

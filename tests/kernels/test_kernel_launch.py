@@ -10,6 +10,7 @@
 """
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -49,6 +50,50 @@ def test_a_kernel_launched_without_a_choice_runs_interpreted_here():
   eqn, = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == 'pallas_call']
   assert eqn.params['interpret']
   assert pl.pallas_call is not launch.pallas_call
+
+
+_TRACED = []  # the scale of each trace of `_scale_kernel`'s body
+
+
+def _scale_kernel(x_ref, o_ref, *, scale, **_):
+  _TRACED.append(scale)
+  o_ref[...] = x_ref[...] * scale
+
+
+def _scaled_launch(scale: float, block: int, interpret=None, **keywords):
+  """A launch built afresh, as the kernels' wrappers build theirs at every call: a new kernel
+  partial and new index-map lambdas."""
+  spec = pl.BlockSpec((block,), lambda i: (i,))
+  return launch.pallas_call(functools.partial(_scale_kernel, scale=scale, **keywords),
+                            out_shape=jax.ShapeDtypeStruct((32,), jnp.float32), grid=(32 // block,),
+                            in_specs=[spec], out_specs=pl.BlockSpec((block,), lambda i: (i,)),
+                            interpret=interpret)
+
+
+def test_an_equal_launch_reuses_the_kernel_trace():
+  """Launches equal in every part share one `pl.pallas_call`, so the kernel body is traced once
+  per operand type however many call sites build it; any difference (a closure value, a
+  block, the interpret choice, the operand type) is its own launch, and a launch holding an
+  array is built afresh each time."""
+  traced = _TRACED
+  traced.clear()
+  x = jnp.arange(32, dtype=jnp.float32)
+  for _ in range(3):
+    np.testing.assert_array_equal(jax.jit(lambda x: _scaled_launch(2.0, 8)(x))(x),
+                                  2 * np.arange(32))
+  assert traced == [2.0]
+  for scale, block in ((3.0, 8), (2.0, 16)):
+    np.testing.assert_array_equal(_scaled_launch(scale, block)(x), scale * np.arange(32))
+  assert traced == [2.0, 3.0, 2.0]
+  _scaled_launch(2.0, 8, interpret=True)(x)     # the rule's choice here, spelled out
+  _scaled_launch(2.0, 8)(x + 1)                 # another array of the same type
+  assert traced == [2.0, 3.0, 2.0]
+  _scaled_launch(2.0, 8)(jnp.arange(32, dtype=jnp.int32))  # another operand type
+  assert len(traced) == 4
+  offset = jnp.ones(())
+  for _ in range(2):
+    _scaled_launch(2.0, 8, offset=offset)(x)
+  assert len(traced) == 6
 
 
 def _package_modules():

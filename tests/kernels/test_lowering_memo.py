@@ -14,13 +14,17 @@ from deepseek41.ops.gpu import lowering_memo
 from tests.helpers import triton_lowering_for_h200
 
 
-def _scale_kernel(x_ref, o_ref, *, scale):
+def _scale_kernel(x_ref, o_ref, *, scale, call_site):
+  del call_site
   o_ref[...] = x_ref[...] * scale
 
 
 def _scaled(x, scale):
+  """A launch of its own at every call (`call_site` differs, so launch.pallas_call shares no
+  trace between them, as for launches it cannot key): each call site is lowered, the memo
+  answers all but the first."""
   spec = pl.BlockSpec((16, 16), lambda i: (i, 0))
-  return launch.pallas_call(functools.partial(_scale_kernel, scale=scale),
+  return launch.pallas_call(functools.partial(_scale_kernel, scale=scale, call_site=object()),
                             out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(x.shape[0] // 16,),
                             in_specs=[spec], out_specs=spec, interpret=False)(x)
 
