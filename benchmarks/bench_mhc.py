@@ -5,6 +5,8 @@ Usage (GPU):  python benchmarks/bench_mhc.py [--d 1024,5120] [--check] [--out mh
               forward / of the backward; one 'BTxBDxNW' sets both; one run each; a fourth
               number on the forward's, e.g. 128x16x8x3, sets Triton's num_stages for both)
               [--prefetch 0,1]  (each config without / with the walks' look-ahead loads; default 1)
+              [--decode_splits 0,16]  (each config with the forward split over D in that many
+              programs where the call is one token block, e.g. --batch 1 --seq 1; default 0)
 
 Cases, at B x T tokens, n = 4 streams, bf16 streams (the model's compute dtype):
   site_collapse         single-pass layer start: the attention site's coefficients from X and
@@ -145,6 +147,7 @@ def main(argv=None):
   p.add_argument('--modes', default='fwd,fwd_bwd')
   p.add_argument('--configs', default='128x32x8/64x32x8,128x16x8/64x16x4,64x32x8/32x32x4')
   p.add_argument('--prefetch', default='1')
+  p.add_argument('--decode_splits', default='0')
   p.add_argument('--reps', type=int, default=10)
   p.add_argument('--check', action='store_true')
   p.add_argument('--skip_jnp', action='store_true')
@@ -167,20 +170,23 @@ def main(argv=None):
         units = stream_units(case)[mode == 'fwd_bwd']
         x_bytes = units[0] * x_bytes_unit + units[1] * x_bytes_unit // N
         impls = [] if args.skip_jnp else [('jnp', None)]
-        impls += [('fused', (c, int(pf))) for c in configs for pf in args.prefetch.split(',')]
+        impls += [('fused', (c, int(pf), int(sp))) for c in configs
+                  for pf in args.prefetch.split(',') for sp in args.decode_splits.split(',')]
         want = None
         for impl, cfg in impls:
           if impl == 'jnp':
             run = ref_cases[case]
           else:
-            ((bt, bd, nw, *ns), (btb, bdb, nwb, *_)), pf = cfg
+            ((bt, bd, nw, *ns), (btb, bdb, nwb, *_)), pf, sp = cfg
             run = fused_cases(dict(block_t=bt, block_d=bd, num_warps=nw, block_t_bwd=btb,
                                    block_d_bwd=bdb, num_warps_bwd=nwb,
-                                   num_stages=ns[0] if ns else 1, prefetch=bool(pf)))[case]
+                                   num_stages=ns[0] if ns else 1, prefetch=bool(pf),
+                                   decode_splits=sp))[case]
           fn = jax.jit(run) if mode == 'fwd' else fwd_bwd(run)
           rec = dict(case=case, mode=mode, impl=impl, d=d, batch=b, seq=t, dtype=args.dtype,
                      config=None if cfg is None else '/'.join('x'.join(map(str, h)) for h in cfg[0]),
-                     prefetch=None if cfg is None else bool(cfg[1]))
+                     prefetch=None if cfg is None else bool(cfg[1]),
+                     decode_splits=None if cfg is None else cfg[2])
           try:
             if args.check:
               got = fn(*make_args(123))

@@ -1,38 +1,39 @@
 #!/usr/bin/env bash
-# Issue 48's decode-step paths side by side (docs/performance.md section 54, part K row 5), one
-# device call, no training: one layer's mHC at one token by D chunk width
-# (benchmarks/bench_mhc.py), then benchmarks/bench_decode_init.py on the 1B config as
-# initialised: each SETS entry ('|'-separated execution sets; the default: every weight as
-# trained (`uncast`, before generate/weight_reads.py), the defaults, the grouped experts at
-# every size, then both paths with CHUNK-wide mHC chunks), at BATCHES (default 1;
-# `BATCHES=32` in a second call: each set and size compiles for about 75 s).
-# Then, in the time left, THEN_SETS at THEN_BATCHES (default: both paths at batch 2; a step of
-# two rows runs its products as GEMMs where one row's become a multiply and a reduction that
-# write and read every [K, N] product: docs/performance.md section 55).
+# Issue 48's decode-step paths side by side (docs/performance.md sections 54 and 58, part K row
+# 5), one device call, no training: one layer's mHC at one token by D chunk width and by D
+# split (benchmarks/bench_mhc.py, checked against the jnp sites first), then
+# benchmarks/bench_decode_init.py on the 1B config as initialised: each SETS entry
+# ('|'-separated execution sets; the default: every weight as trained (`uncast`, before
+# generate/weight_reads.py), the defaults, the mHC walk split over SPLITS programs), at
+# BATCHES (default 1; each set and size compiles for about 35-75 s).
+# Then, in the time left, THEN_SETS at THEN_BATCHES (default: the defaults spelled out and the
+# split walk, at batch 32).
 #   bash benchmarks/gpu_decode_paths.sh
-#   CHUNK=128 BATCHES=1 bash benchmarks/gpu_decode_paths.sh
+#   SPLITS=8 SETS='|model.moe_gather_small_calls=false' bash benchmarks/gpu_decode_paths.sh
 # SMOKE=1 runs the same on this CPU with configs/tiny.py.
 set -uo pipefail
 source benchmarks/device_env.sh
 export TF_CPP_MIN_LOG_LEVEL=2
 START=$(date +%s)
 left() { echo $((${DEADLINE_S:-570} - ($(date +%s) - START))); }
-CHUNK=${CHUNK:-256}
-# (Section 56 on an H100: the gathered experts became the default; CHUNK=256 was slower.)
-BOTH="model.mhc_decode_block_d=$CHUNK,model.moe_gather_small_calls=true"
-SETS=${SETS:-"uncast||model.moe_gather_small_calls=false|$BOTH"}
-THEN_SETS=${THEN_SETS-$BOTH}
+# (Section 56 on an H100: the gathered experts became the default; 256-wide chunks,
+# model.mhc_decode_block_d=256, were slower.)
+SPLITS=${SPLITS:-16}
+SPLIT="model.mhc_decode_splits=$SPLITS"
+SETS=${SETS:-"uncast||$SPLIT"}
+THEN_SETS=${THEN_SETS-"model.mhc_decode_splits=0|$SPLIT"}
 if [[ -n ${SMOKE:-} ]]; then
   export JAX_PLATFORMS=cpu
-  CONFIG=configs/tiny.py; D=64; MHC_CONFIGS=16x32x8,16x64x8
+  CONFIG=configs/tiny.py; D=64; MHC_CONFIGS=16x32x8; MHC_SPLITS=0,2
   SIZES="--prompt_tokens=48 --new_tokens=16"; BATCHES=${BATCHES:-1,4}
 else
-  CONFIG=configs/ablation_1b.py; D=1024; MHC_CONFIGS=16x32x8,16x64x8,16x128x8,16x256x8,16x128x4
-  SIZES=""; BATCHES=${BATCHES:-1}  # each set and batch size compiles for ~75 s: 32 in a second call
+  CONFIG=configs/ablation_1b.py; D=1024; MHC_CONFIGS=16x32x8,16x32x4,16x64x8; MHC_SPLITS=0,8,16,32
+  SIZES=""; BATCHES=${BATCHES:-1}
 fi
-THEN_BATCHES=${THEN_BATCHES:-2}
-timeout -s KILL 120 python3 benchmarks/bench_mhc.py --d $D --batch 1 --seq 1 --modes fwd \
-  --cases layer --configs $MHC_CONFIGS --check --out "$OUT/mhc_decode.jsonl" \
+THEN_BATCHES=${THEN_BATCHES:-32}
+timeout -s KILL 150 python3 benchmarks/bench_mhc.py --d $D --batch 1 --seq 1 --modes fwd \
+  --cases layer --configs $MHC_CONFIGS --decode_splits $MHC_SPLITS --check \
+  --out "$OUT/mhc_decode.jsonl" \
   > "$OUT/mhc_decode.log" 2>&1
 echo "bench_mhc exit $? wall $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
 timeout -s KILL "$(left)" python3 benchmarks/bench_decode_init.py --config=$CONFIG $SIZES \

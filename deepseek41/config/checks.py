@@ -85,6 +85,9 @@ def check_residual(m: ModelConfig):
   bd = m.mhc_decode_block_d
   require(bd == 0 or (bd >= 16 and not bd & (bd - 1)), 'model.mhc_decode_block_d',
           f'must be 0 (the training chunks) or a power of two >= 16, got {bd}')
+  sp = m.mhc_decode_splits
+  require(sp >= 0 and not sp & (sp - 1), 'model.mhc_decode_splits',
+          f'must be 0 (one program) or a power of two, got {sp}')
   require(m.hc_sinkhorn_iters >= 1, 'model.hc_sinkhorn_iters', 'must be >= 1')
   require(m.hc_eps >= 0, 'model.hc_eps', 'must be >= 0')
 

@@ -65,6 +65,11 @@ class ModelConfig:
   # site on an H100, 1.47 ms of a 1B decode token's 4.4 (docs/performance.md section 54); 4-8
   # chunks should take a fraction of that. [I] ours; 0 until measured on the GPU.
   mhc_decode_block_d: int = key(0, execution_only=True)
+  # Such a call walks d_model in this many programs at once (the site's coefficients from their
+  # partial sums in a second small kernel), so one token's walk runs on that many SMs; the
+  # single-pass and expand-only sites (the multi-pass own collapse keeps one program). 0: one
+  # program. [I] ours; 0 until measured on the GPU (docs/performance.md section 58).
+  mhc_decode_splits: int = key(0, execution_only=True)
   hc_sinkhorn_iters: int = key(20)      # [hc_sinkhorn_iters]
   hc_eps: float = key(1e-6)             # [hc_eps]
   hc_init_std: float = key(0.02)        # std of the coefficient projections [S: HF's init]

@@ -45,6 +45,7 @@ class Block(nnx.Module):
     self.residual = cfg.residual
     self.mhc_impl = cfg.mhc_impl
     self.mhc_decode_block_d = cfg.mhc_decode_block_d
+    self.mhc_decode_splits = cfg.mhc_decode_splits
     self.layer = role.layer
     self.engram = Engram(cfg, engram_rows, rngs) if engram_rows else None
     self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
@@ -81,8 +82,11 @@ class Block(nnx.Module):
     mhc = jax.named_scope('mhc')  # the residual mixing: sites, reads and writes
     single = self.residual == 'mhc_single_pass'
     if self.mhc_impl == 'fused':  # the same sites, each one pass over the streams
-      decode = x.shape[0] * x.shape[1] < MHC_TOKEN_BLOCK and self.mhc_decode_block_d
-      knobs = dict(block_d=self.mhc_decode_block_d) if decode else {}
+      knobs = {}
+      if x.shape[0] * x.shape[1] < MHC_TOKEN_BLOCK:  # a decode-sized call
+        knobs = dict(decode_splits=self.mhc_decode_splits)
+        if self.mhc_decode_block_d:
+          knobs['block_d'] = self.mhc_decode_block_d
       u_btd, pre_a, post_a, comb_a = mhc(fused_site_collapse)(
           self.attn_site, x, pre_prev if single else None, **knobs)
       attn_btd, shared = attention(u_btd, shared)

@@ -70,32 +70,38 @@ def test_fused_mhc_equals_the_jnp_sites(residual):
 
 
 def test_decode_sized_calls_walk_wider_chunks(monkeypatch):
-  # model.mhc_decode_block_d: a call of less than one token block (a decode step) runs the fused
-  # sites with D chunks that wide; larger calls keep the training chunks; the loss is the same.
+  # model.mhc_decode_block_d and model.mhc_decode_splits: a call of less than one token block (a
+  # decode step) runs the fused sites with D chunks that wide, split over that many programs;
+  # larger calls keep the training chunks in one program; the loss is the same.
   cfg = resolved(**{'model.residual': 'mhc_single_pass'}).model
   batch = {k: jnp.asarray(v)[:1, :48]
            for k, v in packed_batch(seed=3, docs_per_row=2, pad=4).items()}
-  chunks = []
+  calls = []
   run_local = mhc_kernel._run_local
 
   def recording(*args, **kw):
-    chunks.append(kw['block_d'])
+    calls.append((kw['block_d'], kw['decode_splits']))
     return run_local(*args, **kw)
   monkeypatch.setattr(mhc_kernel, '_run_local', recording)
 
-  def loss(decode_block_d, batch):
+  def loss(batch, decode_block_d=0, decode_splits=0):
     model = Transformer(dataclasses.replace(cfg, mhc_impl='fused',
-                                            mhc_decode_block_d=decode_block_d),
+                                            mhc_decode_block_d=decode_block_d,
+                                            mhc_decode_splits=decode_splits),
                         nnx.Rngs(params=0))
     return jnp.sum(token_ce(model, batch))
 
-  wide = loss(64, batch)
-  assert chunks and set(chunks) == {64}
-  chunks.clear()
-  default = loss(0, batch)
-  assert set(chunks) == {32}
+  wide = loss(batch, decode_block_d=64)
+  assert calls and set(calls) == {(64, 0)}
+  calls.clear()
+  split = loss(batch, decode_splits=2)
+  assert calls and set(calls) == {(32, 2)}
+  calls.clear()
+  default = loss(batch)
+  assert set(calls) == {(32, 0)}
   np.testing.assert_allclose(wide, default, rtol=1e-5)
-  chunks.clear()
+  np.testing.assert_allclose(split, default, rtol=1e-5)
+  calls.clear()
   long = {k: jnp.concatenate([v] * 3, axis=1) for k, v in batch.items()}  # 144 tokens
-  loss(64, long)
-  assert set(chunks) == {32}
+  loss(long, decode_block_d=64, decode_splits=2)
+  assert set(calls) == {(32, 0)}

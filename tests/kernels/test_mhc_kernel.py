@@ -2,6 +2,7 @@
 outputs and gradients (X, F, the coefficients, fn, base, scale), fp32 and bf16 streams."""
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +153,24 @@ def test_decode_rows(kind):
     _check(kind, True, jnp.bfloat16, b=b, t=t)
 
 
+@pytest.mark.parametrize('kind', ['site_collapse', 'expand_site_collapse', 'expand'])
+def test_decode_splits(kind):
+  """A call of one token block walks D in `decode_splits` programs (the site's coefficients
+  from their partial sums in a second kernel): the same values and gradients, fp32 and bf16,
+  at 1, 3 and 10 rows; the multi-pass own collapse keeps one program."""
+  for b, t in ((1, 1), (3, 1), (2, 5)):
+    _check(kind, True, jnp.float32, b=b, t=t, block_t=16, decode_splits=2)
+    _check(kind, True, jnp.bfloat16, b=b, t=t, block_t=16, decode_splits=4)
+  p, _ = _inputs(jnp.float32, b=1, t=1)
+  kw = dict(KNOBS, decode_splits=4)
+  grids = lambda f: re.findall(r'grid=\(([\d, ]*)\)', str(jax.make_jaxpr(f)(p)))  # noqa: E731
+  split = grids(lambda p: _fused(kind, True, 5, 1e-6, 1e-6, **kw)(p))
+  assert split == (['1, 4', '1,'] if 'site' in kind else ['1, 4'])
+  assert grids(lambda p: K.site_collapse(p['x'], p['fn'], p['base'], p['scale'], **kw)) == ['1,']
+  assert K._splits(4, rows=17, tb=16, d=64, bd=16, collapse='given') == 1  # two row blocks
+  assert K._splits(8, rows=1, tb=16, d=64, bd=16, collapse='given') == 4  # whole chunks
+
+
 def test_block_d_narrows_to_divide_d_model():
   """d_model 48 with the default 32-wide chunks (and a 64-wide backward) walks 16 at a time."""
   _check('expand_site_collapse', True, jnp.float32, d=48, block_d=32, block_d_bwd=64)
@@ -184,13 +203,13 @@ def test_kernels_lower_for_triton():
   The interpreter runs jnp semantics, so it cannot see what the Triton lowering refuses (slices
   of register arrays, say); lowering needs no GPU once the GPU query is answered for it.
   """
-  for t in (64, 5):  # whole blocks, and one partial block (masked loads and stores)
-    _lower_every_kernel(t)
+  for t, splits in ((64, 0), (5, 0), (5, 2)):  # whole blocks, one partial block, split over D
+    _lower_every_kernel(t, splits)
 
 
-def _lower_every_kernel(t):
+def _lower_every_kernel(t, splits):
   p, _ = _inputs(jnp.bfloat16, d=64, b=1, t=t)
-  kw = dict(block_t=32, block_d=16, block_t_bwd=16, block_d_bwd=32, interpret=False, iters=3)
+  kw = dict(decode_splits=splits, block_t=32, block_d=16, block_t_bwd=16, block_d_bwd=32, interpret=False, iters=3)
   s = (p['fn'], p['base'], p['scale'])
   ops = [lambda x, f: K.site_collapse(x, *s, p['pre'], **kw),
          lambda x, f: K.site_collapse(x, *s, None, **kw),

@@ -70,8 +70,10 @@ def test_execution_overrides(workdir):
   # or a value of the wrong type or range, is refused naming the key.
   base = Generator(workdir)
   gen = Generator(workdir, execution={'model.mhc_decode_block_d': '256',
-                                      'moe_gather_small_calls': 'false'})
+                                      'moe_gather_small_calls': 'false',
+                                      'model.mhc_decode_splits': '4'})
   assert gen.cfg.model.mhc_decode_block_d == 256 and not gen.cfg.model.moe_gather_small_calls
+  assert gen.cfg.model.mhc_decode_splits == 4 and base.cfg.model.mhc_decode_splits == 0
   assert base.cfg.model.mhc_decode_block_d == 0 and base.cfg.model.moe_gather_small_calls
   assert gen.generate(['def main'], max_new_tokens=4)[0].tokens == \
       base.generate(['def main'], max_new_tokens=4)[0].tokens
@@ -81,6 +83,8 @@ def test_execution_overrides(workdir):
     Generator(workdir, execution={'model.mhc_decode_block_d': 'many'})
   with pytest.raises(GenerateError, match=r'model.mhc_decode_block_d: must be 0 .* power of two'):
     Generator(workdir, execution={'model.mhc_decode_block_d': '48'})
+  with pytest.raises(GenerateError, match=r'model.mhc_decode_splits: must be 0 .* power of two'):
+    Generator(workdir, execution={'model.mhc_decode_splits': '3'})
   with pytest.raises(GenerateError, match=r"model.moe_gather_small_calls='maybe': expected a bool"):
     Generator(workdir, execution={'model.moe_gather_small_calls': 'maybe'})
   with pytest.raises(GenerateError, match=r"--execution: 'model.hc_eps' is not KEY=VALUE"):

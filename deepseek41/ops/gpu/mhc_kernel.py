@@ -180,6 +180,7 @@ class _Spec(NamedTuple):
   prefetch: bool           # issue the next D chunk's loads before this chunk's work (`_walk`)
   interpret: bool
   rows: int = 0            # the call's token rows (the forward's last block may be partial)
+  splits: int = 1          # the forward's programs per row block, each over D / splits columns
 
   @property
   def ragged(self):
@@ -189,7 +190,7 @@ class _Spec(NamedTuple):
   def backward(self):
     """The spec the backward kernel runs with (its own block sizes)."""
     return self._replace(block_t=self.block_t_bwd, block_d=self.block_d_bwd,
-                         num_warps=self.num_warps_bwd)
+                         num_warps=self.num_warps_bwd, splits=1)
 
   @property
   def cols(self):  # the (2+n)n coefficient columns + r, padded to a power of two >= 16
@@ -284,8 +285,12 @@ def _walk(spec, load, body, init):
   (docs/performance.md 10.1, 24), and Triton's own pipelining (`num_stages`) does not apply to
   loads that feed no dot.
   """
-  bd, steps = spec.block_d, spec.d // spec.block_d
-  at = lambda ci: pl.multiple_of(ci * bd, bd)  # noqa: E731
+  bd, span = spec.block_d, spec.d // spec.splits
+  steps = span // bd
+  start = pl.program_id(1) * span if spec.splits > 1 else 0  # this program's D columns
+  def at(ci):
+    d0 = start + ci * bd
+    return d0 if isinstance(d0, int) else pl.multiple_of(d0, bd)
   if not spec.prefetch:
     return jax.lax.fori_loop(0, steps, lambda ci, c: body(at(ci), load(at(ci)), c), init)
 
@@ -293,7 +298,7 @@ def _walk(spec, load, body, init):
     tiles, c = carry
     ahead = load(at(jnp.minimum(ci + 1, steps - 1)))
     return ahead, body(at(ci), tiles, c)
-  return jax.lax.fori_loop(0, steps, step, (load(0), init))[1]
+  return jax.lax.fori_loop(0, steps, step, (load(at(0)), init))[1]
 
 
 def _chunk(spec, tiles, post, comb, dtype):
@@ -335,7 +340,7 @@ def _fwd_kernel(*refs, spec: _Spec):
   fn_ref, base_ref, scale_ref = _pop(refs, 3) if spec.site else (None,) * 3
   xo_ref = refs.pop(0) if spec.expand else None
   u_ref = refs.pop(0) if spec.collapse != 'none' else None
-  pre_ref, posto_ref, combo_ref, m_ref = refs if spec.site else (None,) * 4
+  site_refs = refs  # pre, post, comb, m; or, split over D, this program's partial sums
   tb = x_ref.shape[0]
   rows = _row_mask(spec)
   post, comb = _cols_of(post_ref, n, rows=rows), _cols_of(comb_ref, n * n, rows=rows)
@@ -372,6 +377,26 @@ def _fwd_kernel(*refs, spec: _Spec):
   sumsq, proj = _walk(spec, load, walk1, init)
   if not spec.site:
     return
+  if spec.splits > 1:  # [1, tb, cols]: the projection's partial sums, sumsq in column nc
+    col = jax.lax.broadcasted_iota(jnp.int32, proj.shape, 1)
+    _put(site_refs[0], (0, slice(None), slice(None)),
+         jnp.where(col == nc, sumsq[:, None], proj), rows)
+    return
+  pre = _site_outputs(spec, sumsq, proj, base_ref, scale_ref, *site_refs, rows)
+  if spec.collapse == 'own':
+    def walk2(d0, tiles, carry):
+      _, xq, _, _ = _chunk(spec, tiles, post, comb, x_ref.dtype)
+      u = functools.reduce(jnp.add, [pre[k][:, None] * xq[k] for k in range(n)])
+      _put(u_ref, (slice(None), pl.ds(d0, bd)), u.astype(u_ref.dtype), rows)
+      return carry
+    _walk(spec, lambda d0: _load(spec, x_ref, f_ref, d0, rows=rows), walk2, 0)
+
+
+def _site_outputs(spec, sumsq, proj, base_ref, scale_ref, pre_ref, posto_ref, combo_ref, m_ref,
+                  rows):
+  """From a token block's sum of squares [tb] and projection fn . X' [tb, cols]: m (with r in
+  column nc) and the coefficients, stored; the pre columns returned."""
+  n, nc = spec.n, spec.nc
   r = 1.0 / jnp.sqrt(sumsq / (n * spec.d) + spec.norm_eps)
   m_mat = proj * r[:, None]
   col = jax.lax.broadcasted_iota(jnp.int32, m_mat.shape, 1)
@@ -383,13 +408,18 @@ def _fwd_kernel(*refs, spec: _Spec):
   _put(pre_ref, every, _matrix(pre, n), rows)
   _put(posto_ref, every, _matrix(post_o, n), rows)
   _put(combo_ref, every, _matrix(comb_o, n * n), rows)
-  if spec.collapse == 'own':
-    def walk2(d0, tiles, carry):
-      _, xq, _, _ = _chunk(spec, tiles, post, comb, x_ref.dtype)
-      u = functools.reduce(jnp.add, [pre[k][:, None] * xq[k] for k in range(n)])
-      _put(u_ref, (slice(None), pl.ds(d0, bd)), u.astype(u_ref.dtype), rows)
-      return carry
-    _walk(spec, lambda d0: _load(spec, x_ref, f_ref, d0, rows=rows), walk2, 0)
+  return pre
+
+
+def _coef_kernel(part_ref, base_ref, scale_ref, pre_ref, posto_ref, combo_ref, m_ref, *,
+                 spec: _Spec):
+  """The site's coefficients from the D-split forward's partial sums [splits, tb, cols]."""
+  rows = _row_mask(spec)
+  total = functools.reduce(jnp.add, [_get(part_ref, (s, slice(None), slice(None)), rows)
+                                     for s in range(spec.splits)])
+  sumsq = _columns(total, spec.nc + 1)[spec.nc]
+  _site_outputs(spec, sumsq, total, base_ref, scale_ref, pre_ref, posto_ref, combo_ref, m_ref,
+                rows)
 
 
 def _coef_bwd_kernel(m_ref, sb_ref, dpre_ref, dpost_ref, dcomb_ref, da_ref, *, spec: _Spec):
@@ -511,22 +541,24 @@ def _params(spec):
   return plt.CompilerParams(num_warps=spec.num_warps, num_stages=spec.num_stages)
 
 
-def _launch_rows(kernel, spec, blocks: int, in_specs, out_shape, out_specs, name: str, args):
-  """The kernel over `blocks` row tiles; its outputs as a list (popped in order by the caller)."""
+def _launch_rows(kernel, spec, blocks, in_specs, out_shape, out_specs, name: str, args):
+  """The kernel over `blocks` row tiles (an int; or a grid tuple whose first axis is the row
+  tiles); its outputs as a list (popped in order by the caller)."""
   return list(launch.pallas_call(
-      functools.partial(kernel, spec=spec), out_shape=out_shape, grid=(blocks,),
+      functools.partial(kernel, spec=spec), out_shape=out_shape,
+      grid=blocks if isinstance(blocks, tuple) else (blocks,),
       in_specs=in_specs, out_specs=out_specs, compiler_params=_params(spec),
       interpret=spec.interpret, name=name)(*args))
 
 
 def _row_spec(tb, *tail):
   zeros = (0,) * len(tail)
-  return pl.BlockSpec((tb,) + tail, lambda i: (i,) + zeros)
+  return pl.BlockSpec((tb,) + tail, lambda i, *_: (i,) + zeros)
 
 
 def _whole(shape):
   zeros = (0,) * len(shape)
-  return pl.BlockSpec(shape, lambda i: zeros)
+  return pl.BlockSpec(shape, lambda *_: zeros)
 
 
 def _site_tables(spec, fn, base, scale):
@@ -559,14 +591,26 @@ def _forward(spec, x, f, post, comb, pin, fn, base, scale):
   if spec.collapse != 'none':
     out_shape.append(jax.ShapeDtypeStruct((rows, d), x.dtype))
     out_specs.append(_row_spec(tb, d))
-  if spec.site:
-    for w in (n, n, n * n, cols):  # pre, post, comb, m (+ r)
-      out_shape.append(jax.ShapeDtypeStruct((rows, w), jnp.float32))
-      out_specs.append(_row_spec(tb, w))
-  outs = _launch_rows(_fwd_kernel, spec, pl.cdiv(rows, tb), in_specs, out_shape, out_specs,
-                      'mhc_fused_fwd', args)
+  site_shape = [jax.ShapeDtypeStruct((rows, w), jnp.float32)
+                for w in (n, n, n * n, cols)]  # pre, post, comb, m (+ r)
+  site_specs = [_row_spec(tb, w) for w in (n, n, n * n, cols)]
+  blocks = pl.cdiv(rows, tb)
+  if spec.site and spec.splits > 1:  # partial sums here, the coefficients in `_coef_kernel`
+    out_shape.append(jax.ShapeDtypeStruct((spec.splits, rows, cols), jnp.float32))
+    out_specs.append(pl.BlockSpec((1, tb, cols), lambda i, j: (j, i, 0)))
+  elif spec.site:
+    out_shape += site_shape
+    out_specs += site_specs
+  grid = (blocks, spec.splits) if spec.splits > 1 else blocks
+  outs = _launch_rows(_fwd_kernel, spec, grid, in_specs, out_shape, out_specs, 'mhc_fused_fwd',
+                      args)
   xo = outs.pop(0) if spec.expand else None
   u = outs.pop(0) if spec.collapse != 'none' else None
+  if spec.site and spec.splits > 1:
+    outs = _launch_rows(
+        _coef_kernel, spec, blocks,
+        [pl.BlockSpec((spec.splits, tb, cols), lambda i: (0, i, 0)), _whole((cols,)),
+         _whole((4,))], site_shape, site_specs, 'mhc_fused_coef', [outs[0], base, scale])
   pre, post_o, comb_o, m = outs if spec.site else (None,) * 4
   return (xo, u, pre, post_o, comb_o), m
 
@@ -695,9 +739,21 @@ def _fit_block_d(d, block):
   return v
 
 
+def _splits(requested: int, rows: int, tb: int, d: int, bd: int, collapse: str) -> int:
+  """The forward's programs per row block: `requested` (`decode_splits`) for a call of one row
+  block, narrowed to a power of two whose D share is whole chunks; 1 for larger calls and for
+  the own collapse, which needs the site's pre before its walk."""
+  if rows > tb or collapse == 'own':
+    return 1
+  s = 1
+  while s * 2 <= requested and d % (s * 2 * bd) == 0:
+    s *= 2
+  return s
+
+
 def _run_local(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, site, collapse,
                iters, eps, norm_eps, block_t, block_d, num_warps, block_t_bwd, block_d_bwd,
-               num_warps_bwd, num_stages, prefetch, interpret):
+               num_warps_bwd, num_stages, prefetch, interpret, decode_splits):
   b, t, n, d = x_btnd.shape
   if n & (n - 1):
     raise ValueError(f'the fused mHC kernels need a power-of-two hc_mult, got {n}')
@@ -712,7 +768,7 @@ def _run_local(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, 
   expand = f_btd is not None
   spec = _Spec(n, d, expand, site, collapse, iters, float(eps), float(norm_eps), tb, bd,
                num_warps, tb_b, bd_b, num_warps_bwd or num_warps, num_stages, bool(prefetch),
-               bool(interpret), rows)
+               bool(interpret), rows, _splits(decode_splits, rows, tb, d, bd, collapse))
   def flat(a, *tail):
     return None if a is None else a.reshape((rows,) + tail)
   outs = _fused(spec, flat(x_btnd, n, d), flat(f_btd, d), flat(post_btn, n),
@@ -728,10 +784,13 @@ def _run_local(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, 
 # [32 cols, block_d] is re-read by every token block, so block_t also sets its L2 traffic
 # relative to X's (fp32 W in the forward at 128 tokens: 0.5x). Nsight Compute: the forward
 # kernels hold one 8-warp block per SM (registers), the backward two; DRAM at 21-44% of peak.
+# decode_splits: a decode step's one token block is one program walking d_model alone (18-60 us
+# a site on an H100, 1.47 ms of a 1B token's 4.4: section 54); split over D, the walk runs on
+# that many SMs at once. 0 (off) until measured: docs/performance.md section 58.
 MHC_TOKEN_BLOCK = 128  # the forward's tokens a program (block_t)
 _KNOBS = dict(iters=20, eps=1e-6, norm_eps=1e-6, block_t=MHC_TOKEN_BLOCK, block_d=32, num_warps=8,
               block_t_bwd=64, block_d_bwd=32, num_warps_bwd=8, num_stages=1, prefetch=True,
-              interpret=None)
+              interpret=None, decode_splits=0)
 
 
 def site_collapse(x_btnd, fn, base, scale, pre_btn=None, **kw):
@@ -742,7 +801,9 @@ def site_collapse(x_btnd, fn, base, scale, pre_btn=None, **kw):
   `MHCSite` holds them; keyword knobs: iters, eps, norm_eps (the config's hc_sinkhorn_iters,
   hc_eps, rms_norm_eps), block_t, block_d, num_warps (forward) and block_t_bwd, block_d_bwd,
   num_warps_bwd (backward), num_stages and prefetch (both: Triton pipelining, look-ahead loads),
-  interpret (None: ops/launch.py's rule, on only on the CPU).
+  interpret (None: ops/launch.py's rule, on only on the CPU), decode_splits (a call of one
+  token block, e.g. a decode step, walks D in that many programs at once, the coefficients in a
+  second small kernel; 0 or 1: one program walks all of D).
   """
   kw = {**_KNOBS, **kw}
   _, u, pre, post, comb = _run(x_btnd, None, None, None, pre_btn, fn, base, scale, site=True,
