@@ -13,10 +13,13 @@ Then:
     PYTHONPATH=/tmp/gpu-compiler .venv/bin/python benchmarks/compile_for_gpu.py \
         --config=configs/ablation_1b.py --config.data.seq_len=4096 --config.train.batch_size=8 \
         [--program=step|optimizer|decode] [--target=h100|h200] [--depth=3] [--hlo_out=FILE]
-    --program=decode [--decode_batch=1] [--decode_context=4096] [--decode_chunk=1]: one plain
-        decode step (or, --decode_chunk > 1, one chunk of a chunked prefill) as
-        generation runs it (generate/generator.py `generation_config`'s paths, the cache sized
-        to the context, greedy): its kernel count is what a token costs in launches.
+    --program=decode [--decode_batch=1] [--decode_context=4096] [--decode_chunk=1]
+        [--decode_steps=1]: one plain decode step (or, --decode_chunk > 1, one chunk of a
+        chunked prefill) as generation runs it (generate/generator.py `generation_config`'s
+        paths, the cache sized to the context, greedy): its kernel count is what a token costs
+        in launches. --decode_steps=N > 1: N greedy steps in one while loop, as the device loop
+        (`Programs.decode_steps`) runs them, and the loop body's kernels are reported: XLA
+        compiles a step inside the loop differently from a lone one (docs/performance.md 58).
 
 What differs from the GPU's own compile: tools/gpu_target.py. XLA schedules for the target's
 memory, so compile for the GPU the numbers are for (the 1B step at 8 x 4,096 without remat: 65.1
@@ -53,6 +56,8 @@ _DECODE_BATCH = flags.DEFINE_integer('decode_batch', 1, '--program=decode: rows.
 _DECODE_CHUNK = flags.DEFINE_integer('decode_chunk', 1, '--program=decode: positions per row '
                                      'in the step (> 1: a chunked prefill\'s program, the '
                                      'logits of its last position only).')
+_DECODE_STEPS = flags.DEFINE_integer('decode_steps', 1, '--program=decode: greedy steps in one '
+                                     'while loop (> 1: the loop body\'s kernels reported).')
 _DECODE_CONTEXT = flags.DEFINE_integer('decode_context', 4096,
                                        '--program=decode: the cache length.')
 _TARGET = flags.DEFINE_enum('target', 'h100', sorted(gpu_target.TARGETS),
@@ -101,10 +106,20 @@ def compile_decode(cfg, devices):
     logits, _, cache = forward_chunk(nnx.merge(graph, state)[0], cache, tok_bq,
                                      jnp.ones(tok_bq.shape, bool), logits_row_b=last)
     return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), cache
+  def loop(state, cache, tok_bq):  # Programs.decode_steps' loop, greedy, every row running
+    def body(carry):
+      i, cache, tok_b = carry
+      next_b, cache = step(state, cache, tok_b[:, None])
+      return i + 1, cache, next_b
+    return jax.lax.while_loop(lambda c: c[0] < _DECODE_STEPS.value, body,
+                              (jnp.int32(0), cache, tok_bq[:, 0]))
+  if _DECODE_STEPS.value > 1 and q > 1:
+    raise SystemExit('--decode_steps > 1 takes one position a step (--decode_chunk=1)')
   mesh = Mesh(devices[:1], ('one',))
   one = NamedSharding(mesh, PartitionSpec())
   with jax.set_mesh(mesh):  # the kernels compile for the mesh's platform (ops/launch.py)
-    return jax.jit(step, in_shardings=one, out_shardings=one, donate_argnums=(1,)).lower(
+    return jax.jit(loop if _DECODE_STEPS.value > 1 else step, in_shardings=one,
+                   out_shardings=one, donate_argnums=(1,)).lower(
         state, cache, tok_b).compile(xla_options(_XLA.value) or None)
 
 
@@ -135,7 +150,8 @@ def main(argv):
     with open(_HLO_OUT.value, 'w') as f:
       f.write(text)
   mem = program_memory(compiled)
-  rows = hlo_kernels.kernels(text)
+  in_loop = _PROGRAM.value == 'decode' and _DECODE_STEPS.value > 1
+  rows = hlo_kernels.kernels(text, loop_body=in_loop)
   kinds = {}
   for k in rows:
     kinds[k.kind] = kinds.get(k.kind, 0) + 1
@@ -143,6 +159,7 @@ def main(argv):
                  lower_and_compile_s=round(seconds, 1),
                  **{f'{part}_gb': mem[part] / 1e9
                     for part in ('argument', 'temp', 'output', 'alias', 'peak')},
+                 counted='the loop body' if in_loop else 'the entry',
                  kernels=len(rows), gb_moved=sum(k.bytes for k in rows) / 1e9,
                  copies=kinds.get('%copy', 0),
                  transposing=sum(n for kind, n in kinds.items() if 'transpose' in kind))

@@ -6,8 +6,10 @@ Bytes are the operands' plus the result's, except that an operand a fusion reads
 slices (after bitcasts, converts or reshapes: how a batched update hands each weight its part)
 counts as those slices. An upper bound for the rest: a GEMM's operand counts once, however often
 its tiles reread it; a fusion that reads part of an operand by other means counts all of it.
-Only the entry computation is read: a loop XLA keeps is one row (`%while`), its body unlisted.
-Used by benchmarks/compile_for_gpu.py on programs compiled for a GPU without one.
+Only the entry computation is read (a loop XLA keeps is one row, `%while`, its body unlisted),
+or with `loop_body=True` the body of the entry's largest while loop: what each of a decode
+loop's steps launches. Used by benchmarks/compile_for_gpu.py on programs compiled for a GPU
+without one.
 """
 
 from __future__ import annotations
@@ -100,14 +102,21 @@ def _fused_reads(body: str, operand_shapes: list[str]) -> int:
   return total
 
 
-def kernels(hlo_text: str) -> list[Kernel]:
-  """The entry computation's kernels, in program order."""
+def kernels(hlo_text: str, loop_body: bool = False) -> list[Kernel]:
+  """The entry computation's kernels in program order (`loop_body`: its largest while loop's
+  body's instead)."""
   start = hlo_text.find('\nENTRY')
   if start < 0:
     raise ValueError('no ENTRY computation in this HLO text')
   bodies = {m.group(1): m.group(2) for m in _COMPUTATION.finditer(hlo_text[:start])}
+  lines = hlo_text[start:].splitlines()[1:]
+  if loop_body:
+    loops = re.findall(r'\bwhile\(.*?body=(%[\w.-]+)', hlo_text[start:])
+    if not loops:
+      raise ValueError('no while loop in the entry computation')
+    lines = max((bodies[b] for b in loops), key=len).splitlines()
   shapes, out = {}, []
-  for line in hlo_text[start:].splitlines()[1:]:
+  for line in lines:
     m = _INSTR.match(line)
     if not m:
       continue

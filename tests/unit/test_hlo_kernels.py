@@ -52,3 +52,24 @@ def test_whole_reads_and_scopes(hlo_kernels):
 def test_no_entry_is_an_error(hlo_kernels):
   with pytest.raises(ValueError, match='ENTRY'):
     hlo_kernels.kernels('HloModule m\n')
+
+
+def test_loop_body_kernels(hlo_kernels):
+  """loop_body=True lists the largest while loop's body (a decode loop's step), where the entry
+  holds that loop as one row; a module without a loop is refused."""
+  def loop(x):
+    def body(c):
+      i, x = c
+      with jax.named_scope('step'):
+        x = jax.lax.optimization_barrier(jnp.sin(x) * 2.0)
+        return i + 1, jnp.cumsum(x, axis=0) + 1.0
+    return jax.lax.while_loop(lambda c: c[0] < 5, body, (0, x))[1]
+  text = compiled_text(loop, (64, 64))
+  entry = hlo_kernels.kernels(text)
+  body = hlo_kernels.kernels(text, loop_body=True)
+  assert '%while' in [k.kind for k in entry]
+  assert '%while' not in [k.kind for k in body]
+  assert any(k.scope.startswith('while/body/step/mul') for k in body)
+  assert not any('step' in k.scope for k in entry)
+  with pytest.raises(ValueError, match='no while loop'):
+    hlo_kernels.kernels(compiled_text(lambda x: x * 2.0, (8, 8)), loop_body=True)
