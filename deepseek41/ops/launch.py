@@ -77,7 +77,7 @@ def pallas_call(kernel, *, out_shape, interpret: bool | None = None, **kwargs):
     interpret = interpreted(interpret)
     try:
       key = _launch_key((kernel, out_shape, interpret, sorted(kwargs.items())))
-    except TypeError:  # an operand-like value in the launch: build it afresh
+    except (TypeError, ValueError):  # an operand-like value (or an empty cell): afresh
       return pl.pallas_call(kernel, out_shape=out_shape, interpret=interpret, **kwargs)
     if key not in _LAUNCHES:
       if len(_LAUNCHES) >= _MAX_LAUNCHES:
@@ -95,26 +95,30 @@ _LAUNCHES: dict = {}
 _MAX_LAUNCHES = 4096
 
 
-def _launch_key(v):
+def _launch_key(v, depth: int = 0):
   """A hashable value equal for launches that build the same kernel: functions by their code,
   closure and defaults (the block specs' index maps are new lambdas at every call), wrappers by
-  what they wrap, partials, dataclasses (block specs, compiler params) and containers by their parts, anything else by
-  its own hash. TypeError for what has none (arrays, tracers): that launch is not shared."""
+  what they wrap, partials, dataclasses (block specs, compiler params) and containers by their
+  parts, anything else by its own hash. TypeError for what has none (arrays, tracers) or nests
+  too deep (a closure that holds itself): that launch is not shared."""
+  if depth > 32:
+    raise TypeError('a launch nested too deep to key')
+  key = functools.partial(_launch_key, depth=depth + 1)
   if isinstance(v, functools.partial):
-    return ('partial', _launch_key(v.func), _launch_key(v.args),
-            _launch_key(sorted(v.keywords.items())))
+    return ('partial', key(v.func), key(v.args),
+            key(sorted(v.keywords.items())))
   if isinstance(v, types.FunctionType):
     cells = tuple(c.cell_contents for c in v.__closure__ or ())
-    return ('function', v.__code__, id(v.__globals__), _launch_key(cells),
-            _launch_key(v.__defaults__), _launch_key(sorted((v.__kwdefaults__ or {}).items())))
+    return ('function', v.__code__, id(v.__globals__), key(cells),
+            key(v.__defaults__), key(sorted((v.__kwdefaults__ or {}).items())))
   if callable(v) and hasattr(v, '__wrapped__'):  # e.g. Pallas's wrapper of an index map
-    return ('wrapped', type(v), _launch_key(v.__wrapped__))
+    return ('wrapped', type(v), key(v.__wrapped__))
   if isinstance(v, (list, tuple)):
-    return (type(v).__name__,) + tuple(_launch_key(x) for x in v)
+    return (type(v).__name__,) + tuple(key(x) for x in v)
   if isinstance(v, dict):
-    return ('dict', _launch_key(sorted(v.items())))
+    return ('dict', key(sorted(v.items())))
   if dataclasses.is_dataclass(v) and not isinstance(v, type):
-    return (type(v),) + tuple(_launch_key(getattr(v, f.name)) for f in dataclasses.fields(v))
+    return (type(v),) + tuple(key(getattr(v, f.name)) for f in dataclasses.fields(v))
   hash(v)
   return v
 

@@ -95,6 +95,12 @@ def test_an_equal_launch_reuses_the_kernel_trace():
     _scaled_launch(2.0, 8, offset=offset)(x)
   assert len(traced) == 6
 
+  def countdown(n):  # a closure that holds itself: keyed no deeper than a limit, not shared
+    return n if n <= 0 else countdown(n - 1)
+  for _ in range(2):
+    _scaled_launch(2.0, 8, helper=countdown)(x)
+  assert len(traced) == 8
+
 
 def _package_modules():
   for dirpath, dirnames, filenames in os.walk(PACKAGE):
