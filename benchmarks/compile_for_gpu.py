@@ -92,6 +92,8 @@ def compile_decode(cfg, devices):
   from deepseek41.generate.programs import weights_in_compute_dtype
   from deepseek41.model.layer_cache import CacheSpec
   from deepseek41.model.transformer import Transformer
+  if _DECODE_STEPS.value > 1 and _DECODE_CHUNK.value > 1:
+    raise SystemExit('--decode_steps > 1 takes one position a step (--decode_chunk=1)')
   cfg = generation_config(cfg.to_dict(), backend='gpu')
   model = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(params=0)))
   graph, state = nnx.split((model, None))  # as Programs holds it: (model, drafter)
@@ -113,8 +115,6 @@ def compile_decode(cfg, devices):
       return i + 1, cache, next_b
     return jax.lax.while_loop(lambda c: c[0] < _DECODE_STEPS.value, body,
                               (jnp.int32(0), cache, tok_bq[:, 0]))
-  if _DECODE_STEPS.value > 1 and q > 1:
-    raise SystemExit('--decode_steps > 1 takes one position a step (--decode_chunk=1)')
   mesh = Mesh(devices[:1], ('one',))
   one = NamedSharding(mesh, PartitionSpec())
   with jax.set_mesh(mesh):  # the kernels compile for the mesh's platform (ops/launch.py)

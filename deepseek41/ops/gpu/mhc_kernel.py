@@ -633,7 +633,7 @@ def _fused_bwd(spec, res, cts):
   spec = spec.backward()
   rows = spec.rows
   pad_to = max(spec.block_t, min(_COEF_BLOCK, max(MIN_DOT, pl.next_power_of_2(rows))))
-  pad = lambda a: None if a is None else pad_axis(a, 0, pad_to)  # noqa: E731
+  pad = lambda a: pad_axis(a, 0, pad_to)  # noqa: E731  (tree.map passes None through)
   res, cts = jax.tree.map(pad, res[:5]) + res[5:8] + jax.tree.map(pad, res[8:]), \
       jax.tree.map(pad, cts)
   grads = _padded_bwd(spec, res, cts)
