@@ -73,7 +73,7 @@ def test_execution_overrides(workdir):
                                       'moe_gather_small_calls': 'false',
                                       'model.mhc_decode_splits': '4'})
   assert gen.cfg.model.mhc_decode_block_d == 256 and not gen.cfg.model.moe_gather_small_calls
-  assert gen.cfg.model.mhc_decode_splits == 4 and base.cfg.model.mhc_decode_splits == 0
+  assert gen.cfg.model.mhc_decode_splits == 4 and base.cfg.model.mhc_decode_splits == 16
   assert base.cfg.model.mhc_decode_block_d == 0 and base.cfg.model.moe_gather_small_calls
   assert gen.generate(['def main'], max_new_tokens=4)[0].tokens == \
       base.generate(['def main'], max_new_tokens=4)[0].tokens
