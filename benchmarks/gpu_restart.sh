@@ -2,7 +2,8 @@
 # Start-up on one GPU (issue 47 item 5): a cold start with an empty compilation cache, a restart
 # of the same run from its checkpoint, and a fresh run of the same config with the cache warm.
 # For each: seconds from the process's launch to its first step's line, and the trainer's own
-# start-up lines (initialisation, first step, what the persistent cache loaded).
+# start-up lines (initialisation, first step, what the persistent cache and the executable store
+# loaded). Last, the second run restarted with the executable store off, beside the restart.
 #   bash benchmarks/gpu_restart.sh                    # configs/ablation_1b.py at 8 x 4,096
 #   CONFIG=configs/ablation_1b.py EXTRA="" bash benchmarks/gpu_restart.sh   # as shipped (64K)
 set -uo pipefail
@@ -27,9 +28,11 @@ run() {  # name workdir [--stop_at_step=N]
   local launch; launch=$(date -d "@${t0%.*}" +%H:%M:%S)
   echo "$1: exit $rc, process $(python3 -c "print(round($t1 - $t0, 1))") s, launch $launch," \
     "first step line $first" | tee -a "$OUT/restart_summary.txt"
-  grep -E "initialised|restored|first step|compil" "$OUT/restart_$1.log" | cut -c1-400 \
+  grep -E "initialised|resumed|first step|compil|executable" "$OUT/restart_$1.log" | cut -c1-400 \
     | tee -a "$OUT/restart_summary.txt"
 }
 run cold /tmp/restart_a --stop_at_step=2        # empty cache: compiles and writes every program
 run restart /tmp/restart_a                      # the same run from its step-2 checkpoint
 run fresh_warm /tmp/restart_b --stop_at_step=2  # a new run, same config, the cache warm
+# the same restart with the persistent cache alone (tracing and lowering the step to find it)
+run restart_nostore /tmp/restart_b --config.train.store_executables=False

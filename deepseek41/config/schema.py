@@ -517,6 +517,10 @@ class TrainConfig:
   # versions, and several processes may use one directory), and JAX runs what it finds there,
   # so it belongs in a directory only its user can write. The trainer expands '~'.
   compilation_cache_dir: str = key('~/.cache/deepseek41/jax-compilation-cache')
+  # Also keep the update step's executable there keyed by the source, config, devices and
+  # versions that decide it, so a restart loads it without tracing or lowering the model
+  # (train/executable_store.py). Off with the cache, or here.
+  store_executables: bool = key(True)
 
 
 # logical axis -> mesh axis or axes ('' = replicated); see sharding.py. Activations are split

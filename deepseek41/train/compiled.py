@@ -27,6 +27,8 @@ import jax
 import numpy as np
 from jax._src import distributed  # the coordination client's barrier
 
+from deepseek41.train.executable_store import ExecutableStore, remove_quietly
+
 log = logging.getLogger(__name__)
 
 
@@ -40,33 +42,68 @@ def signature(args) -> tuple:
 
 class _Ahead:
   """One compile in a daemon thread: a process that fails before its first step (a corrupt
-  checkpoint, a signal) exits with its own error instead of waiting for it."""
+  checkpoint, a signal) exits with its own error instead of waiting for it. With a `store`, the
+  executable is loaded from it when there (no tracing, no lowering) and written to it when
+  compiled, after the result is handed over."""
 
-  def __init__(self, jitted, args, mesh, name: str):
-    self.result, self.error, self.seconds = None, None, 0.0
+  def __init__(self, jitted, args, mesh, name: str, store: ExecutableStore | None = None):
+    self.result, self.error, self.seconds, self.loaded = None, None, 0.0, False
     self.lowered = threading.Event()
-    self._thread = threading.Thread(target=self._compile, args=(jitted, args, mesh),
+    self._done = threading.Event()
+    path = self.path = store.path(name, signature(args)) if store is not None else None
+    self._thread = threading.Thread(target=self._compile, args=(jitted, args, mesh, store, path),
                                      name=f'compile-ahead-{name}', daemon=True)
     self._thread.start()
 
-  def _compile(self, jitted, args, mesh):
+  def _compile(self, jitted, args, mesh, store, path):
     t0 = time.perf_counter()
+    hits = _CacheHits()
     try:
       with jax.set_mesh(mesh):  # the mesh context is the thread's own
-        lowered = jitted.trace(*args).lower()
-        self.lowered.set()
-        self.result = lowered.compile()
+        self.result = store.load(path) if path else None
+        self.loaded = self.result is not None
+        if not self.loaded:
+          lowered = jitted.trace(*args).lower()
+          self.lowered.set()
+          with hits:
+            self.result = lowered.compile()
     except Exception as e:  # noqa: BLE001 - reported where the step is first called
       self.error = e
     finally:
+      self.seconds = time.perf_counter() - t0
       self.lowered.set()
-    self.seconds = time.perf_counter() - t0
+      self._done.set()
+    # Only an executable XLA compiled here: one the persistent cache gave back serializes again
+    # without all of its code on the CPU (it failed at its first call: 'Function ... not found').
+    if path and self.error is None and not self.loaded and not hits.count:
+      store.save(path, self.result)
 
   def wait(self) -> float:
     """Seconds spent waiting for the compile to finish."""
     t0 = time.perf_counter()
-    self._thread.join()
+    self._done.wait()
     return time.perf_counter() - t0
+
+
+class _CacheHits:
+  """Counts the persistent-cache hits of compilations in this thread (JAX reports them in the
+  thread that compiles)."""
+
+  _EVENT = '/jax/compilation_cache/cache_hits'
+  count = 0
+
+  def __enter__(self):
+    self.count, self._thread = 0, threading.get_ident()
+    jax.monitoring.register_event_listener(self._on_event)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_listener(self._on_event)
+
+  def _on_event(self, event: str, **kwargs):
+    del kwargs
+    if event == self._EVENT and threading.get_ident() == self._thread:
+      self.count += 1
 
 
 class CompiledStep:
@@ -75,16 +112,19 @@ class CompiledStep:
   BARRIER_TIMEOUT_S = 3600  # one process compiling a large model while the others wait
   _barriers = 0
 
-  def __init__(self, jitted, name: str, *, mesh, together: bool = False):
+  def __init__(self, jitted, name: str, *, mesh, together: bool = False,
+               store: ExecutableStore | None = None):
     self.jitted, self.name, self.mesh, self.together = jitted, name, mesh, together
+    self.store = store
     self.compiled: dict[tuple, object] = {}
     self._ahead: dict[tuple, _Ahead] = {}
+    self._untried: dict[tuple, str] = {}  # loaded from the store, not yet run: its file
 
   def compile_ahead(self, *abstract_args) -> None:
     """Start compiling for arguments like `abstract_args` (ShapeDtypeStructs with shardings)."""
     key = signature(abstract_args)
     if key not in self.compiled and key not in self._ahead:
-      self._ahead[key] = _Ahead(self.jitted, abstract_args, self.mesh, self.name)
+      self._ahead[key] = _Ahead(self.jitted, abstract_args, self.mesh, self.name, self.store)
 
   def wait_lowered(self) -> None:
     """Wait until every compile ahead has traced and lowered its program: from then on the caller
@@ -100,15 +140,28 @@ class CompiledStep:
     executable = self.compiled.get(key)
     if executable is None:
       executable = self.compiled[key] = self._compile(key, args)
-    return executable(*args)
+    path = self._untried.pop(key, None)
+    if path is None:
+      return executable(*args)
+    try:
+      return executable(*args)
+    except Exception:
+      # A stored executable that cannot run must not fail every restart after this one.
+      log.error('%s: the executable loaded from %s failed at its first call; removed it, so the '
+                'next start compiles the step', self.name, path)
+      remove_quietly(path)
+      raise
 
   def _compile(self, key, args):
     ahead = self._ahead.pop(key, None)
     if ahead is not None:
       waited = ahead.wait()
       if ahead.error is None:
-        log.info('%s compiled ahead in %.1f s, beside the start-up; its first call waited %.1f s '
-                 'for it', self.name, ahead.seconds, waited)
+        if ahead.loaded:
+          self._untried[key] = ahead.path
+        log.info('%s %s in %.1f s, beside the start-up; its first call waited %.1f s for it',
+                 self.name, 'loaded from the executable store' if ahead.loaded else
+                 'compiled ahead', ahead.seconds, waited)
         return self._together(ahead.result)
       log.warning('%s: the compile ahead failed (%s: %s); compiling at its first call',
                   self.name, type(ahead.error).__name__, ahead.error)

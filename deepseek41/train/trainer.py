@@ -38,6 +38,7 @@ from deepseek41.train.checkpoint import (CheckpointError, Checkpointer, complete
                                          saved_stream_count)
 from deepseek41.train.compiled import CompiledStep
 from deepseek41.train.evaluation import Evaluator, eval_config, make_task_step
+from deepseek41.train.executable_store import ExecutableStore, run_context
 from deepseek41.train.feed import abstract_batch, global_batch
 from deepseek41.train.flops import device_peak_tflops
 from deepseek41.train.metrics import MetricsWriteError, MetricsWriter, check_writable
@@ -274,11 +275,15 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
   # opens and the checkpoint restores (train/compiled.py).
   replicated = NamedSharding(mesh, P())
   together = n_proc > 1
+  store = None
+  if compile_cache.directory and cfg.train.store_executables:
+    store = ExecutableStore(os.path.join(compile_cache.directory, 'deepseek41-executables'),
+                            run_context(cfg.to_json(), list(mesh.devices.flat)))
   with jax.set_mesh(mesh):
     train_step = CompiledStep(
         jax.jit(objective.make_train_step(md), in_shardings=(shardings, bsharding),
                 out_shardings=(shardings, replicated), donate_argnums=(0,)),
-        'train_step', mesh=mesh, together=together)
+        'train_step', mesh=mesh, together=together, store=store)
     # Evaluation never drops expert assignments, whatever the training backend.
     eval_md = state_lib.model_def(eval_config(cfg), tx)
     if cfg.model.eval_moe_backend != cfg.model.moe_backend:

@@ -16,11 +16,12 @@ ONE_LAYER = {'model.num_layers': 1, 'model.num_encoder_layers': 0, 'model.compre
              'model.candidate_source_layer_id': -1, 'model.engram_layer_ids': ()}
 
 
-def _run(workdir, cache_dir, caplog):
+def _run(workdir, cache_dir, caplog, **overrides):
   caplog.clear()
   with caplog.at_level(logging.INFO, logger='deepseek41'):
     train(small_config(**ONE_LAYER, **{'train.steps': 2,
-                                       'train.compilation_cache_dir': str(cache_dir)}),
+                                       'train.compilation_cache_dir': str(cache_dir),
+                                       **overrides}),
           str(workdir))
   first_step = [r.getMessage() for r in caplog.records if 'first step' in r.getMessage()]
   losses = [json.loads(line)['loss'] for line in open(workdir / 'metrics.jsonl')]
@@ -35,6 +36,11 @@ def _entries(cache_dir):
   return {f for f in os.listdir(cache_dir) if f.endswith('-cache')}
 
 
+def _stored(cache_dir):
+  store = cache_dir / 'deepseek41-executables'
+  return sorted(os.listdir(store)) if store.is_dir() else []
+
+
 def test_second_run_loads_what_the_first_compiled(tmp_path, caplog, monkeypatch):
   # Whatever this machine's compile speed (the steps take seconds here, tens on the GPU).
   monkeypatch.setattr(CompilationCache, 'MIN_COMPILE_SECS', 0.0)
@@ -44,14 +50,25 @@ def test_second_run_loads_what_the_first_compiled(tmp_path, caplog, monkeypatch)
   written = _entries(cache)
   assert written, 'the first run wrote nothing to the cache'
   # By its first step the first run compiled the initialisation and the update step (and,
-  # with no floor on compile time, the eager ops before them) and wrote them all.
+  # with no floor on compile time, the eager ops before them) and wrote them all; the update
+  # step's executable also went to the executable store (train/executable_store.py).
   n_first = int(re.search(r'(\d+) compiled and written', log1[0]).group(1))
   assert n_first >= 2 and '0 program(s) loaded' in log1[0]
+  assert len(_stored(cache)) == 1
 
   log2, losses2 = _run(tmp_path / 'b', cache, caplog)
-  assert _entries(cache) == written  # the second run compiled nothing new
-  assert f'{n_first} program(s) loaded' in log2[0] and '0 compiled and written' in log2[0]
+  messages = [r.getMessage() for r in caplog.records]
+  assert _entries(cache) == written and len(_stored(cache)) == 1  # nothing compiled anew
+  # the update step from the store, untraced; everything else from the persistent cache
+  assert any('train_step loaded from the executable store' in m for m in messages), messages
+  assert f'{n_first - 1} program(s) loaded' in log2[0] and '0 compiled and written' in log2[0]
   assert losses2 == losses1  # the same training
+
+  # train.store_executables=False: the persistent cache alone, which serves the update step too
+  log3, losses3 = _run(tmp_path / 'c', cache, caplog, **{'train.store_executables': False})
+  assert f'{n_first} program(s) loaded' in log3[0] and '0 compiled and written' in log3[0]
+  assert not any('executable store' in r.getMessage() for r in caplog.records)
+  assert losses3 == losses1
   assert jax.config.jax_compilation_cache_dir == before  # the process's own settings are back
 
 
@@ -86,11 +103,11 @@ def test_a_restart_loads_the_update_step_it_compiled_before(tmp_path, caplog, mo
   assert any('resumed' in r.getMessage() for r in caplog.records)
   assert '0 compiled and written' in first_step[0], first_step[0]
   assert _entries(cache) == written
-  # the update step was read from the cache, and its tracing and lowering still paid
-  assert _phase(first_step[0], 'cache reads') > 0 and _phase(first_step[0], 'tracing') > 0
-  # ... ahead of its first call, from the abstract state and batch (train/compiled.py)
+  # the update step was loaded from the executable store ahead of its first call, so neither
+  # traced nor lowered, and nothing else needed compiling (train/executable_store.py)
+  assert '0 program(s) loaded' in first_step[0] and _phase(first_step[0], 'lowering') == 0
   messages = [r.getMessage() for r in caplog.records]
-  assert any('train_step compiled ahead' in m for m in messages), messages
+  assert any('train_step loaded from the executable store' in m for m in messages), messages
   assert not any('differ from those compiled ahead' in m for m in messages)
 
 
