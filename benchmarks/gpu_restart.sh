@@ -3,14 +3,15 @@
 # of the same run from its checkpoint, and a fresh run of the same config with the cache warm.
 # For each: seconds from the process's launch to its first step's line, and the trainer's own
 # start-up lines (initialisation, first step, what the persistent cache and the executable store
-# loaded). Last, the second run restarted with the executable store off, beside the restart.
+# loaded). RUNS picks and orders them (default: cold restart restart_nostore fresh_warm;
+# restart_nostore is the same restart with the executable store off).
 #   bash benchmarks/gpu_restart.sh                    # configs/ablation_1b.py at 8 x 4,096
 #   CONFIG=configs/ablation_1b.py EXTRA="" bash benchmarks/gpu_restart.sh   # as shipped (64K)
 set -uo pipefail
 source benchmarks/device_env.sh
 CONFIG=${CONFIG:-configs/ablation_1b.py}
 EXTRA=${EXTRA---config.data.seq_len=4096 --config.train.batch_size=8 --config.train.remat=none}
-CACHE=/tmp/restart_cache; rm -rf "$CACHE" /tmp/restart_a /tmp/restart_b
+CACHE=/tmp/restart_cache; rm -rf "$CACHE" /tmp/restart_a /tmp/restart_b /tmp/restart_c
 COMMON="--config.data.synthetic=True --config.log.every_steps=1 --config.log.progress_bar=False \
   --config.train.eval_every_steps=0 --config.checkpoint.every_steps=2 \
   --config.train.compilation_cache_dir=$CACHE $EXTRA"
@@ -31,8 +32,16 @@ run() {  # name workdir [--stop_at_step=N]
   grep -E "initialised|resumed|first step|compil|executable" "$OUT/restart_$1.log" | cut -c1-400 \
     | tee -a "$OUT/restart_summary.txt"
 }
-run cold /tmp/restart_a --stop_at_step=2        # empty cache: compiles and writes every program
-run restart /tmp/restart_a                      # the same run from its step-2 checkpoint
-run fresh_warm /tmp/restart_b --stop_at_step=2  # a new run, same config, the cache warm
-# the same restart with the persistent cache alone (tracing and lowering the step to find it)
-run restart_nostore /tmp/restart_b --config.train.store_executables=False
+RUNS=${RUNS:-cold restart restart_nostore fresh_warm}
+for r in $RUNS; do
+  case $r in
+    # empty cache: compiles and writes every program; a copy of its step-2 work directory
+    cold) run cold /tmp/restart_a --stop_at_step=2; rm -rf /tmp/restart_c
+          cp -r /tmp/restart_a /tmp/restart_c;;
+    restart) run restart /tmp/restart_a;;  # the same run from its step-2 checkpoint
+    # the same restart (of the copy) with the persistent cache alone: the step traced and
+    # lowered to find it there
+    restart_nostore) run restart_nostore /tmp/restart_c --config.train.store_executables=False;;
+    fresh_warm) run fresh_warm /tmp/restart_b --stop_at_step=2;;  # a new run, the cache warm
+  esac
+done

@@ -119,6 +119,7 @@ class CompiledStep:
     self.compiled: dict[tuple, object] = {}
     self._ahead: dict[tuple, _Ahead] = {}
     self._untried: dict[tuple, str] = {}  # loaded from the store, not yet run: its file
+    self._finished: list[_Ahead] = []  # handed over, perhaps still writing to the store
 
   def compile_ahead(self, *abstract_args) -> None:
     """Start compiling for arguments like `abstract_args` (ShapeDtypeStructs with shardings)."""
@@ -152,9 +153,17 @@ class CompiledStep:
       remove_quietly(path)
       raise
 
+  def close(self, timeout_s: float = 120.0) -> None:
+    """Let the executables being written to the store finish (their threads are daemons: a run
+    that ends first would leave its restart nothing to load)."""
+    deadline = time.monotonic() + timeout_s
+    for ahead in self._finished:
+      ahead._thread.join(max(0.0, deadline - time.monotonic()))
+
   def _compile(self, key, args):
     ahead = self._ahead.pop(key, None)
     if ahead is not None:
+      self._finished.append(ahead)
       waited = ahead.wait()
       if ahead.error is None:
         if ahead.loaded:

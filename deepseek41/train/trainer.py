@@ -303,7 +303,8 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
 
   # Closed in reverse order however the run ends: profiler, writer, checkpoints, input.
   with contextlib.ExitStack() as cleanup:
-    inputs = cleanup.enter_context(contextlib.ExitStack())  # closed last, after a pending save
+    cleanup.callback(train_step.close)  # last of all: the executable store's write
+    inputs = cleanup.enter_context(contextlib.ExitStack())  # closed after a pending save
     ckpt = Checkpointer(workdir, cfg.checkpoint, primary=primary)
     cleanup.callback(ckpt.close)
     stop.describe_checkpoints = ckpt.describe_kept  # for a third signal's last line
