@@ -63,7 +63,8 @@ class ModelConfig:
   # step) walk d_model in chunks this wide (0: the training chunks, 32). One token is one
   # program, so its serial walk is the kernel's time: 32 chunks of 32 columns took 18-60 us a
   # site on an H100, 1.47 ms of a 1B decode token's 4.4 (docs/performance.md section 54); 4-8
-  # chunks should take a fraction of that. [I] ours; 0 until measured on the GPU.
+  # chunks should have taken a fraction of that, but 256-wide chunks decoded slower on an H100
+  # (section 56); splitting the walk over programs (below) is what paid. [I] ours.
   mhc_decode_block_d: int = key(0, execution_only=True)
   # Such a call walks d_model in this many programs at once (the site's coefficients from their
   # partial sums in a second small kernel), so one token's walk runs on that many SMs; the

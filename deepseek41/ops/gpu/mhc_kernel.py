@@ -786,7 +786,8 @@ def _run_local(x_btnd, f_btd, post_btn, comb_btjk, pre_btn, fn, base, scale, *, 
 # kernels hold one 8-warp block per SM (registers), the backward two; DRAM at 21-44% of peak.
 # decode_splits: a decode step's one token block is one program walking d_model alone (18-60 us
 # a site on an H100, 1.47 ms of a 1B token's 4.4: section 54); split over D, the walk runs on
-# that many SMs at once. 0 (off) until measured: docs/performance.md section 58.
+# that many SMs at once: 1.45x a decoded token at S = 16 on an H100, the model's default
+# (model.mhc_decode_splits; docs/performance.md section 59). 0 here: a direct call is one program.
 MHC_TOKEN_BLOCK = 128  # the forward's tokens a program (block_t)
 _KNOBS = dict(iters=20, eps=1e-6, norm_eps=1e-6, block_t=MHC_TOKEN_BLOCK, block_d=32, num_warps=8,
               block_t_bwd=64, block_d_bwd=32, num_warps_bwd=8, num_stages=1, prefetch=True,
