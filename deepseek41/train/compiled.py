@@ -7,7 +7,8 @@ and loading the update step from the persistent cache (docs/performance.md secti
 from the state's and the batch's abstract values in a background thread while the first runs;
 the first call with arguments of that signature waits for it and runs its executable. Arguments
 of another signature (or a failed compile ahead, logged) compile where they are called, as jit
-would.
+would. With an executable store (train/executable_store.py), the compile ahead is a load where
+the store has the step, without tracing or lowering it.
 
 Together: with several processes, a step runs only once every process has compiled it (a
 barrier of the jax.distributed coordination service). Process 0 may load a program from the
