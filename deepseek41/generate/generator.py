@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepseek41.batch import ROLE_PATCH
-from deepseek41.config import ConfigError, RunConfig, resolve
+from deepseek41.config import ConfigError, RunConfig, base_config, resolve
 from deepseek41.config import max_positions as config_max_positions
 from deepseek41.data.engram_vocab import compression_map
 from deepseek41.data.multimodal import build_document
@@ -56,6 +56,10 @@ from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.reading import checkpoint_step, portable_config, run_tokenizer
 from deepseek41.train.warm_start import restore_weights
 
+# Execution-only keys that change only decode-sized calls (fewer than one token block): a saved
+# run's values are what its config held when it trained, so generation takes today's defaults
+# (e.g. the split mHC walk, docs/performance.md section 59), and --execution on top.
+DECODE_EXECUTION_KEYS = ('mhc_decode_block_d', 'mhc_decode_splits', 'moe_gather_small_calls')
 TOKENS_PER_DISPATCH = 32  # plain decoding steps per dispatch to the device, by default
 # Prompt positions per prefill dispatch, by default: longer prompts prefill in chunks, whose
 # activations (not the prompt's) bound prefill's memory. 0: the whole prompt at once.
@@ -103,6 +107,9 @@ def generation_config(saved: dict, backend: str | None = None,
   computed, never what it computes. Raises GenerateError naming a key that is not one.
   """
   c = portable_config(saved)
+  defaults = base_config().model
+  for key in DECODE_EXECUTION_KEYS:  # today's measured choices, not those of the run's day
+    c.model[key] = defaults[key]
   c.model.attention_impl = 'chunked'
   c.model.index_impl = 'reference'
   c.model.sparse_impl = 'gathered'

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from deepseek41.generate.prompts import with_images
-from deepseek41.generate.generator import GenerateError, Generator, execution_overrides
+from deepseek41.generate.generator import (GenerateError, Generator, execution_overrides,
+                                           generation_config)
 from tests.helpers import CORPUS_STEPS
 
 @pytest.fixture
@@ -90,6 +91,19 @@ def test_execution_overrides(workdir):
   with pytest.raises(GenerateError, match=r"--execution: 'model.hc_eps' is not KEY=VALUE"):
     execution_overrides(['model.hc_eps'])
   assert execution_overrides(['a=1', ' b = x ']) == {'a': '1', 'b': 'x'}
+
+
+def test_decode_keys_are_todays_defaults_whatever_the_run_saved(workdir):
+  # A run trained before a decode path became the default saved the old value; generation takes
+  # the default, and --execution still sets it.
+  with open(os.path.join(workdir, 'config.json')) as f:
+    saved = json.load(f)
+  saved['model'].update(mhc_decode_splits=0, mhc_decode_block_d=64, moe_gather_small_calls=False)
+  model = generation_config(saved).model
+  assert (model.mhc_decode_splits, model.mhc_decode_block_d, model.moe_gather_small_calls) == \
+      (16, 0, True)
+  assert generation_config(saved, execution={'model.mhc_decode_splits': '2'}).model \
+      .mhc_decode_splits == 2
 
 
 def test_cli(workdir, tmp_path):
