@@ -88,13 +88,15 @@ def compile_decode(cfg, devices):
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
   from deepseek41.generate.cache import empty_cache
   from deepseek41.generate.decode import forward_chunk
-  from deepseek41.generate.generator import generation_config
+  from deepseek41.generate.generator import DECODE_EXECUTION_KEYS, generation_config
   from deepseek41.generate.programs import weights_in_compute_dtype
   from deepseek41.model.layer_cache import CacheSpec
   from deepseek41.model.transformer import Transformer
   if _DECODE_STEPS.value > 1 and _DECODE_CHUNK.value > 1:
     raise SystemExit('--decode_steps > 1 takes one position a step (--decode_chunk=1)')
-  cfg = generation_config(cfg.to_dict(), backend='gpu')
+  # The decode keys as the flags set them (generation would start them from the defaults).
+  cfg = generation_config(cfg.to_dict(), backend='gpu', execution={
+      f'model.{k}': getattr(cfg.model, k) for k in DECODE_EXECUTION_KEYS})
   model = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(params=0)))
   graph, state = nnx.split((model, None))  # as Programs holds it: (model, drafter)
   state = weights_in_compute_dtype(graph, state, None)
