@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import io
 import logging
 import os
 import pickle
@@ -113,10 +112,8 @@ class ExecutableStore:
       # The devices it was compiled for, in order: loading for others (jax's default: every
       # device) fails at the first call.
       device_ids = [d.id for d in compiled._executable._unloaded_executable.device_list]
-      buf = io.BytesIO()
-      pickle.dump((serialized, in_tree, out_tree, device_ids), buf,
-                  protocol=pickle.HIGHEST_PROTOCOL)
-      payload = buf.getvalue()
+      payload = pickle.dumps((serialized, in_tree, out_tree, device_ids),
+                             protocol=pickle.HIGHEST_PROTOCOL)
       os.makedirs(self.directory, mode=0o700, exist_ok=True)
       fd, tmp = tempfile.mkstemp(dir=self.directory, prefix='.tmp-', suffix='.exe')
       try:
