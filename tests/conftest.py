@@ -24,3 +24,11 @@ if not flags.FLAGS.is_parsed():
 
 # The fixtures every tier shares live in the one helper module.
 from tests.helpers import corpus, pretrained_run  # noqa: E402,F401
+
+
+def pytest_collection_modifyitems(items):
+  """Files whose tests share state run whole on one worker (`pytest.mark.xdist_group`, the
+  `loadgroup` mode of pyproject.toml); they are the suite's longest units, so they are handed
+  out first and the other tests, one at a time, fill in around them: no long file is left to
+  run alone at the end of a tier."""
+  items.sort(key=lambda item: item.get_closest_marker('xdist_group') is None)

@@ -15,6 +15,10 @@ from deepseek41.model.transformer import Transformer
 from tests.helpers import CSA2_SMALL as CSA2
 from tests.helpers import aligned_batch, resolved, token_ce
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 def _model(**overrides):
   cfg = resolved(**{**CSA2, **overrides})

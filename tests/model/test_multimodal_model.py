@@ -18,6 +18,10 @@ from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.step import make_train_step
 from tests.helpers import SLOTS, VISION, image_batch, resolved
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 T = 48
 
 

@@ -10,6 +10,10 @@ from flax import nnx
 from deepseek41.model.transformer import Transformer
 from tests.helpers import jaxpr_eqns, one_train_step, packed_batch, resolved
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 @pytest.fixture(scope='module')
 def baseline():

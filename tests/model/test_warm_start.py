@@ -15,6 +15,10 @@ from deepseek41.train.checkpoint import CheckpointError, Checkpointer
 from deepseek41.train.optimizer import make_optimizer
 from tests.helpers import small_config
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 DRAFTER = {'dspark.num_blocks': 1, 'dspark.block_size': 3, 'dspark.n_routed_experts': 4,
            'dspark.num_experts_per_tok': 2, 'dspark.markov_rank': 8}
 

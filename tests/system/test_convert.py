@@ -25,6 +25,10 @@ from deepseek41.train.checkpoint import Checkpointer
 from deepseek41.train.optimizer import make_optimizer
 from tests.helpers import REPO_ROOT, resolved, small_config
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 # Every layer role: SWA, Full r=2, Reuse r=2, Full r=1 + candidate pool, Reindex, Reuse; Engram
 # before layers 1 and 4; single-pass mHC. Widths are multiples of 32 so every FP8/FP4 format
 # applies (scale blocks of 32).

@@ -25,6 +25,10 @@ from deepseek41.quant import get_fake_quant
 from deepseek41.tools.info import kv_cache_bytes
 from tests.helpers import REPO_ROOT, resolved
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 ROOT = REPO_ROOT
 
 # Every mechanism a cache must carry: CSA2 (ratio 2 and 1 sources, Reuse, Reindex with the

@@ -29,6 +29,10 @@ from deepseek41.train.evaluation import (SELECTION_MEASURES, TaskEvaluator, make
 from deepseek41.train.trainer import train
 from tests.helpers import REPO_ROOT, prepare_sentences, small_config
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 VOCAB = 416
 
 

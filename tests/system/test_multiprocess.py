@@ -25,6 +25,10 @@ from deepseek41.train.trainer import _stream_count
 from deepseek41.train.workdir import WorkdirLock
 from tests.helpers import REPO_ROOT
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 ROOT = REPO_ROOT
 LAUNCH = os.path.join(ROOT, 'launch', 'local.sh')
 STEPS = 4  # compared; every run has the schedule of 1000 steps and stops early

@@ -20,6 +20,10 @@ from deepseek41.train.trainer import train
 from tests.helpers import (DRAFTER, VISION, final_state, leaf_value, logged_losses, packed_batch,
                            random_like, resolved, singular_values, small_config)
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 HYBRID = {'train.optimizer': 'muon_hybrid', 'model.engram': True,
           'model.residual': 'mhc_single_pass'}
 EVERY_GROUP = {**HYBRID, **VISION, 'model.attention_variant': 'csa2'}

@@ -10,6 +10,10 @@ from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.step import forward_loss, make_train_step
 from tests.helpers import packed_batch, resolved
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 MESH8 = {'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.expert': 2}
 # mHC streams, sharded tables; the capacity experts (the CPU default is `reference`) because
 # their sort, gathers and capacity buffers are what sharding can get wrong.

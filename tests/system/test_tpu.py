@@ -21,6 +21,10 @@ from deepseek41.tools import memory_plan, topology_plan  # noqa: E402
 from deepseek41.train.flops import flops_per_token  # noqa: E402
 from tests.helpers import REPO_ROOT
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 ROOT = REPO_ROOT
 TOPOLOGY = 'v5p:2x2x2'
 MESH = {'fsdp': 2, 'expert': 2, 'tensor': 2}

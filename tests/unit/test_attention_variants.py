@@ -30,6 +30,10 @@ from deepseek41.train.flops import attention_flops_per_layer, decode_attention_f
 from deepseek41.train.warm_start import model_differences
 from tests.helpers import REPO_ROOT, packed_layout, resolved
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 ROOT = REPO_ROOT
 DENSE = {'model.attention_variant': 'dense'}
 

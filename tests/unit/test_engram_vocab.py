@@ -12,6 +12,10 @@ from deepseek41.data.default_corpus import default_corpus_dir
 from deepseek41.data.pipeline import tokenizer_path_of
 from tests.helpers import small_config
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 @pytest.mark.parametrize('raw, expected', [
     ('  Hello\tWorld ', 'hello world'),

@@ -15,6 +15,10 @@ from deepseek41.train.checkpoint import CheckpointError, Checkpointer
 from deepseek41.train.warm_start import check_fits
 from tests.helpers import small_config
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 MODEL_KEYS = [f.name for f in keys_of(ModelConfig)]
 EXECUTION_ONLY = sorted(execution_only_keys('model'))
 

@@ -29,6 +29,10 @@ from deepseek41.ops.fp8_matmul import (dense, fp8_matmul, fp8_matmul_reference,
 from deepseek41.ops.gpu import grouped_gemm as gg
 from tests.helpers import resolved
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 TIGHT = 1e-6
 LOOSE = 0.06  # normwise, against the exact product
 

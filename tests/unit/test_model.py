@@ -10,6 +10,10 @@ from deepseek41.model.transformer import Transformer, head_logits
 from deepseek41.train.step import cross_entropy_sum
 from tests.helpers import packed_batch, resolved, token_ce
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 def _model(**overrides):
   cfg = resolved(**overrides)

@@ -28,6 +28,10 @@ from deepseek41.data.shards import DataError
 from deepseek41.data.tokenizer import load_tokenizer
 from tests.helpers import take_batches as _take
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 RELEASED = ImageGeometry(patch_size=14, merge=3, max_image_tokens=1024, min_pixels=295936,
                          image_token_id=129264, max_images_per_row=4)
 IMG_TOKEN = 299

@@ -28,6 +28,10 @@ from deepseek41.train.optimizer import (ADAMW, MUON, SINKHORN, hybrid_group, hyb
 from tests.helpers import (VISION, leaf_value, random_like, resolved, singular_values,
                            small_config)
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 COEFFS = ns_coefficients(((3.4445, -4.775, 2.0315), (2.0, -1.5, 0.5)), (8, 2))
 # The whole structure: Engram tables, mHC's static parameters, experts, head-wise Q.
 # The source's 8 + 2 iterations: the updates below are held to the SVD's polar factor, which the

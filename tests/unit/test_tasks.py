@@ -17,6 +17,10 @@ from deepseek41.data.tasks import held_out_documents
 from deepseek41.data.tokenizer import load_tokenizer, train_tokenizer
 from tests.helpers import REPO_ROOT, WORDS, prepare_sentences, small_config, take_batches
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 SEQ = 96
 @pytest.fixture(scope='module')
 def corpus(tmp_path_factory):

@@ -15,6 +15,10 @@ from deepseek41.model.vision import (VisionEncoder, merge_patches, patch_rows_co
                                      vit_attention_reference)
 from tests.helpers import first_update_ratios, resolved
 
+# Its tests share what they build (module fixtures, cached references): one worker runs the
+# whole file (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 def np_rope_2d(x, rows, cols, theta):
   """float64 transcription of section 3.15: angle = [row*f, col*f], pairs (c, c + hd/2)."""
