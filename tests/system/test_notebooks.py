@@ -4,6 +4,7 @@ is stored with its outputs stripped."""
 import glob
 import os
 
+import jax
 import nbformat
 import pytest
 from tests.helpers import REPO_ROOT
@@ -11,11 +12,25 @@ from nbclient import NotebookClient
 
 ROOT = REPO_ROOT
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, 'notebooks', '*.ipynb')))
+# configs/tiny.py narrowed to four layers that keep every role (SWA, ratio-2 and ratio-1 KV
+# sources, Reuse, Reindex with the candidate pool, Engram, mHC) on a 20-file corpus: the
+# notebooks' code runs whole at a third of tiny's compile time (tiny itself: the README's quick
+# start and tests/system/test_train.py).
+SHAPES = {
+    'model.d_model': 32, 'model.num_layers': 4, 'model.num_encoder_layers': 2,
+    'model.head_dim': 32, 'model.rope_head_dim': 8, 'model.q_lora_rank': 16,
+    'model.o_lora_rank': 16, 'model.moe_intermediate_size': 16, 'model.sliding_window': 8,
+    'model.compress_ratios': (0, 2, 1, 1), 'model.kv_source_layer_ids': (1, 2),
+    'model.index_source_layer_ids': (1, 2, 3), 'model.candidate_source_layer_id': 2,
+    'model.engram_layer_ids': (1,), 'model.vocab_size': 320, 'data.seq_len': 48,
+    'data.default_corpus_vocab_size': 300, 'data.default_corpus_max_files': 20,
+    'train.batch_size': 8, 'train.eval_batches': 2,
+}
 SMALL = {  # the parameters cell of each notebook, at test size
-    '01_quickstart.ipynb': "STEPS = 4\nWORKDIR = {workdir!r}",
+    '01_quickstart.ipynb': "STEPS = 4\nWORKDIR = {workdir!r}\nOVERRIDES = {overrides!r}",
     '02_kv_cache_and_flops.ipynb': "CONFIG = 'configs/v41_flash.py'",
     '03_ablation.ipynb': ("STEPS = 3\nKEY = 'model.residual'\nVALUES = ('mhc_single_pass', 'plain')"
-                          "\nWORKDIR = {workdir!r}"),
+                          "\nWORKDIR = {workdir!r}\nOVERRIDES = {overrides!r}"),
 }
 
 
@@ -30,7 +45,10 @@ def test_notebook_runs(path, tmp_path):
              for c in book.cells if c.cell_type == 'code'), 'commit notebooks without outputs'
   params = [c for c in book.cells if 'parameters' in c.metadata.get('tags', [])]
   assert len(params) == 1, 'one cell tagged "parameters"'
-  params[0].source = SMALL[os.path.basename(path)].format(workdir=str(tmp_path / 'run'))
+  overrides = {**SHAPES, 'data.cache_dir': str(tmp_path / 'data'),
+               'train.compilation_cache_dir': jax.config.jax_compilation_cache_dir}
+  params[0].source = SMALL[os.path.basename(path)].format(workdir=str(tmp_path / 'run'),
+                                                          overrides=overrides)
   client = NotebookClient(book, timeout=600, kernel_name='python3',
                           resources={'metadata': {'path': os.path.join(ROOT, 'notebooks')}})
   client.execute()  # raises CellExecutionError, with the cell and its traceback, on any error
