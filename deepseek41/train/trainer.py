@@ -47,7 +47,7 @@ from deepseek41.train.optimizer import make_optimizer
 from deepseek41.train.step_log import StepLog, TrainingDiverged
 from deepseek41.train.stop import STOP, StopSignals
 from deepseek41.train.throughput import Throughput
-from deepseek41.train.warm_start import initial_state
+from deepseek41.train.warm_start import check_warm_starts, initial_state
 from deepseek41.train.workdir import WorkdirLock, prepare_workdir
 
 log = logging.getLogger('deepseek41')
@@ -269,6 +269,8 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
   log.info('%s', fpt.formula)
   log.info('peak: %s', f'{peak:g} TFLOP/s per device (bf16 dense)' if peak else
            'unknown for this device: MFU not reported (set train.peak_tflops)')
+
+  check_warm_starts(cfg, workdir)
 
   # ---- update step -----------------------------------------------------------------------
   # Compiled in the background from the abstract state and batch from here on, while the input

@@ -30,7 +30,8 @@ import numpy as np
 from deepseek41.config import (LAYOUT_VERSION, MeshConfig, RunConfig, config_from_saved, resolve,
                                upgrade_saved_model)
 from deepseek41.train import state as state_lib
-from deepseek41.train.checkpoint import EXECUTION_ONLY_MODEL_KEYS, CheckpointError, Checkpointer
+from deepseek41.train.checkpoint import (EXECUTION_ONLY_MODEL_KEYS, CheckpointError, Checkpointer,
+                                         complete_steps)
 from deepseek41.train.objectives import BACKBONE, MODEL, Objective, WarmStart, objective_for
 from deepseek41.train.optimizer import make_optimizer
 
@@ -143,35 +144,61 @@ def restore_weights(key: str, path: str, cfg: RunConfig, mesh) -> tuple[Objectiv
   workdir, step = step_directory(key, path)
   ckpt = Checkpointer(workdir, cfg.checkpoint, primary=False)
   try:
-    step_dir = ckpt.step_dir(step)
-    saved = ckpt.read_json_item(step, 'config')
-    another_model, same_model = model_differences(
-        saved.get('model', {}), cfg.to_dict()['model'],
-        SELECTION_SIZE_KEYS if key == INIT_FROM else ())
-    if same_model:
-      log.info('%s: the same model, run otherwise: %s', key, '; '.join(same_model))
-    if another_model:
-      raise CheckpointError(
-          f'{key}: {step_dir} holds another model: ' + '; '.join(another_model[:5])
-          + (f' (and {len(another_model) - 5} more)' if len(another_model) > 5 else '')
-          + '. Give a checkpoint of this model, or set the model section to the one it was '
-          'trained with.')
-    source = _source_config(cfg, saved)
+    step_dir, source = _checked_source(key, ckpt, step, cfg)
     objective = objective_for(source)
     abstract = state_lib.abstract_state(source, make_optimizer(source.train))
-    entries = objective.model_entries
-    problems = layout_problems(ckpt.read_json_item(step, 'meta'),
-                               state_lib.state_layout({k: abstract[k] for k in entries}), entries)
-    if problems:
-      raise CheckpointError(f'{key}: {step_dir} does not hold the weights its config describes: '
-                            + '; '.join(problems[:5]))
     _verify(ckpt, step)
     target = state_lib.with_shardings(
         abstract, state_lib.state_shardings(abstract, mesh, cfg.mesh.rules))
-    restored = ckpt.restore_parts(step, {k: target[k] for k in entries})
+    restored = ckpt.restore_parts(step, {k: target[k] for k in objective.model_entries})
   finally:
     ckpt.close()
   return objective, restored, step_dir
+
+
+def check_warm_starts(cfg: RunConfig, workdir: str) -> None:
+  """Before anything compiles: if the run in `workdir` starts fresh (no checkpoint of its own),
+  every checkpoint it starts from exists and holds this model, so a wrong path or another
+  model's checkpoint fails in seconds with the key named, not after minutes of compilation.
+  Reads only the checkpoints' config and layout items. A resume ignores the warm starts."""
+  if complete_steps(os.path.join(workdir, 'checkpoints')):
+    return
+  for start in _warm_starts(cfg):
+    workdir, step = step_directory(start.key, start.path)
+    source_ckpt = Checkpointer(workdir, cfg.checkpoint, primary=False)
+    try:
+      _checked_source(start.key, source_ckpt, step, cfg)
+    finally:
+      source_ckpt.close()
+
+
+def _checked_source(key: str, ckpt: Checkpointer, step: int, cfg: RunConfig
+                    ) -> tuple[str, RunConfig]:
+  """(step directory, the config its weights restore under) of checkpoint `step` of `ckpt`,
+  which config key `key` names; raises CheckpointError naming `key` unless it holds this run's
+  model, leaf for leaf."""
+  step_dir = ckpt.step_dir(step)
+  saved = ckpt.read_json_item(step, 'config')
+  another_model, same_model = model_differences(
+      saved.get('model', {}), cfg.to_dict()['model'],
+      SELECTION_SIZE_KEYS if key == INIT_FROM else ())
+  if same_model:
+    log.info('%s: the same model, run otherwise: %s', key, '; '.join(same_model))
+  if another_model:
+    raise CheckpointError(
+        f'{key}: {step_dir} holds another model: ' + '; '.join(another_model[:5])
+        + (f' (and {len(another_model) - 5} more)' if len(another_model) > 5 else '')
+        + '. Give a checkpoint of this model, or set the model section to the one it was '
+        'trained with.')
+  source = _source_config(cfg, saved)
+  entries = objective_for(source).model_entries
+  abstract = state_lib.abstract_state(source, make_optimizer(source.train))
+  problems = layout_problems(ckpt.read_json_item(step, 'meta'),
+                             state_lib.state_layout({k: abstract[k] for k in entries}), entries)
+  if problems:
+    raise CheckpointError(f'{key}: {step_dir} does not hold the weights its config describes: '
+                          + '; '.join(problems[:5]))
+  return step_dir, source
 
 
 def _source_config(cfg: RunConfig, saved: dict) -> RunConfig:
@@ -230,12 +257,17 @@ def load_warm_starts(cfg: RunConfig, state: dict, mesh) -> dict:
   """`state` (a fresh initialisation) with everything the run starts from, in order: the
   objective's warm starts, then `checkpoint.init_from` (the whole model)."""
   objective = objective_for(cfg)
-  starts = list(objective.warm_starts())
-  if cfg.checkpoint.init_from:
-    starts.append(WarmStart(INIT_FROM, cfg.checkpoint.init_from, MODEL))
-  for start in starts:
+  for start in _warm_starts(cfg):
     state = load_warm_start(cfg, objective, state, start, mesh)
   return state
+
+
+def _warm_starts(cfg: RunConfig) -> list[WarmStart]:
+  """What a fresh run starts from, in the order it is loaded."""
+  starts = list(objective_for(cfg).warm_starts())
+  if cfg.checkpoint.init_from:
+    starts.append(WarmStart(INIT_FROM, cfg.checkpoint.init_from, MODEL))
+  return starts
 
 
 # ---- the run's own state -----------------------------------------------------------------------

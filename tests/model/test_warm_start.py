@@ -171,3 +171,34 @@ def test_resume_reads_its_own_checkpoint_under_the_same_rule(pretrained, calls, 
                                             'model.moe_intermediate_size'):
     warm_start.check_fits(ckpt, 0, state_lib.state_layout(other_abstract), other.to_dict())
   ckpt.close()
+
+
+def test_the_trainer_refuses_a_bad_warm_start_before_compiling(pretrained, tmp_path, monkeypatch):
+  """A fresh run whose warm start names no checkpoint, or another model's, fails with the key
+  named before anything traces or compiles; a resumed run does not read its warm starts."""
+  from deepseek41.train import trainer
+
+  def no_compiling(*args, **kwargs):
+    raise AssertionError('compiled before the warm starts were checked')
+  monkeypatch.setattr(trainer, 'CompiledStep', no_compiling)
+  _, path = pretrained
+  cases = [({'checkpoint.init_from': str(tmp_path / 'nowhere')},
+            r'^checkpoint\.init_from=.* is not a checkpoint step directory'),
+           ({'checkpoint.init_from': path, 'model.moe_intermediate_size': 24},
+            r'^checkpoint\.init_from: .* holds another model: model\.moe_intermediate_size'),
+           ({**DRAFTER, 'dspark.stage': 'frozen'}, r'^dspark\.backbone_checkpoint: the frozen'),
+           ({**DRAFTER, 'dspark.stage': 'frozen', 'dspark.backbone_checkpoint': path,
+             'dspark.markov_rank': 4}, None)]  # a drafter key differs: the backbone fits
+  for i, (overrides, message) in enumerate(cases):
+    workdir = str(tmp_path / f'run{i}')
+    if message is None:
+      with pytest.raises(AssertionError, match='compiled before'):
+        trainer.train(small_config(**overrides), workdir)
+    else:
+      with pytest.raises(CheckpointError, match=message):
+        trainer.train(small_config(**overrides), workdir)
+  # A run that resumes (its own step 0 here) never looks at its warm starts.
+  resumed = str(tmp_path / 'resumed')
+  _save(_cfg(), pretrained[0], resumed)
+  with pytest.raises(AssertionError, match='compiled before'):
+    trainer.train(small_config(**{'checkpoint.init_from': str(tmp_path / 'nowhere')}), resumed)
