@@ -27,6 +27,10 @@ from tests.helpers import (EVERY_KERNEL, MESH_KERNEL_SHAPES, kernels_outside_sha
 
 MESH8 = {'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.expert': 2}
 
+# Its tests share what they build (a module fixture): one worker runs the whole file
+# (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 def _setup(n, sizes):
   cfg = resolved(num_devices=n, **sizes, **MESH_KERNEL_SHAPES)
@@ -39,30 +43,36 @@ def _setup(n, sizes):
   return cfg, tx, mesh, state, batch
 
 
-def test_no_kernel_runs_on_the_whole_batch():
+@pytest.fixture(scope='module')
+def eight_devices():
+  """The train loss and its gradients on 8 devices, traced once: its jaxpr is read for the
+  structure, its compiled program run for the numbers (each trace costs a minute on 2 cores)."""
   cfg, tx, mesh, state, batch = _setup(8, MESH8)
+  args = (state['params'], state['router_bias'], batch)
   with jax.set_mesh(mesh):
-    closed = jax.make_jaxpr(jax.value_and_grad(model_loss_fn(cfg, tx)))(
-        state['params'], state['router_bias'], batch)
+    traced = jax.jit(jax.value_and_grad(model_loss_fn(cfg, tx))).trace(*args)
+    loss_grads = traced.lower().compile()(*args)
+  return cfg, tx, args, traced.jaxpr, loss_grads
+
+
+def test_no_kernel_runs_on_the_whole_batch(eight_devices):
+  cfg, tx, args, closed, _ = eight_devices
   kernels = kernels_outside_shard_map(closed.jaxpr)
   assert not kernels, f'pallas_calls GSPMD would run on the whole batch: {kernels[:5]}'
   # top_k neither: GSPMD cannot split its custom call and gathers the whole batch to every
   # device (the MoE routing did: f32 [global batch, T, E] per layer in the released plan).
   assert not kernels_outside_shard_map(closed.jaxpr, primitive='top_k')
   # ... and the walk does see kernels: without a mesh nothing is wrapped.
-  closed = jax.make_jaxpr(jax.value_and_grad(model_loss_fn(cfg, tx)))(
-      state['params'], state['router_bias'], batch)
+  closed = jax.make_jaxpr(jax.value_and_grad(model_loss_fn(cfg, tx)))(*args)
   assert len(kernels_outside_shard_map(closed.jaxpr)) >= 5
 
 
-def test_every_kernel_sharded_matches_one_device():
-  out = []
-  for n, sizes in ((1, {'mesh.data': 1}), (8, MESH8)):
-    cfg, tx, mesh, state, batch = _setup(n, sizes)
-    with jax.set_mesh(mesh):
-      out.append(jax.jit(jax.value_and_grad(model_loss_fn(cfg, tx)))(
-          state['params'], state['router_bias'], batch))
-  (l1, g1), (l8, g8) = out
+def test_every_kernel_sharded_matches_one_device(eight_devices):
+  cfg, tx, mesh, state, batch = _setup(1, {'mesh.data': 1})
+  with jax.set_mesh(mesh):
+    l1, g1 = jax.jit(jax.value_and_grad(model_loss_fn(cfg, tx)))(
+        state['params'], state['router_bias'], batch)
+  l8, g8 = eight_devices[-1]
   # f32; sums reordered across devices and kernel tiles (the grouped weight gradient sums other
   # row tiles per device): a few Engram-table gradients of ~6e-4 move by ~1.5e-7.
   np.testing.assert_allclose(l8, l1, rtol=1e-6)

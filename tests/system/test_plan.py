@@ -18,7 +18,7 @@ from deepseek41.sharding import make_mesh
 from deepseek41.tools import gpu_target, memory_plan, plan
 from deepseek41.train import state as state_lib
 from deepseek41.train.optimizer import make_optimizer
-from tests.helpers import REPO_ROOT, jaxpr_eqns
+from tests.helpers import REPO_ROOT, four_layer_tiny, jaxpr_eqns
 
 ROOT = REPO_ROOT
 MESH = {'fsdp': 4, 'expert': 2}
@@ -30,20 +30,6 @@ MESH = {'fsdp': 4, 'expert': 2}
 # (memory_plan.assemble). 15% catches a lost term (the gradients alone are 17% of the step here) or
 # a double count (the plan once came out +32% without remat and +38% with remat on half).
 TOLERANCE = 0.15
-
-
-def _four_layer_tiny():
-  """configs/tiny.py's shapes on four layers that still hold every role (SWA, ratio-2 and
-  ratio-1 KV sources, the candidate source, a Reindex layer, Engram): the full step compiles in
-  about 40 s instead of tiny's 8-layer 110 s. Block remat, as the shipped large configs."""
-  c = load_config_file(os.path.join(ROOT, 'configs', 'tiny.py'))
-  m = c.model
-  m.num_layers, m.num_encoder_layers = 4, 2
-  m.compress_ratios = (0, 2, 1, 1)
-  m.kv_source_layer_ids, m.index_source_layer_ids = (1, 2), (1, 2, 3)
-  m.candidate_source_layer_id, m.engram_layer_ids = 2, (1,)
-  c.train.remat = 'block'
-  return c
 
 
 def _device0_bytes(tree) -> int:
@@ -71,7 +57,7 @@ def test_exact_parts_match_real_sharded_arrays():
 
 
 def test_role_table_splits_layers_by_remat():
-  config = _four_layer_tiny()
+  config = four_layer_tiny()
   config.train.remat_layers = 3
   cfg = resolve(config)
   table = memory_plan.role_table(cfg)
@@ -97,7 +83,7 @@ def test_plan_matches_compiled_full_step(remat, remat_layers, residual):
   what their backward reads (a layer without remat, as `remat=none` plans every layer), with
   V4's multi-pass mHC, whose head program also holds the learned stream head. Each case
   compiles the whole 8-device step: two cover every per-layer program the plan assembles."""
-  config = _four_layer_tiny()
+  config = four_layer_tiny()
   config.train.remat, config.train.remat_layers = remat, remat_layers
   config.model.residual = residual
   result = {}
@@ -174,7 +160,7 @@ def test_activations_split_as_the_trainer_splits_the_residual():
 def test_gpu_plan_compiles_the_dropless_experts():
   """On a GPU device kind the routed experts are planned as they run there: the grouped backend
   behind the allgather exchange, its kernels as opaque calls (never the capacity einsum)."""
-  config = _four_layer_tiny()
+  config = four_layer_tiny()
   p = memory_plan.plan(config, MESH, device_kind='h200', devices=jax.devices()[:8])
   assert p['moe_backend'] == 'grouped'
   assert any(n.startswith('moe_backend: auto -> grouped') for n in p['stand_ins'])
@@ -184,7 +170,7 @@ def test_gpu_plan_compiles_the_dropless_experts():
 def test_block_keep_attention_counts_the_kernel_outputs_each_layer_keeps():
   """A window partial at every layer, a sparse partial at CSA2 layers, slot masses and selected
   scores at index sources: [B, T, H, d] compute dtype + [B, T, H] fp32 each, [B, T, K] fp32."""
-  cfg = resolve(_four_layer_tiny())
+  cfg = resolve(four_layer_tiny())
   m = cfg.model
   b, t = 2, 64
   batch = {'tokens': jax.ShapeDtypeStruct((b, t), jnp.int32)}
@@ -248,7 +234,7 @@ def test_an_index_sources_sinks_are_not_kept_bytes():
   """With the grouped key/value gradient (GPU paths) an index source publishes zero-valued
   sinks for its readers (model/shared.py `Shared.sinks`); nothing stores them in the forward, so its
   kept bytes are those without grouping, while its backward receives the readers' hand-off."""
-  config = _four_layer_tiny()
+  config = four_layer_tiny()
   m = config.model
   m.num_encoder_layers, m.compress_ratios = 3, (0, 2, 2, 1)  # layer 2 reads layer 1's selection
   m.kv_source_layer_ids, m.index_source_layer_ids = (1, 3), (1, 3)

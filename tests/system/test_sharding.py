@@ -51,12 +51,16 @@ def runs():
     def loss_fn(params, biases, b):
       ce, cnt, _ = forward_loss(md, params, biases, b)
       return ce / cnt
+    step = make_train_step(cfg, md)
+
+    # One program per mesh (XLA shares the two backward passes): compiles as one, not two.
+    def loss_grads_and_step(state, b):
+      loss, grads = jax.value_and_grad(loss_fn)(state['params'], state['router_bias'], b)
+      return loss, grads, *step(state, b)
     with jax.set_mesh(mesh):
-      loss, grads = jax.jit(jax.value_and_grad(loss_fn))(state['params'], state['router_bias'],
-                                                        gbatch)
-      step = jax.jit(make_train_step(cfg, md), in_shardings=(shardings, bsh),
-                     out_shardings=(shardings, None))
-      new_state, metrics = step(state, gbatch)
+      loss, grads, new_state, metrics = jax.jit(
+          loss_grads_and_step, in_shardings=(shardings, bsh),
+          out_shardings=(None, None, shardings, None))(state, gbatch)
     out[name] = dict(state=state, loss=loss, grads=grads, new_state=new_state, metrics=metrics)
   return out
 
