@@ -16,6 +16,12 @@ shutdown under running threads. Files on disk are as a kill leaves them: complet
 untouched, a save it cut short left under its `<step>.orbax-checkpoint-tmp*` name, which a new
 start skips.
 
+Nor does the handler write: a signal can arrive while the main thread is inside a write to the
+log's stream, and a second write into the same buffered stream from the handler raises
+"reentrant call" (once seen in CI: the message lost, a logging traceback in its place). The
+handler queues its lines (`queue.SimpleQueue.put` is safe there) and a logging thread writes
+them; the third signal waits a moment for its line, then writes it to the raw file descriptor.
+
 Signal handlers belong to the process, so there is one `StopSignals`, `STOP`, entered by the
 command line before its imports and by `train()`: a signal at any moment of start-up counts.
 `train()` installs the handler again: jax.distributed.initialize() hands SIGTERM to its own
@@ -27,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
@@ -46,6 +53,9 @@ class StopSignals:
   def __init__(self):
     self._old = {}
     self._depth = 0
+    # (level, message, event set once written): what the handler says, for the logging thread.
+    self._lines: queue.SimpleQueue = queue.SimpleQueue()
+    self._writer: threading.Thread | None = None
     self._reset()
 
   def _reset(self):
@@ -58,6 +68,10 @@ class StopSignals:
   def __enter__(self):
     if self._depth == 0:
       self._reset()
+    if self._writer is None:
+      self._writer = threading.Thread(target=self._write_lines, name='stop-signal-log',
+                                      daemon=True)
+      self._writer.start()
     old = self.reinstall()
     if self._depth == 0:
       self._old = old
@@ -76,6 +90,26 @@ class StopSignals:
       for sig, old in self._old.items():
         signal.signal(sig, old)
       self._old = {}
+      self._written(None, '', timeout_s=2.0)  # every line the handler queued is out
+
+  def _write_lines(self):
+    while True:
+      level, message, done = self._lines.get()
+      try:
+        if message:
+          log.log(level, '%s', message)
+      finally:
+        done.set()
+
+  def _say(self, level: int, message: str) -> None:
+    """From the handler: queue the line (the logging thread writes it)."""
+    self._lines.put((level, message, threading.Event()))
+
+  def _written(self, level, message: str, timeout_s: float) -> bool:
+    """Queue a line and wait until the logging thread has written it (and all before it)."""
+    done = threading.Event()
+    self._lines.put((level, message, done))
+    return done.wait(timeout_s)
 
   @contextlib.contextmanager
   def loop(self):
@@ -93,13 +127,15 @@ class StopSignals:
     if self.count == 1:
       self.signal = signum
       if self.training:
-        log.warning('received %s: saving a checkpoint at the next step boundary (after a save '
-                    'in progress), then exiting; a third signal exits at once without it', name)
+        self._say(logging.WARNING, f'received {name}: saving a checkpoint at the next step '
+                  'boundary (after a save in progress), then exiting; a third signal exits at '
+                  'once without it')
       else:
-        log.warning('received %s during start-up: stopping before the first step', name)
+        self._say(logging.WARNING, f'received {name} during start-up: stopping before the '
+                  'first step')
     elif self.count == 2:
-      log.warning('received %s again: still stopping (a checkpoint save can take a while); a '
-                  'third signal exits at once without waiting for it', name)
+      self._say(logging.WARNING, f'received {name} again: still stopping (a checkpoint save can '
+                'take a while); a third signal exits at once without waiting for it')
     else:
       self.exit_now(signum)
 
@@ -110,9 +146,16 @@ class StopSignals:
       kept = self.describe_checkpoints()
     except Exception as e:  # noqa: BLE001 - leaving must not depend on reading the disk
       kept = f'the checkpoints could not be listed ({type(e).__name__}: {e})'
-    log.error('received %s three times: exiting now (status %d) without waiting for any save; '
-              '%s; a save cut short is left as <step>.orbax-checkpoint-tmp*, which a new start '
-              'skips', signal.Signals(signum).name, status, kept)
+    line = (f'received {signal.Signals(signum).name} three times: exiting now (status '
+            f'{status}) without waiting for any save; {kept}; a save cut short is left as '
+            '<step>.orbax-checkpoint-tmp*, which a new start skips')
+    # The logging thread writes it unless this thread was stopped inside the log's own write
+    # (holding its handler's lock): then straight to the descriptor, past the stream's buffer.
+    if not self._writer or not self._written(logging.ERROR, line, timeout_s=2.0):
+      try:
+        os.write(sys.stderr.fileno(), f'\nERROR {line}\n'.encode())
+      except Exception:  # noqa: BLE001 - leaving must not depend on the stream
+        pass
     for handler in logging.getLogger().handlers + log.handlers:
       try:
         handler.flush()
