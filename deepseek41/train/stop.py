@@ -53,7 +53,8 @@ class StopSignals:
   def __init__(self):
     self._old = {}
     self._depth = 0
-    # (level, message, event set once written): what the handler says, for the logging thread.
+    # (level, message, an event set once written or None): the handler's lines, for the
+    # logging thread.
     self._lines: queue.SimpleQueue = queue.SimpleQueue()
     self._writer: threading.Thread | None = None
     self._reset()
@@ -99,11 +100,12 @@ class StopSignals:
         if message:
           log.log(level, '%s', message)
       finally:
-        done.set()
+        if done is not None:
+          done.set()
 
   def _say(self, level: int, message: str) -> None:
     """From the handler: queue the line (the logging thread writes it)."""
-    self._lines.put((level, message, threading.Event()))
+    self._lines.put((level, message, None))
 
   def _written(self, level, message: str, timeout_s: float) -> bool:
     """Queue a line and wait until the logging thread has written it (and all before it)."""

@@ -144,9 +144,8 @@ def restore_weights(key: str, path: str, cfg: RunConfig, mesh) -> tuple[Objectiv
   workdir, step = step_directory(key, path)
   ckpt = Checkpointer(workdir, cfg.checkpoint, primary=False)
   try:
-    step_dir, source = _checked_source(key, ckpt, step, cfg)
+    step_dir, source, abstract = _checked_source(key, ckpt, step, cfg)
     objective = objective_for(source)
-    abstract = state_lib.abstract_state(source, make_optimizer(source.train))
     _verify(ckpt, step)
     target = state_lib.with_shardings(
         abstract, state_lib.state_shardings(abstract, mesh, cfg.mesh.rules))
@@ -164,8 +163,8 @@ def check_warm_starts(cfg: RunConfig, workdir: str) -> None:
   if complete_steps(os.path.join(workdir, 'checkpoints')):
     return
   for start in _warm_starts(cfg):
-    workdir, step = step_directory(start.key, start.path)
-    source_ckpt = Checkpointer(workdir, cfg.checkpoint, primary=False)
+    source_dir, step = step_directory(start.key, start.path)
+    source_ckpt = Checkpointer(source_dir, cfg.checkpoint, primary=False)
     try:
       _checked_source(start.key, source_ckpt, step, cfg)
     finally:
@@ -173,10 +172,10 @@ def check_warm_starts(cfg: RunConfig, workdir: str) -> None:
 
 
 def _checked_source(key: str, ckpt: Checkpointer, step: int, cfg: RunConfig
-                    ) -> tuple[str, RunConfig]:
-  """(step directory, the config its weights restore under) of checkpoint `step` of `ckpt`,
-  which config key `key` names; raises CheckpointError naming `key` unless it holds this run's
-  model, leaf for leaf."""
+                    ) -> tuple[str, RunConfig, dict]:
+  """(step directory, the config its weights restore under, that config's abstract state) of
+  checkpoint `step` of `ckpt`, which config key `key` names; raises CheckpointError naming `key`
+  unless it holds this run's model, leaf for leaf."""
   step_dir = ckpt.step_dir(step)
   saved = ckpt.read_json_item(step, 'config')
   another_model, same_model = model_differences(
@@ -198,7 +197,7 @@ def _checked_source(key: str, ckpt: Checkpointer, step: int, cfg: RunConfig
   if problems:
     raise CheckpointError(f'{key}: {step_dir} does not hold the weights its config describes: '
                           + '; '.join(problems[:5]))
-  return step_dir, source
+  return step_dir, source, abstract
 
 
 def _source_config(cfg: RunConfig, saved: dict) -> RunConfig:

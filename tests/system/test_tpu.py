@@ -1,12 +1,11 @@
 """The TPU lowering, on a CPU-only machine: with libtpu (the `tpu` extra) the whole train step of
-configs/tiny.py's shapes on four layers that hold every role is compiled deviceless by the TPU compiler for a v5p slice of 8 chips, on a mesh
-with fsdp, expert and tensor parallelism (one mesh axis per torus dimension: jax's mesh builder
-does not split a physical axis), as the trainer jits it (tools/topology_plan.py).
+configs/tiny.py's shapes on four layers that hold every role is compiled deviceless by the TPU
+compiler for a v5p slice of 8 chips, on a mesh with fsdp, expert and tensor parallelism (one
+mesh axis per torus dimension: jax's mesh builder does not split a physical axis), as the
+trainer jits it (tools/topology_plan.py).
 
 Skipped where libtpu is not installed (`pip install -e '.[tpu]'`; .ci/run installs it).
 """
-
-import os
 
 import jax
 import jax.numpy as jnp
@@ -16,24 +15,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 pytest.importorskip('libtpu', reason="libtpu is not installed: pip install -e '.[tpu]'")
 
-from deepseek41.config import load_config_file  # noqa: E402
 from deepseek41.tools import memory_plan, topology_plan  # noqa: E402
 from deepseek41.train.flops import flops_per_token  # noqa: E402
-from tests.helpers import REPO_ROOT, four_layer_tiny
+from tests.helpers import four_layer_tiny
 
 # Its tests share what they build (module fixtures, cached references): one worker runs the
 # whole file (tests/conftest.py).
 pytestmark = pytest.mark.xdist_group(__name__)
 
-ROOT = REPO_ROOT
 TOPOLOGY = 'v5p:2x2x2'
 MESH = {'fsdp': 2, 'expert': 2, 'tensor': 2}
 
 
 @pytest.fixture(scope='module')
 def tiny_plan():
-  config = four_layer_tiny(remat=load_config_file(os.path.join(ROOT, 'configs', 'tiny.py'))
-                           .train.remat)  # tiny's 8 layers: twice the compile, nothing more
+  config = four_layer_tiny(remat='none')  # tiny's remat; its 8 layers: twice the compile
   # AdamW: the FLOPs below are held against the model's, and Newton-Schulz is twice the toy
   # model's work (docs/performance.md section 33).
   config.train.optimizer = 'adamw'
