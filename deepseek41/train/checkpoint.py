@@ -236,7 +236,15 @@ class Checkpointer:
     return complete_steps(self.directory)
 
   def describe_kept(self) -> str:
-    return f'complete checkpoints in {self.directory}: {self.complete_steps() or "none"}'
+    """The checkpoints a process leaves if it ends now. An async save's commit is a rename in
+    Orbax's thread, which may land between this listing and the exit: that step is named."""
+    pending = self._pending
+    kept = self.complete_steps()
+    text = f'complete checkpoints in {self.directory}: {kept or "none"}'
+    if pending is not None and pending not in kept:
+      text += (f'; the save of step {pending} was in flight (complete only if it committed '
+               'before the exit)')
+    return text
 
   def latest_step(self) -> int | None:
     for name in self.unfinished_saves():
