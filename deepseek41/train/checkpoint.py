@@ -42,7 +42,6 @@ import shutil
 import threading
 import time
 import uuid
-import zlib
 from typing import Any
 
 import grain
@@ -50,6 +49,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.futures import future as ocp_future
 
 from deepseek41.config import LAYOUT_VERSION, CheckpointConfig, execution_only_keys
+from deepseek41.train import checksums
 from deepseek41.train.workdir import WorkdirError
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,6 @@ log = logging.getLogger(__name__)
 EXECUTION_ONLY_MODEL_KEYS = execution_only_keys('model')
 
 MANIFEST = 'checksums.json'
-_CHUNK = 1 << 24
 
 _POLL_S = 0.1  # signal handlers run between polls
 _DETAIL_CHARS = 300
@@ -152,24 +151,11 @@ class CheckpointSaveError(RuntimeError):
   """A save failed (unwritable or full disk, ...); the message names the directory."""
 
 
-def _crc32(path: str) -> int:
-  crc = 0
-  with open(path, 'rb') as f:
-    while chunk := f.read(_CHUNK):
-      crc = zlib.crc32(chunk, crc)
-  return crc
-
-
 def file_checksums(step_dir: str) -> dict[str, list[int]]:
   """{path relative to step_dir: [size, crc32]} of every file but the manifest."""
-  out = {}
-  for root, _, files in os.walk(step_dir):
-    for name in files:
-      path = os.path.join(root, name)
-      rel = os.path.relpath(path, step_dir)
-      if rel != MANIFEST:
-        out[rel] = [os.path.getsize(path), _crc32(path)]
-  return dict(sorted(out.items()))
+  sums = checksums.file_checksums(step_dir)
+  sums.pop(MANIFEST, None)
+  return sums
 
 
 def _normalise(x):
