@@ -89,7 +89,7 @@ def compile_decode(cfg, devices):
   from deepseek41.generate.cache import empty_cache
   from deepseek41.generate.decode import forward_chunk
   from deepseek41.generate.generator import DECODE_EXECUTION_KEYS, generation_config
-  from deepseek41.generate.programs import weights_in_compute_dtype
+  from deepseek41.generate.programs import compiler_options, weights_in_compute_dtype
   from deepseek41.model.layer_cache import CacheSpec
   from deepseek41.model.transformer import Transformer
   if _DECODE_STEPS.value > 1 and _DECODE_CHUNK.value > 1:
@@ -122,7 +122,8 @@ def compile_decode(cfg, devices):
   with jax.set_mesh(mesh):  # the kernels compile for the mesh's platform (ops/launch.py)
     return jax.jit(loop if _DECODE_STEPS.value > 1 else step, in_shardings=one,
                    out_shardings=one, donate_argnums=(1,)).lower(
-        state, cache, tok_b).compile(xla_options(_XLA.value) or None)
+        state, cache, tok_b).compile(
+            {**(compiler_options(cfg.model) or {}), **xla_options(_XLA.value)} or None)
 
 
 def xla_options(items) -> dict:

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Issue 48's decode-step paths side by side (docs/performance.md sections 54 and 58, part K row
-# 5), one device call, no training: one layer's mHC at one token by D chunk width and by D
-# split (benchmarks/bench_mhc.py, checked against the jnp sites first), then
-# benchmarks/bench_decode_init.py on the 1B config as initialised: each SETS entry
-# ('|'-separated execution sets; the default: every weight as trained (`uncast`, before
-# generate/weight_reads.py), the defaults, the mHC walk split over SPLITS programs), at
-# BATCHES (default 1; each set and size compiles for about 35-75 s).
-# Then, in the time left, THEN_SETS at THEN_BATCHES (default: the defaults spelled out and the
-# split walk, at batch 32).
+# Issue 48's decode-step paths side by side (docs/performance.md sections 54, 58 and 62, part K
+# row 5), one device call, no training: benchmarks/bench_decode_init.py on the 1B config as
+# initialised: each SETS entry ('|'-separated execution sets; the default: the defaults, and
+# one-row products as GEMMs, model.decode_vector_dots=gemm, section 62), at BATCHES (default 1;
+# each set and size compiles for about 25-75 s). Then, in the time left, THEN_SETS at
+# THEN_BATCHES (default: none).
+# MHC=1 first sweeps one layer's mHC at one token by D chunk width and by D split
+# (benchmarks/bench_mhc.py, checked against the jnp sites; section 59 chose 16 splits).
 #   bash benchmarks/gpu_decode_paths.sh
-#   SPLITS=8 SETS='|model.moe_gather_small_calls=false' bash benchmarks/gpu_decode_paths.sh
+#   SETS='|model.moe_gather_small_calls=false' THEN_SETS='|model.mhc_decode_splits=0' \
+#     bash benchmarks/gpu_decode_paths.sh
 # SMOKE=1 runs the same on this CPU with configs/tiny.py.
 set -uo pipefail
 source benchmarks/device_env.sh
@@ -18,10 +18,8 @@ START=$(date +%s)
 left() { echo $((${DEADLINE_S:-570} - ($(date +%s) - START))); }
 # (Section 56 on an H100: the gathered experts became the default; 256-wide chunks,
 # model.mhc_decode_block_d=256, were slower.)
-SPLITS=${SPLITS:-16}
-SPLIT="model.mhc_decode_splits=$SPLITS"
-SETS=${SETS:-"uncast||$SPLIT"}
-THEN_SETS=${THEN_SETS-"model.mhc_decode_splits=0|$SPLIT"}
+SETS=${SETS:-"|model.decode_vector_dots=gemm"}
+THEN_SETS=${THEN_SETS-}
 if [[ -n ${SMOKE:-} ]]; then
   export JAX_PLATFORMS=cpu
   CONFIG=configs/tiny.py; D=64; MHC_CONFIGS=16x32x8; MHC_SPLITS=0,2
@@ -31,11 +29,14 @@ else
   SIZES=""; BATCHES=${BATCHES:-1}
 fi
 THEN_BATCHES=${THEN_BATCHES:-32}
-timeout -s KILL 150 python3 benchmarks/bench_mhc.py --d $D --batch 1 --seq 1 --modes fwd \
-  --cases layer --configs $MHC_CONFIGS --decode_splits $MHC_SPLITS --check \
-  --out "$OUT/mhc_decode.jsonl" \
-  > "$OUT/mhc_decode.log" 2>&1
-echo "bench_mhc exit $? wall $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
+if [[ -n ${MHC:-} ]]; then
+  timeout -s KILL 150 python3 benchmarks/bench_mhc.py --d $D --batch 1 --seq 1 --modes fwd \
+    --cases layer --configs $MHC_CONFIGS --decode_splits $MHC_SPLITS --check \
+    --out "$OUT/mhc_decode.jsonl" \
+    > "$OUT/mhc_decode.log" 2>&1
+  echo "bench_mhc exit $? wall $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
+  grep -E '"impl": "fused"' "$OUT/mhc_decode.jsonl" | cut -c1-200
+fi
 timeout -s KILL "$(left)" python3 benchmarks/bench_decode_init.py --config=$CONFIG $SIZES \
   --batch_sizes=$BATCHES --execution_sets="$SETS" --out="$OUT/decode_paths.json" \
   > "$OUT/decode_paths.log" 2>&1
@@ -46,5 +47,4 @@ if [[ -n $THEN_SETS && $(left) -gt 60 ]]; then
     > "$OUT/decode_then.log" 2>&1
   echo "then: bench_decode_init exit $? wall $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
 fi
-grep -E '"impl": "fused"' "$OUT/mhc_decode.jsonl" | cut -c1-200
 cat "$OUT/decode_paths.log" "$OUT/decode_then.log" 2>/dev/null | grep -vE "^[IWE][0-9]{4}" | grep -E "^(defaults|model\.|uncast)|rror" | cut -c1-300

@@ -184,6 +184,14 @@ class ModelConfig:
   # (docs/performance.md section 54). On an H100 the 1B model decodes 1.2x faster at batch 1
   # with it (section 56); batch 32 (192 assignments) keeps the grouped kernels either way.
   moe_gather_small_calls: bool = key(True, execution_only=True)
+  # How generation's programs compile a product of one row with a weight (a batch-1 decode
+  # step's projections): `reduce`, XLA's GPU default for a vector, a multiply and a reduction
+  # (two kernels a projection in the 1B decode step, the product written to memory between
+  # them); `gemm`, that pass (dot-strength-reduction) off in generation's programs, one GEMM
+  # kernel each: 781 -> 732 kernels a 1B token, compiled for an H100 without one
+  # (docs/performance.md section 62). The gathered experts keep one fused reduction either
+  # way. [I] ours; `reduce` until the GPU side by side says otherwise.
+  decode_vector_dots: str = key('reduce', choices=('reduce', 'gemm'), execution_only=True)
   # The routed experts of held-out evaluation, dropless: auto keeps a dropless moe_backend and
   # replaces capacity_einsum (grouped on the GPU, ragged_dot on the TPU, reference on the CPU).
   eval_moe_backend: str = key('auto', auto=auto.eval_moe_backend,

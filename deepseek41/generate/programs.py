@@ -161,6 +161,13 @@ def weights_in_compute_dtype(graph, state, engram_map):
   return cast_where(state, read_only_as_mask(state, probes, dt), dt)
 
 
+def compiler_options(model_cfg) -> dict | None:
+  """XLA options of generation's programs (model.decode_vector_dots, config/schema.py)."""
+  if model_cfg.decode_vector_dots == 'gemm':
+    return {'xla_disable_hlo_passes': 'dot-strength-reduction'}
+  return None
+
+
 class Programs:
   """The jitted pieces of generation over the split model state (merged inside each program).
   `traces` counts how often each program was traced: once per shape of its inputs."""
@@ -174,6 +181,7 @@ class Programs:
     nnx.update((model, dspark), self.state)  # the caller's model shares them: one copy, not two
     self.engram_map = engram_map
     self.traces = collections.Counter()
+    self.compiler_options = compiler_options(model.cfg)
     self._jit = {}
 
   def _merged(self, state):
@@ -185,7 +193,8 @@ class Programs:
       def traced(*args, **kwargs):
         self.traces[name] += 1
         return fn(*args, **kwargs)
-      self._jit[name] = jax.jit(traced, static_argnames=static, donate_argnames=donate)
+      self._jit[name] = jax.jit(traced, static_argnames=static, donate_argnames=donate,
+                                compiler_options=self.compiler_options)
     return self._jit[name]
 
   def prefill_full(self, cache, tokens_bt, lengths_b, features: bool, images=None):

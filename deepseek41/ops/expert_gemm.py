@@ -109,15 +109,25 @@ def _reference(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w
   return y_nd.astype(out_dtype or x_nd.dtype), jnp.zeros((), jnp.int32)
 
 
+def _row_times_rows(x_nki, w_nkio):
+  """[N, K, I] x [N, K, I, O] -> [N, K, O]: each row times its own gathered matrix, as a
+  multiply and an fp32 sum. A one-row product is what XLA's GPU compiler turns an einsum into
+  anyway (its dot strength reduction), keeping the weights' gather inside the one reduction;
+  written out, it stays so when generation turns that pass off (model.decode_vector_dots='gemm'),
+  where the einsum would become a gather written to memory and a GEMM reading it back."""
+  y_nko = jnp.sum(x_nki[..., None].astype(jnp.float32) * w_nkio.astype(jnp.float32), axis=2)
+  return y_nko.astype(jnp.result_type(x_nki, w_nkio))
+
+
 def _gathered(x_nd, expert_idx_nk, weight_nk, valid_nk, w_gate_edf, w_up_edf, w_down_efd,
               limit, out_dtype=None):
   """Each assignment's expert weights gathered and applied to its token: N*K experts' weights
   read, no expert-sorted layout. For calls of a few tokens (decoding), where the grouped layout
   would pad every expert's group to a whole tile (8,192 rows for one token of 64 experts)."""
-  h_gate_nkf = jnp.einsum('nd,nkdf->nkf', x_nd, w_gate_edf[expert_idx_nk])
-  h_up_nkf = jnp.einsum('nd,nkdf->nkf', x_nd, w_up_edf[expert_idx_nk])
-  y_nkd = jnp.einsum('nkf,nkfd->nkd', clipped_swiglu(h_gate_nkf, h_up_nkf, limit),
-                     w_down_efd[expert_idx_nk])
+  h_gate_nkf = _row_times_rows(x_nd[:, None, :], w_gate_edf[expert_idx_nk])
+  h_up_nkf = _row_times_rows(x_nd[:, None, :], w_up_edf[expert_idx_nk])
+  y_nkd = _row_times_rows(clipped_swiglu(h_gate_nkf, h_up_nkf, limit),
+                          w_down_efd[expert_idx_nk])
   weight_nk = jnp.where(valid_nk, weight_nk.astype(jnp.float32), 0.0)
   y_nkd = jnp.where(valid_nk[..., None], y_nkd, 0)  # an invalid row's expert index may be junk
   return combine(y_nkd, weight_nk, out_dtype or x_nd.dtype), jnp.zeros((), jnp.int32)

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from deepseek41.generate.programs import compiler_options
 from deepseek41.generate.prompts import with_images
 from deepseek41.generate.generator import (GenerateError, Generator, execution_overrides,
                                            generation_config)
@@ -98,12 +99,17 @@ def test_decode_keys_are_todays_defaults_whatever_the_run_saved(workdir):
   # the default, and --execution still sets it.
   with open(os.path.join(workdir, 'config.json')) as f:
     saved = json.load(f)
-  saved['model'].update(mhc_decode_splits=0, mhc_decode_block_d=64, moe_gather_small_calls=False)
+  saved['model'].update(mhc_decode_splits=0, mhc_decode_block_d=64, moe_gather_small_calls=False,
+                        decode_vector_dots='gemm')
   model = generation_config(saved).model
-  assert (model.mhc_decode_splits, model.mhc_decode_block_d, model.moe_gather_small_calls) == \
-      (16, 0, True)
-  assert generation_config(saved, execution={'model.mhc_decode_splits': '2'}).model \
-      .mhc_decode_splits == 2
+  assert (model.mhc_decode_splits, model.mhc_decode_block_d, model.moe_gather_small_calls,
+          model.decode_vector_dots) == (16, 0, True, 'reduce')
+  assert compiler_options(model) is None
+  model = generation_config(saved, execution={'model.mhc_decode_splits': '2',
+                                              'model.decode_vector_dots': 'gemm'}).model
+  assert model.mhc_decode_splits == 2
+  # generation's programs compile without XLA's rewrite of one-row products into reductions
+  assert compiler_options(model) == {'xla_disable_hlo_passes': 'dot-strength-reduction'}
 
 
 def test_cli(workdir, tmp_path):
