@@ -188,7 +188,7 @@ class ModelConfig:
   # step's projections): `reduce`, XLA's GPU default for a vector, a multiply and a reduction
   # (two kernels a projection in the 1B decode step, the product written to memory between
   # them); `gemm`, that pass (dot-strength-reduction) off in generation's programs, one GEMM
-  # kernel each: 781 -> 732 kernels a 1B token, compiled for an H100 without one
+  # kernel each: 781 -> 718 kernels a 1B token, compiled for an H100 without one
   # (docs/performance.md section 62). The gathered experts keep one fused reduction either
   # way. [I] ours; `reduce` until the GPU side by side says otherwise.
   decode_vector_dots: str = key('reduce', choices=('reduce', 'gemm'), execution_only=True)
