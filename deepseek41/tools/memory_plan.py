@@ -347,10 +347,12 @@ def _sharded_bytes(tree, shardings) -> int:
                  for x, s in zip(leaves, specs)))
 
 
-def compile_programs(cfg: RunConfig, devices=None) -> dict:
+def compile_programs(cfg: RunConfig, devices=None, layers=None) -> dict:
   """Compile, on the config's mesh, the forward + backward of one layer of each role, of the
   embedding (+ vision) and of the LM head + loss, and the optimizer update; return their
-  memory_analysis() per device and the bytes that live between them (`assemble` adds it up)."""
+  memory_analysis() per device and the bytes that live between them (`assemble` adds it up).
+  `layers`: only the roles of these layers, nothing else (a question about one layer's
+  program, not a plan)."""
   t_start = time.perf_counter()
   mesh = make_mesh(cfg.mesh, devices)
   rules = cfg.mesh.rules
@@ -377,13 +379,16 @@ def compile_programs(cfg: RunConfig, devices=None) -> dict:
 
   out = {'roles': {}}
   with jax.set_mesh(mesh):
-    for layers in role_table(cfg).values():
-      l = layers[0]
-      out['roles'][str(l)] = {'layers': layers, **_compile_layer(
+    for same in role_table(cfg).values():
+      if layers is not None and not set(same) & set(layers):
+        continue
+      l = same[0]
+      out['roles'][str(l)] = {'layers': same, **_compile_layer(
           cfg, mesh, model.blocks[l], layer_in[l], full_batch, spec)}
-    out['head'] = _compile_head(cfg, mesh, model, top, batch, spec)
-    out['embed'] = _compile_embed(cfg, mesh, model, batch, spec)
-    out['optimizer'] = _compile_optimizer(cfg, mesh, params)
+    if layers is None:
+      out['head'] = _compile_head(cfg, mesh, model, top, batch, spec)
+      out['embed'] = _compile_embed(cfg, mesh, model, batch, spec)
+      out['optimizer'] = _compile_optimizer(cfg, mesh, params)
   out['batch_bytes'] = _sharded_bytes(batch, spec(batch))
   out['compile_seconds'] = time.perf_counter() - t_start
   out['devices'] = mesh.size
