@@ -1,8 +1,9 @@
 """Where a restart's checkpoint restore goes: a synthetic fp32 state of --gb gigabytes in
 --leaves arrays (a model's parameters and optimizer moments stand-in) saved through the
-trainer's Checkpointer, then, each timed on its own: the checksum verification the trainer runs
-before a restore (in one thread, as before docs/performance.md section 62, and in parallel
-pieces), and Orbax's restore of the state onto the default device.
+trainer's Checkpointer with and without zstd on the arrays (checkpoint.compress), then, each
+timed on its own: the checksum verification the trainer runs before a restore (in one thread,
+as before docs/performance.md section 62, and in parallel pieces), and Orbax's restore of the
+state onto the default device. One JSON line per codec.
 
     .venv/bin/python benchmarks/bench_restore.py --gb=4 [--leaves=600] [--dir=/tmp/restore]
 
@@ -50,13 +51,11 @@ def _timed(fn, repeats):
   return out, min(times)
 
 
-def main(argv):
-  del argv
+def _measure(state, compress: bool) -> dict:
   shutil.rmtree(_DIR.value, ignore_errors=True)
-  state = _state(_GB.value, _LEAVES.value)
   nbytes = sum(x.nbytes for x in state.values())
   ck = Checkpointer(_DIR.value, CheckpointConfig(
-      **{**base_config().checkpoint.to_dict(), 'async_save': False}))
+      **{**base_config().checkpoint.to_dict(), 'async_save': False, 'compress': compress}))
   t0 = time.perf_counter()
   ck.save(1, state, None, {}, {})
   ck.wait()
@@ -72,15 +71,24 @@ def main(argv):
                                _REPEATS.value)
   assert all(bool(jnp.array_equal(restored[k], state[k])) for k in list(state)[:3])
   ck.close()
-  files = sum(len(f) for _, _, f in os.walk(step_dir))
-  print(json.dumps({
-      'state_gb': round(nbytes / 1e9, 2), 'leaves': len(state), 'files': files,
-      'cpus': os.cpu_count(), 'device': str(jax.devices()[0].device_kind),
-      'save_s': round(save_s, 2), 'checksums_one_thread_s': round(one_s, 2),
-      'checksums_parallel_s': round(many_s, 2), 'verify_s': round(verify_s, 2),
-      'restore_s': round(restore_s, 2),
-      'restore_gb_per_s': round(nbytes / 1e9 / restore_s, 2)}))
+  files = [os.path.join(r, f) for r, _, names in os.walk(step_dir) for f in names]
+  out = {
+      'compress': compress, 'state_gb': round(nbytes / 1e9, 2),
+      'disk_gb': round(sum(os.path.getsize(f) for f in files) / 1e9, 2),
+      'leaves': len(state), 'files': len(files), 'cpus': os.cpu_count(),
+      'device': str(jax.devices()[0].device_kind), 'save_s': round(save_s, 2),
+      'checksums_one_thread_s': round(one_s, 2), 'checksums_parallel_s': round(many_s, 2),
+      'verify_s': round(verify_s, 2), 'restore_s': round(restore_s, 2),
+      'restore_gb_per_s': round(nbytes / 1e9 / restore_s, 2)}
   shutil.rmtree(_DIR.value, ignore_errors=True)
+  return out
+
+
+def main(argv):
+  del argv
+  state = _state(_GB.value, _LEAVES.value)
+  for compress in (True, False):  # Orbax's zstd (before section 62), then the default
+    print(json.dumps(_measure(state, compress)), flush=True)
 
 
 if __name__ == '__main__':

@@ -596,6 +596,11 @@ class CheckpointConfig:
   # the checksums): Orbax's own default bound. Past it the save is taken to be stuck (a hung
   # file system) and the run stops with exit 74, the complete checkpoints kept.
   save_timeout_s: float = key(1200.0)
+  # zstd on the state's arrays (Orbax's default). Trained fp32 weights and moments barely
+  # compress (random fp32: 7.5% smaller), while decompressing slows every restart's restore
+  # 1.6-1.9x and compressing slows the saves (docs/performance.md section 62). A checkpoint
+  # records its own codec, so either restores under either setting. [I] ours: off.
+  compress: bool = key(False)
   # A checkpoint step directory (WORKDIR/checkpoints/<step>, e.g. written by
   # `deepseek41.tools.convert import`): a run with no checkpoint of its own starts from its
   # parameters and router biases, with a fresh optimizer and step 0 (train/warm_start.py).

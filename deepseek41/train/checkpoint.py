@@ -210,7 +210,12 @@ class Checkpointer:
                                        create_directories_asynchronously=False),
         create=True,
     )
-    self.manager = ocp.CheckpointManager(self.directory, options=options)
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=options,
+        item_handlers={'state': ocp.PyTreeCheckpointHandler(use_compression=cfg.compress),
+                       'config': ocp.JsonCheckpointHandler(),
+                       'meta': ocp.JsonCheckpointHandler(),
+                       'data': DataStreamsHandler()})
 
   # -- discovery -------------------------------------------------------------------------------
 
@@ -252,7 +257,7 @@ class Checkpointer:
     self._check_writable(step)
     t0 = time.monotonic()
     args = {
-        'state': ocp.args.StandardSave(state),
+        'state': ocp.args.PyTreeSave(state),
         'config': ocp.args.JsonSave(_normalise(config_dict)),
         'meta': ocp.args.JsonSave({'layout_version': LAYOUT_VERSION, 'step': int(step),
                                    'layout': layout}),
@@ -456,7 +461,8 @@ class Checkpointer:
 
   def restore(self, step: int, target, data_iter):
     """Restore the state into `target` (ShapeDtypeStructs with the current shardings)."""
-    args = {'state': ocp.args.StandardRestore(target)}
+    args = {'state': ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))}
     if data_iter is not None:
       if not os.path.isdir(os.path.join(self.step_dir(step), 'data')):
         if step != 0:

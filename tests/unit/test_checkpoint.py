@@ -1,5 +1,7 @@
 """Checkpoints restore onto another mesh; the schedule and weight-decay mask do what they say."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -69,3 +71,33 @@ def test_no_weight_decay_on_vectors():
       assert not m, path
     if any(s in path for s in ('w_gate', 'wq_a', 'embed', 'head')):
       assert m, path
+
+
+def _state_bytes_on_disk(step_dir):
+  return sum(os.path.getsize(os.path.join(root, f))
+             for root, _, files in os.walk(os.path.join(step_dir, 'state')) for f in files)
+
+
+def test_state_arrays_are_stored_uncompressed_and_either_codec_restores(tmp_path):
+  """checkpoint.compress=False (the default) stores the arrays' bytes as they are: a state of
+  ones takes its full size, where zstd shrinks it to almost nothing. A checkpoint records its
+  codec, so one saved with compression restores under the default and the other way round."""
+  state = {'w': jax.numpy.ones((256, 1024), jax.numpy.float32), 'step': jax.numpy.int32(3)}
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        state)
+  sizes = {}
+  for compress in (False, True):
+    cfg = resolve(small_config(**{'checkpoint.compress': compress}), backend='cpu').checkpoint
+    ck = Checkpointer(str(tmp_path / str(compress)), cfg)
+    ck.save(1, state, None, {}, {})
+    ck.close()
+    sizes[compress] = _state_bytes_on_disk(ck.step_dir(1))
+    other = resolve(small_config(**{'checkpoint.compress': not compress}),
+                    backend='cpu').checkpoint
+    reader = Checkpointer(str(tmp_path / str(compress)), other)
+    assert reader.verify(1)
+    restored = reader.restore(1, target, None)
+    reader.close()
+    np.testing.assert_array_equal(np.asarray(restored['w']), 1.0)
+    assert int(restored['step']) == 3
+  assert sizes[False] > 256 * 1024 * 4 > 50 * sizes[True], sizes
