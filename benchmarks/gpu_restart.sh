@@ -4,7 +4,9 @@
 # For each: seconds from the process's launch to its first step's line, and the trainer's own
 # start-up lines (initialisation, first step, what the persistent cache and the executable store
 # loaded). RUNS picks and orders them (default: cold restart restart_nostore fresh_warm;
-# restart_nostore is the same restart with the executable store off).
+# restart_nostore is the same restart with the executable store off; restore, not in the
+# default, times a checkpoint's verification and restore alone: benchmarks/bench_restore.py,
+# RESTORE_GB gigabytes, default 8).
 #   bash benchmarks/gpu_restart.sh                    # configs/ablation_1b.py at 8 x 4,096
 #   CONFIG=configs/ablation_1b.py EXTRA="" bash benchmarks/gpu_restart.sh   # as shipped (64K)
 set -uo pipefail
@@ -43,5 +45,10 @@ for r in $RUNS; do
     # lowered to find it there
     restart_nostore) run restart_nostore /tmp/restart_c --config.train.store_executables=False;;
     fresh_warm) run fresh_warm /tmp/restart_b --stop_at_step=2;;  # a new run, the cache warm
+    # the restore's parts on this host: a synthetic fp32 state, zstd and uncompressed
+    # (docs/performance.md section 62)
+    restore) timeout -s KILL 300 python3 benchmarks/bench_restore.py --gb="${RESTORE_GB:-8}" \
+               --repeats=1 --dir=/tmp/bench_restore 2>&1 | grep -E '^\{|rror' \
+               | tee -a "$OUT/restart_summary.txt";;
   esac
 done
