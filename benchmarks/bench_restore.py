@@ -20,7 +20,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
 from deepseek41.config import CheckpointConfig, base_config

@@ -1,9 +1,10 @@
 """CRC-32 checksums of a checkpoint's files, computed over pieces of each file in parallel.
 
-A restart verifies every file of its checkpoint before restoring it (train/checkpoint.py). One
-thread reading a 1B model's fp32 state (about 15 GB) and feeding zlib's CRC-32 at 1-2 GB/s took
-most of the restart's restore (docs/performance.md section 62). zlib.crc32 releases the GIL on
-large buffers, so threads scale with the cores; each piece of a file gets its own CRC, and the
+A restart verifies every file of its checkpoint before restoring it (train/checkpoint.py): a 1B
+model's fp32 state is about 15 GB, which one thread feeds zlib's CRC-32 at 1-2.4 GB/s (a quarter
+of a restart's verification and restore on the development CPU; docs/performance.md section 62).
+zlib.crc32 releases the GIL on large buffers, so threads scale with the cores; each piece of a
+file gets its own CRC, and the
 pieces' CRCs combine into the whole file's (the same value as one sequential pass, so manifests
 written before this remain valid).
 
