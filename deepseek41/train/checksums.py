@@ -4,9 +4,8 @@ A restart verifies every file of its checkpoint before restoring it (train/check
 model's fp32 state is about 15 GB, which one thread feeds zlib's CRC-32 at 1-2.4 GB/s (a quarter
 of a restart's verification and restore on the development CPU; docs/performance.md section 62).
 zlib.crc32 releases the GIL on large buffers, so threads scale with the cores; each piece of a
-file gets its own CRC, and the
-pieces' CRCs combine into the whole file's (the same value as one sequential pass, so manifests
-written before this remain valid).
+file gets its own CRC, and the pieces' CRCs combine into the whole file's (the same value as one
+sequential pass, so manifests written before this remain valid).
 
 Combining: CRC-32 is linear over GF(2), so crc(A + B) = shift_{len B}(crc A) xor crc B, where
 shift_n is the 32 x 32 bit matrix that feeds n zero bytes through the register. The matrix for
