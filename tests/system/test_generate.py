@@ -248,6 +248,18 @@ def test_device_loop_equals_the_one_step_loop(plain_programs):
                                                 tokens_per_dispatch=4, **{**sampled, 'seed': 4}))
 
 
+def test_the_programs_compile_with_generations_xla_options(full_model, monkeypatch):
+  """model.decode_vector_dots reaches XLA through every program's compile options: an option
+  XLA does not know fails the first program's compile, naming it."""
+  cfg, model = full_model
+  monkeypatch.setattr(programs, 'compiler_options', lambda model_cfg: {'xla_no_such_pass': 1})
+  progs = Programs(model, None, None)
+  assert progs.compiler_options == {'xla_no_such_pass': 1}
+  with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option: 'xla_no_such"):
+    decode_loop(progs, cfg, [np.arange(3, 8, dtype=np.int32)], eos_id=None, max_new_tokens=2,
+                tokens_per_dispatch=1)
+
+
 def test_sampled_device_loop_matches_the_model():
   """A toy model over 8 tokens, 3,000 rows: the third and fourth generated tokens (two steps
   of one dispatch) are distributed as their exact marginals from full forwards."""
