@@ -578,11 +578,20 @@ def _dtypes(state):
 
 
 def test_weights_read_only_in_bf16_are_cast_once_and_decode_the_same():
-  """bf16 compute: Programs holds in bf16 every weight that generation reads only cast to bf16
-  (cast at load, not at every step; weight_reads.py) and every other parameter as trained. The
-  logits are those of the state as trained, bit for bit, and so are the decoded tokens."""
-  cfg, model = _model(**{'model.compute_dtype': 'bfloat16'})
-  progs = Programs(model, None, None)
+  """bf16 compute, with a DSpark drafter: Programs holds in bf16 every weight that generation
+  reads only cast to bf16 (cast at load, not at every step; weight_reads.py; the probes cover
+  the drafter's features and drafts) and every other parameter as trained. The logits are those
+  of the state as trained, bit for bit, and speculative decoding returns its tokens and
+  acceptances."""
+  extra = {'model.compute_dtype': 'bfloat16', 'dspark.num_blocks': 1, 'dspark.block_size': 3,
+           'dspark.target_layer_ids': (2, 3), 'dspark.markov_rank': 8,
+           'dspark.n_routed_experts': 4, 'dspark.num_experts_per_tok': 2}
+
+  def build(cast_weights):
+    cfg, model = _model(**extra)
+    return cfg, model, Programs(model, DSpark(cfg.model, cfg.dspark, nnx.Rngs(params=1)), None,
+                                cast_weights=cast_weights)
+  cfg, model, progs = build(True)
   dtypes = _dtypes(progs.state)
   cast = {k for k, d in dtypes.items() if d == jnp.bfloat16}
   for layer in range(cfg.model.num_layers):
@@ -590,6 +599,7 @@ def test_weights_read_only_in_bf16_are_cast_once_and_decode_the_same():
                  "['moe']['shared_up']"):
       assert f"[0]['blocks'][{layer}]{name}.value" in cast
   assert "[0]['head'].value" in cast
+  assert any(k.startswith('[1]') for k in cast)  # the drafter's weights too
   kept = [k for k in dtypes if any(s in k for s in ('norm', 'router', '_site', "['embed']"))]
   assert kept and not cast & set(kept)  # fp32 reads: RMSNorm scales, the router, mHC, a gather
   assert all(d == jnp.float32 for k, d in dtypes.items() if k not in cast)
@@ -597,8 +607,7 @@ def test_weights_read_only_in_bf16_are_cast_once_and_decode_the_same():
   assert model.blocks[0].moe.w_gate[...].dtype == jnp.bfloat16
   assert model.blocks[0].attn.wq_a[...].dtype == jnp.bfloat16
 
-  _, model = _model(**{'model.compute_dtype': 'bfloat16'})  # the same weights, uncast
-  as_trained = Programs(model, None, None, cast_weights=False)
+  _, _, as_trained = build(False)  # the same weights, uncast
   assert set(_dtypes(as_trained.state).values()) == {jnp.dtype(jnp.float32)}
   rng = np.random.default_rng(5)
   tokens = jnp.asarray(rng.integers(3, 96, (2, 9)), jnp.int32)
@@ -610,28 +619,6 @@ def test_weights_read_only_in_bf16_are_cast_once_and_decode_the_same():
                          jnp.ones(tokens.shape, bool))[0]
   np.testing.assert_array_equal(np.asarray(logits(progs.state)),
                                 np.asarray(logits(as_trained.state)))
-  prompts = [rng.integers(3, 96, n).astype(np.int32) for n in (6, 11)]
-  kw = dict(max_new_tokens=8, seed=2, eos_id=None, tokens_per_dispatch=4)
-  assert _tokens(decode_loop(progs, cfg, prompts, **kw)) == \
-      _tokens(decode_loop(as_trained, cfg, prompts, **kw))
-
-
-def test_a_drafter_in_bf16_drafts_the_same_with_its_weights_cast():
-  """With DSpark, the probes cover its features and drafts: speculative decoding of the cast
-  state returns the uncast state's tokens and acceptances."""
-  extra = {'model.compute_dtype': 'bfloat16', 'dspark.num_blocks': 1, 'dspark.block_size': 3,
-           'dspark.target_layer_ids': (2, 3), 'dspark.markov_rank': 8,
-           'dspark.n_routed_experts': 4, 'dspark.num_experts_per_tok': 2}
-
-  def build(cast_weights):
-    cfg, model = _model(**extra)
-    return cfg, Programs(model, DSpark(cfg.model, cfg.dspark, nnx.Rngs(params=1)), None,
-                         cast_weights=cast_weights)
-  cfg, progs = build(True)
-  drafter_cast = [k for k, d in _dtypes(progs.state).items()
-                  if k.startswith('[1]') and d == jnp.bfloat16]
-  assert drafter_cast
-  _, as_trained = build(False)
   prompts = [np.arange(3, 3 + n, dtype=np.int32) for n in (7, 12)]
   kw = dict(max_new_tokens=9, seed=3, eos_id=None, tokens_per_dispatch=6, speculative=True,
             temperature=0.0)
