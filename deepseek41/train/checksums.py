@@ -41,7 +41,7 @@ def _squared(matrix: tuple[int, ...]) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=8)
 def _shift(nbytes: int) -> tuple[int, ...]:
-  """The matrix that advances a CRC register over `nbytes` zero bytes."""
+  """The matrix that advances a CRC register over `nbytes` (> 0) zero bytes."""
   one_bit = (_POLY,) + tuple(1 << k for k in range(31))
   power = _squared(_squared(_squared(one_bit)))  # 8 zero bits: one zero byte
   result = None
@@ -51,7 +51,7 @@ def _shift(nbytes: int) -> tuple[int, ...]:
     nbytes >>= 1
     if nbytes:
       power = _squared(power)
-  return result if result is not None else tuple(1 << k for k in range(32))
+  return result
 
 
 def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
