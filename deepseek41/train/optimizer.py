@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -27,33 +28,57 @@ from deepseek41.train.muon import ns_coefficients, scale_by_orthogonalization, s
 MUON, SINKHORN, ADAMW = 'muon', 'sinkhorn', 'adamw'
 
 
-def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
+# The train keys the schedule's numbers come from. They reach the update step as an argument
+# (`schedule_values`), not as constants in its program: runs that differ only in these (a
+# learning-rate sweep, a run extended to more steps) share one compiled step, and a restart that
+# changes them loads the one it compiled (the executable store's key leaves them out).
+SCHEDULE_KEYS = ('lr', 'steps', 'warmup_steps', 'min_lr_ratio', 'wsd_decay_fraction')
+
+
+def schedule_values(t: TrainConfig) -> dict[str, np.ndarray]:
+  """The schedule's numbers as f32 scalars (`learning_rate_schedule`). Every difference of two
+  config values is taken here, in double precision, as the schedule always computed them."""
+  warmup = max(t.warmup_steps, 0)
+  total = max(t.steps, 1)
+  final = t.lr * t.min_lr_ratio
+  rest = max(total - warmup, 1)
+  decay = max(rest * t.wsd_decay_fraction, 1.0)
+  values = {'lr': t.lr, 'final': final, 'lr_minus_final': t.lr - final, 'warmup': warmup,
+            'warmup_or_1': max(warmup, 1), 'rest': rest, 'decay': decay,
+            'decay_start': total - decay}
+  return {k: np.float32(v) for k, v in values.items()}
+
+
+def learning_rate_schedule(t: TrainConfig, values=None) -> optax.Schedule:
   """lr of the update with optimizer count c (0-based): warm-up reaches t.lr at update `warmup_steps`.
 
   Warm-up is linear from lr/warmup (the first update already moves), then `cosine` decays to
   lr * min_lr_ratio at the last step, `wsd` holds lr and decays linearly over the last
-  `wsd_decay_fraction` of the post-warm-up steps, `constant` holds lr.
+  `wsd_decay_fraction` of the post-warm-up steps, `constant` holds lr. `values`: the numbers of
+  `schedule_values(t)`, traced where the step takes them as an argument; by default, constants.
   """
-  warmup = max(t.warmup_steps, 0)
-  total = max(t.steps, 1)
-  final = t.lr * t.min_lr_ratio
+  v = schedule_values(t) if values is None else values
 
   def schedule(count):
     step = jnp.asarray(count, jnp.float32) + 1.0
-    warm = t.lr * jnp.minimum(step / max(warmup, 1), 1.0)
-    rest = max(total - warmup, 1)
-    progress = jnp.clip((step - warmup) / rest, 0.0, 1.0)
+    warm = v['lr'] * jnp.minimum(step / v['warmup_or_1'], 1.0)
+    progress = jnp.clip((step - v['warmup']) / v['rest'], 0.0, 1.0)
     if t.schedule == 'cosine':
-      main = final + (t.lr - final) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+      main = v['final'] + v['lr_minus_final'] * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
     elif t.schedule == 'wsd':
-      decay = max(rest * t.wsd_decay_fraction, 1.0)
-      frac = jnp.clip((step - (total - decay)) / decay, 0.0, 1.0)
-      main = t.lr + (final - t.lr) * frac
+      frac = jnp.clip((step - v['decay_start']) / v['decay'], 0.0, 1.0)
+      main = v['lr'] - v['lr_minus_final'] * frac
     else:
-      main = jnp.full_like(step, t.lr)
-    return jnp.where(step <= warmup, warm, main) if warmup else main
+      main = jnp.full_like(step, v['lr'])
+    return jnp.where(step <= v['warmup'], warm, main)  # step >= 1: no warm-up when it is 0
 
   return schedule
+
+
+def step_optimizer(t: TrainConfig, tx: optax.GradientTransformation, values=None):
+  """The optimizer an update step applies: `tx`, its schedule compiled in, or with the step's
+  schedule argument (`schedule_values`) the same optimizer reading it. Their states are alike."""
+  return tx if values is None else make_optimizer(t, values)
 
 
 def _is_variable(x) -> bool:
@@ -127,10 +152,9 @@ def named(name: str, tx: optax.GradientTransformation) -> optax.GradientTransfor
   return optax.GradientTransformation(tx.init, update_fn)
 
 
-def muon_hybrid(t: TrainConfig) -> optax.GradientTransformation:
+def muon_hybrid(t: TrainConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
   """Muon for matrices, the Sinkhorn-balanced update for token tables, AdamW for the rest; one
   schedule (train.lr) for all, the matrix groups' updates scaled to AdamW's RMS (train/muon.py)."""
-  schedule = learning_rate_schedule(t)
 
   def momentum_group(momentum, direction, weight_decay, multiplier):
     parts = [named('momentum', optax.trace(decay=momentum, nesterov=True)), direction]
@@ -156,14 +180,16 @@ def muon_hybrid(t: TrainConfig) -> optax.GradientTransformation:
   }, hybrid_labels)
 
 
-def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(t: TrainConfig, schedule_values=None) -> optax.GradientTransformation:
+  """`schedule_values`: `learning_rate_schedule`'s (a step's argument); by default constants."""
+  schedule = learning_rate_schedule(t, schedule_values)
   parts = []
   if t.grad_clip_norm > 0:
     parts.append(named('clip', optax.clip_by_global_norm(t.grad_clip_norm)))
   if t.optimizer == 'muon_hybrid':
-    parts.append(muon_hybrid(t))
+    parts.append(muon_hybrid(t, schedule))
   else:
-    parts.append(optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
+    parts.append(optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps,
                              weight_decay=t.weight_decay, mask=decay_mask))
   if t.engram_table_lr_multiplier != 1.0:
     parts.append(optax.masked(optax.scale(t.engram_table_lr_multiplier), engram_table_mask))

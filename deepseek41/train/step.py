@@ -20,7 +20,7 @@ from flax import nnx
 from deepseek41.config import RunConfig
 from deepseek41.model.moe import update_router_bias
 from deepseek41.ops.cross_entropy import cross_entropy_sum, head_cross_entropy_sum
-from deepseek41.train.optimizer import learning_rate_schedule
+from deepseek41.train.optimizer import learning_rate_schedule, step_optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,15 +122,18 @@ def stacked_router_biases(biases):
 
 
 def make_train_step(cfg: RunConfig, md: ModelDef):
-  schedule = learning_rate_schedule(cfg.train)
+  """(state, batch[, schedule]) -> (state, metrics). `schedule`: the learning-rate schedule's
+  numbers (`optimizer.schedule_values`) as an argument, as the trainer passes them; without it
+  the step applies md.tx, its schedule compiled in."""
 
-  def train_step(state, batch):
+  def train_step(state, batch, schedule=None):
     params, biases = state['params'], state['router_bias']
     grads, ce_sum, n, load_lme, balance, dropped, indexer = accumulate_gradients(
         cfg, md, params, biases, batch)
 
     with jax.named_scope('optimizer'):
-      updates, opt = md.tx.update(grads, state['opt'], params)
+      tx = step_optimizer(cfg.train, md.tx, schedule)
+      updates, opt = tx.update(grads, state['opt'], params)
       new_params = optax.apply_updates(params, updates)
       new_biases = updated_router_biases(biases, load_lme, cfg.model.router_bias_rate)
     new_state = {'params': new_params, 'router_bias': new_biases, 'opt': opt,
@@ -140,7 +143,7 @@ def make_train_step(cfg: RunConfig, md: ModelDef):
           'loss': ce_sum / jnp.maximum(n, 1.0),
           'balance_loss': balance,
           'grad_norm': optax.tree.norm(grads),
-          'lr': schedule(state['step']),
+          'lr': learning_rate_schedule(cfg.train, schedule)(state['step']),
           'tokens': n,
           'routed_tokens': jnp.sum(batch['segment_ids'] > 0),  # every real position routes
           'dropped': dropped[0],

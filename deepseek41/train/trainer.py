@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import json
 import logging
 import os
 import shutil
@@ -43,7 +44,7 @@ from deepseek41.train.feed import abstract_batch, global_batch
 from deepseek41.train.flops import device_peak_tflops
 from deepseek41.train.metrics import MetricsWriteError, MetricsWriter, check_writable
 from deepseek41.train.objectives import objective_for
-from deepseek41.train.optimizer import make_optimizer
+from deepseek41.train.optimizer import SCHEDULE_KEYS, make_optimizer, schedule_values
 from deepseek41.train.step_log import StepLog, TrainingDiverged
 from deepseek41.train.stop import STOP, StopSignals
 from deepseek41.train.throughput import Throughput
@@ -69,6 +70,15 @@ class _StoppedBeforeStart(Exception):
   def __init__(self, message: str, step: int):
     super().__init__(message)
     self.step = step
+
+
+def _program_config_json(cfg: RunConfig) -> str:
+  """The config as it decides the update step's program: without the schedule's numbers, which
+  the step takes as an argument (the executable store's key)."""
+  config = cfg.to_dict()
+  for key in SCHEDULE_KEYS:
+    del config['train'][key]
+  return json.dumps(config, indent=2, sort_keys=True)
 
 
 def _stop_before_start(stop: StopSignals, workdir: str) -> None:
@@ -280,10 +290,14 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
   store = None
   if compile_cache.directory and cfg.train.store_executables:
     store = ExecutableStore(os.path.join(compile_cache.directory, 'deepseek41-executables'),
-                            run_context(cfg.to_json(), list(mesh.devices.flat)))
+                            run_context(_program_config_json(cfg), list(mesh.devices.flat)))
+  # The learning-rate schedule's numbers, an argument of the update step (train/optimizer.py
+  # SCHEDULE_KEYS): a run that changes only them compiles no new step.
+  schedule = {k: jax.make_array_from_callback((), replicated, lambda _, v=v: v)
+              for k, v in schedule_values(cfg.train).items()}  # each process's devices
   with jax.set_mesh(mesh):
     train_step = CompiledStep(
-        jax.jit(objective.make_train_step(md), in_shardings=(shardings, bsharding),
+        jax.jit(objective.make_train_step(md), in_shardings=(shardings, bsharding, replicated),
                 out_shardings=(shardings, replicated), donate_argnums=(0,)),
         'train_step', mesh=mesh, together=together, store=store)
     # Evaluation never drops expert assignments, whatever the training backend.
@@ -301,7 +315,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
     # Last: nothing else may trace until it has lowered (CompiledStep.wait_lowered).
     train_step.compile_ahead(state_lib.with_shardings(abstract, shardings),
                              abstract_batch(cfg, sharding=bsharding,
-                                            engram=engram_map is not None))
+                                            engram=engram_map is not None), schedule)
 
   # Closed in reverse order however the run ends: profiler, writer, checkpoints, input.
   with contextlib.ExitStack() as cleanup:
@@ -367,7 +381,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
         if cfg.model.vision:
           throughput.count_images(int((local['image_grid'][..., 0] > 0).sum()))
         with jax.set_mesh(mesh), jax.profiler.StepTraceAnnotation('train', step_num=step + 1):
-          state, metrics = train_step(state, batch)  # the annotation marks steps for xprof
+          state, metrics = train_step(state, batch, schedule)  # annotated for xprof
         step += 1
         step_log.push(step, metrics, data_wait)
         throughput.exclude(profiler.after(step, (state, metrics)))  # writing the trace

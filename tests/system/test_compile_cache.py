@@ -7,6 +7,8 @@ import re
 
 import jax
 
+from deepseek41.config import resolve
+from deepseek41.train.optimizer import learning_rate_schedule
 from deepseek41.train.trainer import CompilationCache, train
 from tests.helpers import small_config
 
@@ -69,6 +71,19 @@ def test_second_run_loads_what_the_first_compiled(tmp_path, caplog, monkeypatch)
   assert f'{n_first} program(s) loaded' in log3[0] and '0 compiled and written' in log3[0]
   assert not any('executable store' in r.getMessage() for r in caplog.records)
   assert losses3 == losses1
+
+  # Another schedule (lr, length, warm-up, decay): the update step takes its numbers as an
+  # argument (train/optimizer.py SCHEDULE_KEYS), so it is the stored executable again, and it
+  # trains with the new schedule.
+  sweep = {'train.lr': 3e-3, 'train.steps': 3, 'train.warmup_steps': 2, 'train.min_lr_ratio': 0.5}
+  _, losses4 = _run(tmp_path / 'd', cache, caplog, **sweep)
+  messages = [r.getMessage() for r in caplog.records]
+  assert any('train_step loaded from the executable store' in m for m in messages), messages
+  assert len(_stored(cache)) == 1
+  assert losses4[0] == losses1[0] and losses4[1] != losses1[1]  # the first update differs
+  schedule = learning_rate_schedule(resolve(small_config(**ONE_LAYER, **sweep)).train)
+  logged = [json.loads(line)['lr'] for line in open(tmp_path / 'd' / 'metrics.jsonl')]
+  assert logged == [float(schedule(c)) for c in range(3)]
   assert jax.config.jax_compilation_cache_dir == before  # the process's own settings are back
 
 

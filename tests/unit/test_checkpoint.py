@@ -1,8 +1,10 @@
 """Checkpoints restore onto another mesh; the schedule and weight-decay mask do what they say."""
 
+import dataclasses
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -10,7 +12,8 @@ from deepseek41.config import resolve
 from deepseek41.sharding import make_mesh
 from deepseek41.train import state as state_lib
 from deepseek41.train.checkpoint import Checkpointer
-from deepseek41.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
+from deepseek41.train.optimizer import (decay_mask, learning_rate_schedule, make_optimizer,
+                                        schedule_values)
 from deepseek41.train.warm_start import check_fits
 from tests.helpers import small_config
 
@@ -57,6 +60,16 @@ def test_schedules(schedule):
     assert values[50] == pytest.approx(1.0) and values[-1] == pytest.approx(0.1)
   else:
     assert values[-1] == pytest.approx(1.0)
+  # The trainer's step takes the schedule's numbers as an argument: one program serves every
+  # lr, length and warm-up, and gives each the values of its schedule compiled in, bit for bit.
+  traced = jax.jit(lambda c, v: learning_rate_schedule(cfg.train, v)(c))
+  counts = jnp.arange(100)
+  np.testing.assert_array_equal(traced(counts, schedule_values(cfg.train)), lr(counts))
+  other = dataclasses.replace(cfg.train, lr=3e-4, steps=37, warmup_steps=0, min_lr_ratio=0.02,
+                              wsd_decay_fraction=0.3)
+  np.testing.assert_array_equal(traced(counts, schedule_values(other)),
+                                learning_rate_schedule(other)(counts))
+  assert traced._cache_size() == 1
 
 
 def test_no_weight_decay_on_vectors():

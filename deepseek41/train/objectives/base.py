@@ -73,7 +73,8 @@ class Objective(abc.ABC):
 
   @abc.abstractmethod
   def make_train_step(self, md: ModelDef) -> Callable:
-    """(state, batch) -> (state, metrics): one update (train/step.py has the metric keys)."""
+    """(state, batch[, schedule]) -> (state, metrics): one update; `schedule` the learning-rate
+    schedule's numbers as an argument (train/step.py has it and the metric keys)."""
 
   @abc.abstractmethod
   def make_eval_step(self, md: ModelDef) -> Callable:

@@ -37,7 +37,7 @@ from deepseek41.model.params import RouterBias
 from deepseek41.train.checkpoint import CheckpointError
 from deepseek41.train.flops import FlopsPerToken, flops_per_token
 from deepseek41.train.objectives import base
-from deepseek41.train.optimizer import learning_rate_schedule
+from deepseek41.train.optimizer import learning_rate_schedule, step_optimizer
 from deepseek41.train.step import (ModelDef, head_loss_sums, stacked_router_biases,
                                    updated_router_biases)
 
@@ -121,18 +121,18 @@ def stage_loss(cfg: RunConfig, graphdef, params, fixed, biases, batch, key,
 
 
 def make_train_step(cfg: RunConfig, graphdef, tx, frozen: bool):
-  """The stage's update step (grad_accum_steps is 1: the config check)."""
-  schedule = learning_rate_schedule(cfg.train)
+  """The stage's update step (grad_accum_steps is 1: the config check); `schedule` as in
+  train/step.py's."""
   m = cfg.model
 
-  def train_step(state, batch):
+  def train_step(state, batch, schedule=None):
     params, fixed, biases = state['params'], state.get('frozen'), state['router_bias']
     key = step_key(state['rng'], state['step'])
     loss_fn = lambda p: stage_loss(cfg, graphdef, p, fixed, biases, batch, key)
     (_, (ce_sum, n, aux, drafts, targets_nkv, d_loss, terms)), grads = jax.value_and_grad(
         loss_fn, has_aux=True)(params)
     with jax.named_scope('optimizer'):
-      updates, opt = tx.update(grads, state['opt'], params)
+      updates, opt = step_optimizer(cfg.train, tx, schedule).update(grads, state['opt'], params)
       new_params = optax.apply_updates(params, updates)
       rate = m.router_bias_rate
       new_biases = replace_under(biases, DRAFTER, _bias_rule(_draft_loads(drafts), rate))
@@ -146,7 +146,7 @@ def make_train_step(cfg: RunConfig, graphdef, tx, frozen: bool):
         'loss': d_loss if frozen else backbone_loss,
         'balance_loss': aux['balance'],
         'grad_norm': optax.tree.norm(grads),
-        'lr': schedule(state['step']),
+        'lr': learning_rate_schedule(cfg.train, schedule)(state['step']),
         'tokens': n,
         'routed_tokens': jnp.sum(batch['segment_ids'] > 0),
         'dropped': aux['dropped'],
