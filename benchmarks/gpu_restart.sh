@@ -6,14 +6,15 @@
 # loaded). RUNS picks and orders them (default: cold restart restart_nostore fresh_warm;
 # restart_nostore is the same restart with the executable store off; restore, not in the
 # default, times a checkpoint's verification and restore alone: benchmarks/bench_restore.py,
-# RESTORE_GB gigabytes, default 8).
+# RESTORE_GB gigabytes, default 8; cold_autotune0, not in the default, a cold start with XLA's
+# autotuning off, last: it empties the cache).
 #   bash benchmarks/gpu_restart.sh                    # configs/ablation_1b.py at 8 x 4,096
 #   CONFIG=configs/ablation_1b.py EXTRA="" bash benchmarks/gpu_restart.sh   # as shipped (64K)
 set -uo pipefail
 source benchmarks/device_env.sh
 CONFIG=${CONFIG:-configs/ablation_1b.py}
 EXTRA=${EXTRA---config.data.seq_len=4096 --config.train.batch_size=8 --config.train.remat=none}
-CACHE=/tmp/restart_cache; rm -rf "$CACHE" /tmp/restart_a /tmp/restart_b /tmp/restart_c
+CACHE=/tmp/restart_cache; rm -rf "$CACHE" /tmp/restart_a /tmp/restart_b /tmp/restart_c /tmp/restart_d
 COMMON="--config.data.synthetic=True --config.log.every_steps=1 --config.log.progress_bar=False \
   --config.train.eval_every_steps=0 --config.checkpoint.every_steps=2 \
   --config.train.compilation_cache_dir=$CACHE $EXTRA"
@@ -45,6 +46,10 @@ for r in $RUNS; do
     # lowered to find it there
     restart_nostore) run restart_nostore /tmp/restart_c --config.train.store_executables=False;;
     fresh_warm) run fresh_warm /tmp/restart_b --stop_at_step=2;;  # a new run, the cache warm
+    # a cold start without XLA's GEMM and fusion autotuning (the compile's share of it; its step
+    # times beside cold's say what the autotuning buys)
+    cold_autotune0) rm -rf "$CACHE"; XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+                      run cold_autotune0 /tmp/restart_d --stop_at_step=4;;
     # the restore's parts on this host: a synthetic fp32 state, zstd and uncompressed
     # (docs/performance.md section 62)
     restore) timeout -s KILL 300 python3 benchmarks/bench_restore.py --gb="${RESTORE_GB:-8}" \
