@@ -19,9 +19,9 @@ COMMON="--config.data.synthetic=True --config.log.every_steps=1 --config.log.pro
   --config.train.eval_every_steps=0 --config.checkpoint.every_steps=2 \
   --config.train.compilation_cache_dir=$CACHE $EXTRA"
 
-# Every run has the same train.steps (4): the learning-rate schedule is compiled into the update
-# step, so a restart with another step count is a new program (section 51: the first version
-# of this script restarted a 2-step run as a 4-step one and compiled its update step again).
+# Every run has the same train.steps (4) and stops where it should with --stop_at_step. (Since
+# section 63 the schedule's numbers are the step's argument, so another step count would load
+# the same program; section 51's first version of this script compiled its step again.)
 run() {  # name workdir [--stop_at_step=N]
   local t0; t0=$(date +%s.%N)
   python3 -m deepseek41.train --config="$CONFIG" --workdir="$2" $COMMON \
