@@ -2,7 +2,8 @@
 # Issue 48's decode-step paths side by side (docs/performance.md sections 54, 58 and 62, part K
 # row 5), one device call, no training: benchmarks/bench_decode_init.py on the 1B config as
 # initialised: each SETS entry ('|'-separated execution sets; the default: the defaults, and
-# one-row products as GEMMs, model.decode_vector_dots=gemm, section 62), at BATCHES (default 1;
+# one-row products as reductions, model.decode_vector_dots=reduce, the default until section
+# 64), at BATCHES (default 1;
 # each set and size compiles for about 25-75 s). Then, in the time left, THEN_SETS at
 # THEN_BATCHES (default: none).
 # MHC=1 first sweeps one layer's mHC at one token by D chunk width and by D split
@@ -18,7 +19,7 @@ START=$(date +%s)
 left() { echo $((${DEADLINE_S:-570} - ($(date +%s) - START))); }
 # (Section 56 on an H100: the gathered experts became the default; 256-wide chunks,
 # model.mhc_decode_block_d=256, were slower.)
-SETS=${SETS:-"|model.decode_vector_dots=gemm"}
+SETS=${SETS:-"|model.decode_vector_dots=reduce"}
 THEN_SETS=${THEN_SETS-}
 if [[ -n ${SMOKE:-} ]]; then
   export JAX_PLATFORMS=cpu

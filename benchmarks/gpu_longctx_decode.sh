@@ -9,6 +9,7 @@
 # use after each (JSON keys ctx<L>_<ced|full>).
 #   bash benchmarks/gpu_longctx_decode.sh
 #   CONTEXTS=262144,1048576 bash benchmarks/gpu_longctx_decode.sh
+#   PREFILLS=ced CONTEXTS=1048576 bash benchmarks/gpu_longctx_decode.sh   # CED prefill only
 # SMOKE=1 runs the same on this CPU with configs/tiny.py at 256 and 1,024 tokens.
 set -uo pipefail
 source benchmarks/device_env.sh
@@ -32,7 +33,8 @@ timeout -s KILL "$(left)" python3 -m deepseek41.train --config=$CONFIG $SHAPE $Y
   --config.checkpoint.every_steps=1 --config.log.progress_bar=False > "$OUT/longdecode_train.log" 2>&1
 echo "train exit $? wall $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
 timeout -s KILL "$(left)" python3 benchmarks/bench_generate.py --workdir=$WD --contexts=$CONTEXTS \
-  --context_prefill_chunk=$CHUNK --new_tokens=$NEW --tokens_per_dispatch=32 \
+  --context_prefill_chunk=$CHUNK --context_prefills=${PREFILLS:-ced,full} --new_tokens=$NEW \
+  --tokens_per_dispatch=32 \
   --deadline_s=$(($(left) - 30)) --out="$OUT/longdecode.json" > "$OUT/longdecode.log" 2>&1
 echo "bench exit $? wall $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
 grep -E "^ctx|rror" "$OUT/longdecode.log" | cut -c1-400

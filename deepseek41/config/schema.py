@@ -189,9 +189,9 @@ class ModelConfig:
   # (two kernels a projection in the 1B decode step, the product written to memory between
   # them); `gemm`, that pass (dot-strength-reduction) off in generation's programs, one GEMM
   # kernel each: 781 -> 718 kernels a 1B token, compiled for an H100 without one
-  # (docs/performance.md section 62). The gathered experts keep one fused reduction either
-  # way. [I] ours; `reduce` until the GPU side by side says otherwise.
-  decode_vector_dots: str = key('reduce', choices=('reduce', 'gemm'), execution_only=True)
+  # (docs/performance.md section 62); 1.06x `reduce`'s tokens/s at batch 1 on an H100 (section
+  # 64). The gathered experts keep one fused reduction either way. [I] ours.
+  decode_vector_dots: str = key('gemm', choices=('reduce', 'gemm'), execution_only=True)
   # The routed experts of held-out evaluation, dropless: auto keeps a dropless moe_backend and
   # replaces capacity_einsum (grouped on the GPU, ragged_dot on the TPU, reference on the CPU).
   eval_moe_backend: str = key('auto', auto=auto.eval_moe_backend,

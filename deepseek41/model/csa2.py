@@ -65,6 +65,10 @@ STORED_KEYS_BLOCK = 8192
 # scores them with model.index_impl's scorer: the copy is then small beside the chunk's own
 # activations, and the kernel is the fast path for many rows.
 STORED_KEYS_ROWS = 64
+# The jnp scorer writes a chunk's [rows, H, N] fp32 products whole: past this many bytes it
+# scores STORED_KEYS_BLOCK entries at a time instead (a 1,024-row prefill chunk over 1M entries
+# of 16 heads would ask for 64 GiB; docs/performance.md section 64). The kernels never write them.
+REFERENCE_PRODUCTS_BYTES = 1 << 31
 
 
 @struct.dataclass
@@ -98,6 +102,10 @@ def causal_groups(t: int, chunk: int, groups: int, row_offset, ratio: int, n: in
     seen = (row_offset + r1) // ratio  # entries complete by the run's last row
     runs.append((r0, r1, min(n, max(align, -(-seen // align) * align))))
   return runs
+
+
+def _as_keys(k_bnc):
+  return k_bnc
 
 
 def _rows_at(x_bn, entry_btp):
@@ -161,10 +169,14 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
         return in_pool(c, offset)
       rows_c = offset + jnp.arange(c['q'].shape[1], dtype=jnp.int32)
       limit_bc = jnp.broadcast_to((rows_c + 1) // comp.ratio, c['seg'].shape)
-      if load_keys is None:
-        scores_bcn = scores_fn(c['q'], c['w'], k_run, limit_bc)
-      else:
+      rows, heads = c['q'].shape[1:3]
+      if load_keys is not None:
         scores_bcn = index_scores_stored(c['q'], c['w'], k_run, load_keys, STORED_KEYS_BLOCK)
+      elif (scores_fn is index_scores_reference and
+            4 * rows * heads * n * c['q'].shape[0] > REFERENCE_PRODUCTS_BYTES):
+        scores_bcn = index_scores_stored(c['q'], c['w'], k_run, _as_keys, STORED_KEYS_BLOCK)
+      else:
+        scores_bcn = scores_fn(c['q'], c['w'], k_run, limit_bc)
       vis_bcn = visible_btn(c['seg'], comp_run, offset)
       allowed = None
       if pool is not None:

@@ -46,13 +46,16 @@ def test_fused_scores_are_a_gpu_choice():
 
 
 @pytest.mark.parametrize('ratio', [1, 2])
-def test_selection_with_the_kernel_equals_reference(ratio):
+def test_selection_with_the_kernel_equals_reference(ratio, monkeypatch):
   """select_chunked (chunks, two-stage top-k, candidate pool) is the same with either scorer,
-  on documents at offsets that are not multiples of the candidate block."""
+  on documents at offsets that are not multiples of the candidate block, and with the jnp
+  scorer's [rows, H, N] products bounded (scored a block of entries at a time, as a long
+  prefill chunk's are)."""
   import functools
 
   from flax import nnx
 
+  from deepseek41.model import csa2
   from deepseek41.model.compressor import Compressor
   from deepseek41.model.csa2 import select_chunked
   from deepseek41.model.indexer import IndexKeys, IndexQuery
@@ -79,6 +82,13 @@ def test_selection_with_the_kernel_equals_reference(ratio):
   got_r = select_chunked(q, w, k, seg, comp, pool=want[2], scores_fn=kernel, **kw)
   for a, b_ in zip(jax.tree.leaves(got_r), jax.tree.leaves(want_r)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+  # Entries 7 at a time (a last block past N): the same choices as the whole products.
+  monkeypatch.setattr(csa2, 'REFERENCE_PRODUCTS_BYTES', 0)
+  monkeypatch.setattr(csa2, 'STORED_KEYS_BLOCK', 7)
+  for pool, publish, ref in ((None, 3, want), (want[2], 0, want_r)):
+    got_b = select_chunked(q, w, k, seg, comp, pool=pool, publish_blocks=publish, **kw)
+    for a, b_ in zip(jax.tree.leaves(got_b), jax.tree.leaves(ref)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
 
 
 def test_causal_groups_cover_what_each_run_can_see():

@@ -100,16 +100,16 @@ def test_decode_keys_are_todays_defaults_whatever_the_run_saved(workdir):
   with open(os.path.join(workdir, 'config.json')) as f:
     saved = json.load(f)
   saved['model'].update(mhc_decode_splits=0, mhc_decode_block_d=64, moe_gather_small_calls=False,
-                        decode_vector_dots='gemm')
+                        decode_vector_dots='reduce')
   model = generation_config(saved).model
   assert (model.mhc_decode_splits, model.mhc_decode_block_d, model.moe_gather_small_calls,
-          model.decode_vector_dots) == (16, 0, True, 'reduce')
-  assert compiler_options(model) is None
-  model = generation_config(saved, execution={'model.mhc_decode_splits': '2',
-                                              'model.decode_vector_dots': 'gemm'}).model
-  assert model.mhc_decode_splits == 2
+          model.decode_vector_dots) == (16, 0, True, 'gemm')
   # generation's programs compile without XLA's rewrite of one-row products into reductions
   assert compiler_options(model) == {'xla_disable_hlo_passes': 'dot-strength-reduction'}
+  model = generation_config(saved, execution={'model.mhc_decode_splits': '2',
+                                              'model.decode_vector_dots': 'reduce'}).model
+  assert model.mhc_decode_splits == 2
+  assert compiler_options(model) is None
 
 
 def test_cli(workdir, tmp_path):
