@@ -56,7 +56,8 @@ _DEADLINE = flags.DEFINE_float('deadline_s', 1e9, 'Skip phases that start later 
 _OUT = flags.DEFINE_string('out', '/tmp/bench_generate.json', 'Result JSON.')
 _PROFILE = flags.DEFINE_string(
     'profile_dir', '', 'After each timed mode at the first batch size, one more run under '
-    'jax.profiler.trace(DIR/b<B>_<mode>) (benchmarks/trace_summary.py reads it).')
+    'jax.profiler.trace(DIR/b<B>_<mode>) (benchmarks/trace_summary.py reads it); with '
+    '--contexts, one more run at each, traced after its first dispatch (DIR/ctx<L>_<prefill>).')
 _CONTEXTS = flags.DEFINE_list('contexts', [], 'Long-context phase only: prompt lengths.')
 _EXECUTION = flags.DEFINE_list('execution', [], 'Execution-only model keys to override, '
                                'KEY=VALUE,... (python -m deepseek41.generate --execution).')
@@ -221,6 +222,8 @@ def long_contexts(gen, result, save, time_left):
         print(name, result[name], flush=True)
         save()
         continue
+      if _PROFILE.value:
+        profile_decoding(gen, prompt, kw, os.path.join(_PROFILE.value, name))
       row = {'context': context, 'prefill': prefill, 'first_run_s': first_s,
              'prefill_s': run.prefill_s, 'prefill_tokens_per_s': context / run.prefill_s,
              'decode_tokens_per_s': run.timed_tokens / run.decode_s if run.decode_s else None,
@@ -228,6 +231,22 @@ def long_contexts(gen, result, save, time_left):
       result[name] = row
       print(name, row, flush=True)
       save()
+
+
+def profile_decoding(gen, prompt, kw, trace_dir):
+  """One more run, traced from its first streamed tokens on: the dispatches after the first,
+  without the prefill (at 1M tokens of context the prefill is 10,000 times a dispatch)."""
+  from deepseek41.generate.generator import decode_loop
+  tracing = []
+
+  def start_after_first_dispatch(row, new):
+    if not tracing:
+      jax.profiler.start_trace(trace_dir)
+      tracing.append(True)
+  with jax.set_mesh(gen.mesh):
+    decode_loop(gen._programs, gen.cfg, [prompt], stream=start_after_first_dispatch, **kw)
+  if tracing:
+    jax.profiler.stop_trace()
 
 
 if __name__ == '__main__':

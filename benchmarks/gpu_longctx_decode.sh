@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_longctx_decode.sh
 #   CONTEXTS=262144,1048576 bash benchmarks/gpu_longctx_decode.sh
 #   PREFILLS=ced CONTEXTS=1048576 bash benchmarks/gpu_longctx_decode.sh   # CED prefill only
+# PROFILE=1 also traces, at each context, a second run's decode dispatches after its first
+# (NEW >= 64: two dispatches of 32) and summarises them (benchmarks/trace_summary.py).
 # SMOKE=1 runs the same on this CPU with configs/tiny.py at 256 and 1,024 tokens.
 set -uo pipefail
 source benchmarks/device_env.sh
@@ -34,7 +36,14 @@ timeout -s KILL "$(left)" python3 -m deepseek41.train --config=$CONFIG $SHAPE $Y
 echo "train exit $? wall $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
 timeout -s KILL "$(left)" python3 benchmarks/bench_generate.py --workdir=$WD --contexts=$CONTEXTS \
   --context_prefill_chunk=$CHUNK --context_prefills=${PREFILLS:-ced,full} --new_tokens=$NEW \
-  --tokens_per_dispatch=32 \
+  --tokens_per_dispatch=32 ${PROFILE:+--profile_dir=$OUT/trace} \
   --deadline_s=$(($(left) - 30)) --out="$OUT/longdecode.json" > "$OUT/longdecode.log" 2>&1
 echo "bench exit $? wall $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
 grep -E "^ctx|rror" "$OUT/longdecode.log" | cut -c1-400
+if [[ -n ${PROFILE:-} ]]; then  # a decode dispatch's kernels at each context (not its prefill)
+  for t in "$OUT"/trace/*/; do
+    python3 benchmarks/trace_summary.py "$t" --top 30 --depth 2 --merge-layers \
+      > "$OUT/trace_$(basename "$t").txt" 2>&1
+  done
+  rm -rf "$OUT/trace"
+fi
