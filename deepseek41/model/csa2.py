@@ -58,9 +58,15 @@ from deepseek41.quant import get_fake_quant
 # remat saves them (model/transformer.py), so the backward does not rescore and reselect.
 SELECTION = 'csa2_selection'
 
-# Generation scores a KV source's stored index keys this many entries at a time: the history is
-# never dequantized whole (at 1M tokens that copy would be 256 MB a layer at c = 128, bf16).
+# Generation scores a KV source's stored index keys a block of entries at a time, so that the
+# history is never dequantized whole (at 1M tokens that copy would be 256 MB a layer at c = 128,
+# bf16): blocks of at least STORED_KEYS_BLOCK entries, and as many more as STORED_KEYS_BYTES of
+# dequantized keys and BLOCK_PRODUCTS_BYTES of a block's fp32 products allow. Each block is an
+# iteration of a device loop of about five kernels: at 8,192 entries a block, a batch-1 decode
+# step at 1M tokens of context ran 1,000 more kernels than at 4K (docs/performance.md section 64).
 STORED_KEYS_BLOCK = 8192
+STORED_KEYS_BYTES = 32 << 20
+BLOCK_PRODUCTS_BYTES = 256 << 20
 # A generation chunk of more query rows than this (a prefill chunk) unpacks the keys once and
 # scores them with model.index_impl's scorer: the copy is then small beside the chunk's own
 # activations, and the kernel is the fast path for many rows.
@@ -108,6 +114,14 @@ def _as_keys(k_bnc):
   return k_bnc
 
 
+def stored_keys_block(q_bthc) -> int:
+  """Entries a block when scoring the keys a block at a time for these queries (above)."""
+  b, rows, heads, c = q_bthc.shape
+  fit = min(STORED_KEYS_BYTES // (q_bthc.dtype.itemsize * b * c),
+            BLOCK_PRODUCTS_BYTES // (4 * b * rows * heads))
+  return max(STORED_KEYS_BLOCK, fit)
+
+
 def _rows_at(x_bn, entry_btp):
   """Rows of a [B, N, ...] array (or a pytree of them, stored keys) at [B, T, P] entries."""
   return jax.tree.map(lambda a: jax.vmap(lambda a_n, e_tp: a_n[e_tp])(a, entry_btp), x_bn)
@@ -133,7 +147,7 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
   (the formula's cost, train/flops.py); otherwise every entry is scored and masked to the pool.
   The same selection either way.
   load_keys: `k_bnc` holds a cache's stored keys (generation) and this unpacks rows of them;
-  the whole row is then scored `STORED_KEYS_BLOCK` entries at a time.
+  the whole row is then scored a block of entries at a time (`stored_keys_block`).
   publish_blocks > 0: also return this layer's best `publish_blocks` candidate blocks.
   Returns (idx_btk, valid_btk, (blk_idx_btk, blk_valid_btk) or None).
   """
@@ -170,11 +184,12 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
       rows_c = offset + jnp.arange(c['q'].shape[1], dtype=jnp.int32)
       limit_bc = jnp.broadcast_to((rows_c + 1) // comp.ratio, c['seg'].shape)
       rows, heads = c['q'].shape[1:3]
+      block = stored_keys_block(c['q'])
       if load_keys is not None:
-        scores_bcn = index_scores_stored(c['q'], c['w'], k_run, load_keys, STORED_KEYS_BLOCK)
+        scores_bcn = index_scores_stored(c['q'], c['w'], k_run, load_keys, block)
       elif (scores_fn is index_scores_reference and
             4 * rows * heads * n * c['q'].shape[0] > REFERENCE_PRODUCTS_BYTES):
-        scores_bcn = index_scores_stored(c['q'], c['w'], k_run, _as_keys, STORED_KEYS_BLOCK)
+        scores_bcn = index_scores_stored(c['q'], c['w'], k_run, _as_keys, block)
       else:
         scores_bcn = scores_fn(c['q'], c['w'], k_run, limit_bc)
       vis_bcn = visible_btn(c['seg'], comp_run, offset)

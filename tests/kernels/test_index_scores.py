@@ -85,6 +85,7 @@ def test_selection_with_the_kernel_equals_reference(ratio, monkeypatch):
   # Entries 7 at a time (a last block past N): the same choices as the whole products.
   monkeypatch.setattr(csa2, 'REFERENCE_PRODUCTS_BYTES', 0)
   monkeypatch.setattr(csa2, 'STORED_KEYS_BLOCK', 7)
+  monkeypatch.setattr(csa2, 'STORED_KEYS_BYTES', 0)
   for pool, publish, ref in ((None, 3, want), (want[2], 0, want_r)):
     got_b = select_chunked(q, w, k, seg, comp, pool=pool, publish_blocks=publish, **kw)
     for a, b_ in zip(jax.tree.leaves(got_b), jax.tree.leaves(ref)):

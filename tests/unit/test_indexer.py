@@ -359,12 +359,25 @@ def test_generation_scores_only_the_pool_and_stored_keys_blockwise(select_impl, 
   values = load('fp4_ue8m0_32', stored, jnp.float32)
   unpack = functools.partial(load, 'fp4_ue8m0_32', dtype=jnp.float32)
   monkeypatch.setattr(csa2, 'STORED_KEYS_BLOCK', 20)  # blocks that do not divide the row
+  monkeypatch.setattr(csa2, 'STORED_KEYS_BYTES', 0)
   for chunk, pool_kw in ((16, {'publish_blocks': 3}), (2, {'pool': pool})):
     want = csa2.select_chunked(q, w, values, seg, comp, chunk=chunk, **pool_kw, **kw)
     got = csa2.select_chunked(q, w, stored, seg, comp, chunk=chunk, load_keys=unpack,
                               **pool_kw, **kw)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_stored_keys_blocks_grow_for_few_rows():
+  """A decode step scores the stored keys in blocks as large as 32 MiB of dequantized keys
+  allow (a few iterations of the scoring loop at 1M tokens of context); many rows (a prefill
+  chunk, a large batch) keep blocks of STORED_KEYS_BLOCK."""
+  from deepseek41.model import csa2
+  q = lambda b, rows: jax.ShapeDtypeStruct((b, rows, 16, 128), jnp.bfloat16)  # noqa: E731
+  assert csa2.stored_keys_block(q(1, 1)) == 131072          # 32 MiB / (128 x 2 bytes)
+  assert csa2.stored_keys_block(q(1, 64)) == 65536          # 256 MiB of fp32 products
+  assert csa2.stored_keys_block(q(1, 1024)) == csa2.STORED_KEYS_BLOCK == 8192
+  assert csa2.stored_keys_block(q(32, 1)) == 8192
 
 
 def test_stored_key_scores_equal_the_unpacked_keys():
