@@ -72,7 +72,7 @@ BLOCK_PRODUCTS_BYTES = 256 << 20
 # activations, and the kernel is the fast path for many rows.
 STORED_KEYS_ROWS = 64
 # The jnp scorer writes a chunk's [rows, H, N] fp32 products whole: past this many bytes it
-# scores STORED_KEYS_BLOCK entries at a time instead (a 1,024-row prefill chunk over 1M entries
+# scores a block of entries at a time instead (`stored_keys_block`) (a 1,024-row prefill chunk over 1M entries
 # of 16 heads would ask for 64 GiB; docs/performance.md section 64). The kernels never write them.
 REFERENCE_PRODUCTS_BYTES = 1 << 31
 
@@ -108,10 +108,6 @@ def causal_groups(t: int, chunk: int, groups: int, row_offset, ratio: int, n: in
     seen = (row_offset + r1) // ratio  # entries complete by the run's last row
     runs.append((r0, r1, min(n, max(align, -(-seen // align) * align))))
   return runs
-
-
-def _as_keys(k_bnc):
-  return k_bnc
 
 
 def stored_keys_block(q_bthc) -> int:
@@ -183,13 +179,14 @@ def select_chunked(q_bthc, w_bth, k_bnc, segment_ids_bt, comp, *, topk: int, chu
         return in_pool(c, offset)
       rows_c = offset + jnp.arange(c['q'].shape[1], dtype=jnp.int32)
       limit_bc = jnp.broadcast_to((rows_c + 1) // comp.ratio, c['seg'].shape)
-      rows, heads = c['q'].shape[1:3]
-      block = stored_keys_block(c['q'])
+      b, rows, heads = c['q'].shape[:3]
       if load_keys is not None:
-        scores_bcn = index_scores_stored(c['q'], c['w'], k_run, load_keys, block)
+        scores_bcn = index_scores_stored(c['q'], c['w'], k_run, load_keys,
+                                         stored_keys_block(c['q']))
       elif (scores_fn is index_scores_reference and
-            4 * rows * heads * n * c['q'].shape[0] > REFERENCE_PRODUCTS_BYTES):
-        scores_bcn = index_scores_stored(c['q'], c['w'], k_run, _as_keys, block)
+            4 * b * rows * heads * n > REFERENCE_PRODUCTS_BYTES):
+        scores_bcn = index_scores_stored(c['q'], c['w'], k_run, idx_lib.identity,
+                                         stored_keys_block(c['q']))
       else:
         scores_bcn = scores_fn(c['q'], c['w'], k_run, limit_bc)
       vis_bcn = visible_btn(c['seg'], comp_run, offset)
