@@ -20,6 +20,8 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       $SYN --config.train.steps="${STEPS:-16}" ${EXTRA:-} $flags > "$OUT/ab_${side}_${round}.log" 2>&1
     echo "$side round $round ($flags): exit $? in $(( $(date +%s) - start )) s"
     cp "$wd/metrics.jsonl" "$OUT/ab_${side}_${round}.jsonl" 2>/dev/null
+    # The final save of a 3B state is ~40 GB: four runs fill the 64 GB disk (section 65).
+    rm -rf "$wd"
   done
 done
 python3 benchmarks/summarize_ab.py "$OUT"/ab_*.jsonl --logs "$OUT" | tee "$OUT/ab_table.txt"

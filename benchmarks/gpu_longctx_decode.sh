@@ -47,3 +47,4 @@ if [[ -n ${PROFILE:-} ]]; then  # a decode dispatch's kernels at each context (n
   done
   rm -rf "$OUT/trace"
 fi
+rm -rf $WD  # the 1B checkpoint (~15 GB): a warm machine's next call needs the disk
