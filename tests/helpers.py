@@ -4,8 +4,10 @@ shared test shapes (every tier imports from here; no test file imports another).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -105,13 +107,34 @@ def four_layer_tiny(remat: str = 'block'):
 CORPUS_STEPS = 8
 
 
+def _shared_root(tmp_path_factory) -> str:
+  """The folder every xdist worker of this pytest run shares (each worker's own base folder is
+  a child of it); the base folder itself without xdist."""
+  base = tmp_path_factory.getbasetemp()
+  return str(base.parent if os.environ.get('PYTEST_XDIST_WORKER') else base)
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+  """An exclusive lock between the run's processes (released if a holder dies)."""
+  with open(path, 'a') as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope='session')
 def corpus(tmp_path_factory):
-  """Overrides that train the small model on a 20-file slice of the default corpus (prepared
-  once a session)."""
+  """Overrides that train the small model on a 20-file slice of the default corpus, prepared
+  once for the whole run: the workers share its cache (preparing is safe against a concurrent
+  preparer: the first atomic rename wins, data/default_corpus.py)."""
+  cache = os.path.join(_shared_root(tmp_path_factory), 'corpus-cache')
+  os.makedirs(cache, exist_ok=True)
   return {
       'data.synthetic': False,
-      'data.cache_dir': str(tmp_path_factory.mktemp('corpus-cache')),
+      'data.cache_dir': cache,
       'data.default_corpus_vocab_size': 300,
       'data.default_corpus_max_files': 20,
       'model.vocab_size': 320,
@@ -127,13 +150,18 @@ def corpus_config(corpus: dict, **overrides):
 
 @pytest.fixture(scope='session')
 def pretrained_run(corpus, tmp_path_factory) -> str:
-  """The session's one trained run (`corpus_config(corpus)`, saving every CORPUS_STEPS / 2
+  """The run's one trained run (`corpus_config(corpus)`, saving every CORPUS_STEPS / 2
   steps): CORPUS_STEPS steps, checkpoints at the half and the end, its tokenizer.json beside
-  them. Tests read it, or copy it to change it; resume, fault, generation and DSpark tests
-  start from it."""
-  workdir = str(tmp_path_factory.mktemp('pretrained') / 'run')
-  config = corpus_config(corpus, **{'checkpoint.every_steps': CORPUS_STEPS // 2})
-  assert train(config, workdir).step == CORPUS_STEPS
+  them. The first worker to ask trains it; the others wait and share it. Tests read it, or
+  copy it to change it; resume, fault, generation and DSpark tests start from it."""
+  root = os.path.join(_shared_root(tmp_path_factory), 'pretrained')
+  workdir, done = os.path.join(root, 'run'), os.path.join(root, 'trained')
+  with _locked(root + '.lock'):
+    if not os.path.exists(done):  # none yet, or a worker failed part-way: train afresh
+      shutil.rmtree(root, ignore_errors=True)
+      config = corpus_config(corpus, **{'checkpoint.every_steps': CORPUS_STEPS // 2})
+      assert train(config, workdir).step == CORPUS_STEPS
+      open(done, 'w').close()
   return workdir
 
 
