@@ -298,7 +298,9 @@ def test_prompts_in_one_bucket_share_compiled_programs(plain_programs):
   device loop once; a longer prompt, in the next bucket, traces the prefill again."""
   cfg, progs = plain_programs
   rng = np.random.default_rng(10)
-  run = lambda n, new: decode_loop(progs, cfg, [rng.integers(3, 96, n).astype(np.int32)] * 2,
+  # Three rows, as test_device_loop_equals_the_one_step_loop's: the programs it compiled for
+  # the first bucket serve here (the rows' count is a dimension of every program).
+  run = lambda n, new: decode_loop(progs, cfg, [rng.integers(3, 96, n).astype(np.int32)] * 3,
                                    eos_id=None, max_new_tokens=new, tokens_per_dispatch=4)
   run(5, 6)
   traces = dict(progs.traces)
