@@ -1,7 +1,8 @@
 """Every parallel axis on 8 fake CPU devices against 1 device, context parallelism above all.
 
-(data x fsdp x expert is tests/system/test_sharding.py's mesh; expert parallelism's exchanges per backend
-are tests/kernels/test_expert_parallel.py.) The tiny model with CSA2 (compressed entries, indexer, top-k, sparse and window branches),
+(data x fsdp x expert trains on the jnp paths in tests/system/test_sharding.py, and runs every
+kernel here; expert parallelism's exchanges per backend are tests/kernels/test_expert_parallel.py;
+single kernels per device, tests/kernels/test_per_device.py.) The tiny model with CSA2 (compressed entries, indexer, top-k, sparse and window branches),
 Engram and single-pass mHC, packed documents and padding: loss and every gradient. Once on the
 jnp paths (GSPMD partitions them) and once with every Pallas kernel (interpreted; each runs on
 its own stretch of queries, the window kernel with its halo from the previous shard). f32; the
@@ -41,7 +42,9 @@ MESHES = {'context8': {'mesh.data': 1, 'mesh.context': 8},
           # the fused LM head + loss in 4 chunks of 16 positions (one chunk on one device), the
           # vocabulary split over tensor and each chunk's positions over context
           'tensor2_context4_head_chunks': {'mesh.data': 1, 'mesh.tensor': 2, 'mesh.context': 4,
-                                           'model.head_chunk': 16}}
+                                           'model.head_chunk': 16},
+          # the batch over every axis that splits it, each kernel on its device's own rows
+          'data2_fsdp2_expert2': {'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.expert': 2}}
 
 
 @functools.lru_cache(maxsize=None)  # the 1-device runs serve every mesh
@@ -63,15 +66,22 @@ def _grads(n, sizes, kernels):
   with jax.set_mesh(mesh):
     traced = fn.trace(state['params'], state['router_bias'], batch)  # traced once, for both
     if kernels and n > 1:
-      assert not kernels_outside_shard_map(traced.jaxpr.jaxpr)
+      # GSPMD cannot split a pallas_call or top_k's custom call: outside a shard_map it would
+      # gather the whole batch onto every device.
+      outside = kernels_outside_shard_map(traced.jaxpr.jaxpr)
+      assert not outside, f'pallas_calls GSPMD would run on the whole batch: {outside[:5]}'
+      assert not kernels_outside_shard_map(traced.jaxpr.jaxpr, primitive='top_k')
+    elif kernels:  # the walk does see kernels: on one device nothing is wrapped
+      assert len(kernels_outside_shard_map(traced.jaxpr.jaxpr)) >= 5
     return traced.lower().compile()(state['params'], state['router_bias'], batch)
 
 
-# The jnp paths on every mesh but context8 (GSPMD partitions them; context is split in the
-# other two). The kernels run per device on the data x fsdp x expert mesh
-# (tests/kernels/test_per_device.py); here at context=8, the split that needs the window halo,
-# and, with the attention kernels' heads split over tensor, in test_deeper_wiring below.
-CASES = [(m, False) for m in MESHES if m != 'context8'] + [('context8', True)]
+# The jnp paths on the meshes that split more than the batch (GSPMD partitions them; context
+# is split in the other two). Every kernel on the batch-only split (each device's own rows), at
+# context=8 (the split that needs the window halo) and, with the attention kernels' heads split
+# over tensor, in test_deeper_wiring below.
+KERNEL_MESHES = ('context8', 'data2_fsdp2_expert2')
+CASES = [(m, False) for m in MESHES if m not in KERNEL_MESHES] + [(m, True) for m in KERNEL_MESHES]
 
 
 @pytest.mark.parametrize('mesh,kernels', CASES)

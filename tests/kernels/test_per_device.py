@@ -1,14 +1,14 @@
-"""Every Pallas kernel of the model runs on each device's own batch rows under a mesh.
+"""Kernels and row-indexed ops run on each device's own batch rows under a mesh.
 
 GSPMD cannot split a pallas_call (it would gather the batch onto every device), so each kernel
-sits inside a shard_map (ops/parallel/per_device.py, ops/parallel/expert_parallel.py). Checked
-twice on 8 fake CPU devices, the kernels in the Pallas interpreter: structurally (no pallas_call
-outside a shard_map in the traced train loss) and numerically (loss and gradients equal to 1
-device).
-The indexer-score kernel is a GPU-only config choice, so it is checked on its own.
+sits inside a shard_map (ops/parallel/per_device.py, ops/parallel/expert_parallel.py). The whole
+model with every kernel is checked in tests/kernels/test_parallel_axes.py (no pallas_call or
+top_k outside a shard_map in the traced train loss; loss and gradients equal to 1 device, on
+the data x fsdp x expert mesh among others). Here, the ops the model's kernel set leaves out or
+that need their own splits: the indexer-score kernel (a GPU-only config choice), the image-span
+attention, and the attention kernels' heads over tensor.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -18,70 +18,14 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from deepseek41.ops.index_scores import index_scores_per_device, index_scores_reference
-
-from deepseek41.sharding import batch_sharding, make_mesh
-from deepseek41.train import state as state_lib
-from deepseek41.train.optimizer import make_optimizer
-from tests.helpers import (EVERY_KERNEL, MESH_KERNEL_SHAPES, kernels_outside_shard_map,
-                           model_loss_fn, packed_batch, resolved, sub_jaxprs)
+from deepseek41.sharding import make_mesh
+from tests.helpers import kernels_outside_shard_map, resolved, sub_jaxprs
 
 MESH8 = {'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.expert': 2}
 
-# Its tests share what they build (a module fixture): one worker runs the whole file
-# (tests/conftest.py).
-pytestmark = pytest.mark.xdist_group(__name__)
-
-
-def _setup(n, sizes):
-  cfg = resolved(num_devices=n, **sizes, **MESH_KERNEL_SHAPES)
-  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **EVERY_KERNEL))
-  tx = make_optimizer(cfg.train)
-  mesh = make_mesh(cfg.mesh, jax.devices()[:n])
-  state, _ = state_lib.init_state(cfg, tx, mesh, cfg.mesh.rules)
-  batch = {k: jax.device_put(v, batch_sharding(mesh, cfg.mesh.rules))
-           for k, v in packed_batch(seed=4, docs_per_row=2, pad=4).items()}
-  return cfg, tx, mesh, state, batch
-
-
-@pytest.fixture(scope='module')
-def eight_devices():
-  """The train loss and its gradients on 8 devices, traced once: its jaxpr is read for the
-  structure, its compiled program run for the numbers (each trace costs a minute on 2 cores)."""
-  cfg, tx, mesh, state, batch = _setup(8, MESH8)
-  args = (state['params'], state['router_bias'], batch)
-  with jax.set_mesh(mesh):
-    traced = jax.jit(jax.value_and_grad(model_loss_fn(cfg, tx))).trace(*args)
-    loss_grads = traced.lower().compile()(*args)
-  return cfg, tx, args, traced.jaxpr, loss_grads
-
-
-def test_no_kernel_runs_on_the_whole_batch(eight_devices):
-  cfg, tx, args, closed, _ = eight_devices
-  kernels = kernels_outside_shard_map(closed.jaxpr)
-  assert not kernels, f'pallas_calls GSPMD would run on the whole batch: {kernels[:5]}'
-  # top_k neither: GSPMD cannot split its custom call and gathers the whole batch to every
-  # device (the MoE routing did: f32 [global batch, T, E] per layer in the released plan).
-  assert not kernels_outside_shard_map(closed.jaxpr, primitive='top_k')
-  # ... and the walk does see kernels: without a mesh nothing is wrapped.
-  closed = jax.make_jaxpr(jax.value_and_grad(model_loss_fn(cfg, tx)))(*args)
-  assert len(kernels_outside_shard_map(closed.jaxpr)) >= 5
-
-
-def test_every_kernel_sharded_matches_one_device(eight_devices):
-  cfg, tx, mesh, state, batch = _setup(1, {'mesh.data': 1})
-  with jax.set_mesh(mesh):
-    l1, g1 = jax.jit(jax.value_and_grad(model_loss_fn(cfg, tx)))(
-        state['params'], state['router_bias'], batch)
-  l8, g8 = eight_devices[-1]
-  # f32; sums reordered across devices and kernel tiles (the grouped weight gradient sums other
-  # row tiles per device): a few Engram-table gradients of ~6e-4 move by ~1.5e-7.
-  np.testing.assert_allclose(l8, l1, rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
-
 
 def test_index_scores_per_device():
-  cfg, _, mesh, _, _ = _setup(8, MESH8)
+  mesh = make_mesh(resolved(num_devices=8, **MESH8).mesh, jax.devices()[:8])
   kq, kw, kk = jax.random.split(jax.random.key(0), 3)
   q, w = jax.random.normal(kq, (8, 32, 2, 16)), jax.random.normal(kw, (8, 32, 2))
   k = jax.random.normal(kk, (8, 32, 16))
