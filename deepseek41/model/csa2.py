@@ -72,8 +72,9 @@ BLOCK_PRODUCTS_BYTES = 256 << 20
 # activations, and the kernel is the fast path for many rows.
 STORED_KEYS_ROWS = 64
 # The jnp scorer writes a chunk's [rows, H, N] fp32 products whole: past this many bytes it
-# scores a block of entries at a time instead (`stored_keys_block`) (a 1,024-row prefill chunk over 1M entries
-# of 16 heads would ask for 64 GiB; docs/performance.md section 64). The kernels never write them.
+# scores `stored_keys_block` entries at a time instead (a 1,024-row prefill chunk over 1M
+# entries of 16 heads would ask for 64 GiB; docs/performance.md section 64). The kernels never
+# write them.
 REFERENCE_PRODUCTS_BYTES = 1 << 31
 
 

@@ -2,8 +2,9 @@
 
 (data x fsdp x expert trains on the jnp paths in tests/system/test_sharding.py, and runs every
 kernel here; expert parallelism's exchanges per backend are tests/kernels/test_expert_parallel.py;
-single kernels per device, tests/kernels/test_per_device.py.) The tiny model with CSA2 (compressed entries, indexer, top-k, sparse and window branches),
-Engram and single-pass mHC, packed documents and padding: loss and every gradient. Once on the
+single kernels per device, tests/kernels/test_per_device.py.) The tiny model with CSA2
+(compressed entries, indexer, top-k, sparse and window branches), Engram and single-pass mHC,
+packed documents and padding: loss and every gradient. Once on the
 jnp paths (GSPMD partitions them) and once with every Pallas kernel (interpreted; each runs on
 its own stretch of queries, the window kernel with its halo from the previous shard). f32; the
 tolerance covers sums reordered across devices and kernel tiles. `model.fp8` stays off: its
