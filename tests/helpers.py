@@ -72,8 +72,9 @@ def small_config(**overrides):
   c.train.steps = 4
   c.train.warmup_steps = 1
   c.train.eval_every_steps = 0
-  # The trainer's persistent cache: the suite's own (conftest.py), not the user's.
-  c.train.compilation_cache_dir = jax.config.jax_compilation_cache_dir
+  # The trainer's persistent cache: the suite's own (conftest.py), not the user's; none where
+  # conftest did not run (a subprocess's config file passes the suite's explicitly).
+  c.train.compilation_cache_dir = jax.config.jax_compilation_cache_dir or ''
   c.log.progress_bar = False
   c.log.tensorboard = False
   c.log.every_steps = 1

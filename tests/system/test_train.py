@@ -58,7 +58,9 @@ def test_resume_is_bit_exact(corpus, straight, tmp_path):
 
 def test_sigterm_saves_and_resumes_exactly(corpus, tmp_path):
   steps = 60
-  overrides = {**corpus, 'train.steps': steps}
+  # The suite's compile cache passed on: the subprocess does not run conftest.py.
+  overrides = {**corpus, 'train.steps': steps,
+               'train.compilation_cache_dir': jax.config.jax_compilation_cache_dir}
   cfg_file = tmp_path / 'cfg.py'
   cfg_file.write_text('from tests.helpers import small_config\n'
                       f'def get_config():\n  return small_config(**{overrides!r})\n')
