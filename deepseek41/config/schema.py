@@ -589,6 +589,9 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   every_steps: int = key(100)           # 0 disables periodic saves (SIGTERM/SIGINT still save)
+  # False: no save when the run reaches its last step (benchmarks, whose states nobody resumes:
+  # a 3B state is ~40 GB a save). A stop signal still saves.
+  save_at_end: bool = key(True)
   max_to_keep: int = key(3)             # keep the newest N ...
   keep_period: int = key(0)             # ... plus every K-th step (0: none)
   async_save: bool = key(True)

@@ -416,7 +416,7 @@ def _train(cfg: RunConfig, workdir: str, stop_at_step: int | None, primary: bool
                         signal.Signals(stop.signal).name)
           break
       else:
-        if step != start:
+        if step != start and cfg.checkpoint.save_at_end:
           save(step, state)
       step_log.drain(keep_last=False)
       ckpt.wait()  # the last save has committed and is verified, or its failure is raised

@@ -23,12 +23,15 @@ EXECUTION_ONLY = sorted(execution_only_keys('model'))
 @pytest.mark.parametrize('variant', ['csa2', 'dense', 'window'])
 def test_each_variant_trains(variant, tmp_path):
   """In-process `train()`, as the command line runs it; the dense layers beside mHC and
-  Engram (MoE is in every config)."""
+  Engram (MoE is in every config). The window run ends without its final save
+  (checkpoint.save_at_end, for benchmarks); the others save at their last step."""
   everything = {'model.residual': 'mhc_single_pass', 'model.engram': True}
   config = small_config(**{'model.attention_variant': variant, 'train.steps': 2,
+                           'checkpoint.save_at_end': variant != 'window',
                            **(everything if variant == 'dense' else {})})
   result = train(config, str(tmp_path))
   assert result.step == 2 and np.isfinite(result.last_loss)
+  assert os.path.isdir(os.path.join(tmp_path, 'checkpoints', '2')) == (variant != 'window')
 
 
 STEPS = 40
