@@ -30,10 +30,11 @@ def _data_state(workdir, step):
 
 
 def _assert_states_equal(a, b):
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  la, lb = jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)
   assert len(la) == len(lb)
-  for x, y in zip(la, lb):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  for (path, x), y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
+                                  err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.fixture
