@@ -34,7 +34,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       python3 benchmarks/trace_summary.py "$wd/profile" --top 40 --merge-layers \
         > "$OUT/trace_${side}_${round}.txt" 2>&1
     fi
-    # The final save of a 3B state is ~40 GB: four runs fill the 64 GB disk (section 65).
+    # Nothing is saved (save_at_end off); the traces are not needed once summarised.
     rm -rf "$wd"
   done
 done
