@@ -33,6 +33,9 @@ _PROMPT = flags.DEFINE_integer('prompt_tokens', 512, 'Prompt length.')
 _NEW = flags.DEFINE_integer('new_tokens', 128, 'Tokens generated per row.')
 _PER_DISPATCH = flags.DEFINE_integer('tokens_per_dispatch', 32, 'Decode steps per dispatch.')
 _OUT = flags.DEFINE_string('out', '/tmp/bench_decode_init.json', 'Result JSON.')
+_PROFILE = flags.DEFINE_string(
+    'profile_dir', '', 'For the first set at each batch size, one more run traced from its second '
+    'dispatch on into DIR/b<B> (benchmarks/trace_summary.py reads it).')
 
 
 def main(argv):
@@ -69,7 +72,23 @@ def main(argv):
         print(spec or 'defaults', b, row, flush=True)
         with open(_OUT.value, 'w') as f:
           json.dump(result, f, indent=1)
+        if _PROFILE.value and spec == _SETS.value.split('|')[0]:
+          profile_decoding(progs, cfg, prompts, kw, os.path.join(_PROFILE.value, f'b{b}'))
     del model, progs
+
+
+def profile_decoding(progs, cfg, prompts, kw, trace_dir):
+  """One more run, traced from the first streamed tokens on: steady dispatches, no prefill."""
+  from deepseek41.generate.generator import decode_loop
+  tracing = []
+
+  def start_after_first_dispatch(row, new):
+    if not tracing:
+      jax.profiler.start_trace(trace_dir)
+      tracing.append(True)
+  decode_loop(progs, cfg, prompts, stream=start_after_first_dispatch, **kw)
+  if tracing:
+    jax.profiler.stop_trace()
 
 
 if __name__ == '__main__':

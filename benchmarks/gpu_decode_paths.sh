@@ -11,10 +11,14 @@
 #   bash benchmarks/gpu_decode_paths.sh
 #   SETS='|model.moe_gather_small_calls=false' THEN_SETS='|model.mhc_decode_splits=0' \
 #     bash benchmarks/gpu_decode_paths.sh
+# PROFILE=1 also traces the first set at each batch size (XLA's command buffers off) and leaves
+# trace_summary.py's tables as $OUT/trace_b<B>.txt: where a decode step's time goes.
+#   PROFILE=1 BATCHES=1,32 bash benchmarks/gpu_decode_paths.sh
 # SMOKE=1 runs the same on this CPU with configs/tiny.py.
 set -uo pipefail
 source benchmarks/device_env.sh
 export TF_CPP_MIN_LOG_LEVEL=2
+[[ -n ${PROFILE:-} ]] && export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
 START=$(date +%s)
 left() { echo $((${DEADLINE_S:-570} - ($(date +%s) - START))); }
 # (Section 56 on an H100: the gathered experts became the default; 256-wide chunks,
@@ -40,8 +44,15 @@ if [[ -n ${MHC:-} ]]; then
 fi
 timeout -s KILL "$(left)" python3 benchmarks/bench_decode_init.py --config=$CONFIG $SIZES \
   --batch_sizes=$BATCHES --execution_sets="$SETS" --out="$OUT/decode_paths.json" \
-  > "$OUT/decode_paths.log" 2>&1
+  ${PROFILE:+--profile_dir=/tmp/decode_trace} > "$OUT/decode_paths.log" 2>&1
 echo "bench_decode_init exit $? wall $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
+if [[ -n ${PROFILE:-} ]]; then
+  for t in /tmp/decode_trace/*/; do
+    python3 benchmarks/trace_summary.py "$t" --top 30 --depth 2 --merge-layers \
+      > "$OUT/trace_$(basename "$t").txt" 2>&1
+  done
+  rm -rf /tmp/decode_trace
+fi
 if [[ -n $THEN_SETS && $(left) -gt 60 ]]; then
   timeout -s KILL "$(left)" python3 benchmarks/bench_decode_init.py --config=$CONFIG $SIZES \
     --batch_sizes=$THEN_BATCHES --execution_sets="$THEN_SETS" --out="$OUT/decode_then.json" \
