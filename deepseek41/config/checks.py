@@ -88,6 +88,8 @@ def check_residual(m: ModelConfig):
   sp = m.mhc_decode_splits
   require(sp >= 0 and not sp & (sp - 1), 'model.mhc_decode_splits',
           f'must be 0 (one program) or a power of two, got {sp}')
+  require(m.decode_union_rows >= 0, 'model.decode_union_rows',
+          f'must be >= 0 (0: the partials at every size), got {m.decode_union_rows}')
   require(m.hc_sinkhorn_iters >= 1, 'model.hc_sinkhorn_iters', 'must be >= 1')
   require(m.hc_eps >= 0, 'model.hc_eps', 'must be >= 0')
 

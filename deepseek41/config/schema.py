@@ -184,6 +184,13 @@ class ModelConfig:
   # (docs/performance.md section 54). On an H100 the 1B model decodes 1.2x faster at batch 1
   # with it (section 56); batch 32 (192 assignments) keeps the grouped kernels either way.
   moe_gather_small_calls: bool = key(True, execution_only=True)
+  # A generation chunk of at most this many tokens (a decode step: 1; a speculative verification:
+  # the drafts + 1) attends over all its keys at a window layer (its own, the cached ring's, the
+  # selected compressed entries) in one softmax with the sink (ops/union_attention.py) instead
+  # of a partial per key set and their merge: fewer, larger kernels a step (docs/performance.md
+  # section 67). 0: the partials at every size. Larger chunks keep the partials, whose memory
+  # does not grow with T x (ring + T + K) keys. [I] ours.
+  decode_union_rows: int = key(16, execution_only=True)
   # How generation's programs compile a product of one row with a weight (a batch-1 decode
   # step's projections): `reduce`, XLA's GPU default for a vector, a multiply and a reduction
   # (two kernels a projection in the 1B decode step, the product written to memory between

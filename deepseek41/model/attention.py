@@ -41,7 +41,9 @@ from deepseek41.ops.dense_attention import dense_branch, dense_partial
 from deepseek41.ops.fp8_matmul import batched_fp8_matmul, dense
 from deepseek41.ops.span_attention import span_partial
 from deepseek41.ops.softmax_merge import merge
-from deepseek41.ops.swa_attention import keyset_partial, swa_partial, window_branch
+from deepseek41.ops.swa_attention import (keyset_partial, swa_partial, window_branch,
+                                            window_mask_btu)
+from deepseek41.ops.union_attention import union_attention
 from deepseek41.packing import empty_stored, load, store
 from deepseek41.quant import get_fake_quant
 
@@ -59,13 +61,18 @@ class AttentionCache:
     return self.replace(ring_pos=jnp.full_like(self.ring_pos, -1))
 
 
-def ring_partial(q_bthd, ring_kv_bcd, ring_pos_bc, pos_bt, valid_bt, start_b, window: int):
-  """The window keys cached before the chunk as one more partial: slot u is seen by query t iff
-  it holds a position before the chunk's start within t's window."""
+def ring_sees(ring_pos_bc, pos_bt, valid_bt, start_b, window: int):
+  """[B, T, C] bool: slot u of the ring is seen by query t iff it holds a position before the
+  chunk's start within t's window."""
   kpos = ring_pos_bc[:, None, :]
-  sees_btc = (kpos >= 0) & (kpos < start_b[:, None, None]) & (pos_bt[:, :, None] - kpos < window) \
+  return (kpos >= 0) & (kpos < start_b[:, None, None]) & (pos_bt[:, :, None] - kpos < window) \
       & valid_bt[:, :, None]
-  return keyset_partial(q_bthd, ring_kv_bcd, sees_btc)
+
+
+def ring_partial(q_bthd, ring_kv_bcd, ring_pos_bc, pos_bt, valid_bt, start_b, window: int):
+  """The window keys cached before the chunk as one more partial (`ring_sees`)."""
+  return keyset_partial(q_bthd, ring_kv_bcd,
+                        ring_sees(ring_pos_bc, pos_bt, valid_bt, start_b, window))
 
 
 def seen_ring_slots(ring, ring_pos_bc, start_b, window: int):
@@ -160,12 +167,16 @@ class Attention(nnx.Module):
     ring, ring_pos = cache.ring, cache.ring_pos
     if not self.dense and 1 < reach < ring_pos.shape[1]:  # a chunk program's longer ring
       ring, ring_pos = seen_ring_slots(ring, ring_pos, decoding.start_b, reach)
-    cached = ring_partial(q_bthd, load(cfg.swa_quant, ring, x_btd.dtype), ring_pos,
-                          pos_bt, valid_bt, decoding.start_b, reach)
+    ring_kv = load(cfg.swa_quant, ring, x_btd.dtype)
+    sees_btc = ring_sees(ring_pos, pos_bt, valid_bt, decoding.start_b, reach)
     if self.owns_kv and self.role.layer not in shared.kv:
       cache, shared = self._append_entries(x_btd, batch, cache, shared)
-    o_bthd, shared = self.attend(x_btd, q_r_btr, q_bthd, kv_btd, batch, shared,
-                                 extra_partials=(cached,))
+    if self.one_softmax(x_btd, batch):
+      o_bthd, shared = self.attend_union(x_btd, q_r_btr, q_bthd, kv_btd, batch, shared,
+                                         (ring_kv, sees_btc))
+    else:
+      o_bthd, shared = self.attend(x_btd, q_r_btr, q_bthd, kv_btd, batch, shared,
+                                   extra_partials=(keyset_partial(q_bthd, ring_kv, sees_btc),))
     slots = ring_slots(pos_bt, valid_bt, decoding.end_b, cache.ring_pos.shape[1])
     cache = cache.replace(ring=scatter_rows(cache.ring, slots, new_ring),
                           ring_pos=scatter_rows(cache.ring_pos, slots, pos_bt))
@@ -242,6 +253,28 @@ class Attention(nnx.Module):
     for sinks in handoffs:  # the sparse branch's {index source: sinks} (csa2.py)
       shared = shared.with_sinks(sinks)
     return o_bthd, shared
+
+  def one_softmax(self, x_btd, batch) -> bool:
+    """Whether a generation chunk attends over all its keys in one softmax
+    (ops/union_attention.py): a chunk of at most model.decode_union_rows tokens, at a window
+    layer (dense layers' rings hold every position) without image spans."""
+    rows = self.cfg.decode_union_rows
+    return (0 < x_btd.shape[1] <= rows and not self.dense and batch.get('image_span') is None)
+
+  def attend_union(self, x_btd, q_r_btr, q_bthd, kv_btd, batch, shared: Shared, ring):
+    """`attend` for a small generation chunk: the chunk's own window keys, the cached ring's
+    (ring: (kv_bcd, sees_btc)) and the selected compressed entries in one softmax with the
+    sink, then the inverse RoPE -> (o_bthd, shared)."""
+    cfg = self.cfg
+    own = (kv_btd, window_mask_btu(batch['segment_ids'], cfg.sliding_window))
+    key_sets = [own, ring]
+    if self.csa2 is not None:
+      with jax.named_scope('csa2'):
+        selected, shared = self.csa2(x_btd, q_r_btr, q_bthd, batch, shared, as_keys=True)
+      key_sets.append(selected)
+    o_bthd = union_attention(q_bthd, key_sets, self.sink[...]).astype(x_btd.dtype)
+    return apply_rope(o_bthd, batch['positions'], rope_for_role(cfg, self.role.rope),
+                      inverse=True), shared
 
   def output(self, o_bthd):
     """Grouped low-rank output projection: [B,T,H,d] -> [B,T,D]."""

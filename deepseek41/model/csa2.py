@@ -49,7 +49,7 @@ from deepseek41.ops.chunking import map_query_chunks
 from deepseek41.ops.index_scores import (SCORERS, index_scores_gathered, index_scores_reference,
                                         index_scores_stored)
 from deepseek41.ops.selected_scores import selected_scores
-from deepseek41.ops.sparse_attention import compressed_branch, compressed_partial
+from deepseek41.ops.sparse_attention import compressed_branch, compressed_partial, selected_rows
 from deepseek41.packing import empty_stored, load, store
 from deepseek41.quant import get_fake_quant
 
@@ -285,10 +285,12 @@ class CSA2(nnx.Module):
                         load_rows=functools.partial(load, cfg.kv_quant, dtype=dt))
     return cache, SourceEntries(view, cache.keys_bnc)
 
-  def __call__(self, x_btd, q_r_btr, q_bthd, batch, shared: Shared):
+  def __call__(self, x_btd, q_r_btr, q_bthd, batch, shared: Shared, as_keys: bool = False):
     """Returns (the compressed branch's partial (o, lse) or `softmax_merge.Branch`, the updated
     `shared`); a Branch's handoffs (the deferred key/value gradient's sinks, {index source:
-    sinks}) are published by the layer after the merge."""
+    sinks}) are published by the layer after the merge. as_keys (generation): the selected
+    entries themselves instead of a partial, (kv_btkd, valid_btk), for the layer's one softmax
+    over all its keys (ops/union_attention.py)."""
     cfg, role = self.cfg, self.role
     seg, pos = batch['segment_ids'], batch['positions']
     row_offset = batch.get('row_offset', 0)  # CED prefill: the query rows are a tail
@@ -330,6 +332,10 @@ class CSA2(nnx.Module):
     # target); generation computes no indexer loss.
     distill = self.owns_index and not decoding
     kv = comp.kv_bnd if comp.load_rows else comp.kv_bnd.astype(q_bthd.dtype)
+    if as_keys:
+      if not decoding:
+        raise ValueError('CSA2 as_keys is generation\'s (a decode chunk\'s one softmax)')
+      return (selected_rows(kv, sel_idx, sel_valid, comp.load_rows), sel_valid), shared
     group = (cfg.sparse_group_dkv and cfg.sparse_impl == 'fused' and not decoding and
              bool(self.selection_readers))
     later, sink = 0, None

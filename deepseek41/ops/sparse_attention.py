@@ -82,12 +82,17 @@ def _gather_rows_bwd(res, ct_bckd):
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
-def _partial_gathered_chunk(q_bchd, kv_bnd, idx_bck, valid_bck, scale, load_rows=None):
+def selected_rows(kv_bnd, idx_bck, valid_bck, load_rows=None):
+  """The selected entries [B, C, K, d]; with load_rows, kv_bnd is stored rows (generation's
+  packed cache): gathered as stored, then only those unpacked."""
   if load_rows is None:
-    kv_bckd = gather_rows(kv_bnd, idx_bck, valid_bck)
-  else:  # stored rows (generation's packed cache): gather them, then unpack only those
-    kv_bckd = load_rows(jax.tree.map(
-        lambda x: jax.vmap(lambda x_n, idx_ck: x_n[idx_ck])(x, idx_bck), kv_bnd))
+    return gather_rows(kv_bnd, idx_bck, valid_bck)
+  return load_rows(jax.tree.map(
+      lambda x: jax.vmap(lambda x_n, idx_ck: x_n[idx_ck])(x, idx_bck), kv_bnd))
+
+
+def _partial_gathered_chunk(q_bchd, kv_bnd, idx_bck, valid_bck, scale, load_rows=None):
+  kv_bckd = selected_rows(kv_bnd, idx_bck, valid_bck, load_rows)
   scores_bchk = jnp.einsum('bchd,bckd->bchk', q_bchd, kv_bckd,
                            preferred_element_type=jnp.float32) * scale
   probs_bchk, lse_bch = _masked_softmax_partial(scores_bchk, valid_bck[:, :, None, :])

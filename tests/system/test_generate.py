@@ -122,6 +122,26 @@ def test_decoding_with_caches_equals_the_full_forward(full_model):
       assert row.argmax() == full[b, pos].argmax()
 
 
+def test_a_chunks_one_softmax_equals_its_partials_merged(full_model):
+  """model.decode_union_rows: chunks of up to that many tokens attend over all their keys in one
+  softmax (ops/union_attention.py; the default, which the test above runs); 0 keeps a partial
+  per key set and their merge. Both give the same logits, prefill and token by token."""
+  _, union = full_model
+  _, partials = _model(**{'model.decode_union_rows': 0})
+  seq = np.random.default_rng(1).integers(3, 96, (2, 12)).astype(np.int32)
+  logits = {}
+  for name, model in (('union', union), ('partials', partials)):
+    cache = empty_cache(model, SPEC)
+    rows, cache = _chunk(model, cache, jnp.asarray(seq[:, :8]), jnp.ones((2, 8), bool))
+    steps = [np.asarray(rows)]
+    for p in range(8, 12):
+      rows, cache = _chunk(model, cache, jnp.asarray(seq[:, p:p + 1]), jnp.ones((2, 1), bool))
+      steps.append(np.asarray(rows))
+    logits[name] = steps
+  for got, want in zip(logits['union'], logits['partials']):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_packed_cache_holds_the_fake_quantized_values(full_model):
   """The stored bytes unpack to exactly the training path's fake quantization, and the cached
   entries of a prefill are the full forward's compressed KV."""

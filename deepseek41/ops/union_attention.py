@@ -1,0 +1,50 @@
+"""One softmax over all of a decode chunk's key sets at once, for generation's small chunks.
+
+A layer's attention is one softmax over the union of its key sets (the chunk's own window keys,
+the cached window ring, the selected compressed entries) plus the per-head sink with value 0.
+Training computes a partial (o, lse) per key set and merges them (ops/softmax_merge.py): each
+partial is its own scores product, row maximum, row sum and value product, and the merge one
+more pass. For a decode step of one token those are a dozen kernels of a few microseconds each
+per layer, the step's cost (docs/performance.md section 67). Here the key sets are one key
+axis: one scores product, one softmax with the sink, one value product, the same numbers to
+rounding (tests/unit/test_union_attention.py).
+
+Key sets are [B, U, d] (shared by the chunk's queries: the ring, the chunk's own keys) or
+[B, T, U, d] (per query: its selected entries); a shared set is broadcast over the chunk's T
+queries, so this is for small T only (`model.decode_union_rows`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def union_attention(q_bthd, key_sets: Sequence[tuple[jax.Array, jax.Array]], sink_h,
+                    scale: float | None = None):
+  """o_bthd fp32: softmax over every visible key of every set and the sink (value 0) of q . k.
+
+  key_sets: (kv [B, U, d] or [B, T, U, d], sees [B, T, U] bool) pairs; a key is its own value
+  (the shared K=V latent). A query that sees nothing gets 0 (all its mass on the sink)."""
+  b, t, _, d = q_bthd.shape
+  scale = 1.0 / math.sqrt(d) if scale is None else scale
+  dtype = jnp.result_type(*(kv.dtype for kv, _ in key_sets))
+  keys_btsd = jnp.concatenate(
+      [(kv if kv.ndim == 4 else jnp.broadcast_to(kv[:, None], (b, t, *kv.shape[1:])))
+       .astype(dtype) for kv, _ in key_sets], axis=2)
+  sees_bts = jnp.concatenate([sees for _, sees in key_sets], axis=2)
+  scores_bths = jnp.einsum('bthd,btsd->bths', q_bthd.astype(dtype), keys_btsd,
+                           preferred_element_type=jnp.float32) * scale
+  scores_bths = jnp.where(sees_bts[:, :, None, :], scores_bths, -jnp.inf)
+  sink_h = jnp.asarray(sink_h, jnp.float32)
+  # The sink is finite, so the shift is too, and a query that sees nothing gets exp(-inf) = 0.
+  shift_bth = jax.lax.stop_gradient(jnp.maximum(jnp.max(scores_bths, axis=-1), sink_h))
+  p_bths = jnp.exp(scores_bths - shift_bth[..., None])
+  denom_bth = jnp.sum(p_bths, axis=-1) + jnp.exp(sink_h - shift_bth)
+  # p in the keys' dtype for the value product (fp32 accumulation), as the partials' paths do.
+  o_bthd = jnp.einsum('bths,btsd->bthd', p_bths.astype(dtype), keys_btsd,
+                      preferred_element_type=jnp.float32)
+  return o_bthd / denom_bth[..., None]
