@@ -41,10 +41,27 @@ def union_attention(q_bthd, key_sets: Sequence[tuple[jax.Array, jax.Array]], sin
   scores_bths = jnp.where(sees_bts[:, :, None, :], scores_bths, -jnp.inf)
   sink_h = jnp.asarray(sink_h, jnp.float32)
   # The sink is finite, so the shift is too, and a query that sees nothing gets exp(-inf) = 0.
-  shift_bth = jax.lax.stop_gradient(jnp.maximum(jnp.max(scores_bths, axis=-1), sink_h))
+  max_bth, sum_bth = max_and_sum_exp(scores_bths)
+  shift_bth = jnp.maximum(max_bth, sink_h)
   p_bths = jnp.exp(scores_bths - shift_bth[..., None])
-  denom_bth = jnp.sum(p_bths, axis=-1) + jnp.exp(sink_h - shift_bth)
+  denom_bth = sum_bth * jnp.exp(max_bth - shift_bth) + jnp.exp(sink_h - shift_bth)
   # p in the keys' dtype for the value product (fp32 accumulation), as the partials' paths do.
   o_bthd = jnp.einsum('bths,btsd->bthd', p_bths.astype(dtype), keys_btsd,
                       preferred_element_type=jnp.float32)
   return o_bthd / denom_bth[..., None]
+
+
+def max_and_sum_exp(s):
+  """(m, l) over the last axis in one pass: m the maximum, l = sum exp(s - m), the online
+  softmax's pair (one reduction kernel where max then sum are two); l = 0 where every s is
+  -inf. No gradient (generation's)."""
+  def combine(a, b):
+    (ma, la), (mb, lb) = a, b
+    m = jnp.maximum(ma, mb)
+    # exp(-inf - -inf) is nan: an all -inf side contributes 0 whatever its count
+    scale = lambda mx, lx: jnp.where(mx == -jnp.inf, 0.0, lx * jnp.exp(mx - m))  # noqa: E731
+    return m, scale(ma, la) + scale(mb, lb)
+  ones = jnp.ones_like(s)
+  return jax.lax.reduce((s, ones), (jnp.float32(-jnp.inf), jnp.float32(0.0)), combine,
+                        (s.ndim - 1,))
+

@@ -7,7 +7,7 @@ import numpy as np
 
 from deepseek41.ops.softmax_merge import merge_stats
 from deepseek41.ops.swa_attention import keyset_partial
-from deepseek41.ops.union_attention import union_attention
+from deepseek41.ops.union_attention import max_and_sum_exp, union_attention
 
 
 def per_query_partial(q_bthd, kv_btkd, sees_btk):
@@ -52,3 +52,17 @@ def test_bf16_keys_stay_close_to_the_float32_softmax():
                         sink)
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2)
+
+
+def test_max_and_sum_in_one_reduction():
+  """The online softmax's (max, sum exp(s - max)) pair from one reduction equals the two-pass
+  values, with rows of -inf entries, an all -inf row (sum 0) and a one-entry row."""
+  s = jax.random.normal(jax.random.key(2), (3, 5, 37)) * 10.0
+  s = s.at[0, :, 5:].set(-jnp.inf).at[1, 2].set(-jnp.inf).at[2, 3, 1:].set(-jnp.inf)
+  m, total = max_and_sum_exp(s)
+  want_m = jnp.max(s, axis=-1)
+  safe = jnp.where(jnp.isfinite(want_m), want_m, 0.0)
+  want_total = jnp.sum(jnp.exp(s - safe[..., None]), axis=-1)
+  np.testing.assert_array_equal(np.asarray(m), np.asarray(want_m))
+  np.testing.assert_allclose(np.asarray(total), np.asarray(want_total), rtol=1e-6)
+  assert float(total[1, 2]) == 0.0 and float(total[2, 3]) == 1.0
