@@ -23,6 +23,9 @@ import jax
 import jax.numpy as jnp
 
 
+KEY_TILE = 64  # the key axis' multiple (XLA's GEMM tiles on the GPU)
+
+
 def union_attention(q_bthd, key_sets: Sequence[tuple[jax.Array, jax.Array]], sink_h,
                     scale: float | None = None):
   """o_bthd fp32: softmax over every visible key of every set and the sink (value 0) of q . k.
@@ -32,10 +35,18 @@ def union_attention(q_bthd, key_sets: Sequence[tuple[jax.Array, jax.Array]], sin
   b, t, _, d = q_bthd.shape
   scale = 1.0 / math.sqrt(d) if scale is None else scale
   dtype = jnp.result_type(*(kv.dtype for kv, _ in key_sets))
-  keys_btsd = jnp.concatenate(
-      [(kv if kv.ndim == 4 else jnp.broadcast_to(kv[:, None], (b, t, *kv.shape[1:])))
-       .astype(dtype) for kv, _ in key_sets], axis=2)
-  sees_bts = jnp.concatenate([sees for _, sees in key_sets], axis=2)
+  keys = [(kv if kv.ndim == 4 else jnp.broadcast_to(kv[:, None], (b, t, *kv.shape[1:])))
+          .astype(dtype) for kv, _ in key_sets]
+  sees = [s for _, s in key_sets]
+  # The key axis padded to a whole number of GEMM tiles in the same concatenation: else XLA's
+  # GPU GEMMs pad both products' operands in two more kernels a layer (section 67).
+  n_keys = sum(k.shape[2] for k in keys)
+  pad = -n_keys % KEY_TILE
+  if pad:
+    keys.append(jnp.zeros((b, t, pad, d), dtype))
+    sees.append(jnp.zeros((b, t, pad), bool))
+  keys_btsd = jnp.concatenate(keys, axis=2)
+  sees_bts = jnp.concatenate(sees, axis=2)
   scores_bths = jnp.einsum('bthd,btsd->bths', q_bthd.astype(dtype), keys_btsd,
                            preferred_element_type=jnp.float32) * scale
   scores_bths = jnp.where(sees_bts[:, :, None, :], scores_bths, -jnp.inf)
