@@ -88,6 +88,9 @@ def check_residual(m: ModelConfig):
   sp = m.mhc_decode_splits
   require(sp >= 0 and not sp & (sp - 1), 'model.mhc_decode_splits',
           f'must be 0 (one program) or a power of two, got {sp}')
+  bm = m.moe_small_call_block_m
+  require(bm == 0 or (16 <= bm <= 128 and not bm & (bm - 1)), 'model.moe_small_call_block_m',
+          f'must be 0 (the training tiles) or a power of two from 16 to 128, got {bm}')
   require(m.decode_union_rows >= 0, 'model.decode_union_rows',
           f'must be >= 0 (0: the partials at every size), got {m.decode_union_rows}')
   require(m.hc_sinkhorn_iters >= 1, 'model.hc_sinkhorn_iters', 'must be >= 1')

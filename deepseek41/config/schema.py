@@ -184,6 +184,12 @@ class ModelConfig:
   # (docs/performance.md section 54). On an H100 the 1B model decodes 1.2x faster at batch 1
   # with it (section 56); batch 32 (192 assignments) keeps the grouped kernels either way.
   moe_gather_small_calls: bool = key(True, execution_only=True)
+  # A grouped-backend call of fewer than 128 tokens (a decode step, batch 32 say: 192 assignments
+  # over 64 experts) lays each expert's rows out in tiles of this many rows instead of the
+  # training's 128 (0: those at every size): 8,320 layout rows -> 1,152 in each GEMM, the
+  # swiglu and the combine at batch 32 of the 1B model (docs/performance.md section 67). A power
+  # of two, 16 to 128. [I] ours.
+  moe_small_call_block_m: int = key(16, execution_only=True)
   # A generation chunk of at most this many tokens (a decode step: 1; a speculative verification:
   # the drafts + 1) attends over all its keys at a window layer (its own, the cached ring's, the
   # selected compressed entries) in one softmax with the sink (ops/union_attention.py) instead

@@ -60,7 +60,7 @@ from deepseek41.train.warm_start import restore_weights
 # run's values are what its config held when it trained, so generation takes today's defaults
 # (e.g. the split mHC walk, docs/performance.md section 59), and --execution on top.
 DECODE_EXECUTION_KEYS = ('mhc_decode_block_d', 'mhc_decode_splits', 'moe_gather_small_calls',
-                         'decode_union_rows', 'decode_vector_dots')
+                         'moe_small_call_block_m', 'decode_union_rows', 'decode_vector_dots')
 TOKENS_PER_DISPATCH = 32  # plain decoding steps per dispatch to the device, by default
 # Prompt positions per prefill dispatch, by default: longer prompts prefill in chunks, whose
 # activations (not the prompt's) bound prefill's memory. 0: the whole prompt at once.

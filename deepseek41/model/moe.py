@@ -9,6 +9,7 @@ state, updated after each step by the sign rule from the loads of the global bat
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,6 +25,7 @@ from deepseek41.ops.parallel.expert_parallel import routed_experts
 from deepseek41.ops.parallel.per_device import batch_local
 
 NUM_MODALITIES = 2  # 0 = text, 1 = image (batch field `modality`)
+SMALL_CALL_TOKENS = 128  # a call of fewer tokens is decode-sized (`MoE.grouped_tiles`)
 
 
 def router_scores(x_btd, w_router_de):
@@ -98,6 +100,21 @@ class MoE(nnx.Module):
                            dense(x_btd, self.shared_up[...], fp8), self.cfg.swiglu_limit)
     return dense(h_btf, self.shared_down[...], fp8)
 
+  def grouped_tiles(self, tokens: int):
+    """The grouped backends' kernel tiles for a call of `tokens` tokens: a decode-sized call (fewer
+    than SMALL_CALL_TOKENS) lays each expert's rows out in tiles of
+    model.moe_small_call_block_m rows, not the training's 128: at batch 32 of the 1B model the
+    layout was 8,320 rows for 192 assignments, every GEMM computing and writing them
+    (docs/performance.md section 67)."""
+    cfg = self.cfg
+    if cfg.moe_backend not in GROUPED_BACKENDS:
+      return None
+    tiles = default_tiles(cfg.grouped_wgrad)
+    small = cfg.moe_small_call_block_m
+    if small and tokens < SMALL_CALL_TOKENS and small < tiles.block_m:
+      tiles = dataclasses.replace(tiles, block_m=small, block_r=min(tiles.block_r, small))
+    return tiles
+
   def __call__(self, x_btd, modality_bt, valid_bt):
     cfg = self.cfg
     dt = x_btd.dtype
@@ -114,8 +131,7 @@ class MoE(nnx.Module):
         capacity_factor=cfg.capacity_factor, fp8=cfg.fp8,
         buffer_factor=cfg.expert_buffer_factor, exchange=cfg.expert_exchange,
         partials=cfg.expert_partials, gather_small=cfg.moe_gather_small_calls,
-        grouped_tiles=(default_tiles(cfg.grouped_wgrad)
-                       if cfg.moe_backend in GROUPED_BACKENDS else None))
+        grouped_tiles=self.grouped_tiles(x_btd.shape[0] * x_btd.shape[1]))
     if cfg.n_shared_experts:
       y_btd = y_btd + self.shared_experts(x_btd)
     aux = {

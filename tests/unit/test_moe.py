@@ -129,3 +129,26 @@ def test_shared_experts_compute_what_a_routed_expert_computes_in_bf16():
   assert got.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(got, np.float32),
                                 np.asarray(want.reshape(got.shape), np.float32))
+
+
+def test_decode_sized_grouped_calls_lay_out_small_tiles():
+  """model.moe_small_call_block_m: a grouped-backend call of fewer than 128 tokens lays each
+  expert's rows out in tiles of that many rows (fewer padded rows in every kernel), with the
+  same output as the training's tiles; larger calls and 0 keep those."""
+  from deepseek41.model.moe import SMALL_CALL_TOKENS
+  from deepseek41.ops.gpu.grouped_gemm import default_tiles
+
+  def moe_for(block_m):
+    cfg = resolved(**{'model.moe_backend': 'grouped', 'model.moe_small_call_block_m': block_m,
+                      'model.moe_gather_small_calls': False}).model
+    return MoE(cfg, nnx.Rngs(0))
+  small, off = moe_for(16), moe_for(0)
+  base = default_tiles(small.cfg.grouped_wgrad)
+  assert base.block_m > 16
+  assert small.grouped_tiles(SMALL_CALL_TOKENS - 1).block_m == 16
+  assert small.grouped_tiles(SMALL_CALL_TOKENS) == base
+  assert off.grouped_tiles(1) == base
+  x = jax.random.normal(jax.random.key(3), (2, 5, small.cfg.d_model), jnp.float32)
+  modality, valid = jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5), bool).at[1, 4].set(False)
+  y_small, y_off = small(x, modality, valid)[0], off(x, modality, valid)[0]
+  np.testing.assert_allclose(np.asarray(y_small), np.asarray(y_off), rtol=1e-5, atol=1e-6)
