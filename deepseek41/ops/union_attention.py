@@ -31,7 +31,8 @@ def union_attention(q_bthd, key_sets: Sequence[tuple[jax.Array, jax.Array]], sin
   """o_bthd fp32: softmax over every visible key of every set and the sink (value 0) of q . k.
 
   key_sets: (kv [B, U, d] or [B, T, U, d], sees [B, T, U] bool) pairs; a key is its own value
-  (the shared K=V latent). A query that sees nothing gets 0 (all its mass on the sink)."""
+  (the shared K=V latent). A query that sees nothing gets 0 (all its mass on the sink).
+  Generation's: no gradient (`max_and_sum_exp`)."""
   b, t, _, d = q_bthd.shape
   scale = 1.0 / math.sqrt(d) if scale is None else scale
   dtype = jnp.result_type(*(kv.dtype for kv, _ in key_sets))
