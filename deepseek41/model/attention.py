@@ -69,15 +69,9 @@ def ring_sees(ring_pos_bc, pos_bt, valid_bt, start_b, window: int):
       & valid_bt[:, :, None]
 
 
-def ring_partial(q_bthd, ring_kv_bcd, ring_pos_bc, pos_bt, valid_bt, start_b, window: int):
-  """The window keys cached before the chunk as one more partial (`ring_sees`)."""
-  return keyset_partial(q_bthd, ring_kv_bcd,
-                        ring_sees(ring_pos_bc, pos_bt, valid_bt, start_b, window))
-
-
 def seen_ring_slots(ring, ring_pos_bc, start_b, window: int):
   """(the ring's rows, their positions) at the slots of positions [start - window + 1, start):
-  all that `ring_partial`'s mask admits for a chunk's queries (at start or later), each in its
+  all that `ring_sees` admits for a chunk's queries (at start or later), each in its
   own slot (pos % C, C >= window). A window layer's ring has C = window + max_chunk - 1 slots,
   and a prefill chunk's dense [T, C] scores over all of it were quadratic in the chunk
   (docs/performance.md section 57)."""
