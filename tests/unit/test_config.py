@@ -76,6 +76,9 @@ def test_tiny_roles_match_the_reference_toy():
     ('model.index_causal_groups', 0, 'model.index_causal_groups'),
     ('model.sparse_dkv_tile', 3, 'model.sparse_dkv_tile'),
     ('model.sparse_dkv_tile', -4, 'model.sparse_dkv_tile'),
+    ('model.decode_union_rows', -1, 'model.decode_union_rows'),
+    ('model.moe_small_call_block_m', 24, 'model.moe_small_call_block_m'),
+    ('model.moe_small_call_block_m', 256, 'model.moe_small_call_block_m'),
 ])
 def test_inconsistent_values_name_the_key(key, value, culprit):
   with pytest.raises(ConfigError, match=culprit.replace('.', r'\.')):

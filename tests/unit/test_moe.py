@@ -137,6 +137,8 @@ def test_decode_sized_grouped_calls_lay_out_small_tiles():
   same output as the training's tiles; larger calls and 0 keep those."""
   from deepseek41.model.moe import SMALL_CALL_TOKENS
   from deepseek41.ops.gpu.grouped_gemm import default_tiles
+  from deepseek41.ops.grouped_gemm import padded_rows
+  from tests.helpers import jaxpr_eqns
 
   def moe_for(block_m):
     cfg = resolved(**{'model.moe_backend': 'grouped', 'model.moe_small_call_block_m': block_m,
@@ -152,3 +154,15 @@ def test_decode_sized_grouped_calls_lay_out_small_tiles():
   modality, valid = jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5), bool).at[1, 4].set(False)
   y_small, y_off = small(x, modality, valid)[0], off(x, modality, valid)[0]
   np.testing.assert_allclose(np.asarray(y_small), np.asarray(y_off), rtol=1e-5, atol=1e-6)
+
+  def layout_rows(moe, tiles):  # the call's expert-sorted layout: 20 assignments, 8 experts
+    block_m = tiles.block_m
+    rows = padded_rows(10 * moe.cfg.num_experts_per_tok, moe.cfg.n_routed_experts, block_m)
+    jaxpr = jax.make_jaxpr(lambda x: moe(x, modality, valid)[0])(x)
+    return rows, {v.aval.shape[0] for e in jaxpr_eqns(jaxpr.jaxpr) for v in e.outvars
+                  if getattr(v.aval, 'shape', ())}
+  rows_small, shapes_small = layout_rows(small, small.grouped_tiles(10))
+  rows_base, shapes_off = layout_rows(off, base)
+  assert rows_small < rows_base
+  assert rows_small in shapes_small and rows_base not in shapes_small
+  assert rows_base in shapes_off
