@@ -122,13 +122,30 @@ def test_decoding_with_caches_equals_the_full_forward(full_model):
       assert row.argmax() == full[b, pos].argmax()
 
 
-def test_a_chunks_one_softmax_equals_its_partials_merged(full_model):
+def test_a_chunks_one_softmax_equals_its_partials_merged(full_model, monkeypatch):
   """model.decode_union_rows: chunks of up to that many tokens attend over all their keys in one
   softmax (ops/union_attention.py; the default, which the test above runs); 0 keeps a partial
   per key set and their merge. Both give the same logits, prefill and token by token."""
-  _, union = full_model
+  from deepseek41.model import attention as attention_module
+  cfg, union = full_model
   _, partials = _model(**{'model.decode_union_rows': 0})
   seq = np.random.default_rng(1).integers(3, 96, (2, 12)).astype(np.int32)
+
+  def one_softmax_layers(model):  # the layers whose one-token step takes the one softmax
+    calls, original = [], attention_module.union_attention
+
+    def counting(*args, **kw):
+      calls.append(1)
+      return original(*args, **kw)
+    with monkeypatch.context() as m:
+      m.setattr(attention_module, 'union_attention', counting)
+      graph, state = nnx.split(model)
+      jax.make_jaxpr(lambda st: forward_chunk(nnx.merge(graph, st), empty_cache(model, SPEC),
+                                              jnp.asarray(seq[:, :1]), jnp.ones((2, 1), bool)))(
+          state)
+    return len(calls)
+  assert one_softmax_layers(union) == cfg.model.num_layers
+  assert one_softmax_layers(partials) == 0
   logits = {}
   for name, model in (('union', union), ('partials', partials)):
     cache = empty_cache(model, SPEC)
